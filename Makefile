@@ -1,0 +1,41 @@
+# One command each for a newcomer: `make run` (the whole experiment) and `make test` (the test suite).
+# Both create the virtual environment and install what is missing first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(abspath $(VENV))/bin
+CORES ?= all
+# Rules call `python -m shardfuse.<stage>`: put the venv first on PATH for every recipe.
+export PATH := $(BIN):$(PATH)
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test lint format ui clean
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/snakemake --cores $(CORES)
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/snakefmt --check Snakefile workflow/rules
+	$(BIN)/python scripts/lint-workflow.py
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix .
+	$(BIN)/snakefmt Snakefile workflow/rules
+
+ui: $(STAMP)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf results logs benchmarks .snakemake mlflow.db mlruns mlartifacts

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Stop the single-node SLURM cluster started by scripts/slurm-up.sh.
+#
+#   bash scripts/slurm-down.sh            # cancel jobs, stop our daemons
+#   bash scripts/slurm-down.sh --purge    # ... and delete the state dir
+#
+# Only processes named in the pid files of ${SHARDFUSE_SLURM_DIR:-/tmp/shardfuse-slurm}
+# are signalled, and only if the pid still belongs to a process of the
+# expected name; a munged that slurm-up.sh did not start (no pid file) is left
+# alone. Safe to run when nothing is running.
+set -euo pipefail
+
+STATE_DIR=${SHARDFUSE_SLURM_DIR:-/tmp/shardfuse-slurm}
+ETC_CONF=/etc/slurm/slurm.conf
+MARKER="# Managed by shardfuse scripts/slurm-up.sh -- do not edit, rerun the script."
+PURGE=0
+[[ ${1:-} == --purge ]] && PURGE=1
+
+log() { printf 'slurm-down: %s\n' "$*" >&2; }
+
+pid_of() {
+    local name=$1 pidfile=$STATE_DIR/$1.pid pid
+    [[ -s $pidfile ]] || return 1
+    pid=$(<"$pidfile")
+    [[ $pid =~ ^[0-9]+$ ]] || return 1
+    [[ -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$name" ]] || return 1
+    printf '%s\n' "$pid"
+}
+
+if [[ ! -d $STATE_DIR ]]; then
+    log "nothing to do ($STATE_DIR does not exist)"
+    exit 0
+fi
+
+# Same lock as slurm-up.sh, so an up and a down never interleave.
+exec 9>"$STATE_DIR/.lock"
+flock -w 120 9 || { log "could not take $STATE_DIR/.lock"; exit 1; }
+
+# Cancel jobs first while the controller is still there: a job's slurmstepd
+# is not a child of slurmd and would otherwise keep running, orphaned.
+if pid_of slurmctld >/dev/null && command -v scancel >/dev/null 2>&1; then
+    if [[ -n $(squeue -h -o %i 2>/dev/null) ]]; then
+        log "cancelling remaining jobs"
+        scancel --partition=debug 2>/dev/null || true
+        for _ in $(seq 1 30); do
+            [[ -z $(squeue -h -t running,completing -o %i 2>/dev/null) ]] && break
+            sleep 0.5
+        done
+    fi
+fi
+
+# slurmd before slurmctld (so the controller does not log the node dying),
+# munged last (both slurm daemons need it until they exit).
+stop() {
+    local name=$1 pid
+    if pid=$(pid_of "$name"); then
+        log "stopping $name (pid $pid)"
+        kill -TERM "$pid" 2>/dev/null || true
+        for _ in $(seq 1 100); do
+            [[ -d /proc/$pid ]] || break
+            sleep 0.1
+        done
+        if [[ -d /proc/$pid ]]; then
+            log "$name did not exit after 10s; sending SIGKILL"
+            kill -KILL "$pid" 2>/dev/null || true
+            sleep 0.5
+        fi
+    fi
+    rm -f "$STATE_DIR/$name.pid"
+}
+stop slurmd
+stop slurmctld
+stop munged
+rm -f "$STATE_DIR/munge/munged.pid" 2>/dev/null || true
+
+# Put back a config that was there before slurm-up.sh replaced it; otherwise
+# leave ours in place (clients then fail fast with "Unable to contact slurm
+# controller" rather than reading an unrelated cluster's config).
+if [[ -f $ETC_CONF.pre-shardfuse ]] && [[ $(head -n1 "$ETC_CONF" 2>/dev/null) == "$MARKER" ]]; then
+    log "restoring $ETC_CONF from $ETC_CONF.pre-shardfuse"
+    mv -f "$ETC_CONF.pre-shardfuse" "$ETC_CONF"
+fi
+
+if ((PURGE)); then
+    log "removing $STATE_DIR"
+    rm -rf "$STATE_DIR"
+fi
+log "down"

@@ -1,0 +1,297 @@
+#!/usr/bin/env bash
+# Bring up a single-node SLURM cluster on this machine (Debian bookworm, run as
+# root, no systemd, no cgroups) for tests and CI.
+#
+#   bash scripts/slurm-up.sh      # install if needed, start, wait for idle
+#   bash scripts/slurm-check.sh   # smoke test
+#   bash scripts/slurm-down.sh    # stop what this script started
+#
+# All state lives in ${SHARDFUSE_SLURM_DIR:-/tmp/shardfuse-slurm}. The config
+# is also installed as /etc/slurm/slurm.conf because sbatch/squeue/scancel/srun
+# are spawned by pytest and by snakemake's slurm executor plugin without our
+# environment, so SLURM_CONF cannot be relied on; the default path can.
+#
+# Idempotent: if the daemons started by a previous run are alive, the config
+# is unchanged and the node is usable, it exits 0 without touching anything.
+set -euo pipefail
+
+STATE_DIR=${SHARDFUSE_SLURM_DIR:-/tmp/shardfuse-slurm}
+WAIT_S=${SHARDFUSE_SLURM_WAIT_S:-60}
+PARTITION=debug
+ETC_CONF=/etc/slurm/slurm.conf
+# First line of every config we write; lets us tell our file from a foreign one.
+MARKER="# Managed by shardfuse scripts/slurm-up.sh -- do not edit, rerun the script."
+
+log() { printf 'slurm-up: %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; dump_logs; exit 1; }
+
+dump_logs() {
+    local f
+    for f in "$STATE_DIR"/log/*; do
+        [[ -s $f ]] || continue
+        printf '\n===== tail -n 40 %s =====\n' "$f" >&2
+        tail -n 40 "$f" >&2 || true
+    done
+}
+
+# pid_alive NAME PIDFILE: true if PIDFILE names a live process called NAME.
+# Checking the command name guards against a recycled pid.
+pid_alive() {
+    local name=$1 pidfile=$2 pid
+    [[ -s $pidfile ]] || return 1
+    pid=$(<"$pidfile")
+    [[ $pid =~ ^[0-9]+$ ]] || return 1
+    [[ -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$name" ]]
+}
+
+[[ $(id -u) -eq 0 ]] || { echo "slurm-up: must run as root (installs packages, writes /etc)" >&2; exit 1; }
+
+mkdir -p "$STATE_DIR"/{log,ctld,spool,munge}
+chmod 0755 "$STATE_DIR"
+
+# Serialise concurrent callers (e.g. two test sessions starting at once).
+exec 9>"$STATE_DIR/.lock"
+flock -w 300 9 || die "could not take $STATE_DIR/.lock"
+
+# --------------------------------------------------------------------------
+# 1. Packages. The daemon packages' maintainer scripts would try to start the
+#    services; a policy-rc.d that exits 101 forbids that (we start them by
+#    hand below). slurm-wlm is a metapackage that drags in ~40 plugin
+#    packages (hdf5, rrd, influxdb, ...); the four below are all we need.
+# --------------------------------------------------------------------------
+PKGS=(munge slurmctld slurmd slurm-client)
+missing=()
+for cmd in munged munge unmunge slurmctld slurmd sbatch srun squeue scancel sinfo scontrol; do
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
+done
+if ((${#missing[@]})); then
+    log "installing ${PKGS[*]} (missing: ${missing[*]})"
+    policy=/usr/sbin/policy-rc.d
+    our_policy=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\n# temporary, from shardfuse slurm-up.sh\nexit 101\n' >"$policy"
+        chmod 0755 "$policy"
+        our_policy=1
+    fi
+    apt_install() {
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+            -o Dpkg::Options::=--force-confold "${PKGS[@]}"
+    }
+    # Only refresh the package lists when the install cannot proceed without
+    # it (fresh image with empty lists, or stale lists pointing at gone .debs).
+    if ! apt_install >"$STATE_DIR/log/apt.log" 2>&1; then
+        log "install failed with current package lists; running apt-get update"
+        apt-get update -q >>"$STATE_DIR/log/apt.log" 2>&1 || true
+        apt_install >>"$STATE_DIR/log/apt.log" 2>&1 || {
+            ((our_policy)) && rm -f "$policy"
+            die "apt-get install ${PKGS[*]} failed (see $STATE_DIR/log/apt.log)"
+        }
+    fi
+    ((our_policy)) && rm -f "$policy"
+fi
+
+NODE=$(hostname -s)
+
+# --------------------------------------------------------------------------
+# 2. Config. Hardware from `slurmd -C`: slurmd drains the node if the config
+#    claims more CPUs/memory than it detects.
+# --------------------------------------------------------------------------
+hw=$(slurmd -C 2>/dev/null | head -n1)
+get() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$hw"; }
+CPUS=$(get CPUs)
+BOARDS=$(get Boards)
+SOCKETS=$(get SocketsPerBoard)
+CORES=$(get CoresPerSocket)
+THREADS=$(get ThreadsPerCore)
+DETECTED_MB=$(get RealMemory)
+[[ -n $CPUS && -n $DETECTED_MB ]] || die "cannot parse 'slurmd -C' output: $hw"
+# Leave ~5% (>= 512 MB) to the OS and the daemons.
+reserve=$((DETECTED_MB / 20))
+((reserve < 512)) && reserve=512
+MEM_MB=$((DETECTED_MB - reserve))
+# Jobs that do not pass --mem would otherwise get the whole node and serialise.
+DEF_MEM_PER_CPU=$((MEM_MB / CPUS))
+((DEF_MEM_PER_CPU > 1024)) && DEF_MEM_PER_CPU=1024
+
+new_conf=$(mktemp "$STATE_DIR/slurm.conf.XXXXXX")
+cat >"$new_conf" <<EOF
+$MARKER
+# State dir: $STATE_DIR
+ClusterName=shardfuse
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=6817
+SlurmdPort=6818
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation=$STATE_DIR/ctld
+SlurmdSpoolDir=$STATE_DIR/spool
+SlurmctldPidFile=$STATE_DIR/slurmctld.pid
+SlurmdPidFile=$STATE_DIR/slurmd.pid
+SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
+SlurmdLogFile=$STATE_DIR/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No systemd/cgroups here: track processes via /proc, no task binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SwitchType=switch/none
+# Per-CPU + memory allocation so several small jobs share the node. CR_CPU
+# (not CR_Core) so a 1-core/2-thread VM still yields two 1-CPU slots.
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU_Memory
+DefMemPerCPU=$DEF_MEM_PER_CPU
+# No slurmdbd: job status comes from squeue (plugin: slurm-status-command
+# squeue), so keep finished jobs visible for an hour; finished jobs are also
+# appended to the jobcomp text log.
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$STATE_DIR/jobcomp.log
+MinJobAge=3600
+# A single node that went away (restart) must come back on its own.
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=60
+InactiveLimit=0
+KillWait=5
+Waittime=0
+NodeName=$NODE NodeAddr=127.0.0.1 NodeHostname=$NODE CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS RealMemory=$MEM_MB State=UNKNOWN
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+
+conf_changed=1
+if [[ -f $ETC_CONF ]] && cmp -s "$new_conf" "$ETC_CONF"; then
+    conf_changed=0
+fi
+
+# --------------------------------------------------------------------------
+# 3. Fast path: everything we started is up and the config is current.
+# --------------------------------------------------------------------------
+node_state() { sinfo -h -n "$NODE" -o %T 2>/dev/null | head -n1; }
+if ((conf_changed == 0)) \
+    && pid_alive slurmctld "$STATE_DIR/slurmctld.pid" \
+    && pid_alive slurmd "$STATE_DIR/slurmd.pid" \
+    && munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    case $(node_state) in
+        idle | mixed | allocated | completing)
+            rm -f "$new_conf"
+            log "already up: node $NODE is $(node_state)"
+            exit 0
+            ;;
+    esac
+fi
+
+# --------------------------------------------------------------------------
+# 4. Install the config. Keep a foreign /etc/slurm/slurm.conf (once) so
+#    slurm-down.sh can put it back.
+# --------------------------------------------------------------------------
+mkdir -p /etc/slurm
+if [[ -f $ETC_CONF ]] && [[ $(head -n1 "$ETC_CONF") != "$MARKER" ]] && [[ ! -e $ETC_CONF.pre-shardfuse ]]; then
+    log "backing up existing $ETC_CONF to $ETC_CONF.pre-shardfuse"
+    cp -p "$ETC_CONF" "$ETC_CONF.pre-shardfuse"
+fi
+chmod 0644 "$new_conf"
+cp "$new_conf" "$STATE_DIR/slurm.conf"
+mv -f "$new_conf" "$ETC_CONF"
+
+# If our daemons run with an old config, restart them (a node definition
+# change needs a restart; `scontrol reconfigure` is not enough).
+if ((conf_changed)); then
+    for d in slurmd slurmctld; do
+        if pid_alive "$d" "$STATE_DIR/$d.pid"; then
+            log "config changed: stopping $d"
+            kill -TERM "$(<"$STATE_DIR/$d.pid")" || true
+            for _ in $(seq 1 50); do pid_alive "$d" "$STATE_DIR/$d.pid" || break; sleep 0.2; done
+        fi
+    done
+fi
+
+# --------------------------------------------------------------------------
+# 5. munge. slurm's auth/munge talks to the default socket
+#    /run/munge/munge.socket.2, so munged keeps its default socket; its pid
+#    file and log go to the state dir. If some other munged already answers
+#    (e.g. a system one), use it and do not start another.
+# --------------------------------------------------------------------------
+if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    mkdir -p /etc/munge /run/munge /var/lib/munge /var/log/munge
+    if [[ ! -s /etc/munge/munge.key ]]; then
+        log "creating /etc/munge/munge.key"
+        if command -v mungekey >/dev/null 2>&1; then
+            mungekey --create --keyfile=/etc/munge/munge.key --force
+        else
+            dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+        fi
+    fi
+    munge_user=root
+    if id munge >/dev/null 2>&1; then munge_user=munge; fi
+    chown "$munge_user:$munge_user" /etc/munge /etc/munge/munge.key /run/munge /var/lib/munge /var/log/munge "$STATE_DIR/munge"
+    chmod 0700 /etc/munge "$STATE_DIR/munge"
+    chmod 0400 /etc/munge/munge.key
+    chmod 0755 /run/munge
+    # A stale socket/lock from a killed munged makes the new one refuse to start.
+    rm -f /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock
+    munged_args=(--pid-file="$STATE_DIR/munge/munged.pid" --log-file="$STATE_DIR/munge/munged.log")
+    if [[ $munge_user == munge ]]; then
+        runuser -u munge -- munged "${munged_args[@]}" 2>>"$STATE_DIR/log/munged.stderr" \
+            || die "munged failed to start"
+    else
+        # munged refuses to run as root unless forced.
+        munged --force "${munged_args[@]}" 2>>"$STATE_DIR/log/munged.stderr" \
+            || die "munged failed to start"
+    fi
+    # The munged pid file lives in a munge-owned 0700 dir; mirror it next to
+    # the slurm ones so slurm-down.sh finds all three in one place.
+    for _ in $(seq 1 50); do [[ -s $STATE_DIR/munge/munged.pid ]] && break; sleep 0.1; done
+    cp "$STATE_DIR/munge/munged.pid" "$STATE_DIR/munged.pid"
+    munge -n | unmunge >/dev/null || die "munge -n | unmunge failed"
+fi
+# Expose munged's log with the others for dump_logs.
+ln -sfn ../munge/munged.log "$STATE_DIR/log/munged.log" 2>/dev/null || true
+
+# --------------------------------------------------------------------------
+# 6. slurmctld + slurmd. Both daemonise themselves (setsid), so they outlive
+#    the calling shell/CI step; they write the pid files named in slurm.conf.
+#    stderr is kept because config errors are printed before the log opens.
+# --------------------------------------------------------------------------
+if ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
+    rm -f "$STATE_DIR/slurmctld.pid"
+    log "starting slurmctld"
+    slurmctld -f "$ETC_CONF" 2>>"$STATE_DIR/log/slurmctld.stderr" || die "slurmctld failed to start"
+fi
+for _ in $(seq 1 50); do scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
+scontrol ping >/dev/null 2>&1 || die "slurmctld does not answer 'scontrol ping'"
+
+if ! pid_alive slurmd "$STATE_DIR/slurmd.pid"; then
+    rm -f "$STATE_DIR/slurmd.pid"
+    log "starting slurmd -N $NODE"
+    slurmd -f "$ETC_CONF" -N "$NODE" 2>>"$STATE_DIR/log/slurmd.stderr" || die "slurmd failed to start"
+fi
+
+# --------------------------------------------------------------------------
+# 7. Wait for the node to be schedulable; resume it if it came up down or
+#    drained (e.g. left over in saved state from an earlier run).
+# --------------------------------------------------------------------------
+deadline=$((SECONDS + WAIT_S))
+state=""
+while ((SECONDS < deadline)); do
+    state=$(node_state || true)
+    case $state in
+        idle | mixed | allocated | completing) break ;;
+        down* | drain* | fail*)
+            scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true ;;
+    esac
+    sleep 1
+done
+case $state in
+    idle | mixed | allocated | completing) ;;
+    *) die "node $NODE not usable after ${WAIT_S}s (state: '${state:-none}'; $(scontrol show node "$NODE" 2>/dev/null | grep -o 'Reason=.*' || true))" ;;
+esac
+
+pid_alive slurmctld "$STATE_DIR/slurmctld.pid" || die "slurmctld pid file missing or stale"
+pid_alive slurmd "$STATE_DIR/slurmd.pid" || die "slurmd pid file missing or stale"
+
+log "up: node=$NODE state=$state cpus=$CPUS memory=${MEM_MB}MB (detected ${DETECTED_MB}MB) partition=$PARTITION(default) state_dir=$STATE_DIR"

@@ -1,0 +1,75 @@
+"""Checkpoint IO: safetensors weights + JSON metadata, written atomically, never unpickled.
+
+The metadata (model spec, run, rank, ...) is stored twice on purpose: inside the safetensors header
+(so a weights file is self-describing) and as a sidecar ``.json`` (so humans and tools can read it
+without a safetensors reader).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from shardfuse.io import UserError, atomic_path, sha256_file, write_json
+
+METADATA_KEY = "shardfuse"
+
+
+def save_weights(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any],
+                 sidecar: bool = True) -> str:
+    """Write ``tensors`` (contiguous CPU copies) atomically; returns the file's sha256."""
+    path = Path(path)
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(cpu, str(tmp), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+    digest = sha256_file(path)
+    if sidecar:
+        write_json(path.with_suffix(".json"), {**metadata, "sha256": digest, "bytes": path.stat().st_size})
+    return digest
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist; re-run the stage that writes it")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"checkpoint {path} is not a readable safetensors file ({exc}); delete it and "
+                        "re-run the stage that writes it") from None
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    with _open(Path(path)) as fh:
+        raw = (fh.metadata() or {}).get(METADATA_KEY)
+    if raw is None:
+        raise UserError(f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "
+                        "point at a shardfuse checkpoint")
+    return json.loads(raw)
+
+
+def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {shape, dtype} without loading any tensor data."""
+    with _open(Path(path)) as fh:
+        header = {}
+        for name in fh.keys():
+            piece = fh.get_slice(name)
+            header[name] = {"shape": list(piece.get_shape()), "dtype": piece.get_dtype()}
+    return header
+
+
+def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    path = Path(path)
+    with _open(path) as fh:
+        tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    return tensors, read_metadata(path)
+
+
+def open_weights(path: str | os.PathLike):
+    """A safetensors handle for streaming one tensor at a time (use as a context manager)."""
+    return _open(Path(path))

@@ -1,0 +1,87 @@
+"""Process-group set-up for ranks started by torchrun, and the one rank gate for side effects.
+
+torchrun exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; we only read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from shardfuse.io import UserError, write_json
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise UserError(f"${name} is not set: this entry point runs under torchrun; launch it with "
+                        "`python -m shardfuse.launch` (or torchrun) instead of plain python")
+    return int(value)
+
+
+@contextlib.contextmanager
+def distributed(timeout_s: float = 600.0) -> Iterator[DistContext]:
+    """Join the process group for the duration of the block; always tear it down."""
+    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    if torch.cuda.is_available():
+        backend = "nccl"
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        backend = "gloo"
+        device = torch.device("cpu")
+    torch_dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                  timeout=timedelta(seconds=timeout_s))
+    try:
+        yield DistContext(rank, world_size, local_rank, device, backend)
+    finally:
+        torch_dist.destroy_process_group()
+
+
+class RankGate:
+    """Side effects shared by all ranks (run-level files, console progress) go through here.
+
+    Rank 0 gets this object; other ranks get :class:`NullGate`, so the training loop never asks
+    which rank it is before doing something only one rank should do.
+    """
+
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    def write_json(self, path: Any, obj: Any) -> None:
+        write_json(path, obj)
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+
+class NullGate(RankGate):
+    def log(self, message: str) -> None:
+        pass
+
+    def write_json(self, path: Any, obj: Any) -> None:
+        pass
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def gate_for(rank: int) -> RankGate:
+    return RankGate() if rank == 0 else NullGate()

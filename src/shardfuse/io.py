@@ -1,0 +1,118 @@
+"""Shared plumbing: user-facing errors, atomic writes, checksums, the CLI error gate.
+
+Every stage writes through these helpers so an interrupted job never leaves a file (or directory)
+that looks complete: content goes to a temporary sibling first and is renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class UserError(Exception):
+    """A problem with the user's input (config, data, checkpoint, CLI args).
+
+    The message is one line that names the problem and the fix; no traceback is shown.
+    """
+
+
+def _tmp_sibling(path: Path, *, directory: bool) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{path.name}.tmp-"
+    if directory:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
+    fd, name = tempfile.mkstemp(prefix=prefix, dir=path.parent)
+    os.close(fd)
+    return Path(name)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary file path next to ``path``; rename it onto ``path`` only on success."""
+    path = Path(path)
+    tmp = _tmp_sibling(path, directory=False)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to ``path``; it replaces ``path`` only on success."""
+    path = Path(path)
+    tmp = _tmp_sibling(path, directory=True)
+    try:
+        yield tmp
+        replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move directory ``src`` onto ``dst``; an old ``dst`` is moved aside first, then removed."""
+    if dst.exists():
+        old = _tmp_sibling(dst, directory=True)
+        os.replace(dst, old / dst.name)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Atomically write ``obj`` as indented JSON."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist; run the stage that produces it first")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                        "delete it and re-run the stage that produces it") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk_size):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def parse_json_arg(text: str, flag: str) -> Any:
+    """Parse a JSON command-line argument, turning a syntax error into a one-line UserError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{flag} is not valid JSON ({exc.msg}); pass a JSON object, e.g. {flag} "
+                        "'{\"key\": 1}'") from None
+
+
+def run_cli(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> None:
+    """Run a stage's ``main`` and turn a UserError into one line on stderr and exit status 2."""
+    prog = main.__module__
+    if prog == "__main__":
+        prog = "shardfuse." + Path(sys.argv[0]).stem
+    try:
+        main(argv)
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,179 @@
+"""One rank of a training run; started by torchrun, one process per shard.
+
+Not launched by hand with plain python: use the launcher, which wraps torchrun (locally
+``--standalone``; under SLURM see ``shardfuse.launch``)::
+
+    python -m shardfuse.launch --world-size 2 --out-dir results/runs/ddp/train -- \
+        --run-name ddp --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \
+        --config-json '{"strategy": "ddp", ...}'
+
+Every rank reads only its own shard, starts from the same initial weights (rank 0's, saved once as
+``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``) and
+``metrics/rank-{rank}.parquet`` (one row per optimiser step). Rank 0 writes ``train.json`` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as torch_dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from shardfuse.checkpoint import save_weights
+from shardfuse.data import load_shard, read_dataset_info, read_manifest
+from shardfuse.dist import DistContext, distributed, gate_for
+from shardfuse.io import UserError, atomic_path, parse_json_arg, run_cli
+from shardfuse.models import build_model, mlp_spec
+
+METRIC_COLUMNS = ("step", "epoch", "loss", "samples_per_second", "lr", "timestamp_ms")
+
+
+def make_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    if cfg["optimizer"] == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
+                           weight_decay=cfg["weight_decay"])
+
+
+@torch.no_grad()
+def average_parameters(model: torch.nn.Module, world_size: int) -> None:
+    """Local SGD's sync: every rank ends with the mean of all ranks' parameters."""
+    for param in model.parameters():
+        torch_dist.all_reduce(param, op=torch_dist.ReduceOp.SUM)
+        param.div_(world_size)
+
+
+@torch.no_grad()
+def global_feature_stats(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std of the whole training split, from every rank's shard (float64 sums)."""
+    sums = torch.stack([features.sum(0, dtype=torch.float64), features.double().pow(2).sum(0)])
+    count = torch.tensor([features.shape[0]], dtype=torch.float64, device=features.device)
+    torch_dist.all_reduce(sums)
+    torch_dist.all_reduce(count)
+    mean = sums[0] / count
+    var = (sums[1] / count - mean.pow(2)).clamp_min(0)
+    return mean.float(), var.sqrt().float()
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    for tensor in model.state_dict().values():
+        torch_dist.broadcast(tensor, src=0)
+
+
+def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
+    """Same step count on every rank (DDP would hang otherwise): set by the smallest shard.
+
+    Larger shards spread their extra rows over the same number of batches, so no row is skipped.
+    """
+    smallest = min(shard["rows"] for shard in manifest["shards"])
+    return max(1, math.ceil(smallest / batch_size))
+
+
+def write_metrics(path: Path, rows: dict[str, list]) -> None:
+    table = pa.table({
+        "step": pa.array(rows["step"], pa.int64()),
+        "epoch": pa.array(rows["epoch"], pa.int64()),
+        "loss": pa.array(rows["loss"], pa.float64()),
+        "samples_per_second": pa.array(rows["samples_per_second"], pa.float64()),
+        "lr": pa.array(rows["lr"], pa.float64()),
+        "timestamp_ms": pa.array(rows["timestamp_ms"], pa.int64()),
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def train_rank(ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, cfg: dict[str, Any],
+               out_dir: Path) -> None:
+    gate = gate_for(ctx.rank)
+    manifest = read_manifest(shard_dir)
+    if manifest["world_size"] != ctx.world_size:
+        raise UserError(f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
+                        f"{ctx.world_size} ranks; launch with --world-size {manifest['world_size']}")
+    info = read_dataset_info(dataset_dir)
+    features, labels = load_shard(shard_dir, ctx.rank, verify=True)
+    features, labels = features.to(ctx.device), labels.to(ctx.device)
+
+    spec = mlp_spec(info["num_features"], info["num_classes"], cfg)
+    torch.manual_seed(cfg["seed"])
+    model = build_model(spec).to(ctx.device)
+    model.set_input_stats(*global_feature_stats(features))
+    broadcast_from_rank0(model)
+    meta = {"run": run, "world_size": ctx.world_size, "strategy": cfg["strategy"], "model": spec}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
+
+    # Dropout and data order differ per rank; the initial weights above do not.
+    torch.manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
+    order_gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
+    net = DistributedDataParallel(model) if cfg["strategy"] == "ddp" else model
+    optimizer = make_optimizer(model, cfg)
+    sync_every = cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0
+    num_batches = steps_per_epoch(manifest, cfg["batch_size"])
+    num_rows = features.shape[0]
+    rows: dict[str, list] = {name: [] for name in METRIC_COLUMNS}
+    gate.log(f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}): {cfg['epochs']} epochs "
+             f"x {num_batches} steps")
+
+    model.train()
+    started = time.perf_counter()
+    step = 0
+    for epoch in range(cfg["epochs"]):
+        order = torch.randperm(num_rows, generator=order_gen).to(ctx.device)
+        for batch in torch.tensor_split(order, num_batches):
+            tick = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(features[batch]), labels[batch])
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if sync_every and step % sync_every == 0:
+                average_parameters(model, ctx.world_size)
+            loss_value = loss.item()
+            elapsed = max(time.perf_counter() - tick, 1e-9)
+            for name, value in zip(METRIC_COLUMNS, (step, epoch, loss_value, len(batch) / elapsed,
+                                                    optimizer.param_groups[0]["lr"],
+                                                    int(time.time() * 1000)), strict=True):
+                rows[name].append(value)
+        gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} rank-0 loss {loss_value:.4f}")
+    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
+
+    save_weights(out_dir / f"rank-{ctx.rank}.safetensors", model.state_dict(),
+                 {**meta, "rank": ctx.rank, "rows": num_rows, "num_steps": step})
+    write_metrics(out_dir / "metrics" / f"rank-{ctx.rank}.parquet", rows)
+    torch_dist.barrier()  # every rank's files exist before train.json says the run is complete
+    gate.write_json(out_dir / "train.json", {
+        "run": run, "world_size": ctx.world_size, "strategy": cfg["strategy"], "sync_every": sync_every,
+        "num_steps": step, "epochs": cfg["epochs"], "steps_per_epoch": num_batches,
+        "train_seconds": float(seconds.item()), "backend": ctx.backend,
+        "shard_dir": str(shard_dir), "dataset_dir": str(dataset_dir), "model": spec,
+        "ranks": [{"rank": s["rank"], "rows": s["rows"], "checkpoint": f"rank-{s['rank']}.safetensors"}
+                  for s in manifest["shards"]],
+    })
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m shardfuse.train", description="One torchrun rank.")
+    parser.add_argument("--run-name", required=True, help="run name (recorded in every output)")
+    parser.add_argument("--shard-dir", required=True, type=Path, help="shard set with manifest.json")
+    parser.add_argument("--dataset-dir", required=True, type=Path, help="prepared dataset (dataset.json)")
+    parser.add_argument("--config-json", required=True, help="the run's resolved config as JSON")
+    parser.add_argument("--out-dir", required=True, type=Path, help="where this run's rank files go")
+    args = parser.parse_args(argv)
+    cfg = parse_json_arg(args.config_json, "--config-json")
+    with distributed() as ctx:
+        train_rank(ctx, args.run_name, args.shard_dir, args.dataset_dir, cfg, args.out_dir)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,127 @@
+"""Config validation: every mistake is one clear error naming the key, before any job starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfuse.config import ConfigError, load_experiment, read_runs_table, shardset_name
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def base_config(runs) -> dict:
+    return {
+        "runs": runs,
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2},
+    }
+
+
+def test_repository_default_config_resolves_ddp_and_localsgd_runs(monkeypatch):
+    monkeypatch.chdir(REPO)
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    experiment = load_experiment(config, environ={})
+    strategies = {cfg["strategy"] for cfg in experiment.runs.values()}
+    assert {"ddp", "localsgd"} <= strategies
+    assert all(cfg["world_size"] == 2 and cfg["dataset"] == "digits" for cfg in experiment.runs.values())
+    assert experiment.tracking_uri == "sqlite:///mlflow.db"
+
+
+def test_runs_table_cells_override_defaults_and_empty_cells_keep_them(tmp_path):
+    table = tmp_path / "runs.tsv"
+    table.write_text("run\tstrategy\tsync_every\thidden_sizes\tlr\n# comment\na\tlocalsgd\t4\t32,16\t\nb\t\t\t[8]\t0.5\n")
+    experiment = load_experiment(base_config(str(table)), environ={})
+    assert experiment.runs["a"]["strategy"] == "localsgd"
+    assert experiment.runs["a"]["sync_every"] == 4
+    assert experiment.runs["a"]["hidden_sizes"] == [32, 16]
+    assert experiment.runs["a"]["lr"] == 0.05  # schema default
+    assert experiment.runs["b"]["strategy"] == "ddp"
+    assert experiment.runs["b"]["hidden_sizes"] == [8]
+    assert experiment.runs["b"]["lr"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("runs", "expected"),
+    [
+        ({"r": {"world_sise": 2}}, "unknown key 'world_sise'"),
+        ({"r": {"world_size": 0}}, "runs[r].world_size: 0 is less than the minimum of 1"),
+        ({"r": {"world_size": "two"}}, "runs[r].world_size: 'two' is not of type 'integer'"),
+        ({"r": {"strategy": "fsdp"}}, "runs[r].strategy: 'fsdp' is not one of ddp, localsgd"),
+        ({"r": {"dataset": "mnist"}}, "runs[r].dataset: unknown dataset 'mnist'"),
+        ({"r": {"strategy": "localsgd", "merge_method": "consolidate"}}, "consolidate needs identical ranks"),
+        ({"r": {"sync_every": 3}}, "only localsgd syncs every N steps"),
+        ({"r": {"dropout": 1.0}}, "runs[r].dropout"),
+        ({"bad name": {}}, "run name 'bad name' is not allowed"),
+    ],
+)
+def test_invalid_run_is_one_error_naming_the_key(runs, expected):
+    with pytest.raises(ConfigError) as info:
+        load_experiment(base_config(runs), environ={})
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_top_level_key_is_named():
+    config = {**base_config({"r": {}}), "epochs": 3}
+    with pytest.raises(ConfigError, match=r"unknown key 'epochs'; valid keys: datasets, mlflow"):
+        load_experiment(config, environ={})
+
+
+def test_synthetic_dataset_requires_its_sizes():
+    config = base_config({"r": {}})
+    config["datasets"]["digits"] = {"source": "synthetic", "num_rows": 100}
+    with pytest.raises(ConfigError, match=r"datasets.digits: 'num_(features|classes)' is a required property"):
+        load_experiment(config, environ={})
+
+
+def test_runs_table_unknown_column_and_bad_cell_are_named(tmp_path):
+    table = tmp_path / "runs.tsv"
+    table.write_text("run\tepoch\nr\t3\n")
+    with pytest.raises(ConfigError, match=r"unknown column 'epoch'"):
+        read_runs_table(table, {"epochs": {"type": "integer"}})
+    table.write_text("run\tepochs\nr\tten\n")
+    with pytest.raises(ConfigError, match=r"runs\[r\].epochs: 'ten' is not a valid integer"):
+        load_experiment(base_config(str(table)), environ={})
+    table.write_text("run\tepochs\nr\t3\nr\t4\n")
+    with pytest.raises(ConfigError, match=r"run 'r' appears twice"):
+        load_experiment(base_config(str(table)), environ={})
+
+
+def test_missing_runs_table_says_where_paths_are_relative(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist.*relative to the working directory"):
+        load_experiment(base_config(str(tmp_path / "nope.tsv")), environ={})
+
+
+def test_tracking_uri_falls_back_to_environment_then_sqlite():
+    config = base_config({"r": {}})
+    assert load_experiment(config, environ={"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}).tracking_uri == (
+        "http://127.0.0.1:5000"
+    )
+    config["mlflow"] = {"tracking_uri": "sqlite:///x.db"}
+    assert load_experiment(config, environ={"MLFLOW_TRACKING_URI": "http://h"}).tracking_uri == "sqlite:///x.db"
+
+
+def test_shards_are_shared_by_runs_that_differ_only_in_training():
+    experiment = load_experiment(
+        base_config({"a": {"strategy": "ddp"}, "b": {"strategy": "localsgd", "lr": 0.1}, "c": {"shard_seed": 1}}),
+        environ={},
+    )
+    assert experiment.shard_dir("a") == experiment.shard_dir("b") == "results/shards/digits/w2-seed0"
+    assert experiment.shard_dir("c") != experiment.shard_dir("a")
+    assert shardset_name({"world_size": 4, "shard_seed": 3, "drop_remainder": True}) == "w4-seed3-drop"
+
+
+def test_config_cli_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text(yaml.safe_dump(base_config({"r": {"lr": -1}})))
+    proc = subprocess.run([sys.executable, "-m", "shardfuse.config", "--configfile", str(bad)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert "runs[r].lr" in proc.stderr

@@ -1,0 +1,257 @@
+"""Partition: balanced, seeded, deterministic, lossless, atomic shards with a truthful manifest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardfuse.io import UserError, sha256_file
+from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_rows(
+    path: Path, num_rows: int, num_classes: int = 3, row_group_size: int | None = None
+) -> pa.Table:
+    """A table whose ``id`` column is unique, so shards can be checked row by row; the string column and
+    schema metadata check that partition keeps every column and the schema exactly."""
+    ids = np.arange(num_rows, dtype=np.int64)
+    table = pa.table(
+        {
+            "id": ids,
+            "x0": (ids * 0.5).astype(np.float32),
+            "note": [f"row {i}" for i in ids],
+            "label": (ids * 7) % num_classes,
+        }
+    ).replace_schema_metadata({"origin": "test_partition"})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return table
+
+
+def shard_ids(out_dir: Path, manifest: dict) -> list[np.ndarray]:
+    return [
+        pq.read_table(out_dir / shard["path"], columns=["id"])["id"].to_numpy()
+        for shard in manifest["shards"]
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    num_rows=st.integers(1, 60),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+    drop_remainder=st.booleans(),
+    batch_size=st.integers(1, 70),
+)
+def test_shards_are_balanced_and_hold_every_input_row_exactly_once(
+    num_rows, data, seed, drop_remainder, batch_size
+):
+    world_size = data.draw(st.integers(1, min(num_rows, 9)), label="world_size")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        write_rows(tmp / "in.parquet", num_rows, row_group_size=11)
+        manifest = partition_parquet(
+            tmp / "in.parquet", tmp / "out", world_size, seed, drop_remainder, batch_size=batch_size
+        )
+        ids = shard_ids(tmp / "out", manifest)
+
+    sizes = [len(rank_ids) for rank_ids in ids]
+    base, remainder = divmod(num_rows, world_size)
+    if drop_remainder:
+        assert sizes == [base] * world_size
+    else:
+        assert sizes == [base + 1] * remainder + [base] * (world_size - remainder)
+    assert [shard["rows"] for shard in manifest["shards"]] == sizes
+
+    all_ids = np.concatenate(ids)
+    assert len(np.unique(all_ids)) == len(all_ids), "a row landed in two shards"
+    assert set(all_ids) <= set(range(num_rows))
+    assert num_rows - len(all_ids) == manifest["dropped_rows"] == (remainder if drop_remainder else 0)
+    assert manifest["total_rows"] == len(all_ids)
+    for rank_ids in ids:  # documented: rows keep their input order inside a shard
+        assert np.all(np.diff(rank_ids) > 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_rows=st.integers(0, 10_000), world_size=st.integers(1, 300), drop_remainder=st.booleans())
+def test_shard_sizes_differ_by_at_most_one_and_first_ranks_get_the_extra_rows(
+    num_rows, world_size, drop_remainder
+):
+    sizes = shard_sizes(num_rows, world_size, drop_remainder)
+    assert len(sizes) == world_size
+    assert max(sizes) - min(sizes) <= (0 if drop_remainder else 1)
+    assert sizes == sorted(sizes, reverse=True)
+    assert sum(sizes) == (num_rows - num_rows % world_size if drop_remainder else num_rows)
+
+
+def test_rank_assignment_uses_one_byte_per_row_for_small_world_sizes():
+    assignment = rank_assignment(1000, 8, seed=0, drop_remainder=False)
+    assert assignment.dtype == np.uint8
+    assert np.bincount(assignment).tolist() == [125] * 8
+
+
+def test_partition_is_byte_identical_across_runs_and_read_batch_sizes(tmp_path):
+    write_rows(tmp_path / "in.parquet", 1000, row_group_size=97)
+    runs = {
+        "a": partition_parquet(tmp_path / "in.parquet", tmp_path / "a", 3, seed=5),
+        "b": partition_parquet(tmp_path / "in.parquet", tmp_path / "b", 3, seed=5),
+        "c": partition_parquet(tmp_path / "in.parquet", tmp_path / "c", 3, seed=5, batch_size=13),
+    }
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert names == ["manifest.json", "shard-0.parquet", "shard-1.parquet", "shard-2.parquet"]
+    for run in ("b", "c"):
+        assert sorted(os.listdir(tmp_path / run)) == names
+        for name in names:
+            assert (tmp_path / run / name).read_bytes() == (tmp_path / "a" / name).read_bytes(), (run, name)
+        assert runs[run] == runs["a"]
+
+
+def test_different_seeds_assign_rows_to_ranks_differently(tmp_path):
+    write_rows(tmp_path / "in.parquet", 200)
+    first = partition_parquet(tmp_path / "in.parquet", tmp_path / "s0", 4, seed=0)
+    second = partition_parquet(tmp_path / "in.parquet", tmp_path / "s1", 4, seed=1)
+    ids_first, ids_second = shard_ids(tmp_path / "s0", first), shard_ids(tmp_path / "s1", second)
+    assert [len(ids) for ids in ids_first] == [len(ids) for ids in ids_second]
+    assert any(not np.array_equal(a, b) for a, b in zip(ids_first, ids_second, strict=True))
+
+
+def test_assignment_is_a_shuffle_not_a_contiguous_split(tmp_path):
+    write_rows(tmp_path / "in.parquet", 400)
+    manifest = partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=3)
+    rank0 = shard_ids(tmp_path / "out", manifest)[0]
+    assert rank0.min() < 100 and rank0.max() >= 300  # a contiguous split would put 0..199 on rank 0
+
+
+def test_manifest_records_checksums_sizes_schema_and_label_counts(tmp_path):
+    source = write_rows(tmp_path / "in.parquet", 103, num_classes=12)
+    manifest = partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 4, seed=1, drop_remainder=True)
+
+    assert manifest["format"] == "shardfuse.shards/1"
+    assert (manifest["world_size"], manifest["seed"], manifest["drop_remainder"]) == (4, 1, True)
+    assert manifest["source"] == {
+        "path": str(tmp_path / "in.parquet"),
+        "sha256": sha256_file(tmp_path / "in.parquet"),
+        "rows": 103,
+    }
+    assert (manifest["total_rows"], manifest["dropped_rows"]) == (100, 3)
+    assert manifest["schema"] == [
+        {"name": "id", "type": "int64"},
+        {"name": "x0", "type": "float"},
+        {"name": "note", "type": "string"},
+        {"name": "label", "type": "int64"},
+    ]
+    for rank, shard in enumerate(manifest["shards"]):
+        path = tmp_path / "out" / shard["path"]
+        assert shard["path"] == f"shard-{rank}.parquet" and shard["rank"] == rank
+        assert shard["sha256"] == sha256_file(path)
+        assert shard["bytes"] == path.stat().st_size
+        labels = pq.read_table(path)["label"].to_numpy()
+        expected = {str(v): int(n) for v, n in zip(*np.unique(labels, return_counts=True), strict=True)}
+        assert shard["label_counts"] == expected
+        assert list(shard["label_counts"]) == sorted(expected, key=int)  # "10" after "9"
+        assert pq.read_schema(path).equals(source.schema, check_metadata=True)
+    assert (tmp_path / "out" / "manifest.json").read_text().count(str(tmp_path)) == 1  # only source.path
+
+
+def test_manifest_omits_label_counts_without_a_label_column(tmp_path):
+    pq.write_table(pa.table({"v": np.arange(10)}), tmp_path / "in.parquet")
+    manifest = partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
+    assert all("label_counts" not in shard for shard in manifest["shards"])
+
+
+def test_failed_write_leaves_no_output_directory_behind(tmp_path, monkeypatch):
+    write_rows(tmp_path / "in.parquet", 50)
+
+    def broken_write(self, *args, **kwargs):
+        raise RuntimeError("disk full (simulated)")
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", broken_write)
+    with pytest.raises(RuntimeError, match="simulated"):
+        partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet"]  # no out dir and no temporary sibling
+
+
+def test_failed_rerun_keeps_the_previous_complete_output(tmp_path, monkeypatch):
+    write_rows(tmp_path / "in.parquet", 50)
+    partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
+    before = {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")}
+
+    monkeypatch.setattr(
+        pq.ParquetWriter, "write_table", lambda *a, **k: (_ for _ in ()).throw(OSError("boom"))
+    )
+    with pytest.raises(OSError, match="boom"):
+        partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 5, seed=0)
+    after = {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")}
+    assert after == before
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "out"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "message"),
+    [(11, "--world-size 11 exceeds the 10 rows"), (0, "--world-size must be an integer >= 1")],
+)
+def test_unusable_world_size_is_a_user_error(tmp_path, world_size, message):
+    write_rows(tmp_path / "in.parquet", 10)
+    with pytest.raises(UserError, match=message):
+        partition_parquet(tmp_path / "in.parquet", tmp_path / "out", world_size, seed=0)
+    assert not (tmp_path / "out").exists()
+
+
+def run_partition_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "shardfuse.partition", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("too_many_ranks", "--world-size 9 exceeds the 8 rows"),
+        ("missing_input", "does not exist"),
+        ("corrupt_input", "is not a readable Parquet file"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line_and_no_output(tmp_path, case, fragment):
+    input_path = tmp_path / "in.parquet"
+    if case != "missing_input":
+        write_rows(input_path, 8)
+    if case == "corrupt_input":
+        input_path.write_bytes(b"id,label\n1,2\n")
+    result = run_partition_cli(
+        "--input", str(input_path), "--world-size", "9" if case == "too_many_ranks" else "2",
+        "--seed", "0", "--out-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("shardfuse.partition: error: ") and fragment in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_writes_shards_and_manifest(tmp_path):
+    write_rows(tmp_path / "in.parquet", 21)
+    result = run_partition_cli(
+        "--input", str(tmp_path / "in.parquet"), "--world-size", "4", "--seed", "2", "--drop-remainder",
+        "--out-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == ["manifest.json"] + [
+        f"shard-{r}.parquet" for r in range(4)
+    ]
+    assert [pq.read_metadata(tmp_path / "out" / f"shard-{r}.parquet").num_rows for r in range(4)] == [5] * 4

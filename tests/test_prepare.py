@@ -1,0 +1,291 @@
+"""Prepare: schema, stratified seeded split, byte-identical outputs, chunked synthetic data, user files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardfuse import prepare as prepare_module
+from shardfuse.io import UserError, sha256_file
+from shardfuse.prepare import prepare
+
+REPO = Path(__file__).resolve().parents[1]
+SYNTHETIC = {"source": "synthetic", "num_rows": 3000, "num_features": 5, "num_classes": 4, "seed": 3}
+
+
+def read_split(out_dir: Path, split: str) -> pa.Table:
+    return pq.read_table(out_dir / f"{split}.parquet")
+
+
+def class_counts(table: pa.Table, num_classes: int) -> np.ndarray:
+    return np.bincount(table["label"].to_numpy(), minlength=num_classes)
+
+
+def assert_stratified(out_dir: Path, num_classes: int, test_fraction: float) -> None:
+    train, test = (
+        class_counts(read_split(out_dir, "train"), num_classes),
+        class_counts(read_split(out_dir, "test"), num_classes),
+    )
+    expected_test = (train + test) * test_fraction
+    assert np.all(np.abs(test - expected_test) <= 1), (test, expected_test)
+    assert np.all(test >= 1) and np.all(train >= 1)
+
+
+def directory_bytes(path: Path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+@pytest.fixture(scope="module")
+def digits_dir(tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("digits")
+    prepare("digits", {"source": "digits", "test_fraction": 0.2, "seed": 0}, out_dir)
+    return out_dir
+
+
+def test_digits_split_has_the_house_schema_and_all_rows(digits_dir):
+    train, test = read_split(digits_dir, "train"), read_split(digits_dir, "test")
+    expected_schema = pa.schema(
+        [*(pa.field(f"x{j}", pa.float32()) for j in range(64)), pa.field("label", pa.int64())]
+    )
+    assert train.schema.equals(expected_schema) and test.schema.equals(expected_schema)
+    assert train.num_rows + test.num_rows == 1797
+    assert 0.19 < test.num_rows / 1797 < 0.21
+    labels = np.concatenate([train["label"].to_numpy(), test["label"].to_numpy()])
+    assert set(labels) == set(range(10))
+
+
+def test_digits_split_is_stratified_within_one_row_per_class(digits_dir):
+    assert_stratified(digits_dir, 10, 0.2)
+
+
+def test_dataset_json_describes_the_split_and_its_checksums(digits_dir):
+    info = json.loads((digits_dir / "dataset.json").read_text())
+    assert info["name"] == "digits" and info["source"] == "digits"
+    assert (info["num_features"], info["num_classes"]) == (64, 10)
+    assert info["feature_names"][:2] == ["pixel_0_0", "pixel_0_1"] and len(info["feature_names"]) == 64
+    assert info["label_names"] == [str(d) for d in range(10)]
+    assert info["rows"] == {
+        "train": read_split(digits_dir, "train").num_rows,
+        "test": read_split(digits_dir, "test").num_rows,
+    }
+    assert (info["test_fraction"], info["seed"]) == (0.2, 0)
+    assert info["sha256"] == {
+        split: sha256_file(digits_dir / f"{split}.parquet") for split in ("train", "test")
+    }
+
+
+def test_digits_is_byte_identical_when_prepared_again_and_the_seed_changes_the_split(digits_dir, tmp_path):
+    prepare("digits", {"source": "digits", "test_fraction": 0.2, "seed": 0}, tmp_path / "again")
+    assert directory_bytes(tmp_path / "again") == directory_bytes(digits_dir)
+    prepare("digits", {"source": "digits", "test_fraction": 0.2, "seed": 1}, tmp_path / "other")
+    assert read_split(tmp_path / "other", "test") != read_split(digits_dir, "test")
+
+
+def test_synthetic_is_byte_identical_for_the_same_spec_and_differs_for_another_seed(tmp_path):
+    prepare("syn", SYNTHETIC, tmp_path / "a")
+    prepare("syn", SYNTHETIC, tmp_path / "b")
+    assert directory_bytes(tmp_path / "a") == directory_bytes(tmp_path / "b")
+    prepare("syn", {**SYNTHETIC, "seed": 4}, tmp_path / "c")
+    assert read_split(tmp_path / "c", "train") != read_split(tmp_path / "a", "train")
+
+
+def test_synthetic_rows_do_not_depend_on_the_writer_row_group_size(tmp_path):
+    prepare("syn", SYNTHETIC, tmp_path / "default")
+    prepare("syn", SYNTHETIC, tmp_path / "small", row_group_rows=7)
+    for split in ("train", "test"):
+        assert read_split(tmp_path / "small", split).equals(read_split(tmp_path / "default", split))
+        assert (
+            pq.read_metadata(tmp_path / "small" / f"{split}.parquet").num_row_groups > 10
+        )  # layout did change
+
+
+def test_synthetic_generation_across_many_chunks_is_stratified_and_balanced(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        prepare_module, "SYNTHETIC_CHUNK_VALUES", 64 * SYNTHETIC["num_features"]
+    )  # 64-row chunks
+    spec = {**SYNTHETIC, "num_rows": 1001, "test_fraction": 0.3}
+    info = prepare("syn", spec, tmp_path)
+    assert info["rows"]["train"] + info["rows"]["test"] == 1001
+    assert_stratified(tmp_path, 4, 0.3)
+    totals = class_counts(read_split(tmp_path, "train"), 4) + class_counts(read_split(tmp_path, "test"), 4)
+    assert totals.max() - totals.min() <= 1
+
+
+def test_synthetic_chunks_do_not_depend_on_the_total_row_count(tmp_path, monkeypatch):
+    # Each chunk has its own random stream keyed by (seed, chunk index): growing the dataset by whole
+    # chunks appends rows and leaves the earlier ones untouched.
+    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 100 * SYNTHETIC["num_features"])
+    prepare("syn", {**SYNTHETIC, "num_rows": 400}, tmp_path / "small")
+    prepare("syn", {**SYNTHETIC, "num_rows": 700}, tmp_path / "large")
+    for split in ("train", "test"):
+        small, large = read_split(tmp_path / "small", split), read_split(tmp_path / "large", split)
+        assert large.num_rows > small.num_rows
+        assert large.slice(0, small.num_rows).equals(small)
+
+
+def nearest_centroid_accuracy(out_dir: Path, num_features: int) -> float:
+    def arrays(split):
+        table = read_split(out_dir, split)
+        return np.column_stack([table[f"x{j}"].to_numpy() for j in range(num_features)]), table[
+            "label"
+        ].to_numpy()
+
+    (train_x, train_y), (test_x, test_y) = arrays("train"), arrays("test")
+    centroids = np.stack([train_x[train_y == c].mean(axis=0) for c in np.unique(train_y)])
+    predicted = np.argmin(((test_x[:, None, :] - centroids[None]) ** 2).sum(axis=2), axis=1)
+    return float(np.mean(predicted == test_y))
+
+
+def test_synthetic_class_sep_controls_how_much_the_features_tell_about_the_label(tmp_path):
+    prepare("syn", {**SYNTHETIC, "class_sep": 4.0}, tmp_path / "separated")
+    prepare("syn", {**SYNTHETIC, "class_sep": 0.0}, tmp_path / "overlapping")
+    assert nearest_centroid_accuracy(tmp_path / "separated", 5) > 0.8
+    assert nearest_centroid_accuracy(tmp_path / "overlapping", 5) < 0.4  # chance is 0.25
+
+
+def test_synthetic_with_too_few_rows_per_class_is_rejected(tmp_path):
+    with pytest.raises(UserError, match=r"num_rows=8 is too small .* use num_rows >= 12"):
+        prepare("syn", {**SYNTHETIC, "num_rows": 8, "test_fraction": 0.2}, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_csv_source_keeps_feature_order_and_maps_string_labels_in_sorted_order(tmp_path):
+    rows = ["row_id,width,species,height"]
+    species = ["dog", "cat", "bird", "dog", "cat", "bird", "dog", "cat", "bird", "dog"]
+    rows += [f"{i},{i * 10},{name},{i + 0.5}" for i, name in enumerate(species)]
+    (tmp_path / "pets.csv").write_text("\n".join(rows) + "\n")
+    spec = {"source": "csv", "path": str(tmp_path / "pets.csv"), "feature_columns": ["height", "row_id"],
+            "label_column": "species", "test_fraction": 0.3, "seed": 0}  # fmt: skip
+    info = prepare("pets", spec, tmp_path / "out")
+
+    assert info["feature_names"] == ["height", "row_id"]
+    assert info["label_names"] == ["bird", "cat", "dog"]
+    assert info["rows"] == {"train": 7, "test": 3}  # one test row per class
+    table = pa.concat_tables([read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "test")])
+    assert table.column_names == ["x0", "x1", "label"]
+    for height, row_id, label in zip(*(table[c].to_pylist() for c in table.column_names), strict=True):
+        assert height == row_id + 0.5
+        assert info["label_names"][label] == species[int(row_id)]
+
+
+def test_parquet_source_maps_integer_labels_in_numeric_order(tmp_path):
+    labels = [33, 2, 10, 33, 2, 10, 2]
+    pq.write_table(pa.table({"f": np.arange(7, dtype=np.int32), "y": labels}), tmp_path / "in.parquet")
+    spec = {
+        "source": "parquet",
+        "path": str(tmp_path / "in.parquet"),
+        "feature_columns": ["f"],
+        "label_column": "y",
+    }
+    info = prepare("ints", spec, tmp_path / "out")
+    assert info["label_names"] == ["2", "10", "33"]
+    table = pa.concat_tables([read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "test")])
+    assert table.schema.field("x0").type == pa.float32()
+    for feature, code in zip(table["x0"].to_pylist(), table["label"].to_pylist(), strict=True):
+        assert int(info["label_names"][code]) == labels[int(feature)]
+
+
+BASE_CSV = "a,b,kind,y\n1,2,red,p\n3,4,blue,q\n5,6,red,p\n7,8,blue,q\n9,10,red,p\n"
+
+
+@pytest.mark.parametrize(
+    ("csv_text", "spec_changes", "message"),
+    [
+        (None, {}, r"dataset file .*missing\.csv does not exist"),
+        (
+            BASE_CSV,
+            {"feature_columns": ["a", "zz"]},
+            r"'zz' not found in .*; available columns: a, b, kind, y",
+        ),
+        (
+            BASE_CSV,
+            {"feature_columns": ["a", "kind"]},
+            r"feature column 'kind' .* has type string, not a number",
+        ),
+        (BASE_CSV.replace("3,4", "3,"), {}, r"feature column 'b' .* has 1 missing value"),
+        (BASE_CSV.replace("9,10", "9,inf"), {}, r"feature column 'b' .* 1 NaN or infinite value"),
+        (BASE_CSV.replace("red,p\n3", "red,\n3"), {}, r"label column 'y' .* has 1 missing value"),
+        (BASE_CSV + "11,12,red,z\n", {}, r"label value\(s\) 'z' .* have a single row"),
+        (BASE_CSV.replace(",q\n", ",p\n"), {}, r"label column 'y' .* has a single value 'p'"),
+        (
+            BASE_CSV,
+            {"source": "hdf5"},
+            r"unknown dataset source 'hdf5'; use one of csv, digits, parquet, synthetic",
+        ),
+        (BASE_CSV, {"colour": 1}, r"unknown key\(s\) 'colour' in the 'csv' dataset spec; valid keys are"),
+        (BASE_CSV, {"test_fraction": 1.5}, r"'test_fraction' must be a number strictly between 0 and 1"),
+        (BASE_CSV, {"label_column": "a"}, r"'label_column' must be a column name not among feature_columns"),
+        (BASE_CSV, {"source": "parquet"}, r"cannot read .* as parquet"),
+    ],
+)
+def test_bad_user_data_or_spec_is_a_one_line_user_error_with_no_output(
+    tmp_path, csv_text, spec_changes, message
+):
+    path = tmp_path / ("missing.csv" if csv_text is None else "data.csv")
+    if csv_text is not None:
+        path.write_text(csv_text)
+    spec = {
+        "source": "csv",
+        "path": str(path),
+        "feature_columns": ["a", "b"],
+        "label_column": "y",
+        **spec_changes,
+    }
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_nan_in_parquet_features_is_rejected(tmp_path):
+    pq.write_table(pa.table({"a": [1.0, float("nan"), 3.0, 4.0], "y": [0, 1, 0, 1]}), tmp_path / "in.parquet")
+    spec = {
+        "source": "parquet",
+        "path": str(tmp_path / "in.parquet"),
+        "feature_columns": ["a"],
+        "label_column": "y",
+    }
+    with pytest.raises(UserError, match=r"feature column 'a' .* 1 NaN or infinite"):
+        prepare("nan", spec, tmp_path / "out")
+
+
+def run_prepare_cli(tmp_path: Path, spec_json: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    args = ["--name", "cli", "--spec-json", spec_json, "--out-dir", str(tmp_path / "out")]
+    return subprocess.run(
+        [sys.executable, "-m", "shardfuse.prepare", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec_json", "fragment"),
+    [
+        ("{source: digits}", "--spec-json is not valid JSON"),
+        ('{"source": "mnist"}', "unknown dataset source 'mnist'"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line(tmp_path, spec_json, fragment):
+    result = run_prepare_cli(tmp_path, spec_json)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardfuse.prepare: error: ") and fragment in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_writes_split_and_dataset_json(tmp_path):
+    result = run_prepare_cli(tmp_path, json.dumps({**SYNTHETIC, "num_rows": 100}))
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == ["dataset.json", "test.parquet", "train.parquet"]
+    assert json.loads((tmp_path / "out" / "dataset.json").read_text())["rows"] == {"train": 80, "test": 20}

@@ -1,0 +1,268 @@
+"""shardfuse.tracking against a real MLflow SQLite store (no mocks of MLflow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest_tracking_fixtures import make_run_dir, run_config
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from shardfuse import tracking
+from shardfuse.io import UserError
+
+pytestmark = pytest.mark.integration
+SRC = Path(__file__).resolve().parents[1] / "src"
+EXPERIMENT = "shardfuse"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One migrated SQLite store per module (a fresh one costs seconds); tests use distinct run names."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.create_experiment(EXPERIMENT, artifact_location=str(root / "artifacts"))
+    return {"uri": uri, "client": client, "experiment_id": experiment_id}
+
+
+def _track(store, tmp_path, run_name, **run_kwargs):
+    run_dir, manifest = make_run_dir(tmp_path, run_name, **run_kwargs)
+    config = run_config(run_name, merge_method=run_kwargs.get("merge_method", "average"))
+    result = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    return result, run_dir, manifest, config
+
+
+def _active_runs(store, run_name, view=ViewType.ACTIVE_ONLY):
+    runs = store["client"].search_runs(
+        [store["experiment_id"]], f"tags.`shardfuse.run` = '{run_name}'", run_view_type=view
+    )
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return parents, children
+
+
+def _subprocess_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["PYTHONPATH"] = str(SRC)
+    return env
+
+
+def _cli_args(run_name, run_dir, manifest, uri, out):
+    return [
+        sys.executable, "-m", "shardfuse.tracking", "--run", run_name, "--run-dir", str(run_dir),
+        "--manifest", str(manifest), "--config-json", json.dumps(run_config(run_name)),
+        "--tracking-uri", uri, "--experiment", EXPERIMENT, "--out", str(out),
+    ]  # fmt: skip
+
+
+def test_flatten_params_dots_nested_keys_and_stringifies_lists_and_none():
+    params = tracking.flatten_params(
+        {"model": {"name": "mlp", "hidden_sizes": [16, 8], "opt": {"lr": 0.1}}, "seed": 0, "path": None,
+         "flag": True, "empty": {}}
+    )  # fmt: skip
+    assert params == {
+        "model.name": "mlp",
+        "model.hidden_sizes": "[16, 8]",
+        "model.opt.lr": "0.1",
+        "seed": "0",
+        "path": "None",
+        "flag": "True",
+        "empty": "{}",
+    }
+    assert len(tracking.flatten_params({"long": "x" * 10_000})["long"]) == tracking.MAX_PARAM_VALUE_CHARS
+
+
+def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_histories(store, tmp_path):
+    run_name, world_size, num_steps = "fresh", 3, 400  # 3 x 400 points: more than one log_batch
+    run_dir, manifest = make_run_dir(tmp_path, run_name, world_size=world_size, num_steps=num_steps)
+    config = run_config(run_name, world_size=world_size)
+    config["extra"] = {f"knob_{i}": i for i in range(150)}  # more params than one log_batch takes
+    result = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    client = store["client"]
+
+    assert result["action"] == "created"
+    assert result["experiment_id"] == store["experiment_id"]
+    parents, children = _active_runs(store, run_name)
+    assert [p.info.run_id for p in parents] == [result["parent_run_id"]]
+    parent = parents[0]
+    assert parent.info.run_name == run_name
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["shardfuse.complete"] == "true"
+    assert parent.data.tags["shardfuse.fingerprint"] == result["fingerprint"]
+    assert parent.data.params == tracking.flatten_params(config)
+    assert parent.data.params["merge.weights"] == "None"
+    assert parent.data.params["model.hidden_sizes"] == "[16, 16]"
+
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    metrics = parent.data.metrics
+    assert metrics["test_accuracy_merged"] == pytest.approx(0.8)
+    assert metrics["test_loss_merged"] == pytest.approx(0.5)
+    assert metrics["test_accuracy_best_rank"] == pytest.approx(0.74)
+    assert metrics["fusion_gain"] == pytest.approx(0.8 - 0.74)
+    assert metrics["test_accuracy_mean_rank"] == pytest.approx(evaluation["mean_rank_accuracy"])
+    assert metrics["test_loss_mean_rank"] == pytest.approx(evaluation["mean_rank_loss"])
+    assert metrics["train_seconds"] == pytest.approx(12.5)
+    assert metrics["merge_seconds"] == pytest.approx(0.25)
+    for rank in range(world_size):
+        assert metrics[f"test_accuracy_rank_{rank}"] == pytest.approx(0.70 + 0.02 * rank)
+
+    assert len(children) == world_size
+    assert result["child_run_ids"] == {c.data.tags["shardfuse.rank"]: c.info.run_id for c in children}
+    assert list(result["child_run_ids"]) == [str(r) for r in range(world_size)]
+    for child in children:
+        rank = int(child.data.tags["shardfuse.rank"])
+        assert child.info.run_name == f"{run_name}/rank-{rank}"
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.info.status == "FINISHED"
+        assert child.data.params == {"rank": str(rank), "shard_rows": str(719 + rank)}
+        assert child.data.metrics["test_accuracy"] == pytest.approx(0.70 + 0.02 * rank)
+        assert child.data.metrics["test_loss"] == pytest.approx(0.6 + 0.05 * rank)
+        for key in ("loss", "samples_per_second", "lr"):
+            history = sorted(client.get_metric_history(child.info.run_id, key), key=lambda m: m.step)
+            assert [m.step for m in history] == list(range(num_steps))
+            assert [m.timestamp for m in history] == [1_700_000_000_000 + 250 * s for s in range(num_steps)]
+        losses = sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)
+        assert losses[3].value == pytest.approx(1.1 - 0.3 - 0.01 * rank)
+
+    artifacts = {f.path for d in ("results", "model") for f in client.list_artifacts(parent.info.run_id, d)}
+    assert artifacts == {
+        "results/manifest.json", "results/train.json", "results/gather.json", "results/merge.json",
+        "results/eval.json", "model/merged.safetensors",
+    }  # fmt: skip
+
+
+def test_second_track_with_identical_inputs_keeps_run_and_does_not_duplicate_history(store, tmp_path):
+    first, run_dir, manifest, config = _track(store, tmp_path, "rerun")
+    second = tracking.track_run("rerun", run_dir, manifest, config, store["uri"], EXPERIMENT)
+
+    assert second["action"] == "unchanged"
+    assert {k: v for k, v in second.items() if k != "action"} == {
+        k: v for k, v in first.items() if k != "action"
+    }
+    parents, children = _active_runs(store, "rerun")
+    assert [p.info.run_id for p in parents] == [first["parent_run_id"]]
+    assert len(children) == 2
+    for child_id in second["child_run_ids"].values():
+        assert len(store["client"].get_metric_history(child_id, "loss")) == 7
+    deleted_parents, deleted_children = _active_runs(store, "rerun", ViewType.DELETED_ONLY)
+    assert deleted_parents == deleted_children == []
+
+
+def test_changed_merge_method_replaces_parent_and_deletes_old_runs(store, tmp_path):
+    first, run_dir, manifest, config = _track(store, tmp_path, "remerged")
+    merge = json.loads((run_dir / "merge.json").read_text())
+    merge["method"] = "fisher"
+    (run_dir / "merge.json").write_text(json.dumps(merge))
+    second = tracking.track_run("remerged", run_dir, manifest, config, store["uri"], EXPERIMENT)
+
+    assert second["action"] == "replaced"
+    assert second["parent_run_id"] != first["parent_run_id"]
+    assert second["fingerprint"] != first["fingerprint"]
+    parents, children = _active_runs(store, "remerged")
+    assert [p.info.run_id for p in parents] == [second["parent_run_id"]]
+    assert sorted(c.info.run_id for c in children) == sorted(second["child_run_ids"].values())
+    for old_id in [first["parent_run_id"], *first["child_run_ids"].values()]:
+        assert store["client"].get_run(old_id).info.lifecycle_stage == "deleted"
+
+
+def test_interrupted_track_is_marked_failed_and_replaced_on_next_run(store, tmp_path, monkeypatch):
+    run_dir, manifest = make_run_dir(tmp_path, "crashed")
+    config = run_config("crashed")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # as if the job were killed while pushing the rank runs
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tracking, "_push_rank", crash)
+        with pytest.raises(KeyboardInterrupt):
+            tracking.track_run("crashed", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    (interrupted,), _ = _active_runs(store, "crashed")
+    assert interrupted.info.status == "FAILED"
+    assert interrupted.data.tags["shardfuse.complete"] == "false"
+
+    result = tracking.track_run("crashed", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert result["action"] == "replaced"
+    parents, children = _active_runs(store, "crashed")
+    assert [p.info.run_id for p in parents] == [result["parent_run_id"]] != [interrupted.info.run_id]
+    assert parents[0].data.tags["shardfuse.complete"] == "true"
+    assert len(children) == 2
+    assert store["client"].get_run(interrupted.info.run_id).info.lifecycle_stage == "deleted"
+
+
+def test_missing_eval_json_is_a_user_error_naming_the_evaluate_stage(store, tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "noeval")
+    (run_dir / "eval.json").unlink()
+    with pytest.raises(UserError, match=r"eval\.json does not exist; re-run the evaluate stage"):
+        tracking.track_run("noeval", run_dir, manifest, run_config("noeval"), store["uri"], EXPERIMENT)
+    assert _active_runs(store, "noeval") == ([], [])
+
+
+def test_cli_exits_2_with_one_line_when_a_rank_metrics_file_is_missing(tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "nometrics")
+    (run_dir / "train" / "metrics" / "rank-1.parquet").unlink()
+    uri = f"sqlite:///{tmp_path}/untouched.db"
+    args = _cli_args("nometrics", run_dir, manifest, uri, run_dir / "mlflow.json")
+    proc = subprocess.run(args, capture_output=True, text=True, env=_subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert "rank-1.parquet does not exist; re-run the train stage" in proc.stderr
+    assert not (run_dir / "mlflow.json").exists()
+    assert not (tmp_path / "untouched.db").exists()  # inputs are checked before MLflow is touched
+
+
+def test_cli_reports_unreachable_tracking_server_in_one_line_quickly(tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "offline")
+    args = _cli_args("offline", run_dir, manifest, "http://127.0.0.1:1", run_dir / "mlflow.json")
+    started = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, env=_subprocess_env(), timeout=120)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("shardfuse.tracking: error: cannot use tracking URI")
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_writes_out_file_with_run_ids(store, tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "viacli")
+    out = run_dir / "mlflow.json"
+    args = _cli_args("viacli", run_dir, manifest, store["uri"], out)
+    proc = subprocess.run(args, capture_output=True, text=True, env=_subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads(out.read_text())
+    assert set(written) == {
+        "tracking_uri", "experiment_name", "experiment_id", "parent_run_id", "child_run_ids", "fingerprint",
+        "action",
+    }  # fmt: skip
+    assert written["action"] == "created"
+    assert written["tracking_uri"] == store["uri"]
+    (parent,), _ = _active_runs(store, "viacli")
+    assert written["parent_run_id"] == parent.info.run_id
+    assert set(written["child_run_ids"]) == {"0", "1"}
+
+
+def test_two_concurrent_cli_tracks_into_one_fresh_sqlite_db_both_succeed(tmp_path):
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"  # parent dir missing: the stage creates it
+    procs = []
+    for run_name in ("left", "right"):
+        run_dir, manifest = make_run_dir(tmp_path, run_name)
+        args = _cli_args(run_name, run_dir, manifest, uri, run_dir / "mlflow.json")
+        procs.append(
+            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_subprocess_env(), cwd=tmp_path)
+        )  # fmt: skip
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    parents = client.search_runs([experiment.experiment_id], "tags.`shardfuse.complete` = 'true'")
+    assert sorted(p.info.run_name for p in parents) == ["left", "right"]
+    assert all(p.data.tags["shardfuse.complete"] == "true" for p in parents)

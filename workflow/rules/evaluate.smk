@@ -1,0 +1,18 @@
+rule evaluate:
+    input:
+        test=test_split_of_run,
+        gather=rules.gather.output.record,
+        merged=rules.merge.output.weights,
+    output:
+        record="results/runs/{run}/eval.json",
+    log:
+        "logs/evaluate/{run}.log",
+    benchmark:
+        "benchmarks/evaluate/{run}.tsv"
+    conda:
+        "../../envs/train.yaml"
+    params:
+        batch_size=eval_batch_size_of_run,
+    shell:
+        "python -m shardfuse.evaluate --test {input.test} --gather {input.gather}"
+        " --merged {input.merged} --batch-size {params.batch_size} --out {output.record} > {log} 2>&1"

@@ -1,0 +1,16 @@
+rule partition:
+    input:
+        train=rules.prepare_dataset.output.train,
+    output:
+        shards=directory("results/shards/{dataset}/{shardset}"),
+    log:
+        "logs/partition/{dataset}/{shardset}.log",
+    benchmark:
+        "benchmarks/partition/{dataset}/{shardset}.tsv"
+    conda:
+        "../../envs/data.yaml"
+    params:
+        layout=shardset_args,
+    shell:
+        "python -m shardfuse.partition --input {input.train} {params.layout}"
+        " --out-dir {output.shards} > {log} 2>&1"

@@ -1,0 +1,29 @@
+# One writer on the submit host: compute nodes often cannot reach the tracking server, and SQLite
+# locks under many writers (the tracker also serialises sqlite writers with a file lock).
+localrules:
+    track,
+
+
+rule track:
+    input:
+        train=rules.train.output.train,
+        shards=shard_dir_of_run,
+        gather=rules.gather.output.record,
+        merge=rules.merge.output.record,
+        merged=rules.merge.output.weights,
+        evaluation=rules.evaluate.output.record,
+    output:
+        record="results/runs/{run}/mlflow.json",
+    log:
+        "logs/track/{run}.log",
+    conda:
+        "../../envs/tracking.yaml"
+    params:
+        config=tracking_config_json,
+        tracking_uri=EXPERIMENT.tracking_uri,
+        experiment=EXPERIMENT.mlflow_experiment,
+    shell:
+        "python -m shardfuse.tracking --run {wildcards.run} --run-dir results/runs/{wildcards.run}"
+        " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
+        " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
+        " --out {output.record} > {log} 2>&1"
