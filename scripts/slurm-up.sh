@@ -34,14 +34,24 @@ dump_logs() {
     done
 }
 
-# pid_alive NAME PIDFILE: true if PIDFILE names a live process called NAME.
+# running PID: true if PID exists and is not a zombie. The daemons reparent to
+# PID 1, which on these VMs/containers is not always a reaping init, so a dead
+# daemon can linger as a zombie with its /proc entry (and name) intact.
+running() {
+    local st
+    st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    st=${st##*) }
+    [[ -n $st && ${st%% *} != [ZX] ]]
+}
+
+# pid_alive NAME PIDFILE: true if PIDFILE names a running process called NAME.
 # Checking the command name guards against a recycled pid.
 pid_alive() {
     local name=$1 pidfile=$2 pid
     [[ -s $pidfile ]] || return 1
     pid=$(<"$pidfile")
     [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$name" ]]
+    [[ -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$name" ]] && running "$pid"
 }
 
 [[ $(id -u) -eq 0 ]] || { echo "slurm-up: must run as root (installs packages, writes /etc)" >&2; exit 1; }
@@ -50,6 +60,8 @@ mkdir -p "$STATE_DIR"/{log,ctld,spool,munge}
 chmod 0755 "$STATE_DIR"
 
 # Serialise concurrent callers (e.g. two test sessions starting at once).
+# Every daemon below is started with 9>&-: munged does not close inherited
+# fds, and a munged holding fd 9 would keep this lock forever.
 exec 9>"$STATE_DIR/.lock"
 flock -w 300 9 || die "could not take $STATE_DIR/.lock"
 
@@ -232,15 +244,14 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     chmod 0700 /etc/munge "$STATE_DIR/munge"
     chmod 0400 /etc/munge/munge.key
     chmod 0755 /run/munge
-    # A stale socket/lock from a killed munged makes the new one refuse to start.
-    rm -f /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock
+    log "starting munged as $munge_user"
     munged_args=(--pid-file="$STATE_DIR/munge/munged.pid" --log-file="$STATE_DIR/munge/munged.log")
     if [[ $munge_user == munge ]]; then
-        runuser -u munge -- munged "${munged_args[@]}" 2>>"$STATE_DIR/log/munged.stderr" \
+        runuser -u munge -- munged "${munged_args[@]}" 2>>"$STATE_DIR/log/munged.stderr" 9>&- \
             || die "munged failed to start"
     else
         # munged refuses to run as root unless forced.
-        munged --force "${munged_args[@]}" 2>>"$STATE_DIR/log/munged.stderr" \
+        munged --force "${munged_args[@]}" 2>>"$STATE_DIR/log/munged.stderr" 9>&- \
             || die "munged failed to start"
     fi
     # The munged pid file lives in a munge-owned 0700 dir; mirror it next to
@@ -260,7 +271,7 @@ ln -sfn ../munge/munged.log "$STATE_DIR/log/munged.log" 2>/dev/null || true
 if ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
     rm -f "$STATE_DIR/slurmctld.pid"
     log "starting slurmctld"
-    slurmctld -f "$ETC_CONF" 2>>"$STATE_DIR/log/slurmctld.stderr" || die "slurmctld failed to start"
+    slurmctld -f "$ETC_CONF" 2>>"$STATE_DIR/log/slurmctld.stderr" 9>&- || die "slurmctld failed to start"
 fi
 for _ in $(seq 1 50); do scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
 scontrol ping >/dev/null 2>&1 || die "slurmctld does not answer 'scontrol ping'"
@@ -268,7 +279,7 @@ scontrol ping >/dev/null 2>&1 || die "slurmctld does not answer 'scontrol ping'"
 if ! pid_alive slurmd "$STATE_DIR/slurmd.pid"; then
     rm -f "$STATE_DIR/slurmd.pid"
     log "starting slurmd -N $NODE"
-    slurmd -f "$ETC_CONF" -N "$NODE" 2>>"$STATE_DIR/log/slurmd.stderr" || die "slurmd failed to start"
+    slurmd -f "$ETC_CONF" -N "$NODE" 2>>"$STATE_DIR/log/slurmd.stderr" 9>&- || die "slurmd failed to start"
 fi
 
 # --------------------------------------------------------------------------

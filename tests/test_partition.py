@@ -117,6 +117,18 @@ def test_partition_is_byte_identical_across_runs_and_read_batch_sizes(tmp_path):
         assert runs[run] == runs["a"]
 
 
+def test_shard_bytes_do_not_depend_on_read_batch_size_when_row_groups_span_several_pages(tmp_path):
+    # 40-byte strings make a row group larger than one 1 MiB data page; Parquet cuts pages at chunk
+    # boundaries too, so this catches a writer fed with however the reads happened to be batched.
+    num_rows = 100_000
+    text = [f"{v:040d}" for v in np.random.default_rng(0).integers(0, 10**12, num_rows)]
+    pq.write_table(pa.table({"id": np.arange(num_rows), "text": text}), tmp_path / "in.parquet")
+    partition_parquet(tmp_path / "in.parquet", tmp_path / "big", 2, seed=0)
+    partition_parquet(tmp_path / "in.parquet", tmp_path / "small", 2, seed=0, batch_size=1000)
+    for name in ("shard-0.parquet", "shard-1.parquet", "manifest.json"):
+        assert (tmp_path / "big" / name).read_bytes() == (tmp_path / "small" / name).read_bytes(), name
+
+
 def test_different_seeds_assign_rows_to_ranks_differently(tmp_path):
     write_rows(tmp_path / "in.parquet", 200)
     first = partition_parquet(tmp_path / "in.parquet", tmp_path / "s0", 4, seed=0)

@@ -77,6 +77,8 @@ def read_manifest(shard_dir: str | Path) -> dict:
     if missing:
         raise UserError(f"shard manifest {path} lacks {', '.join(missing[:5])}; {RERUN_PARTITION}")
     world_size = manifest["world_size"]
+    if not isinstance(world_size, int) or world_size < 1:
+        raise UserError(f"shard manifest {path} has world_size {world_size!r}; {RERUN_PARTITION}")
     if not isinstance(shards, list) or [shard["rank"] for shard in shards] != list(range(world_size)):
         raise UserError(
             f"shard manifest {path} does not list ranks 0..{world_size - 1} in order; {RERUN_PARTITION}"

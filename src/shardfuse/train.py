@@ -15,6 +15,7 @@ Every rank reads only its own shard, starts from the same initial weights (rank 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 from pathlib import Path
@@ -69,6 +70,15 @@ def broadcast_from_rank0(model: torch.nn.Module) -> None:
         torch_dist.broadcast(tensor, src=0)
 
 
+def state_digest(model: torch.nn.Module) -> str:
+    """sha256 of the model's tensors: proves every rank started from the same weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
     """Same step count on every rank (DDP would hang otherwise): set by the smallest shard.
 
@@ -108,7 +118,8 @@ def train_rank(ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, c
     model = build_model(spec).to(ctx.device)
     model.set_input_stats(*global_feature_stats(features))
     broadcast_from_rank0(model)
-    meta = {"run": run, "world_size": ctx.world_size, "strategy": cfg["strategy"], "model": spec}
+    meta = {"run": run, "world_size": ctx.world_size, "strategy": cfg["strategy"], "model": spec,
+            "init_sha256": state_digest(model)}
     out_dir.mkdir(parents=True, exist_ok=True)
     gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
 

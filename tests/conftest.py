@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny real dataset and shard set, made with the project's own stages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for child processes: this checkout's src first, venv binaries on PATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@pytest.fixture(scope="session")
+def digits_dataset(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("datasets") / "digits"
+    subprocess.run(
+        [sys.executable, "-m", "shardfuse.prepare", "--name", "digits", "--spec-json",
+         '{"source": "digits", "test_fraction": 0.2, "seed": 0}', "--out-dir", str(out)],
+        check=True, env=subprocess_env(),
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def digits_shards(digits_dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "w2-seed0"
+    subprocess.run(
+        [sys.executable, "-m", "shardfuse.partition", "--input", str(digits_dataset / "train.parquet"),
+         "--world-size", "2", "--seed", "0", "--out-dir", str(out)],
+        check=True, env=subprocess_env(),
+    )
+    return out
