@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/snakefmt --check Snakefile workflow/rules
-	$(BIN)/python scripts/lint-workflow.py
+	$(BIN)/snakemake --lint
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests bench

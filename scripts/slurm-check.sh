@@ -60,6 +60,22 @@ sbatch_wait -J sf-check-srun -N1 -n1 -o "$WORK/2.out" --wrap "srun -N1 -n1 hostn
 [[ $(<"$WORK/srun.txt") == "$(hostname)" ]] || fail "srun.txt has '$(<"$WORK/srun.txt")'"
 pass "srun -N1 -n1 hostname inside sbatch"
 
+# 2b. Impossible node counts are refused at submit time (EnforcePartLimits),
+#     not left PENDING forever; with >1 (virtual) node, one srun task per node.
+nnodes=$(sinfo -h -N -o %N | sort -u | wc -l)
+if sbatch -N$((nnodes + 1)) -o /dev/null --wrap true >/dev/null 2>&1; then
+    fail "sbatch -N$((nnodes + 1)) on a $nnodes-node cluster was accepted"
+fi
+pass "sbatch -N$((nnodes + 1)) rejected at submit time"
+if ((nnodes >= 2)); then
+    sbatch_wait -J sf-check-multi -N2 --ntasks-per-node=1 -o "$WORK/2c.out" \
+        --wrap "srun bash -c 'echo \$SLURM_PROCID \$SLURMD_NODENAME' > $WORK/multi.txt" \
+        || fail "srun over 2 nodes ($(cat "$WORK/2c.out" 2>/dev/null))"
+    [[ $(sort -u "$WORK/multi.txt" | awk '{print $2}' | sort -u | wc -l) -eq 2 ]] \
+        || fail "srun -N2 did not run one task per node: $(tr '\n' ';' <"$WORK/multi.txt")"
+    pass "srun one task per node on 2 nodes: $(sort "$WORK/multi.txt" | tr '\n' ';')"
+fi
+
 # 3. squeue answers (the snakemake plugin polls job status with it).
 squeue >/dev/null || fail "squeue"
 squeue -h --states=all -j "$(squeue -h --states=all -n sf-check-srun -o %i | tail -n1)" -o %T | grep -q COMPLETED \

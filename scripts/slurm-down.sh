@@ -27,10 +27,10 @@ running() {
     [[ -n $st && ${st%% *} != [ZX] ]]
 }
 
-# pid_of NAME: pid from $STATE_DIR/NAME.pid if it is a running process called
-# NAME (guards against recycled pids).
+# pid_of NAME [PIDFILE]: pid from PIDFILE (default $STATE_DIR/NAME.pid) if it
+# is a running process called NAME (guards against recycled pids).
 pid_of() {
-    local name=$1 pidfile=$STATE_DIR/$1.pid pid
+    local name=$1 pidfile=${2:-$STATE_DIR/$1.pid} pid
     [[ -s $pidfile ]] || return 1
     pid=$(<"$pidfile")
     [[ $pid =~ ^[0-9]+$ ]] || return 1
@@ -65,9 +65,9 @@ fi
 # slurmd before slurmctld (so the controller does not log the node dying),
 # munged last (both slurm daemons need it until they exit).
 stop() {
-    local name=$1 pid
-    if pid=$(pid_of "$name"); then
-        log "stopping $name (pid $pid)"
+    local name=$1 pidfile=${2:-$STATE_DIR/$1.pid} pid
+    if pid=$(pid_of "$name" "$pidfile"); then
+        log "stopping $(basename "$pidfile" .pid) (pid $pid)"
         kill -TERM "$pid" 2>/dev/null || true
         for _ in $(seq 1 100); do
             running "$pid" || break
@@ -79,12 +79,22 @@ stop() {
             sleep 0.5
         fi
     fi
-    rm -f "$STATE_DIR/$name.pid"
+    rm -f "$pidfile"
 }
-stop slurmd
+# One slurmd per (virtual) node: slurmd-<node>.pid.
+for f in "$STATE_DIR"/slurmd*.pid; do
+    [[ -e $f ]] && stop slurmd "$f"
+done
 stop slurmctld
 stop munged
 rm -f "$STATE_DIR/munge/munged.pid" 2>/dev/null || true
+
+# Drop the /etc/hosts lines slurm-up.sh added for virtual node names
+# (rewritten in place: /etc/hosts may be a bind mount).
+if grep -q '# shardfuse-slurm$' /etc/hosts 2>/dev/null; then
+    hosts=$(grep -v '# shardfuse-slurm$' /etc/hosts)
+    printf '%s\n' "$hosts" >/etc/hosts
+fi
 
 # Put back a config that was there before slurm-up.sh replaced it; otherwise
 # leave ours in place (clients then fail fast with "Unable to contact slurm

@@ -103,6 +103,18 @@ if ((${#missing[@]})); then
 fi
 
 NODE=$(hostname -s)
+# Optional: several virtual nodes on this one host (Debian's slurmd is built
+# with multiple-slurmd support: one slurmd per node name, each on its own
+# port), so `sbatch -N2` + `srun --ntasks-per-node=1` can be exercised.
+# Default 1 node, named `hostname -s`.
+NNODES=${SHARDFUSE_SLURM_NODES:-1}
+[[ $NNODES =~ ^[1-8]$ ]] || die "SHARDFUSE_SLURM_NODES must be 1..8 (got '$NNODES')"
+NODES=()
+if ((NNODES == 1)); then
+    NODES=("$NODE")
+else
+    for ((i = 1; i <= NNODES; i++)); do NODES+=("$NODE-$i"); done
+fi
 
 # --------------------------------------------------------------------------
 # 2. Config. Hardware from `slurmd -C`: slurmd drains the node if the config
@@ -121,6 +133,9 @@ DETECTED_MB=$(get RealMemory)
 reserve=$((DETECTED_MB / 20))
 ((reserve < 512)) && reserve=512
 MEM_MB=$((DETECTED_MB - reserve))
+# Virtual nodes share the RAM (each still gets all CPUs: slurmd rejects a
+# config whose socket/core layout differs from what it detects).
+((NNODES > 1)) && MEM_MB=$((MEM_MB / NNODES))
 # Jobs that do not pass --mem would otherwise get the whole node and serialise.
 DEF_MEM_PER_CPU=$((MEM_MB / CPUS))
 ((DEF_MEM_PER_CPU > 1024)) && DEF_MEM_PER_CPU=1024
@@ -138,11 +153,11 @@ SlurmdPort=6818
 AuthType=auth/munge
 CredType=cred/munge
 StateSaveLocation=$STATE_DIR/ctld
-SlurmdSpoolDir=$STATE_DIR/spool
+SlurmdSpoolDir=$STATE_DIR/spool/%n
 SlurmctldPidFile=$STATE_DIR/slurmctld.pid
-SlurmdPidFile=$STATE_DIR/slurmd.pid
+SlurmdPidFile=$STATE_DIR/slurmd-%n.pid
 SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
-SlurmdLogFile=$STATE_DIR/log/slurmd.log
+SlurmdLogFile=$STATE_DIR/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No systemd/cgroups here: track processes via /proc, no task binding.
@@ -164,6 +179,9 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$STATE_DIR/jobcomp.log
 MinJobAge=3600
+# Reject impossible requests (e.g. -N2 on one node) at submit time instead of
+# leaving them PENDING (Reason=PartitionNodeLimit) forever.
+EnforcePartLimits=ALL
 # A single node that went away (restart) must come back on its own.
 ReturnToService=2
 SlurmctldTimeout=30
@@ -171,9 +189,11 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
 Waittime=0
-NodeName=$NODE NodeAddr=127.0.0.1 NodeHostname=$NODE CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS RealMemory=$MEM_MB State=UNKNOWN
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+for i in "${!NODES[@]}"; do
+    echo "NodeName=${NODES[i]} NodeAddr=127.0.0.1 NodeHostname=$NODE Port=$((6818 + i)) CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS RealMemory=$MEM_MB State=UNKNOWN"
+done >>"$new_conf"
+echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$new_conf"
 
 conf_changed=1
 if [[ -f $ETC_CONF ]] && cmp -s "$new_conf" "$ETC_CONF"; then
@@ -183,18 +203,25 @@ fi
 # --------------------------------------------------------------------------
 # 3. Fast path: everything we started is up and the config is current.
 # --------------------------------------------------------------------------
-node_state() { sinfo -h -n "$NODE" -o %T 2>/dev/null | head -n1; }
+usable() { [[ $1 =~ ^(idle|mixed|allocated|completing)$ ]]; }
+node_state() { sinfo -h -n "$1" -o %T 2>/dev/null | head -n1; }
+# all_usable: every configured node is schedulable (running jobs are fine).
+all_usable() {
+    local n
+    for n in "${NODES[@]}"; do usable "$(node_state "$n")" || return 1; done
+}
+all_slurmd_alive() {
+    local n
+    for n in "${NODES[@]}"; do pid_alive slurmd "$STATE_DIR/slurmd-$n.pid" || return 1; done
+}
 if ((conf_changed == 0)) \
     && pid_alive slurmctld "$STATE_DIR/slurmctld.pid" \
-    && pid_alive slurmd "$STATE_DIR/slurmd.pid" \
-    && munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    case $(node_state) in
-        idle | mixed | allocated | completing)
-            rm -f "$new_conf"
-            log "already up: node $NODE is $(node_state)"
-            exit 0
-            ;;
-    esac
+    && all_slurmd_alive \
+    && munge -n 2>/dev/null | unmunge >/dev/null 2>&1 \
+    && all_usable; then
+    rm -f "$new_conf"
+    log "already up: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')"
+    exit 0
 fi
 
 # --------------------------------------------------------------------------
@@ -212,14 +239,32 @@ mv -f "$new_conf" "$ETC_CONF"
 
 # If our daemons run with an old config, restart them (a node definition
 # change needs a restart; `scontrol reconfigure` is not enough).
+# The glob also catches slurmds of nodes no longer in the config.
 if ((conf_changed)); then
-    for d in slurmd slurmctld; do
-        if pid_alive "$d" "$STATE_DIR/$d.pid"; then
-            log "config changed: stopping $d"
-            kill -TERM "$(<"$STATE_DIR/$d.pid")" || true
-            for _ in $(seq 1 50); do pid_alive "$d" "$STATE_DIR/$d.pid" || break; sleep 0.2; done
+    for pidfile in "$STATE_DIR"/slurmd*.pid "$STATE_DIR/slurmctld.pid"; do
+        [[ -e $pidfile ]] || continue
+        d=$(basename "$pidfile" .pid)
+        d=${d%%-*}
+        if pid_alive "$d" "$pidfile"; then
+            log "config changed: stopping $(basename "$pidfile" .pid)"
+            kill -TERM "$(<"$pidfile")" || true
+            for _ in $(seq 1 50); do pid_alive "$d" "$pidfile" || break; sleep 0.2; done
         fi
+        rm -f "$pidfile"
     done
+fi
+
+# Virtual node names must resolve for user code (e.g. MASTER_ADDR taken from
+# `scontrol show hostnames`); map them to 127.0.0.1 in /etc/hosts, in marked
+# lines that slurm-down.sh removes. Rewritten in place (not sed -i) because
+# /etc/hosts is often a bind mount that cannot be replaced by rename.
+HOSTS_MARK="# shardfuse-slurm"
+if grep -q "$HOSTS_MARK\$" /etc/hosts 2>/dev/null; then
+    hosts=$(grep -v "$HOSTS_MARK\$" /etc/hosts)
+    printf '%s\n' "$hosts" >/etc/hosts
+fi
+if ((NNODES > 1)); then
+    echo "127.0.0.1 ${NODES[*]} $HOSTS_MARK" >>/etc/hosts
 fi
 
 # --------------------------------------------------------------------------
@@ -276,33 +321,38 @@ fi
 for _ in $(seq 1 50); do scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
 scontrol ping >/dev/null 2>&1 || die "slurmctld does not answer 'scontrol ping'"
 
-if ! pid_alive slurmd "$STATE_DIR/slurmd.pid"; then
-    rm -f "$STATE_DIR/slurmd.pid"
-    log "starting slurmd -N $NODE"
-    slurmd -f "$ETC_CONF" -N "$NODE" 2>>"$STATE_DIR/log/slurmd.stderr" 9>&- || die "slurmd failed to start"
-fi
+for n in "${NODES[@]}"; do
+    if ! pid_alive slurmd "$STATE_DIR/slurmd-$n.pid"; then
+        rm -f "$STATE_DIR/slurmd-$n.pid"
+        mkdir -p "$STATE_DIR/spool/$n"
+        log "starting slurmd -N $n"
+        slurmd -f "$ETC_CONF" -N "$n" 2>>"$STATE_DIR/log/slurmd-$n.stderr" 9>&- || die "slurmd -N $n failed to start"
+    fi
+done
 
 # --------------------------------------------------------------------------
-# 7. Wait for the node to be schedulable; resume it if it came up down or
-#    drained (e.g. left over in saved state from an earlier run).
+# 7. Wait until every node is schedulable; resume nodes that come up down or
+#    drained (e.g. left so in the saved state of an earlier run).
 # --------------------------------------------------------------------------
 deadline=$((SECONDS + WAIT_S))
-state=""
-while ((SECONDS < deadline)); do
-    state=$(node_state || true)
-    case $state in
-        idle | mixed | allocated | completing) break ;;
-        down* | drain* | fail*)
-            scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true ;;
-    esac
+until all_usable; do
+    ((SECONDS < deadline)) || break
+    for n in "${NODES[@]}"; do
+        case $(node_state "$n") in
+            down* | drain* | fail*)
+                scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true ;;
+        esac
+    done
     sleep 1
 done
-case $state in
-    idle | mixed | allocated | completing) ;;
-    *) die "node $NODE not usable after ${WAIT_S}s (state: '${state:-none}'; $(scontrol show node "$NODE" 2>/dev/null | grep -o 'Reason=.*' || true))" ;;
-esac
+if ! all_usable; then
+    for n in "${NODES[@]}"; do
+        log "node $n: state '$(node_state "$n")' $(scontrol show node "$n" 2>/dev/null | grep -o 'Reason=.*' || true)"
+    done
+    die "nodes not usable after ${WAIT_S}s"
+fi
 
 pid_alive slurmctld "$STATE_DIR/slurmctld.pid" || die "slurmctld pid file missing or stale"
-pid_alive slurmd "$STATE_DIR/slurmd.pid" || die "slurmd pid file missing or stale"
+all_slurmd_alive || die "a slurmd pid file is missing or stale"
 
-log "up: node=$NODE state=$state cpus=$CPUS memory=${MEM_MB}MB (detected ${DETECTED_MB}MB) partition=$PARTITION(default) state_dir=$STATE_DIR"
+log "up: nodes=${NODES[*]} ($(node_state "${NODES[0]}")) cpus=$CPUS memory=${MEM_MB}MB per node (detected ${DETECTED_MB}MB) partition=$PARTITION(default) state_dir=$STATE_DIR"

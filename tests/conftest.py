@@ -24,9 +24,19 @@ def subprocess_env() -> dict[str, str]:
 def digits_dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("datasets") / "digits"
     subprocess.run(
-        [sys.executable, "-m", "shardfuse.prepare", "--name", "digits", "--spec-json",
-         '{"source": "digits", "test_fraction": 0.2, "seed": 0}', "--out-dir", str(out)],
-        check=True, env=subprocess_env(),
+        [
+            sys.executable,
+            "-m",
+            "shardfuse.prepare",
+            "--name",
+            "digits",
+            "--spec-json",
+            '{"source": "digits", "test_fraction": 0.2, "seed": 0}',
+            "--out-dir",
+            str(out),
+        ],
+        check=True,
+        env=subprocess_env(),
     )
     return out
 
@@ -35,8 +45,20 @@ def digits_dataset(tmp_path_factory) -> Path:
 def digits_shards(digits_dataset, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("shards") / "w2-seed0"
     subprocess.run(
-        [sys.executable, "-m", "shardfuse.partition", "--input", str(digits_dataset / "train.parquet"),
-         "--world-size", "2", "--seed", "0", "--out-dir", str(out)],
-        check=True, env=subprocess_env(),
+        [
+            sys.executable,
+            "-m",
+            "shardfuse.partition",
+            "--input",
+            str(digits_dataset / "train.parquet"),
+            "--world-size",
+            "2",
+            "--seed",
+            "0",
+            "--out-dir",
+            str(out),
+        ],
+        check=True,
+        env=subprocess_env(),
     )
     return out

@@ -34,7 +34,9 @@ def test_repository_default_config_resolves_ddp_and_localsgd_runs(monkeypatch):
 
 def test_runs_table_cells_override_defaults_and_empty_cells_keep_them(tmp_path):
     table = tmp_path / "runs.tsv"
-    table.write_text("run\tstrategy\tsync_every\thidden_sizes\tlr\n# comment\na\tlocalsgd\t4\t32,16\t\nb\t\t\t[8]\t0.5\n")
+    table.write_text(
+        "run\tstrategy\tsync_every\thidden_sizes\tlr\n# comment\na\tlocalsgd\t4\t32,16\t\nb\t\t\t[8]\t0.5\n"
+    )
     experiment = load_experiment(base_config(str(table)), environ={})
     assert experiment.runs["a"]["strategy"] == "localsgd"
     assert experiment.runs["a"]["sync_every"] == 4
@@ -76,7 +78,9 @@ def test_unknown_top_level_key_is_named():
 def test_synthetic_dataset_requires_its_sizes():
     config = base_config({"r": {}})
     config["datasets"]["digits"] = {"source": "synthetic", "num_rows": 100}
-    with pytest.raises(ConfigError, match=r"datasets.digits: 'num_(features|classes)' is a required property"):
+    with pytest.raises(
+        ConfigError, match=r"datasets.digits: 'num_(features|classes)' is a required property"
+    ):
         load_experiment(config, environ={})
 
 
@@ -104,12 +108,16 @@ def test_tracking_uri_falls_back_to_environment_then_sqlite():
         "http://127.0.0.1:5000"
     )
     config["mlflow"] = {"tracking_uri": "sqlite:///x.db"}
-    assert load_experiment(config, environ={"MLFLOW_TRACKING_URI": "http://h"}).tracking_uri == "sqlite:///x.db"
+    assert (
+        load_experiment(config, environ={"MLFLOW_TRACKING_URI": "http://h"}).tracking_uri == "sqlite:///x.db"
+    )
 
 
 def test_shards_are_shared_by_runs_that_differ_only_in_training():
     experiment = load_experiment(
-        base_config({"a": {"strategy": "ddp"}, "b": {"strategy": "localsgd", "lr": 0.1}, "c": {"shard_seed": 1}}),
+        base_config(
+            {"a": {"strategy": "ddp"}, "b": {"strategy": "localsgd", "lr": 0.1}, "c": {"shard_seed": 1}}
+        ),
         environ={},
     )
     assert experiment.shard_dir("a") == experiment.shard_dir("b") == "results/shards/digits/w2-seed0"
@@ -120,8 +128,22 @@ def test_shards_are_shared_by_runs_that_differ_only_in_training():
 def test_config_cli_exits_2_with_one_line(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text(yaml.safe_dump(base_config({"r": {"lr": -1}})))
-    proc = subprocess.run([sys.executable, "-m", "shardfuse.config", "--configfile", str(bad)],
-                          capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardfuse.config", "--configfile", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1
     assert "runs[r].lr" in proc.stderr
+
+
+def test_every_schema_key_is_documented_in_config_readme():
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    readme = (REPO / "config" / "README.md").read_text()
+    keys = [key for key in schema["properties"] if key != "mlflow"]
+    keys += [*schema["$defs"]["run"]["properties"], *schema["$defs"]["dataset"]["properties"]]
+    keys += [f"mlflow.{key}" for key in schema["properties"]["mlflow"]["properties"]]
+    missing = [key for key in keys if f"| `{key}` |" not in readme]
+    assert not missing

@@ -15,8 +15,14 @@ from shardfuse.io import UserError, write_json
 from shardfuse.merge import merge
 from tests.conftest import subprocess_env
 
-SPEC = {"type": "mlp", "num_features": 4, "num_classes": 3, "hidden_sizes": [5], "activation": "relu",
-        "dropout": 0.0}
+SPEC = {
+    "type": "mlp",
+    "num_features": 4,
+    "num_classes": 3,
+    "hidden_sizes": [5],
+    "activation": "relu",
+    "dropout": 0.0,
+}
 
 
 def make_run(tmp_path, tensors_per_rank, rows, run="r"):
@@ -25,16 +31,25 @@ def make_run(tmp_path, tensors_per_rank, rows, run="r"):
     meta = {"run": run, "world_size": len(tensors_per_rank), "strategy": "localsgd", "model": SPEC}
     save_weights(train_dir / "base.safetensors", tensors_per_rank[0], {**meta, "rank": None})
     for rank, tensors in enumerate(tensors_per_rank):
-        save_weights(train_dir / f"rank-{rank}.safetensors", tensors,
-                     {**meta, "rank": rank, "rows": rows[rank], "num_steps": 7})
+        save_weights(
+            train_dir / f"rank-{rank}.safetensors",
+            tensors,
+            {**meta, "rank": rank, "rows": rows[rank], "num_steps": 7},
+        )
     write_json(train_dir / "train.json", {**meta, "num_steps": 7})
     return train_dir
 
 
 def random_ranks(num_ranks, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [{"a.weight": torch.randn(5, 4, generator=gen), "a.bias": torch.randn(5, generator=gen),
-             "b": torch.randn(3, 5, generator=gen)} for _ in range(num_ranks)]
+    return [
+        {
+            "a.weight": torch.randn(5, 4, generator=gen),
+            "a.bias": torch.randn(5, generator=gen),
+            "b": torch.randn(3, 5, generator=gen),
+        }
+        for _ in range(num_ranks)
+    ]
 
 
 def gather_to(tmp_path, train_dir, world_size):
@@ -84,7 +99,9 @@ def test_gather_names_the_rank_with_a_wrong_shape(tmp_path):
     ranks = random_ranks(2)
     ranks[1]["b"] = torch.zeros(3, 6)
     train_dir = make_run(tmp_path, ranks, [1, 1])
-    with pytest.raises(UserError, match=r"^rank 1: tensor 'b' is F32\[3, 6\] but the base model has F32\[3, 5\]"):
+    with pytest.raises(
+        UserError, match=r"^rank 1: tensor 'b' is F32\[3, 6\] but the base model has F32\[3, 5\]"
+    ):
         gather(train_dir, 2)
 
 
@@ -99,8 +116,12 @@ def test_gather_detects_a_file_changed_after_training(tmp_path):
     ranks = random_ranks(2)
     train_dir = make_run(tmp_path, ranks, [1, 1])
     sidecar = json.loads((train_dir / "rank-0.json").read_text())
-    save_weights(train_dir / "rank-0.safetensors", ranks[1], {k: v for k, v in sidecar.items()
-                                                            if k not in ("sha256", "bytes")}, sidecar=False)
+    save_weights(
+        train_dir / "rank-0.safetensors",
+        ranks[1],
+        {k: v for k, v in sidecar.items() if k not in ("sha256", "bytes")},
+        sidecar=False,
+    )
     with pytest.raises(UserError, match=r"^rank 0: .* does not match the sha256"):
         gather(train_dir, 2)
 
@@ -115,9 +136,22 @@ def test_gather_records_checksums_and_rows(tmp_path):
 def test_merge_cli_error_is_one_line_and_writes_nothing(tmp_path):
     gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(2), [1, 1]), 2)
     proc = subprocess.run(
-        [sys.executable, "-m", "shardfuse.merge", "--gather", str(gather_path), "--method", "consolidate",
-         "--out-weights", str(tmp_path / "m.safetensors"), "--out-json", str(tmp_path / "m.json")],
-        capture_output=True, text=True, env=subprocess_env(),
+        [
+            sys.executable,
+            "-m",
+            "shardfuse.merge",
+            "--gather",
+            str(gather_path),
+            "--method",
+            "consolidate",
+            "--out-weights",
+            str(tmp_path / "m.safetensors"),
+            "--out-json",
+            str(tmp_path / "m.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "differs between ranks" in proc.stderr

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest_tracking_fixtures import make_run_dir, run_config
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from shardfuse import tracking
 from shardfuse.io import UserError
+from tests.tracking_fixtures import make_run_dir, run_config
 
 pytestmark = pytest.mark.integration
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -10,24 +10,52 @@ import pytest
 import torch
 
 from shardfuse.checkpoint import load_weights, read_metadata
-from shardfuse.launch import Geometry, staging_dir, torchrun_command
 from shardfuse.io import UserError
+from shardfuse.launch import Geometry, staging_dir, torchrun_command
 from tests.conftest import subprocess_env
 
 pytestmark = pytest.mark.integration
 
-TRAIN_CFG = {"hidden_sizes": [16], "activation": "relu", "dropout": 0.1, "optimizer": "sgd", "lr": 0.05,
-             "momentum": 0.9, "weight_decay": 0.0, "batch_size": 64, "epochs": 2, "seed": 3}
+TRAIN_CFG = {
+    "hidden_sizes": [16],
+    "activation": "relu",
+    "dropout": 0.1,
+    "optimizer": "sgd",
+    "lr": 0.05,
+    "momentum": 0.9,
+    "weight_decay": 0.0,
+    "batch_size": 64,
+    "epochs": 2,
+    "seed": 3,
+}
 
 
 def run_training(tmp_path, digits_dataset, digits_shards, name, **overrides):
     out = tmp_path / name / "train"
     cfg = {**TRAIN_CFG, **overrides}
     proc = subprocess.run(
-        [sys.executable, "-m", "shardfuse.launch", "--world-size", "2", "--out-dir", str(out), "--",
-         "--run-name", name, "--shard-dir", str(digits_shards), "--dataset-dir", str(digits_dataset),
-         "--config-json", json.dumps(cfg)],
-        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "shardfuse.launch",
+            "--world-size",
+            "2",
+            "--out-dir",
+            str(out),
+            "--",
+            "--run-name",
+            name,
+            "--shard-dir",
+            str(digits_shards),
+            "--dataset-dir",
+            str(digits_dataset),
+            "--config-json",
+            json.dumps(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -38,10 +66,12 @@ def trained(tmp_path_factory, digits_dataset, digits_shards):
     tmp = tmp_path_factory.mktemp("train")
     return {
         "ddp": run_training(tmp, digits_dataset, digits_shards, "ddp", strategy="ddp", sync_every=0),
-        "independent": run_training(tmp, digits_dataset, digits_shards, "ind", strategy="localsgd",
-                                    sync_every=0),
-        "localsgd": run_training(tmp, digits_dataset, digits_shards, "lsgd", strategy="localsgd",
-                                 sync_every=5),
+        "independent": run_training(
+            tmp, digits_dataset, digits_shards, "ind", strategy="localsgd", sync_every=0
+        ),
+        "localsgd": run_training(
+            tmp, digits_dataset, digits_shards, "lsgd", strategy="localsgd", sync_every=5
+        ),
     }
 
 
@@ -65,7 +95,10 @@ def test_every_rank_starts_from_the_saved_base_weights(trained):
     for train_dir in trained.values():
         base_meta = read_metadata(train_dir / "base.safetensors")
         for rank in (0, 1):
-            assert read_metadata(train_dir / f"rank-{rank}.safetensors")["init_sha256"] == base_meta["init_sha256"]
+            assert (
+                read_metadata(train_dir / f"rank-{rank}.safetensors")["init_sha256"]
+                == base_meta["init_sha256"]
+            )
     # Same seed, same data: the base checkpoint does not depend on the strategy.
     bases = [load_weights(d / "base.safetensors")[0] for d in trained.values()]
     assert all(torch.equal(bases[0][n], other[n]) for other in bases[1:] for n in bases[0])
@@ -95,10 +128,28 @@ def test_step_metrics_have_one_row_per_step_on_every_rank(trained):
 def test_failed_training_leaves_no_output_directory(tmp_path, digits_dataset, digits_shards):
     out = tmp_path / "bad" / "train"
     proc = subprocess.run(
-        [sys.executable, "-m", "shardfuse.launch", "--world-size", "3", "--out-dir", str(out), "--",
-         "--run-name", "bad", "--shard-dir", str(digits_shards), "--dataset-dir", str(digits_dataset),
-         "--config-json", json.dumps({**TRAIN_CFG, "strategy": "ddp", "sync_every": 0})],
-        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "shardfuse.launch",
+            "--world-size",
+            "3",
+            "--out-dir",
+            str(out),
+            "--",
+            "--run-name",
+            "bad",
+            "--shard-dir",
+            str(digits_shards),
+            "--dataset-dir",
+            str(digits_dataset),
+            "--config-json",
+            json.dumps({**TRAIN_CFG, "strategy": "ddp", "sync_every": 0}),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
     )
     assert proc.returncode == 2
     assert "has 2 shards but torchrun started 3 ranks" in proc.stderr

@@ -24,8 +24,13 @@ def tiny_config(tmp_path: Path, independent_merge: str = "uniform") -> Path:
             "independent": {"strategy": "localsgd", "sync_every": 0, "merge_method": independent_merge},
         },
         "datasets": {"digits": {"source": "digits", "test_fraction": 0.2, "seed": 0}},
-        "run_defaults": {"dataset": "digits", "world_size": 2, "hidden_sizes": [16], "epochs": 2,
-                         "batch_size": 64},
+        "run_defaults": {
+            "dataset": "digits",
+            "world_size": 2,
+            "hidden_sizes": [16],
+            "epochs": 2,
+            "batch_size": 64,
+        },
         "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "tiny"},
     }
     path = tmp_path / "config.yaml"
@@ -35,9 +40,22 @@ def tiny_config(tmp_path: Path, independent_merge: str = "uniform") -> Path:
 
 def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        ["snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-         "--configfile", str(workdir / "config.yaml"), "--cores", "2", *args],
-        capture_output=True, text=True, env=subprocess_env(), timeout=600,
+        [
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--configfile",
+            str(workdir / "config.yaml"),
+            "--cores",
+            "2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
     )
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -48,7 +66,8 @@ def file_state(directory: Path) -> dict[str, tuple[int, str]]:
     """mtime_ns and sha256 of every file below ``directory``."""
     return {
         str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in sorted(directory.rglob("*")) if p.is_file()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -61,7 +80,9 @@ def mlflow_state(workdir: Path) -> dict:
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     histories = {
-        (r.info.run_name, "loss"): [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, "loss")]
+        (r.info.run_name, "loss"): [
+            (m.step, m.value) for m in client.get_metric_history(r.info.run_id, "loss")
+        ]
         for r in children
     }
     return {"parents": parents, "children": children, "histories": histories}
@@ -104,7 +125,11 @@ def test_mlflow_has_one_parent_per_run_with_world_size_children(workdir):
     state = mlflow_state(workdir)
     assert sorted(r.info.run_name for r in state["parents"]) == ["ddp", "independent"]
     assert sorted(r.info.run_name for r in state["children"]) == [
-        "ddp/rank-0", "ddp/rank-1", "independent/rank-0", "independent/rank-1"]
+        "ddp/rank-0",
+        "ddp/rank-1",
+        "independent/rank-0",
+        "independent/rank-1",
+    ]
     ddp = next(r for r in state["parents"] if r.info.run_name == "ddp")
     assert ddp.data.params["strategy"] == "ddp" and ddp.data.params["merge_method"] == "consolidate"
     assert ddp.data.params["dataset_spec.source"] == "digits"
@@ -126,7 +151,9 @@ def test_rerun_merge_never_retrains_and_track_twice_duplicates_nothing(workdir):
     mlflow_after = mlflow_state(workdir)
     assert len(mlflow_after["parents"]) == 2 and len(mlflow_after["children"]) == 4
     assert mlflow_after["histories"] == mlflow_before["histories"]
-    assert {r.info.run_id for r in mlflow_after["parents"]} == {r.info.run_id for r in mlflow_before["parents"]}
+    assert {r.info.run_id for r in mlflow_after["parents"]} == {
+        r.info.run_id for r in mlflow_before["parents"]
+    }
 
 
 def test_changing_only_merge_method_reruns_merge_and_downstream_only(workdir):

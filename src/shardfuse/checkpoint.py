@@ -21,8 +21,9 @@ from shardfuse.io import UserError, atomic_path, sha256_file, write_json
 METADATA_KEY = "shardfuse"
 
 
-def save_weights(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any],
-                 sidecar: bool = True) -> str:
+def save_weights(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], sidecar: bool = True
+) -> str:
     """Write ``tensors`` (contiguous CPU copies) atomically; returns the file's sha256."""
     path = Path(path)
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
@@ -40,16 +41,20 @@ def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise UserError(f"checkpoint {path} is not a readable safetensors file ({exc}); delete it and "
-                        "re-run the stage that writes it") from None
+        raise UserError(
+            f"checkpoint {path} is not a readable safetensors file ({exc}); delete it and "
+            "re-run the stage that writes it"
+        ) from None
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     with _open(Path(path)) as fh:
         raw = (fh.metadata() or {}).get(METADATA_KEY)
     if raw is None:
-        raise UserError(f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "
-                        "point at a shardfuse checkpoint")
+        raise UserError(
+            f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "
+            "point at a shardfuse checkpoint"
+        )
     return json.loads(raw)
 
 

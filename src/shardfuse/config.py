@@ -10,7 +10,6 @@ validated, so a typo, a wrong type or an impossible value is one error that name
 
 from __future__ import annotations
 
-import argparse
 import copy
 import csv
 import json
@@ -23,15 +22,27 @@ from typing import Any
 import jsonschema
 import yaml
 
-from shardfuse.io import UserError, run_cli
+from shardfuse.io import StageParser, UserError, run_cli
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # The run keys each stage sees: a stage's command (hence Snakemake's params trigger) changes only
 # when one of its own keys changes, so a new merge method never re-runs training.
-TRAIN_KEYS = ("strategy", "sync_every", "hidden_sizes", "activation", "dropout", "optimizer", "lr",
-              "momentum", "weight_decay", "batch_size", "epochs", "seed")
+TRAIN_KEYS = (
+    "strategy",
+    "sync_every",
+    "hidden_sizes",
+    "activation",
+    "dropout",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "batch_size",
+    "epochs",
+    "seed",
+)
 
 
 class ConfigError(UserError):
@@ -133,28 +144,37 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
     """Read the TSV experiment table: a `run` column plus any run keys; empty cells take the default."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config error at runs: runs table {path} does not exist; create it or point "
-                          "`runs:` at your TSV (paths are relative to the working directory)")
+        raise ConfigError(
+            f"config error at runs: runs table {path} does not exist; create it or point "
+            "`runs:` at your TSV (paths are relative to the working directory)"
+        )
     with open(path, newline="") as fh:
         lines = [line for line in fh if line.strip() and not line.lstrip().startswith("#")]
     reader = csv.DictReader(lines, delimiter="\t")
     header = reader.fieldnames or []
     if "run" not in header:
-        raise ConfigError(f"config error at runs: {path} has no `run` column; the first header cell must be "
-                          "`run` (columns are tab-separated)")
+        raise ConfigError(
+            f"config error at runs: {path} has no `run` column; the first header cell must be "
+            "`run` (columns are tab-separated)"
+        )
     unknown = [col for col in header if col != "run" and col not in run_props]
     if unknown:
-        raise ConfigError(f"config error at runs: {path} has unknown column {unknown[0]!r}; valid columns: "
-                          f"run, {', '.join(sorted(run_props))}")
+        raise ConfigError(
+            f"config error at runs: {path} has unknown column {unknown[0]!r}; valid columns: "
+            f"run, {', '.join(sorted(run_props))}"
+        )
     runs: dict[str, dict[str, Any]] = {}
     for line_no, row in enumerate(reader, start=2):
         name = (row.get("run") or "").strip()
         if None in row:
-            raise ConfigError(f"config error at runs: {path} line {line_no} has more cells than the header; "
-                              "separate columns with single tabs")
+            raise ConfigError(
+                f"config error at runs: {path} line {line_no} has more cells than the header; "
+                "separate columns with single tabs"
+            )
         if name in runs:
-            raise ConfigError(f"config error at runs: run {name!r} appears twice in {path}; run names must "
-                              "be unique")
+            raise ConfigError(
+                f"config error at runs: run {name!r} appears twice in {path}; run names must be unique"
+            )
         where = f"runs[{name}]"
         runs[name] = {
             key: _coerce_cell(value, key, run_props[key], where)
@@ -167,7 +187,9 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
 
 
 def load_experiment(
-    config: dict[str, Any], schema_path: str | os.PathLike = SCHEMA_PATH, environ: dict[str, str] | None = None
+    config: dict[str, Any],
+    schema_path: str | os.PathLike = SCHEMA_PATH,
+    environ: dict[str, str] | None = None,
 ) -> Experiment:
     """Validate ``config`` and resolve every run. Raises ConfigError with a one-line message."""
     environ = os.environ if environ is None else environ
@@ -182,14 +204,18 @@ def load_experiment(
     table = config["runs"]
     rows = read_runs_table(table, run_props) if isinstance(table, str) else table
     fix = f"fix that cell in {table}" if isinstance(table, str) else "fix it in the runs mapping"
-    datasets = {name: _dataset_with_defaults(spec, schema["$defs"]["dataset"])
-                for name, spec in config["datasets"].items()}
+    datasets = {
+        name: _dataset_with_defaults(spec, schema["$defs"]["dataset"])
+        for name, spec in config["datasets"].items()
+    }
     runs: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         name = str(name)
         if not RUN_NAME.match(name):
-            raise ConfigError(f"config error at runs: run name {name!r} is not allowed; use letters, digits, "
-                              "'_', '.', '-' (it becomes a directory name)")
+            raise ConfigError(
+                f"config error at runs: run name {name!r} is not allowed; use letters, digits, "
+                "'_', '.', '-' (it becomes a directory name)"
+            )
         if row is None or not isinstance(row, dict):
             raise ConfigError(f"config error at runs[{name}]: expected a mapping of run keys; {fix}")
         resolved = {**defaults, **row}
@@ -214,14 +240,20 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
     """Rules that span several keys, which the schema cannot say clearly."""
     where = f"config error at runs[{name}]"
     if run["dataset"] not in datasets:
-        raise ConfigError(f"{where}.dataset: unknown dataset {run['dataset']!r}; define it under `datasets:` "
-                          f"(defined: {', '.join(sorted(datasets))})")
+        raise ConfigError(
+            f"{where}.dataset: unknown dataset {run['dataset']!r}; define it under `datasets:` "
+            f"(defined: {', '.join(sorted(datasets))})"
+        )
     if run["merge_method"] == "consolidate" and run["strategy"] != "ddp":
-        raise ConfigError(f"{where}.merge_method: consolidate needs identical ranks (strategy ddp) but "
-                          f"strategy is {run['strategy']}; use merge_method uniform or weighted")
+        raise ConfigError(
+            f"{where}.merge_method: consolidate needs identical ranks (strategy ddp) but "
+            f"strategy is {run['strategy']}; use merge_method uniform or weighted"
+        )
     if run["strategy"] == "ddp" and run["sync_every"] != 0:
-        raise ConfigError(f"{where}.sync_every: only localsgd syncs every N steps (ddp syncs gradients every "
-                          "step); remove sync_every or set strategy localsgd")
+        raise ConfigError(
+            f"{where}.sync_every: only localsgd syncs every N steps (ddp syncs gradients every "
+            "step); remove sync_every or set strategy localsgd"
+        )
 
 
 def run_config_for_tracking(experiment: Experiment, run: str) -> dict[str, Any]:
@@ -231,8 +263,10 @@ def run_config_for_tracking(experiment: Experiment, run: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.config", description=__doc__.splitlines()[0])
-    parser.add_argument("--configfile", default="config/config.yaml", help="YAML config (default: %(default)s)")
+    parser = StageParser(prog="python -m shardfuse.config", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--configfile", default="config/config.yaml", help="YAML config (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     try:
         with open(args.configfile) as fh:
@@ -240,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError:
         raise UserError(f"config file {args.configfile} does not exist; pass --configfile PATH") from None
     except yaml.YAMLError as exc:
-        raise UserError(f"config file {args.configfile} is not valid YAML ({str(exc).splitlines()[0]}); "
-                        "fix the syntax") from None
+        raise UserError(
+            f"config file {args.configfile} is not valid YAML ({str(exc).splitlines()[0]}); fix the syntax"
+        ) from None
     experiment = load_experiment(config)
     print(json.dumps({"tracking_uri": experiment.tracking_uri, "runs": experiment.runs}, indent=2))
 

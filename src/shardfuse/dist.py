@@ -31,8 +31,10 @@ class DistContext:
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
-        raise UserError(f"${name} is not set: this entry point runs under torchrun; launch it with "
-                        "`python -m shardfuse.launch` (or torchrun) instead of plain python")
+        raise UserError(
+            f"${name} is not set: this entry point runs under torchrun; launch it with "
+            "`python -m shardfuse.launch` (or torchrun) instead of plain python"
+        )
     return int(value)
 
 
@@ -47,8 +49,9 @@ def distributed(timeout_s: float = 600.0) -> Iterator[DistContext]:
     else:
         backend = "gloo"
         device = torch.device("cpu")
-    torch_dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                  timeout=timedelta(seconds=timeout_s))
+    torch_dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         yield DistContext(rank, world_size, local_rank, device, backend)
     finally:

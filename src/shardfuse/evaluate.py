@@ -9,7 +9,6 @@ By hand::
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +17,27 @@ import torch.nn.functional as F
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.data import load_table
-from shardfuse.io import UserError, read_json, run_cli, write_json
+from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
 from shardfuse.models import build_model
 
 
 @torch.no_grad()
-def evaluate_weights(path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
-                     ) -> dict[str, float]:
+def evaluate_weights(
+    path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
+) -> dict[str, float]:
     tensors, metadata = load_weights(path)
     model = build_model(metadata["model"])
     if model.net[0].in_features != features.shape[1]:
-        raise UserError(f"{path} expects {model.net[0].in_features} features but the test split has "
-                        f"{features.shape[1]}; evaluate with the test split of the run's dataset")
+        raise UserError(
+            f"{path} expects {model.net[0].in_features} features but the test split has "
+            f"{features.shape[1]}; evaluate with the test split of the run's dataset"
+        )
     model.load_state_dict(tensors)
     model.eval()
     loss_sum, correct = 0.0, 0
     for start in range(0, features.shape[0], batch_size):
-        logits = model(features[start:start + batch_size])
-        target = labels[start:start + batch_size]
+        logits = model(features[start : start + batch_size])
+        target = labels[start : start + batch_size]
         loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
         correct += int((logits.argmax(dim=1) == target).sum())
     return {"loss": loss_sum / features.shape[0], "accuracy": correct / features.shape[0]}
@@ -46,13 +48,16 @@ def evaluate(test_path: Path, gather_path: Path, merged_path: Path, batch_size: 
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")
     info = read_json(gather_path, "gather record")
-    ranks = [{"rank": r["rank"], **evaluate_weights(Path(r["path"]), features, labels, batch_size)}
-             for r in info["ranks"]]
+    ranks = [
+        {"rank": r["rank"], **evaluate_weights(Path(r["path"]), features, labels, batch_size)}
+        for r in info["ranks"]
+    ]
     accuracies = [r["accuracy"] for r in ranks]
     merged = evaluate_weights(merged_path, features, labels, batch_size)
     best = max(accuracies)
     return {
-        "run": info["run"], "test_rows": int(features.shape[0]),
+        "run": info["run"],
+        "test_rows": int(features.shape[0]),
         "merged": merged,
         "base": evaluate_weights(Path(info["base"]), features, labels, batch_size),
         "ranks": ranks,
@@ -64,8 +69,7 @@ def evaluate(test_path: Path, gather_path: Path, merged_path: Path, batch_size: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.evaluate",
-                                     description=__doc__.splitlines()[0])
+    parser = StageParser(prog="python -m shardfuse.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("--test", type=Path, required=True, help="test split Parquet")
     parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run")
     parser.add_argument("--merged", type=Path, required=True, help="merged.safetensors of the run")
@@ -76,8 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
     result = evaluate(args.test, args.gather, args.merged, args.batch_size)
     write_json(args.out, result)
-    print(f"{result['run']}: merged accuracy {result['merged']['accuracy']:.4f}, best rank "
-          f"{result['best_rank_accuracy']:.4f}, mean rank {result['mean_rank_accuracy']:.4f}")
+    print(
+        f"{result['run']}: merged accuracy {result['merged']['accuracy']:.4f}, best rank "
+        f"{result['best_rank_accuracy']:.4f}, mean rank {result['mean_rank_accuracy']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ checkpoint, and records each file's sha256. Any problem is one error that names 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoint import read_header, read_metadata
-from shardfuse.io import UserError, read_json, run_cli, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, read_json, run_cli, sha256_file, write_json
 
 RERUN = "re-run training (snakemake -R train)"
 
@@ -30,15 +29,19 @@ def _compare_headers(rank: int, header: dict[str, Any], reference: dict[str, Any
         raise UserError(f"rank {rank}: checkpoint has {detail} compared with the base model; {RERUN}")
     for name, info in reference.items():
         if header[name] != info:
-            raise UserError(f"rank {rank}: tensor {name!r} is {header[name]['dtype']}{header[name]['shape']} "
-                            f"but the base model has {info['dtype']}{info['shape']}; {RERUN}")
+            raise UserError(
+                f"rank {rank}: tensor {name!r} is {header[name]['dtype']}{header[name]['shape']} "
+                f"but the base model has {info['dtype']}{info['shape']}; {RERUN}"
+            )
 
 
 def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
     train_info = read_json(train_dir / "train.json", "training summary")
     if train_info["world_size"] != world_size:
-        raise UserError(f"{train_dir} was trained with world size {train_info['world_size']} but the run "
-                        f"config says {world_size}; {RERUN}")
+        raise UserError(
+            f"{train_dir} was trained with world size {train_info['world_size']} but the run "
+            f"config says {world_size}; {RERUN}"
+        )
     reference = read_header(train_dir / "base.safetensors")
     ranks = []
     for rank in range(world_size):
@@ -47,21 +50,37 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
             raise UserError(f"rank {rank}: checkpoint {path} is missing; {RERUN}")
         metadata = read_metadata(path)
         if metadata.get("rank") != rank or metadata.get("run") != train_info["run"]:
-            raise UserError(f"rank {rank}: {path} holds rank {metadata.get('rank')} of run "
-                            f"{metadata.get('run')!r}, not rank {rank} of {train_info['run']!r}; {RERUN}")
+            raise UserError(
+                f"rank {rank}: {path} holds rank {metadata.get('rank')} of run "
+                f"{metadata.get('run')!r}, not rank {rank} of {train_info['run']!r}; {RERUN}"
+            )
         _compare_headers(rank, read_header(path), reference)
         digest = sha256_file(path)
         sidecar = path.with_suffix(".json")
         if sidecar.is_file() and read_json(sidecar).get("sha256") not in (None, digest):
-            raise UserError(f"rank {rank}: {path} does not match the sha256 recorded in {sidecar} (the file "
-                            f"changed after training); {RERUN}")
-        ranks.append({"rank": rank, "path": str(path), "sha256": digest, "bytes": path.stat().st_size,
-                      "rows": int(metadata["rows"]), "num_steps": int(metadata["num_steps"])})
+            raise UserError(
+                f"rank {rank}: {path} does not match the sha256 recorded in {sidecar} (the file "
+                f"changed after training); {RERUN}"
+            )
+        ranks.append(
+            {
+                "rank": rank,
+                "path": str(path),
+                "sha256": digest,
+                "bytes": path.stat().st_size,
+                "rows": int(metadata["rows"]),
+                "num_steps": int(metadata["num_steps"]),
+            }
+        )
     return {
-        "run": train_info["run"], "world_size": world_size, "strategy": train_info["strategy"],
-        "model": train_info["model"], "base": str(train_dir / "base.safetensors"),
+        "run": train_info["run"],
+        "world_size": world_size,
+        "strategy": train_info["strategy"],
+        "model": train_info["model"],
+        "base": str(train_dir / "base.safetensors"),
         "num_parameters": sum(_numel(info["shape"]) for info in reference.values()),
-        "tensors": reference, "ranks": ranks,
+        "tensors": reference,
+        "ranks": ranks,
     }
 
 
@@ -73,7 +92,7 @@ def _numel(shape: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.gather", description=__doc__.splitlines()[0])
+    parser = StageParser(prog="python -m shardfuse.gather", description=__doc__.splitlines()[0])
     parser.add_argument("--train-dir", type=Path, required=True, help="the train rule's output directory")
     parser.add_argument("--world-size", type=int, required=True, help="ranks the run config expects")
     parser.add_argument("--out", type=Path, required=True, help="gather.json to write")

@@ -6,6 +6,7 @@ that looks complete: content goes to a temporary sibling first and is renamed in
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -25,12 +26,23 @@ class UserError(Exception):
     """
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _tmp_sibling(path: Path, *, directory: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{path.name}.tmp-"
+    # mkstemp/mkdtemp create owner-only entries; outputs get the usual umask-based modes instead,
+    # so results stay readable by the group (shared project directories on clusters).
     if directory:
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
+        tmp.chmod(0o777 & ~_umask())
+        return tmp
     fd, name = tempfile.mkstemp(prefix=prefix, dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     return Path(name)
 
@@ -85,8 +97,10 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise UserError(f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-                        "delete it and re-run the stage that produces it") from None
+        raise UserError(
+            f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+            "delete it and re-run the stage that produces it"
+        ) from None
 
 
 def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
@@ -102,8 +116,16 @@ def parse_json_arg(text: str, flag: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{flag} is not valid JSON ({exc.msg}); pass a JSON object, e.g. {flag} "
-                        "'{\"key\": 1}'") from None
+        raise UserError(
+            f"{flag} is not valid JSON ({exc.msg}); pass a JSON object, e.g. {flag} '{{\"key\": 1}}'"
+        ) from None
+
+
+class StageParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a one-line UserError (exit 2) like every other input error."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(f"{message}; see {self.prog} --help")
 
 
 def run_cli(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> None:

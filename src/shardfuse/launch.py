@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfuse.io import UserError, replace_dir, run_cli
+from shardfuse.io import StageParser, UserError, replace_dir, run_cli
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,21 @@ class Geometry:
 def torchrun_command(geometry: Geometry, train_args: list[str], python: str = sys.executable) -> list[str]:
     """The torchrun invocation for one node (``python -m torch.distributed.run`` is torchrun)."""
     if geometry.nnodes != 1:
-        raise UserError(f"nodes={geometry.nnodes}: several nodes need a SLURM allocation; run with "
-                        "--profile slurm or set nodes to 1")
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={geometry.nproc_per_node}", "-m", "shardfuse.train", *train_args]
+        raise UserError(
+            f"nodes={geometry.nnodes}: several nodes need a SLURM allocation; run with "
+            "--profile slurm or set nodes to 1"
+        )
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={geometry.nproc_per_node}",
+        "-m",
+        "shardfuse.train",
+        *train_args,
+    ]
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -72,16 +83,20 @@ def launch(geometry: Geometry, out_dir: Path, train_args: list[str]) -> None:
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     status = run_and_forward_signals(cmd)
     if status != 0:
-        raise UserError(f"training failed: torchrun exited with status {status}; the failing rank's error "
-                        f"is above in this log; partial outputs stay in {staging}")
+        raise UserError(
+            f"training failed: torchrun exited with status {status}; the failing rank's error "
+            f"is above in this log; partial outputs stay in {staging}"
+        )
     if not (staging / "train.json").is_file():
-        raise UserError(f"torchrun exited 0 but {staging}/train.json is missing; the ranks did not finish — "
-                        "check the log above")
+        raise UserError(
+            f"torchrun exited 0 but {staging}/train.json is missing; the ranks did not finish — "
+            "check the log above"
+        )
     replace_dir(staging, out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.launch", description=__doc__.splitlines()[0])
+    parser = StageParser(prog="python -m shardfuse.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, required=True, help="ranks = shards")
     parser.add_argument("--out-dir", type=Path, required=True, help="final directory of the run's outputs")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments of shardfuse.train")

@@ -16,7 +16,6 @@ with the model, not with the number of ranks. Sums are accumulated in float64.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from shardfuse.checkpoint import open_weights, read_metadata, save_weights
-from shardfuse.io import UserError, read_json, run_cli, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, read_json, run_cli, sha256_file, write_json
 
 METHODS = ("consolidate", "uniform", "weighted")
 
@@ -39,8 +38,9 @@ def merge_weights(method: str, rows: list[int]) -> list[float]:
     return [1.0 / len(rows)] * len(rows)
 
 
-def merge_tensors(paths: list[Path], method: str, weights: list[float], tolerance: float
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def merge_tensors(
+    paths: list[Path], method: str, weights: list[float], tolerance: float
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Return the merged tensors and, per tensor, the largest |rank - rank 0| difference."""
     if method not in METHODS:
         raise UserError(f"unknown merge method {method!r}; use one of {', '.join(METHODS)}")
@@ -55,8 +55,9 @@ def merge_tensors(paths: list[Path], method: str, weights: list[float], toleranc
             for handle, weight in zip(handles[1:], weights[1:], strict=True):
                 tensor = handle.get_tensor(name)
                 if reference.numel():
-                    worst = max(worst, (tensor.to(torch.float64) - reference.to(torch.float64))
-                                .abs().max().item())
+                    worst = max(
+                        worst, (tensor.to(torch.float64) - reference.to(torch.float64)).abs().max().item()
+                    )
                 acc.add_(tensor.to(torch.float64), alpha=weight)
             spread[name] = worst
             if method == "consolidate":
@@ -64,7 +65,8 @@ def merge_tensors(paths: list[Path], method: str, weights: list[float], toleranc
                     raise UserError(
                         f"consolidate: tensor {name!r} differs between ranks by up to {worst:.3g} "
                         f"(merge_tolerance {tolerance:.3g}); the ranks are not synchronous — use "
-                        "merge_method uniform/weighted or raise merge_tolerance")
+                        "merge_method uniform/weighted or raise merge_tolerance"
+                    )
                 merged[name] = reference.clone()
             else:
                 merged[name] = acc.to(reference.dtype)
@@ -77,26 +79,36 @@ def merge(gather_path: Path, method: str, tolerance: float, out_weights: Path, o
     paths = [Path(rank["path"]) for rank in ranks]
     for rank, path in zip(ranks, paths, strict=True):
         if not path.is_file() or sha256_file(path) != rank["sha256"]:
-            raise UserError(f"rank {rank['rank']}: {path} is missing or changed since gather; re-run "
-                            "gather (snakemake -R gather)")
+            raise UserError(
+                f"rank {rank['rank']}: {path} is missing or changed since gather; re-run "
+                "gather (snakemake -R gather)"
+            )
     weights = merge_weights(method, [rank["rows"] for rank in ranks])
     started = time.perf_counter()
     merged, spread = merge_tensors(paths, method, weights, tolerance)
-    digest = save_weights(out_weights, merged, {**read_metadata(paths[0]), "rank": None,
-                                                "merge_method": method}, sidecar=False)
+    digest = save_weights(
+        out_weights, merged, {**read_metadata(paths[0]), "rank": None, "merge_method": method}, sidecar=False
+    )
     record: dict[str, Any] = {
-        "run": info["run"], "method": method, "num_ranks": len(ranks), "weights": weights,
-        "rows": [rank["rows"] for rank in ranks], "tolerance": tolerance,
+        "run": info["run"],
+        "method": method,
+        "num_ranks": len(ranks),
+        "weights": weights,
+        "rows": [rank["rows"] for rank in ranks],
+        "tolerance": tolerance,
         "max_abs_diff_between_ranks": max(spread.values(), default=0.0),
-        "seconds": time.perf_counter() - started, "output": out_weights.name, "sha256": digest,
-        "num_tensors": len(merged), "num_parameters": sum(t.numel() for t in merged.values()),
+        "seconds": time.perf_counter() - started,
+        "output": out_weights.name,
+        "sha256": digest,
+        "num_tensors": len(merged),
+        "num_parameters": sum(t.numel() for t in merged.values()),
     }
     write_json(out_json, record)
     return record
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.merge", description=__doc__.splitlines()[0])
+    parser = StageParser(prog="python -m shardfuse.merge", description=__doc__.splitlines()[0])
     parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run")
     parser.add_argument("--method", required=True, choices=METHODS)
     parser.add_argument("--tolerance", type=float, default=1e-6, help="consolidate: max |rank - rank 0|")
@@ -106,8 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tolerance < 0:
         raise UserError(f"--tolerance {args.tolerance} must be >= 0")
     record = merge(args.gather, args.method, args.tolerance, args.out_weights, args.out_json)
-    print(f"merged {record['num_ranks']} ranks with {args.method}: {record['num_parameters']} parameters, "
-          f"max |rank - rank 0| = {record['max_abs_diff_between_ranks']:.3g}")
+    print(
+        f"merged {record['num_ranks']} ranks with {args.method}: {record['num_parameters']} parameters, "
+        f"max |rank - rank 0| = {record['max_abs_diff_between_ranks']:.3g}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ def mlp_spec(num_features: int, num_classes: int, run_cfg: dict[str, Any]) -> di
 
 
 class MLP(nn.Module):
-    def __init__(self, num_features: int, num_classes: int, hidden_sizes: list[int], activation: str,
-                 dropout: float) -> None:
+    def __init__(
+        self, num_features: int, num_classes: int, hidden_sizes: list[int], activation: str, dropout: float
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = num_features
@@ -57,9 +58,16 @@ class MLP(nn.Module):
 
 def build_model(spec: dict[str, Any]) -> MLP:
     if spec.get("type") != "mlp":
-        raise UserError(f"unknown model type {spec.get('type')!r} in checkpoint metadata; this version of "
-                        "shardfuse builds 'mlp' only — re-train with it")
+        raise UserError(
+            f"unknown model type {spec.get('type')!r} in checkpoint metadata; this version of "
+            "shardfuse builds 'mlp' only — re-train with it"
+        )
     if spec["activation"] not in ACTIVATIONS:
         raise UserError(f"unknown activation {spec['activation']!r}; use one of {', '.join(ACTIVATIONS)}")
-    return MLP(spec["num_features"], spec["num_classes"], list(spec["hidden_sizes"]), spec["activation"],
-               spec["dropout"])
+    return MLP(
+        spec["num_features"],
+        spec["num_classes"],
+        list(spec["hidden_sizes"]),
+        spec["activation"],
+        spec["dropout"],
+    )

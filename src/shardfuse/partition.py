@@ -20,7 +20,6 @@ never on --batch-size.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardfuse.io import UserError, atomic_dir, run_cli, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, atomic_dir, run_cli, sha256_file, write_json
 
 MANIFEST_FORMAT = "shardfuse.shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -241,9 +240,7 @@ def partition_parquet(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m shardfuse.partition", description=__doc__.splitlines()[0]
-    )
+    parser = StageParser(prog="python -m shardfuse.partition", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="Parquet file to partition (e.g. a train.parquet)")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks = number of shards")
     parser.add_argument("--seed", type=int, required=True, help="seed of the row-to-rank permutation")

@@ -21,7 +21,6 @@ Sources (keys of the spec; ``test_fraction`` defaults to 0.2, ``seed`` to 0):
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from shardfuse.io import UserError, atomic_path, parse_json_arg, run_cli, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli, sha256_file, write_json
 from shardfuse.partition import error_reason
 
 DEFAULTS = {"test_fraction": 0.2, "seed": 0, "class_sep": 1.0}
@@ -390,7 +389,7 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.prepare", description=__doc__.splitlines()[0])
+    parser = StageParser(prog="python -m shardfuse.prepare", description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True, help="dataset name, recorded in dataset.json")
     parser.add_argument("--spec-json", required=True, help="the dataset spec as a JSON object")
     parser.add_argument("--out-dir", required=True, help="directory for train/test.parquet and dataset.json")

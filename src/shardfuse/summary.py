@@ -8,17 +8,28 @@ By hand::
 
 from __future__ import annotations
 
-import argparse
 import csv
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import atomic_path, parse_json_arg, read_json, run_cli
+from shardfuse.io import StageParser, atomic_path, parse_json_arg, read_json, run_cli
 
 COLUMNS = (
-    "run", "dataset", "world_size", "strategy", "sync_every", "merge_method",
-    "test_accuracy_merged", "test_loss_merged", "test_accuracy_best_rank", "test_accuracy_mean_rank",
-    "test_accuracy_base", "fusion_gain", "max_abs_diff_between_ranks", "num_steps", "train_seconds",
+    "run",
+    "dataset",
+    "world_size",
+    "strategy",
+    "sync_every",
+    "merge_method",
+    "test_accuracy_merged",
+    "test_loss_merged",
+    "test_accuracy_best_rank",
+    "test_accuracy_mean_rank",
+    "test_accuracy_base",
+    "fusion_gain",
+    "max_abs_diff_between_ranks",
+    "num_steps",
+    "train_seconds",
 )
 
 
@@ -27,8 +38,12 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     training = read_json(run_dir / "train" / "train.json", "training summary")
     merging = read_json(run_dir / "merge.json", "merge record")
     return {
-        "run": run, "dataset": cfg["dataset"], "world_size": cfg["world_size"], "strategy": cfg["strategy"],
-        "sync_every": cfg["sync_every"], "merge_method": merging["method"],
+        "run": run,
+        "dataset": cfg["dataset"],
+        "world_size": cfg["world_size"],
+        "strategy": cfg["strategy"],
+        "sync_every": cfg["sync_every"],
+        "merge_method": merging["method"],
         "test_accuracy_merged": evaluation["merged"]["accuracy"],
         "test_loss_merged": evaluation["merged"]["loss"],
         "test_accuracy_best_rank": evaluation["best_rank_accuracy"],
@@ -36,7 +51,8 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "test_accuracy_base": evaluation["base"]["accuracy"],
         "fusion_gain": evaluation["fusion_gain"],
         "max_abs_diff_between_ranks": merging["max_abs_diff_between_ranks"],
-        "num_steps": training["num_steps"], "train_seconds": round(training["train_seconds"], 3),
+        "num_steps": training["num_steps"],
+        "train_seconds": round(training["train_seconds"], 3),
     }
 
 
@@ -50,15 +66,17 @@ def write_summary(runs: dict[str, dict[str, Any]], results_dir: Path, out: Path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.summary", description=__doc__.splitlines()[0])
+    parser = StageParser(prog="python -m shardfuse.summary", description=__doc__.splitlines()[0])
     parser.add_argument("--runs-json", required=True, help="{run: resolved config} of the runs to list")
     parser.add_argument("--results-dir", type=Path, default=Path("results/runs"), help="default: %(default)s")
     parser.add_argument("--out", type=Path, required=True, help="CSV to write")
     args = parser.parse_args(argv)
     rows = write_summary(parse_json_arg(args.runs_json, "--runs-json"), args.results_dir, args.out)
     for row in rows:
-        print(f"{row['run']:>20}  merged {row['test_accuracy_merged']:.4f}  best rank "
-              f"{row['test_accuracy_best_rank']:.4f}  ({row['strategy']}, {row['merge_method']})")
+        print(
+            f"{row['run']:>20}  merged {row['test_accuracy_merged']:.4f}  best rank "
+            f"{row['test_accuracy_best_rank']:.4f}  ({row['strategy']}, {row['merge_method']})"
+        )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ exactly one active parent per NAME and one point per step in each history.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -30,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import UserError, parse_json_arg, read_json, run_cli, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, parse_json_arg, read_json, run_cli, sha256_file, write_json
 
 RUN_TAG = "shardfuse.run"
 RANK_TAG = "shardfuse.rank"
@@ -357,7 +356,7 @@ def track_run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="shardfuse.tracking", description=__doc__.splitlines()[0])
+    parser = StageParser(prog="shardfuse.tracking", description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="run name (the {run} wildcard)")
     parser.add_argument("--run-dir", required=True, type=Path, help="results/runs/{run}")
     parser.add_argument("--manifest", required=True, type=Path, help="the shards' manifest.json")

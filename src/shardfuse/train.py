@@ -14,7 +14,6 @@ Every rank reads only its own shard, starts from the same initial weights (rank 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
 import time
@@ -31,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardfuse.checkpoint import save_weights
 from shardfuse.data import load_shard, read_dataset_info, read_manifest
 from shardfuse.dist import DistContext, distributed, gate_for
-from shardfuse.io import UserError, atomic_path, parse_json_arg, run_cli
+from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli
 from shardfuse.models import build_model, mlp_spec
 
 METRIC_COLUMNS = ("step", "epoch", "loss", "samples_per_second", "lr", "timestamp_ms")
@@ -40,8 +39,9 @@ METRIC_COLUMNS = ("step", "epoch", "loss", "samples_per_second", "lr", "timestam
 def make_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
     if cfg["optimizer"] == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"],
-                           weight_decay=cfg["weight_decay"])
+    return torch.optim.SGD(
+        model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
+    )
 
 
 @torch.no_grad()
@@ -89,26 +89,31 @@ def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
 
 
 def write_metrics(path: Path, rows: dict[str, list]) -> None:
-    table = pa.table({
-        "step": pa.array(rows["step"], pa.int64()),
-        "epoch": pa.array(rows["epoch"], pa.int64()),
-        "loss": pa.array(rows["loss"], pa.float64()),
-        "samples_per_second": pa.array(rows["samples_per_second"], pa.float64()),
-        "lr": pa.array(rows["lr"], pa.float64()),
-        "timestamp_ms": pa.array(rows["timestamp_ms"], pa.int64()),
-    })
+    table = pa.table(
+        {
+            "step": pa.array(rows["step"], pa.int64()),
+            "epoch": pa.array(rows["epoch"], pa.int64()),
+            "loss": pa.array(rows["loss"], pa.float64()),
+            "samples_per_second": pa.array(rows["samples_per_second"], pa.float64()),
+            "lr": pa.array(rows["lr"], pa.float64()),
+            "timestamp_ms": pa.array(rows["timestamp_ms"], pa.int64()),
+        }
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
 
-def train_rank(ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, cfg: dict[str, Any],
-               out_dir: Path) -> None:
+def train_rank(
+    ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, cfg: dict[str, Any], out_dir: Path
+) -> None:
     gate = gate_for(ctx.rank)
     manifest = read_manifest(shard_dir)
     if manifest["world_size"] != ctx.world_size:
-        raise UserError(f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
-                        f"{ctx.world_size} ranks; launch with --world-size {manifest['world_size']}")
+        raise UserError(
+            f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
+            f"{ctx.world_size} ranks; launch with --world-size {manifest['world_size']}"
+        )
     info = read_dataset_info(dataset_dir)
     features, labels = load_shard(shard_dir, ctx.rank, verify=True)
     features, labels = features.to(ctx.device), labels.to(ctx.device)
@@ -118,8 +123,13 @@ def train_rank(ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, c
     model = build_model(spec).to(ctx.device)
     model.set_input_stats(*global_feature_stats(features))
     broadcast_from_rank0(model)
-    meta = {"run": run, "world_size": ctx.world_size, "strategy": cfg["strategy"], "model": spec,
-            "init_sha256": state_digest(model)}
+    meta = {
+        "run": run,
+        "world_size": ctx.world_size,
+        "strategy": cfg["strategy"],
+        "model": spec,
+        "init_sha256": state_digest(model),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
 
@@ -132,8 +142,10 @@ def train_rank(ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, c
     num_batches = steps_per_epoch(manifest, cfg["batch_size"])
     num_rows = features.shape[0]
     rows: dict[str, list] = {name: [] for name in METRIC_COLUMNS}
-    gate.log(f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}): {cfg['epochs']} epochs "
-             f"x {num_batches} steps")
+    gate.log(
+        f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}): {cfg['epochs']} epochs "
+        f"x {num_batches} steps"
+    )
 
     model.train()
     started = time.perf_counter()
@@ -151,30 +163,55 @@ def train_rank(ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, c
                 average_parameters(model, ctx.world_size)
             loss_value = loss.item()
             elapsed = max(time.perf_counter() - tick, 1e-9)
-            for name, value in zip(METRIC_COLUMNS, (step, epoch, loss_value, len(batch) / elapsed,
-                                                    optimizer.param_groups[0]["lr"],
-                                                    int(time.time() * 1000)), strict=True):
+            for name, value in zip(
+                METRIC_COLUMNS,
+                (
+                    step,
+                    epoch,
+                    loss_value,
+                    len(batch) / elapsed,
+                    optimizer.param_groups[0]["lr"],
+                    int(time.time() * 1000),
+                ),
+                strict=True,
+            ):
                 rows[name].append(value)
         gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} rank-0 loss {loss_value:.4f}")
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
 
-    save_weights(out_dir / f"rank-{ctx.rank}.safetensors", model.state_dict(),
-                 {**meta, "rank": ctx.rank, "rows": num_rows, "num_steps": step})
+    save_weights(
+        out_dir / f"rank-{ctx.rank}.safetensors",
+        model.state_dict(),
+        {**meta, "rank": ctx.rank, "rows": num_rows, "num_steps": step},
+    )
     write_metrics(out_dir / "metrics" / f"rank-{ctx.rank}.parquet", rows)
     torch_dist.barrier()  # every rank's files exist before train.json says the run is complete
-    gate.write_json(out_dir / "train.json", {
-        "run": run, "world_size": ctx.world_size, "strategy": cfg["strategy"], "sync_every": sync_every,
-        "num_steps": step, "epochs": cfg["epochs"], "steps_per_epoch": num_batches,
-        "train_seconds": float(seconds.item()), "backend": ctx.backend,
-        "shard_dir": str(shard_dir), "dataset_dir": str(dataset_dir), "model": spec,
-        "ranks": [{"rank": s["rank"], "rows": s["rows"], "checkpoint": f"rank-{s['rank']}.safetensors"}
-                  for s in manifest["shards"]],
-    })
+    gate.write_json(
+        out_dir / "train.json",
+        {
+            "run": run,
+            "world_size": ctx.world_size,
+            "strategy": cfg["strategy"],
+            "sync_every": sync_every,
+            "num_steps": step,
+            "epochs": cfg["epochs"],
+            "steps_per_epoch": num_batches,
+            "train_seconds": float(seconds.item()),
+            "backend": ctx.backend,
+            "shard_dir": str(shard_dir),
+            "dataset_dir": str(dataset_dir),
+            "model": spec,
+            "ranks": [
+                {"rank": s["rank"], "rows": s["rows"], "checkpoint": f"rank-{s['rank']}.safetensors"}
+                for s in manifest["shards"]
+            ],
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardfuse.train", description="One torchrun rank.")
+    parser = StageParser(prog="python -m shardfuse.train", description="One torchrun rank.")
     parser.add_argument("--run-name", required=True, help="run name (recorded in every output)")
     parser.add_argument("--shard-dir", required=True, type=Path, help="shard set with manifest.json")
     parser.add_argument("--dataset-dir", required=True, type=Path, help="prepared dataset (dataset.json)")
