@@ -25,12 +25,12 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	$(BIN)/snakemake --lint
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 	$(BIN)/snakefmt Snakefile workflow/rules
 

@@ -92,7 +92,7 @@ rm -f "$STATE_DIR/munge/munged.pid" 2>/dev/null || true
 # Drop the /etc/hosts lines slurm-up.sh added for virtual node names
 # (rewritten in place: /etc/hosts may be a bind mount).
 if grep -q '# shardfuse-slurm$' /etc/hosts 2>/dev/null; then
-    hosts=$(grep -v '# shardfuse-slurm$' /etc/hosts)
+    hosts=$(grep -v '# shardfuse-slurm$' /etc/hosts || true)
     printf '%s\n' "$hosts" >/etc/hosts
 fi
 

@@ -3,6 +3,7 @@
 # root, no systemd, no cgroups) for tests and CI.
 #
 #   bash scripts/slurm-up.sh      # install if needed, start, wait for idle
+#   SHARDFUSE_SLURM_NODES=2 bash scripts/slurm-up.sh   # 2 virtual nodes
 #   bash scripts/slurm-check.sh   # smoke test
 #   bash scripts/slurm-down.sh    # stop what this script started
 #
@@ -260,7 +261,7 @@ fi
 # /etc/hosts is often a bind mount that cannot be replaced by rename.
 HOSTS_MARK="# shardfuse-slurm"
 if grep -q "$HOSTS_MARK\$" /etc/hosts 2>/dev/null; then
-    hosts=$(grep -v "$HOSTS_MARK\$" /etc/hosts)
+    hosts=$(grep -v "$HOSTS_MARK\$" /etc/hosts || true)
     printf '%s\n' "$hosts" >/etc/hosts
 fi
 if ((NNODES > 1)); then
@@ -302,7 +303,7 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
     # The munged pid file lives in a munge-owned 0700 dir; mirror it next to
     # the slurm ones so slurm-down.sh finds all three in one place.
     for _ in $(seq 1 50); do [[ -s $STATE_DIR/munge/munged.pid ]] && break; sleep 0.1; done
-    cp "$STATE_DIR/munge/munged.pid" "$STATE_DIR/munged.pid"
+    cp "$STATE_DIR/munge/munged.pid" "$STATE_DIR/munged.pid" || die "munged wrote no pid file"
     munge -n | unmunge >/dev/null || die "munge -n | unmunge failed"
 fi
 # Expose munged's log with the others for dump_logs.

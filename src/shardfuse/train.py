@@ -136,7 +136,8 @@ def train_rank(
     # Dropout and data order differ per rank; the initial weights above do not.
     torch.manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
     order_gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
-    net = DistributedDataParallel(model) if cfg["strategy"] == "ddp" else model
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
     optimizer = make_optimizer(model, cfg)
     sync_every = cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0
     num_batches = steps_per_epoch(manifest, cfg["batch_size"])
