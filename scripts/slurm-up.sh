@@ -26,9 +26,15 @@ MARKER="# Managed by shardfuse scripts/slurm-up.sh -- do not edit, rerun the scr
 log() { printf 'slurm-up: %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; dump_logs; exit 1; }
 
+# Only the logs of the daemons this run manages (old slurmd-<node> logs of a
+# different node set would just be noise); apt.log only if apt failed.
+APT_FAILED=0
+NODES=()
 dump_logs() {
-    local f
-    for f in "$STATE_DIR"/log/*; do
+    local f files=("$STATE_DIR"/log/munged.{log,stderr} "$STATE_DIR"/log/slurmctld.{log,stderr})
+    for f in "${NODES[@]}"; do files+=("$STATE_DIR/log/slurmd-$f".{log,stderr}); done
+    ((APT_FAILED)) && files=("$STATE_DIR/log/apt.log")
+    for f in "${files[@]}"; do
         [[ -s $f ]] || continue
         printf '\n===== tail -n 40 %s =====\n' "$f" >&2
         tail -n 40 "$f" >&2 || true
@@ -97,6 +103,7 @@ if ((${#missing[@]})); then
         apt-get update -q >>"$STATE_DIR/log/apt.log" 2>&1 || true
         apt_install >>"$STATE_DIR/log/apt.log" 2>&1 || {
             ((our_policy)) && rm -f "$policy"
+            APT_FAILED=1
             die "apt-get install ${PKGS[*]} failed (see $STATE_DIR/log/apt.log)"
         }
     fi
@@ -110,7 +117,6 @@ NODE=$(hostname -s)
 # Default 1 node, named `hostname -s`.
 NNODES=${SHARDFUSE_SLURM_NODES:-1}
 [[ $NNODES =~ ^[1-8]$ ]] || die "SHARDFUSE_SLURM_NODES must be 1..8 (got '$NNODES')"
-NODES=()
 if ((NNODES == 1)); then
     NODES=("$NODE")
 else
@@ -319,8 +325,16 @@ if ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
     log "starting slurmctld"
     slurmctld -f "$ETC_CONF" 2>>"$STATE_DIR/log/slurmctld.stderr" 9>&- || die "slurmctld failed to start"
 fi
-for _ in $(seq 1 50); do scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
-scontrol ping >/dev/null 2>&1 || die "slurmctld does not answer 'scontrol ping'"
+# Bounded by wall time (a ping to a port that accepts but never answers takes
+# MessageTimeout=10s); stop early if the daemon already died (e.g. port in use).
+deadline=$((SECONDS + 30))
+until scontrol ping 2>/dev/null | grep -q ' is UP'; do
+    if [[ -s $STATE_DIR/slurmctld.pid ]] && ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
+        die "slurmctld exited during startup"
+    fi
+    ((SECONDS < deadline)) || die "slurmctld does not answer 'scontrol ping' after 30s"
+    sleep 0.3
+done
 
 for n in "${NODES[@]}"; do
     if ! pid_alive slurmd "$STATE_DIR/slurmd-$n.pid"; then

@@ -20,6 +20,17 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def run_stage(stage: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m shardfuse.<stage> ARGS`` as a user would, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", f"shardfuse.{stage}", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+
+
 @pytest.fixture(scope="session")
 def digits_dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("datasets") / "digits"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 
 from shardfuse.io import UserError, sha256_file
 from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
+from tests.conftest import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -221,14 +221,7 @@ def test_unusable_world_size_is_a_user_error(tmp_path, world_size, message):
 
 
 def run_partition_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run(
-        [sys.executable, "-m", "shardfuse.partition", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return run_stage("partition", *args)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from shardfuse import prepare as prepare_module
 from shardfuse.io import UserError, sha256_file
 from shardfuse.prepare import prepare
+from tests.conftest import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = {"source": "synthetic", "num_rows": 3000, "num_features": 5, "num_classes": 4, "seed": 3}
@@ -258,15 +258,7 @@ def test_nan_in_parquet_features_is_rejected(tmp_path):
 
 
 def run_prepare_cli(tmp_path: Path, spec_json: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    args = ["--name", "cli", "--spec-json", spec_json, "--out-dir", str(tmp_path / "out")]
-    return subprocess.run(
-        [sys.executable, "-m", "shardfuse.prepare", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return run_stage("prepare", "--name", "cli", "--spec-json", spec_json, "--out-dir", tmp_path / "out")
 
 
 @pytest.mark.parametrize(
