@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Smoke test for the cluster started by scripts/slurm-up.sh. Exits non-zero
-# on the first failure. Takes ~15 s.
+# on the first failure. Takes ~25 s.
 #
 # Checks: sbatch --wait; srun inside an sbatch allocation; squeue; two 1-CPU
 # jobs running at the same time (if the node has >= 2 CPUs); scancel ends in

@@ -91,6 +91,8 @@ if ((${#missing[@]})); then
         printf '#!/bin/sh\n# temporary, from shardfuse slurm-up.sh\nexit 101\n' >"$policy"
         chmod 0755 "$policy"
         our_policy=1
+        # Removed on every exit path, including a failed or interrupted install.
+        trap 'rm -f "$policy"' EXIT
     fi
     apt_install() {
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
@@ -102,12 +104,14 @@ if ((${#missing[@]})); then
         log "install failed with current package lists; running apt-get update"
         apt-get update -q >>"$STATE_DIR/log/apt.log" 2>&1 || true
         apt_install >>"$STATE_DIR/log/apt.log" 2>&1 || {
-            ((our_policy)) && rm -f "$policy"
             APT_FAILED=1
             die "apt-get install ${PKGS[*]} failed (see $STATE_DIR/log/apt.log)"
         }
     fi
-    ((our_policy)) && rm -f "$policy"
+    if ((our_policy)); then
+        rm -f "$policy"
+        trap - EXIT
+    fi
 fi
 
 NODE=$(hostname -s)

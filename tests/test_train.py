@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from shardfuse.checkpoint import load_weights, read_metadata
-from shardfuse.io import UserError
-from shardfuse.launch import Geometry, staging_dir, torchrun_command
-from tests.conftest import subprocess_env
+from shardfuse.launch import staging_dir
+from tests.conftest import run_stage
 
 pytestmark = pytest.mark.integration
 
@@ -32,30 +29,22 @@ TRAIN_CFG = {
 
 def run_training(tmp_path, digits_dataset, digits_shards, name, **overrides):
     out = tmp_path / name / "train"
-    cfg = {**TRAIN_CFG, **overrides}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardfuse.launch",
-            "--world-size",
-            "2",
-            "--out-dir",
-            str(out),
-            "--",
-            "--run-name",
-            name,
-            "--shard-dir",
-            str(digits_shards),
-            "--dataset-dir",
-            str(digits_dataset),
-            "--config-json",
-            json.dumps(cfg),
-        ],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
+    cfg = json.dumps({**TRAIN_CFG, **overrides})
+    proc = run_stage(
+        "launch",
+        "--nproc-per-node",
+        2,
+        "--out-dir",
+        out,
+        "--",
+        "--run-name",
+        name,
+        "--shard-dir",
+        digits_shards,
+        "--dataset-dir",
+        digits_dataset,
+        "--config-json",
+        cfg,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -125,43 +114,57 @@ def test_step_metrics_have_one_row_per_step_on_every_rank(trained):
     assert info["num_steps"] == info["epochs"] * info["steps_per_epoch"]
 
 
-def test_failed_training_leaves_no_output_directory(tmp_path, digits_dataset, digits_shards):
+def test_failed_training_leaves_no_output_directory(tmp_path, digits_shards):
     out = tmp_path / "bad" / "train"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardfuse.launch",
-            "--world-size",
-            "3",
-            "--out-dir",
-            str(out),
-            "--",
-            "--run-name",
-            "bad",
-            "--shard-dir",
-            str(digits_shards),
-            "--dataset-dir",
-            str(digits_dataset),
-            "--config-json",
-            json.dumps({**TRAIN_CFG, "strategy": "ddp", "sync_every": 0}),
-        ],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=300,
+    empty_dataset = tmp_path / "no-dataset"
+    empty_dataset.mkdir()
+    cfg = json.dumps({**TRAIN_CFG, "strategy": "ddp", "sync_every": 0})
+    proc = run_stage(
+        "launch",
+        "--nproc-per-node",
+        2,
+        "--out-dir",
+        out,
+        "--",
+        "--run-name",
+        "bad",
+        "--shard-dir",
+        digits_shards,
+        "--dataset-dir",
+        empty_dataset,
+        "--config-json",
+        cfg,
     )
     assert proc.returncode == 2
-    assert "has 2 shards but torchrun started 3 ranks" in proc.stderr
+    assert "dataset.json" in proc.stderr  # the rank's own one-line error is in the log
     assert proc.stderr.strip().splitlines()[-1].startswith("shardfuse.launch: error: training failed")
     assert not out.exists()
     assert staging_dir(out).exists()  # kept for inspection, never mistaken for a finished run
 
 
-def test_torchrun_command_for_one_machine_is_standalone():
-    cmd = torchrun_command(Geometry(1, 4), ["--run-name", "r"], python="py")
-    assert cmd[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
-    assert "--nproc-per-node=4" in cmd
-    assert cmd[-3:] == ["shardfuse.train", "--run-name", "r"]
-    with pytest.raises(UserError, match="several nodes need a SLURM allocation"):
-        torchrun_command(Geometry(2, 4), [])
+def test_geometry_that_disagrees_with_the_shards_fails_before_starting_ranks(
+    tmp_path, digits_dataset, digits_shards
+):
+    out = tmp_path / "bad" / "train"
+    proc = run_stage(
+        "launch",
+        "--nproc-per-node",
+        3,
+        "--out-dir",
+        out,
+        "--",
+        "--run-name",
+        "bad",
+        "--shard-dir",
+        digits_shards,
+        "--dataset-dir",
+        digits_dataset,
+        "--config-json",
+        "{}",
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "shardfuse.launch: error: the shard set has 2 shards but nodes x nproc_per_node = 1 x 3 = 3; "
+        "make world_size and the geometry agree"
+    )
+    assert not out.exists() and not staging_dir(out).exists()

@@ -237,12 +237,26 @@ def _dataset_with_defaults(spec: dict[str, Any], schema: dict[str, Any]) -> dict
 
 
 def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str) -> None:
-    """Rules that span several keys, which the schema cannot say clearly."""
+    """Rules that span several keys, which the schema cannot say clearly; resolves nproc_per_node."""
     where = f"config error at runs[{name}]"
     if run["dataset"] not in datasets:
         raise ConfigError(
             f"{where}.dataset: unknown dataset {run['dataset']!r}; define it under `datasets:` "
             f"(defined: {', '.join(sorted(datasets))})"
+        )
+    nodes, world_size = run["nodes"], run["world_size"]
+    if run["nproc_per_node"] is None:
+        if world_size % nodes:
+            raise ConfigError(
+                f"{where}.nodes: world_size {world_size} (the number of shards) cannot be split "
+                f"evenly over {nodes} nodes; make world_size a multiple of nodes"
+            )
+        run["nproc_per_node"] = world_size // nodes
+    elif nodes * run["nproc_per_node"] != world_size:
+        raise ConfigError(
+            f"{where}: nodes x nproc_per_node = {nodes} x {run['nproc_per_node']} = "
+            f"{nodes * run['nproc_per_node']} but world_size (the number of shards) is "
+            f"{world_size}; make them agree"
         )
     if run["merge_method"] == "consolidate" and run["strategy"] != "ddp":
         raise ConfigError(

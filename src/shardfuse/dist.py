@@ -43,6 +43,12 @@ def distributed(timeout_s: float = 600.0) -> Iterator[DistContext]:
     """Join the process group for the duration of the block; always tear it down."""
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} "
+                "GPU(s); set the run's nproc_per_node to the GPUs per node and ask for them "
+                "with gres=gpu:N in the profile"
+            )
         backend = "nccl"
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -1,27 +1,41 @@
-"""Build and run the torchrun command for a training run, then publish its outputs atomically.
+"""Launch geometry: build and run the torchrun command for a training run, locally or under SLURM.
 
 The train rule calls::
 
-    python -m shardfuse.launch --world-size 2 --out-dir results/runs/ddp/train -- \
-        --run-name ddp --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \
+    python -m shardfuse.launch --nodes 1 --nproc-per-node 2 --out-dir results/runs/ddp/train -- \\
+        --run-name ddp --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \\
         --config-json '{...}'
 
-Everything after ``--`` goes to ``shardfuse.train``. The ranks write into a staging directory next
-to ``--out-dir``; only when torchrun exits 0 and ``train.json`` exists is it renamed onto
-``--out-dir``, so an interrupted or failed run never leaves a directory that looks complete.
+Everything after ``--`` goes to ``shardfuse.train``. Three cases, one code path:
+
+* one node, local or inside a SLURM job: ``torchrun --standalone --nproc-per-node=P``;
+* several nodes (inside a SLURM allocation only): ``srun`` starts one task per node, each running
+  ``python -m shardfuse.launch --node-step``, which reads ``SLURM_NODEID``/``SLURM_NNODES``/the node
+  list *inside the step* (the Snakemake job-step plugin strips most ``SLURM_*`` variables before the
+  rule's shell runs) and execs ``torchrun --nnodes=N --node-rank=R`` with a c10d rendezvous on the
+  allocation's first host.
+
+The ranks write into a staging directory next to ``--out-dir`` (on the shared filesystem); only when
+every rank finished and ``train.json`` exists is it renamed onto ``--out-dir``, so an interrupted or
+failed run never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardfuse.io import StageParser, UserError, replace_dir, run_cli
+
+TRAIN_MODULE = "shardfuse.train"
+RDZV_PORT_ENV = "SHARDFUSE_RDZV_PORT"
 
 
 @dataclass(frozen=True)
@@ -31,18 +45,33 @@ class Geometry:
     nnodes: int = 1
     nproc_per_node: int = 1
 
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise UserError(f"--nodes {self.nnodes} and --nproc-per-node {self.nproc_per_node} must be >= 1")
+
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
 
-def torchrun_command(geometry: Geometry, train_args: list[str], python: str = sys.executable) -> list[str]:
-    """The torchrun invocation for one node (``python -m torch.distributed.run`` is torchrun)."""
-    if geometry.nnodes != 1:
-        raise UserError(
-            f"nodes={geometry.nnodes}: several nodes need a SLURM allocation; run with "
-            "--profile slurm or set nodes to 1"
-        )
+def job_resources(geometry: Geometry) -> dict[str, int | str]:
+    """Resources of the train job for snakemake-executor-plugin-slurm (ignored by the local executor).
+
+    One SLURM task per node, each running one torchrun agent. ``mpi="srun"`` makes the plugin's job
+    step run the rule's shell in the batch step, from where :func:`srun_command` fans out; a single
+    node keeps the plugin's default single-task step. ``tasks_per_gpu=0`` stops the plugin adding
+    ``--ntasks-per-gpu`` when the profile asks for GPUs (``gres=gpu:N`` is per node).
+    """
+    return {
+        "nodes": geometry.nnodes,
+        "tasks": geometry.nnodes,
+        "tasks_per_gpu": 0,
+        "mpi": "srun" if geometry.nnodes > 1 else "",
+    }
+
+
+def standalone_command(geometry: Geometry, train_args: list[str], python: str = sys.executable) -> list[str]:
+    """One node: torchrun with its own local rendezvous (``python -m torch.distributed.run`` is torchrun)."""
     return [
         python,
         "-m",
@@ -51,9 +80,123 @@ def torchrun_command(geometry: Geometry, train_args: list[str], python: str = sy
         "--nnodes=1",
         f"--nproc-per-node={geometry.nproc_per_node}",
         "-m",
-        "shardfuse.train",
+        TRAIN_MODULE,
         *train_args,
     ]
+
+
+def srun_command(geometry: Geometry, train_args: list[str], python: str = sys.executable) -> list[str]:
+    """Several nodes: one srun task per node, each becoming that node's torchrun agent."""
+    return [
+        "srun",
+        f"--nodes={geometry.nnodes}",
+        f"--ntasks={geometry.nnodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        python,
+        "-m",
+        "shardfuse.launch",
+        "--node-step",
+        f"--nodes={geometry.nnodes}",
+        f"--nproc-per-node={geometry.nproc_per_node}",
+        "--",
+        *train_args,
+    ]
+
+
+def node_command(
+    geometry: Geometry,
+    node_rank: int,
+    rdzv_host: str,
+    rdzv_port: int,
+    rdzv_id: str,
+    train_args: list[str],
+    python: str = sys.executable,
+) -> list[str]:
+    """This node's torchrun agent; all agents meet at the c10d store on ``rdzv_host``."""
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={geometry.nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={geometry.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
+        f"--rdzv-id={rdzv_id}",
+        "-m",
+        TRAIN_MODULE,
+        *train_args,
+    ]
+
+
+def launch_command(
+    geometry: Geometry, train_args: list[str], environ: Mapping[str, str], python: str = sys.executable
+) -> list[str]:
+    """The command the train rule's job runs, chosen from the geometry and where we are."""
+    if geometry.nnodes == 1:
+        return standalone_command(geometry, train_args, python)
+    if "SLURM_JOB_ID" not in environ:
+        raise UserError(
+            f"nodes={geometry.nnodes} needs a SLURM allocation of {geometry.nnodes} nodes; run "
+            "with --profile profiles/slurm or set the run's nodes to 1"
+        )
+    return srun_command(geometry, train_args, python)
+
+
+def rendezvous_port(job_id: str, environ: Mapping[str, str]) -> int:
+    """A port per job, so two multi-node jobs sharing a first host do not collide."""
+    if environ.get(RDZV_PORT_ENV):
+        return int(environ[RDZV_PORT_ENV])
+    return 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list (``node[01-04],gpu7`` -> ``node01``), via scontrol."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise UserError(
+            f"cannot expand the SLURM node list {nodelist!r} with scontrol ({exc}); run inside "
+            "a SLURM allocation with scontrol on PATH"
+        ) from None
+    if not out:
+        raise UserError(f"scontrol returned no hosts for node list {nodelist!r}")
+    return out[0]
+
+
+def node_step_command(
+    geometry: Geometry, train_args: list[str], environ: Mapping[str, str], python: str = sys.executable
+) -> list[str]:
+    """Inside one srun task: read this step's SLURM variables and build the node's torchrun."""
+    missing = [v for v in ("SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_ID") if v not in environ]
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if missing or not nodelist:
+        raise UserError(
+            f"--node-step runs inside an srun step; {', '.join(missing) or 'the node list'} "
+            "is not set — launch without --node-step"
+        )
+    if int(environ["SLURM_NNODES"]) != geometry.nnodes:
+        raise UserError(
+            f"the srun step spans {environ['SLURM_NNODES']} nodes but the run needs "
+            f"{geometry.nnodes}; request nodes={geometry.nnodes} for the job"
+        )
+    job_id = environ["SLURM_JOB_ID"]
+    return node_command(
+        geometry,
+        int(environ["SLURM_NODEID"]),
+        first_host(nodelist),
+        rendezvous_port(job_id, environ),
+        job_id,
+        train_args,
+        python,
+    )
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -62,6 +205,7 @@ def staging_dir(out_dir: Path) -> Path:
 
 def run_and_forward_signals(cmd: list[str]) -> int:
     """Run ``cmd``; a SIGTERM/SIGINT to us (job cancelled) is passed on so no rank is orphaned."""
+    print("launch:", shlex.join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd)
 
     def forward(signum, _frame):
@@ -75,21 +219,35 @@ def run_and_forward_signals(cmd: list[str]) -> int:
             signal.signal(sig, handler)
 
 
-def launch(geometry: Geometry, out_dir: Path, train_args: list[str]) -> None:
+def _shard_world_size(train_args: list[str]) -> int | None:
+    if "--shard-dir" not in train_args:
+        return None
+    from shardfuse.data import read_manifest
+
+    return int(read_manifest(train_args[train_args.index("--shard-dir") + 1])["world_size"])
+
+
+def launch(geometry: Geometry, out_dir: Path, train_args: list[str], environ: Mapping[str, str]) -> None:
+    shards = _shard_world_size(train_args)
+    if shards is not None and shards != geometry.world_size:
+        raise UserError(
+            f"the shard set has {shards} shards but nodes x nproc_per_node = {geometry.nnodes} x "
+            f"{geometry.nproc_per_node} = {geometry.world_size}; make world_size and the "
+            "geometry agree"
+        )
     staging = staging_dir(out_dir)
+    cmd = launch_command(geometry, [*train_args, "--out-dir", str(staging)], environ)  # checks geometry
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    cmd = torchrun_command(geometry, [*train_args, "--out-dir", str(staging)])
-    print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     status = run_and_forward_signals(cmd)
     if status != 0:
         raise UserError(
-            f"training failed: torchrun exited with status {status}; the failing rank's error "
-            f"is above in this log; partial outputs stay in {staging}"
+            f"training failed: exit status {status}; the failing rank's error is above in this "
+            f"log; partial outputs stay in {staging}"
         )
     if not (staging / "train.json").is_file():
         raise UserError(
-            f"torchrun exited 0 but {staging}/train.json is missing; the ranks did not finish — "
+            f"training exited 0 but {staging}/train.json is missing; the ranks did not finish — "
             "check the log above"
         )
     replace_dir(staging, out_dir)
@@ -97,14 +255,23 @@ def launch(geometry: Geometry, out_dir: Path, train_args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, required=True, help="ranks = shards")
-    parser.add_argument("--out-dir", type=Path, required=True, help="final directory of the run's outputs")
-    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments of shardfuse.train")
+    parser.add_argument("--nodes", type=int, default=1, help="machines (default: %(default)s)")
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks per machine")
+    parser.add_argument("--out-dir", type=Path, help="final directory of the run's outputs")
+    parser.add_argument(
+        "--node-step",
+        action="store_true",
+        help="internal: this process is one srun task of a multi-node launch",
+    )
+    parser.add_argument("train_args", nargs="*", help="-- then the arguments of shardfuse.train")
     args = parser.parse_args(argv)
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    if args.world_size < 1:
-        raise UserError(f"--world-size {args.world_size} must be at least 1")
-    launch(Geometry(1, args.world_size), args.out_dir, train_args)
+    geometry = Geometry(args.nodes, args.nproc_per_node)
+    if args.node_step:
+        status = run_and_forward_signals(node_step_command(geometry, args.train_args, os.environ))
+        sys.exit(status)
+    if args.out_dir is None:
+        raise UserError("--out-dir is required; pass the run's train directory")
+    launch(geometry, args.out_dir, args.train_args, os.environ)
 
 
 if __name__ == "__main__":

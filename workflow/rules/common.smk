@@ -16,6 +16,7 @@ shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
 )
 
+from shardfuse.launch import Geometry, job_resources  # noqa: E402
 from shardfuse.config import (  # noqa: E402
     TRAIN_KEYS,
     ConfigError,
@@ -35,6 +36,14 @@ except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 RUNS = EXPERIMENT.runs
+
+if workflow.local_exec and not workflow.dryrun:
+    _multi_node = sorted(run for run, cfg in RUNS.items() if cfg["nodes"] > 1)
+    if _multi_node:
+        raise WorkflowError(
+            f"run(s) {', '.join(_multi_node)} ask for several nodes, which needs a SLURM allocation; "
+            "run with --profile profiles/slurm or set nodes to 1"
+        )
 
 
 wildcard_constraints:
@@ -80,6 +89,29 @@ def test_split_of_run(wildcards):
 
 def world_size_of_run(wildcards):
     return RUNS[wildcards.run]["world_size"]
+
+
+def nodes_of_run(wildcards):
+    return RUNS[wildcards.run]["nodes"]
+
+
+def nproc_per_node_of_run(wildcards):
+    return RUNS[wildcards.run]["nproc_per_node"]
+
+
+def geometry_of_run(wildcards):
+    cfg = RUNS[wildcards.run]
+    return Geometry(cfg["nodes"], cfg["nproc_per_node"])
+
+
+def train_job_resource(name):
+    """A resource function for the train rule, from shardfuse.launch.job_resources."""
+
+    def resource(wildcards):
+        return job_resources(geometry_of_run(wildcards))[name]
+
+    resource.__name__ = f"train_{name}_of_run"
+    return resource
 
 
 def train_config_json(wildcards):

@@ -10,12 +10,21 @@ rule train:
         "benchmarks/train/{run}.tsv"
     conda:
         "../../envs/train.yaml"
-    threads: world_size_of_run
+    threads: nproc_per_node_of_run
+    resources:
+        # Launch geometry from the run's nodes (shardfuse.launch.job_resources): one SLURM task
+        # per node. Partition, account, memory, runtime and GPUs (gres) come from the profile.
+        nodes=train_job_resource("nodes"),
+        tasks=train_job_resource("tasks"),
+        tasks_per_gpu=train_job_resource("tasks_per_gpu"),
+        mpi=train_job_resource("mpi"),
     params:
-        world_size=world_size_of_run,
+        nodes=nodes_of_run,
+        nproc_per_node=nproc_per_node_of_run,
         dataset_dir=dataset_dir_of_run,
         config=train_config_json,
     shell:
-        "python -m shardfuse.launch --world-size {params.world_size} --out-dir {output.train} --"
+        "python -m shardfuse.launch --nodes {params.nodes} --nproc-per-node {params.nproc_per_node}"
+        " --out-dir {output.train} --"
         " --run-name {wildcards.run} --shard-dir {input.shards} --dataset-dir {params.dataset_dir}"
         " --config-json {params.config:q} > {log} 2>&1"
