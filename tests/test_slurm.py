@@ -1,0 +1,232 @@
+"""The same DAG on a real SLURM cluster (scripts/slurm-up.sh): jobs, failures, cancellation, geometry.
+
+Required in CI (the `slurm_cluster` fixture fails there when no cluster answers); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from shardfuse.checkpoint import load_weights
+from tests.conftest import REPO, subprocess_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slurm]
+
+# Fast status polling for a cluster on this machine; the profile's own values suit real clusters.
+FAST_STATUS = [
+    "--slurm-init-seconds-before-status-checks",
+    "1",
+    "--seconds-between-status-checks",
+    "2",
+    "--latency-wait",
+    "5",
+]
+
+
+def snakemake_cmd(workdir: Path, *args: str, profile: bool = True) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+    ]
+    if profile:
+        cmd += ["--profile", str(REPO / "profiles" / "slurm"), *FAST_STATUS]
+    return [*cmd, *args]
+
+
+def run_snakemake(workdir: Path, *args: str, profile: bool = True, timeout: float = 600):
+    started = time.perf_counter()
+    proc = subprocess.run(
+        snakemake_cmd(workdir, *args, profile=profile),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+    return proc, time.perf_counter() - started
+
+
+def default_experiment(path: Path) -> Path:
+    """A working directory holding the repository's default experiment config."""
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(REPO / "config", path / "config")
+    return path
+
+
+def tiny_experiment(path: Path, **run) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "runs": {"tiny": {"strategy": "ddp", "merge_method": "consolidate", **run}},
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2, "hidden_sizes": [16], "epochs": 1},
+        "mlflow": {"tracking_uri": f"sqlite:///{path}/mlflow.db"},
+    }
+    (path / "config").mkdir()
+    (path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+def job_records(state_dir: Path) -> dict[str, str]:
+    """JobId -> JobState from the cluster's job-completion log."""
+    log = state_dir / "jobcomp.log"
+    text = log.read_text() if log.exists() else ""
+    return dict(re.findall(r"JobId=(\d+) .*?JobState=(\S+)", text))
+
+
+def slurm_job_ids(workdir: Path, rule: str) -> list[str]:
+    return sorted(p.stem for p in (workdir / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))
+
+
+@pytest.fixture(scope="module")
+def slurm_and_local_runs(slurm_cluster, tmp_path_factory):
+    """The default experiment twice, in the same test run: with the SLURM profile and locally."""
+    slurm_dir = default_experiment(tmp_path_factory.mktemp("slurm") / "work")
+    proc, slurm_seconds = run_snakemake(slurm_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    local_dir = default_experiment(tmp_path_factory.mktemp("local") / "work")
+    local_proc, local_seconds = run_snakemake(local_dir, "--cores", "all", profile=False)
+    assert local_proc.returncode == 0, local_proc.stderr[-4000:]
+    timing = {
+        "local_seconds": round(local_seconds, 1),
+        "slurm_seconds": round(slurm_seconds, 1),
+        "slurm_over_local": round(slurm_seconds / local_seconds, 2),
+    }
+    # Reported in the CI log: the wall time of the default experiment under each executor.
+    print(f"\ndefault experiment wall time: {json.dumps(timing)}", file=sys.__stderr__, flush=True)
+    return {"slurm": slurm_dir, "local": local_dir, "slurm_log": proc.stderr}
+
+
+def test_default_experiment_runs_partition_and_train_as_slurm_jobs(slurm_and_local_runs, slurm_cluster):
+    workdir = slurm_and_local_runs["slurm"]
+    records = job_records(slurm_cluster)
+    for rule, expected in (("partition", 1), ("train", 3), ("gather", 3), ("merge", 3), ("evaluate", 3)):
+        job_ids = slurm_job_ids(workdir, rule)
+        assert len(job_ids) == expected, rule
+        assert all(records.get(job_id) == "COMPLETED" for job_id in job_ids), (rule, job_ids)
+    # track and summary are local rules: they never went to the cluster.
+    assert slurm_job_ids(workdir, "track") == [] and slurm_job_ids(workdir, "summary") == []
+    assert (workdir / "results" / "summary.csv").read_text().count("\n") == 4
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    experiment = client.get_experiment_by_name("shardfuse")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = sorted(r.info.run_name for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    assert parents == ["ddp", "independent", "localsgd"]
+    assert len(runs) == 3 + 3 * 2
+
+
+def test_ddp_merged_model_under_slurm_is_bitwise_identical_to_local(slurm_and_local_runs):
+    slurm, _ = load_weights(slurm_and_local_runs["slurm"] / "results/runs/ddp/merged.safetensors")
+    local, _ = load_weights(slurm_and_local_runs["local"] / "results/runs/ddp/merged.safetensors")
+    assert slurm.keys() == local.keys()
+    assert all(torch.equal(slurm[name], local[name]) for name in slurm)
+
+
+def corrupt_keeping_mtime(path: Path) -> None:
+    """Flip bytes in the middle of ``path`` without changing its size or times (Snakemake sees nothing)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work")
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    corrupt_keeping_mtime(workdir / "results/shards/digits/w2-seed0/shard-1.parquet")
+
+    proc, _ = run_snakemake(workdir, "results/runs/tiny/train")
+    assert proc.returncode != 0
+    (job_id,) = slurm_job_ids(workdir, "train")
+    assert "Error in rule train" in proc.stderr
+    assert f"SLURM-job '{job_id}' failed" in proc.stderr
+    assert "logs/train/tiny.log" in proc.stderr
+    assert f".snakemake/slurm_logs/rule_train/tiny/{job_id}.log" in proc.stderr
+    assert job_records(slurm_cluster)[job_id] == "FAILED"
+    assert "shard of rank 1" in (workdir / "logs/train/tiny.log").read_text()
+    assert not (workdir / "results/runs/tiny/train").exists()
+
+
+def test_cancelled_train_job_is_reported_as_cancelled_not_waited_on(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work", epochs=100000)
+    proc, _ = run_snakemake(
+        workdir,
+        "--cores",
+        "2",
+        "--until",
+        "partition",
+        profile=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with subprocess.Popen(
+        snakemake_cmd(workdir, "results/runs/tiny/train"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    ) as snakemake:
+        job_id = wait_for_running_job(workdir, "train", timeout=120)
+        time.sleep(3)  # let torchrun start its ranks
+        subprocess.run(["scancel", job_id], check=True)
+        output, _ = snakemake.communicate(timeout=180)
+    assert snakemake.returncode != 0
+    assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in output
+    assert not (workdir / "results/runs/tiny/train").exists()
+
+
+def wait_for_running_job(workdir: Path, rule: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for job_id in slurm_job_ids(workdir, rule):
+            state = subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
+            ).stdout.strip()
+            if state == "RUNNING":
+                return job_id
+        time.sleep(1)
+    raise AssertionError(f"no {rule} job reached RUNNING within {timeout} s")
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (
+            {"nodes": 2, "nproc_per_node": 2},
+            "nodes x nproc_per_node = 2 x 2 = 4 but world_size (the number of shards) is 2",
+        ),
+        ({"nodes": 2, "world_size": 3}, "world_size 3 (the number of shards) cannot be split evenly over 2"),
+    ],
+)
+def test_geometry_errors_fail_before_any_sbatch(slurm_cluster, tmp_path, run, message):
+    workdir = tiny_experiment(tmp_path / "work", **run)
+    jobs_before = set(job_records(slurm_cluster))
+    queued_before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    proc, _ = run_snakemake(workdir)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (workdir / ".snakemake" / "slurm_logs").exists()
+    assert not (workdir / "results").exists()
+    assert set(job_records(slurm_cluster)) == jobs_before
+    assert (
+        subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == queued_before
+    )
