@@ -18,6 +18,10 @@ include: "workflow/rules/track.smk"
 include: "workflow/rules/summary.smk"
 
 
+onstart:
+    fail_multi_node_runs_without_slurm()
+
+
 rule all:
     default_target: True
     input:

@@ -10,6 +10,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Figures measured by integration tests, printed at the end of the run (CI log).
+MEASUREMENTS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if MEASUREMENTS:
+        terminalreporter.section("measurements")
+        for line in MEASUREMENTS:
+            terminalreporter.write_line(line)
 
 
 def subprocess_env() -> dict[str, str]:

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import MEASUREMENTS, REPO, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -106,8 +106,7 @@ def slurm_and_local_runs(slurm_cluster, tmp_path_factory):
         "slurm_seconds": round(slurm_seconds, 1),
         "slurm_over_local": round(slurm_seconds / local_seconds, 2),
     }
-    # Reported in the CI log: the wall time of the default experiment under each executor.
-    print(f"\ndefault experiment wall time: {json.dumps(timing)}", file=sys.__stderr__, flush=True)
+    MEASUREMENTS.append(f"default experiment wall time: {json.dumps(timing)}")
     return {"slurm": slurm_dir, "local": local_dir, "slurm_log": proc.stderr}
 
 

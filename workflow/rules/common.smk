@@ -37,19 +37,21 @@ except ConfigError as exc:
 
 RUNS = EXPERIMENT.runs
 
-if workflow.local_exec and not workflow.dryrun:
-    _multi_node = sorted(run for run, cfg in RUNS.items() if cfg["nodes"] > 1)
-    if _multi_node:
-        raise WorkflowError(
-            f"run(s) {', '.join(_multi_node)} ask for several nodes, which needs a SLURM allocation; "
-            "run with --profile profiles/slurm or set nodes to 1"
-        )
-
 
 wildcard_constraints:
     run="|".join(re.escape(run) for run in RUNS),
     dataset="|".join(re.escape(name) for name in EXPERIMENT.datasets),
     shardset=r"w\d+-seed\d+(-drop)?",
+
+
+def fail_multi_node_runs_without_slurm():
+    """Several nodes need an allocation: say so before any local job starts, not at train time."""
+    multi_node = sorted(run for run, cfg in RUNS.items() if cfg["nodes"] > 1)
+    if multi_node and workflow.local_exec and not workflow.dryrun:
+        raise WorkflowError(
+            f"run(s) {', '.join(multi_node)} ask for several nodes, which needs a SLURM allocation; "
+            "run with --profile profiles/slurm or set nodes to 1"
+        )
 
 
 def _json(obj):
