@@ -186,3 +186,14 @@ def test_invalid_config_fails_before_any_job_with_one_clear_line(tmp_path):
     assert proc.returncode != 0
     assert "config error at runs[ddp].world_size: 0 is less than the minimum of 1" in proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_several_nodes_with_the_local_executor_fail_before_any_job(tmp_path):
+    path = tiny_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["runs"]["ddp"].update(nodes=2, nproc_per_node=1)
+    path.write_text(yaml.safe_dump(config))
+    proc = snakemake(tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "run(s) ddp ask for several nodes, which needs a SLURM allocation" in proc.stderr
+    assert not (tmp_path / "results").exists()
