@@ -22,15 +22,19 @@ from shardfuse.models import build_model
 
 
 @torch.no_grad()
-def evaluate_weights(
-    path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
+def score_state_dict(
+    tensors: dict[str, torch.Tensor],
+    spec: dict[str, Any],
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int = 4096,
 ) -> dict[str, float]:
-    tensors, metadata = load_weights(path)
-    model = build_model(metadata["model"])
+    """Mean cross-entropy and accuracy of model ``spec`` with weights ``tensors`` on (features, labels)."""
+    model = build_model(spec)
     if model.net[0].in_features != features.shape[1]:
         raise UserError(
-            f"{path} expects {model.net[0].in_features} features but the test split has "
-            f"{features.shape[1]}; evaluate with the test split of the run's dataset"
+            f"the model expects {model.net[0].in_features} features but the data has "
+            f"{features.shape[1]}; evaluate with a split of the run's dataset"
         )
     model.load_state_dict(tensors)
     model.eval()
@@ -41,6 +45,13 @@ def evaluate_weights(
         loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
         correct += int((logits.argmax(dim=1) == target).sum())
     return {"loss": loss_sum / features.shape[0], "accuracy": correct / features.shape[0]}
+
+
+def evaluate_weights(
+    path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
+) -> dict[str, float]:
+    tensors, metadata = load_weights(path)
+    return score_state_dict(tensors, metadata["model"], features, labels, batch_size)
 
 
 def evaluate(test_path: Path, gather_path: Path, merged_path: Path, batch_size: int) -> dict[str, Any]:
