@@ -28,8 +28,19 @@ def test_repository_default_config_resolves_ddp_and_localsgd_runs(monkeypatch):
     experiment = load_experiment(config, environ={})
     strategies = {cfg["strategy"] for cfg in experiment.runs.values()}
     assert {"ddp", "localsgd"} <= strategies
-    assert all(cfg["world_size"] == 2 and cfg["dataset"] == "digits" for cfg in experiment.runs.values())
+    assert all(cfg["dataset"] == "digits" for cfg in experiment.runs.values())
     assert experiment.tracking_uri == "sqlite:///mlflow.db"
+
+
+def test_default_experiment_sweeps_merge_methods_over_one_shared_w4_training(monkeypatch):
+    monkeypatch.chdir(REPO)
+    experiment = load_experiment(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), environ={})
+    sweep: dict[str, set[str]] = {}
+    for run, cfg in experiment.runs.items():
+        if cfg["world_size"] == 4 and cfg["strategy"] == "localsgd" and cfg["sync_every"] == 0:
+            sweep.setdefault(experiment.training(run), set()).add(cfg["merge_method"])
+    assert any(len(methods) >= 4 for methods in sweep.values())
+    assert len(experiment.trainings) < len(experiment.runs)  # sweeps reuse trained ranks
 
 
 def test_runs_table_cells_override_defaults_and_empty_cells_keep_them(tmp_path):

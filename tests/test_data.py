@@ -12,7 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from shardfuse import partition
 from shardfuse.data import (
+    ShardReader,
+    feature_stats,
     load_shard,
     load_table,
     num_features,
@@ -185,3 +188,121 @@ def test_read_dataset_info_rejects_an_incomplete_file(tmp_path):
     (tmp_path / "dataset.json").write_text(json.dumps({"name": "x", "num_features": 3}))
     with pytest.raises(UserError, match="lacks source, num_classes"):
         read_dataset_info(tmp_path)
+
+
+# ---------------------------------------------------------------- streaming reader and manifest stats
+
+STREAM_ROWS = 2_000
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory) -> Path:
+    """A 2-shard set whose shards have many small row groups (what large shards look like)."""
+    root = tmp_path_factory.mktemp("stream")
+    spec = {**SPEC, "num_rows": STREAM_ROWS, "num_features": 5}
+    prepare("syn", spec, root / "dataset")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(partition, "MAX_ROW_GROUP_ROWS", 64)
+        partition_parquet(root / "dataset" / "train.parquet", root / "shards", world_size=2, seed=0)
+    return root / "shards"
+
+
+def epoch_batches(reader: ShardReader, epoch: int, num_batches: int, start_batch: int = 0) -> list:
+    return [(f.clone(), y.clone()) for f, y in reader.epoch(epoch, num_batches, start_batch)]
+
+
+def same_batches(left: list, right: list) -> bool:
+    return len(left) == len(right) and all(
+        torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(left, right, strict=True)
+    )
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_shard_reader_epochs_hold_every_row_once_in_tensor_split_batch_sizes(streamed, cache):
+    features, labels = load_shard(streamed, 1)
+    with ShardReader(streamed, 1, seed=4, cache=cache) as reader:
+        assert pq.ParquetFile(reader.path).metadata.num_row_groups > 5
+        for epoch in range(3):
+            batches = epoch_batches(reader, epoch, 13)
+            expected_sizes = [len(b) for b in torch.tensor_split(torch.arange(len(labels)), 13)]
+            assert [len(y) for _, y in batches] == expected_sizes
+            assert np.array_equal(
+                rows_as_sorted_array(torch.cat([f for f, _ in batches]), torch.cat([y for _, y in batches])),
+                rows_as_sorted_array(features, labels),
+            )
+            assert batches[0][0].dtype == torch.float32 and batches[0][1].dtype == torch.int64
+
+
+def test_shard_reader_shuffles_across_row_groups_differently_every_epoch(streamed):
+    with ShardReader(streamed, 0, seed=1) as reader:
+        first, second = epoch_batches(reader, 0, 10), epoch_batches(reader, 1, 10)
+        again = epoch_batches(reader, 0, 10)
+    assert same_batches(first, again)  # seeded by (seed, epoch)
+    assert not torch.equal(first[0][0], second[0][0])
+    features, _ = load_shard(streamed, 0)
+    file_position = {tuple(row.tolist()): i for i, row in enumerate(features)}
+    positions = [file_position[tuple(row.tolist())] for row in first[3][0]]
+    assert max(positions) - min(positions) > 64  # one batch mixes several row groups
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_resuming_mid_epoch_gives_the_remaining_batches_of_an_uninterrupted_run(streamed, cache, epoch):
+    with ShardReader(streamed, 0, seed=2, cache=cache) as reader:
+        for earlier in range(epoch):
+            epoch_batches(reader, earlier, 9)
+        uninterrupted = epoch_batches(reader, epoch, 9)
+    for start_batch in (1, 5, 9):
+        with ShardReader(streamed, 0, seed=2, cache=cache) as fresh:  # a restarted process
+            assert same_batches(epoch_batches(fresh, epoch, 9, start_batch), uninterrupted[start_batch:])
+
+
+def test_shard_reader_checks_the_sha256_by_the_end_of_the_first_epoch(streamed, tmp_path):
+    shard_dir = Path(shutil.copytree(streamed, tmp_path / "shards"))
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    manifest["shards"][1]["sha256"] = "0" * 64  # readable shard, wrong checksum: only sha256 can tell
+    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+    with ShardReader(shard_dir, 1) as reader:
+        batches = reader.epoch(0, 4)
+        for _ in range(4):
+            next(batches)
+        with pytest.raises(UserError, match=r"shard of rank 1 .* does not match its sha256"):
+            next(batches)
+    with ShardReader(shard_dir, 0) as reader:  # rank 0 is intact
+        assert len(epoch_batches(reader, 0, 4)) == 4
+
+
+def test_shard_reader_on_a_corrupt_row_group_is_a_user_error_naming_the_rank(streamed, tmp_path):
+    shard_dir = Path(shutil.copytree(streamed, tmp_path / "shards"))
+    path = shard_dir / "shard-1.parquet"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # inside the first data page's header
+    path.write_bytes(bytes(data))
+    with (
+        pytest.raises(UserError, match=r"shard of rank 1 .* could not be read .*snakemake -R partition"),
+        ShardReader(shard_dir, 1, verify=False) as reader,
+    ):
+        epoch_batches(reader, 0, 4)
+
+
+def test_shard_reader_rejects_batch_counts_that_do_not_fit_the_shard(streamed):
+    with ShardReader(streamed, 0) as reader:
+        with pytest.raises(UserError, match="batches per epoch do not fit"):
+            next(reader.epoch(0, reader.num_rows + 1))
+        with pytest.raises(UserError, match="start batch 5 is outside"):
+            next(reader.epoch(0, 4, start_batch=5))
+
+
+def test_feature_stats_from_the_manifest_match_the_whole_training_split(streamed):
+    manifest = read_manifest(streamed)
+    mean, std = feature_stats(manifest, 5)
+    features = torch.cat([load_shard(streamed, rank)[0] for rank in range(2)]).double()
+    assert torch.allclose(mean.double(), features.mean(0), atol=1e-6)
+    assert torch.allclose(std.double(), features.std(0, unbiased=False), atol=1e-6)
+
+
+def test_feature_stats_without_moments_in_the_manifest_is_none(streamed):
+    manifest = read_manifest(streamed)
+    for shard in manifest["shards"]:
+        del shard["column_moments"]
+    assert feature_stats(manifest, 5) is None

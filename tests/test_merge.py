@@ -1,19 +1,27 @@
-"""Gather and merge against a direct reference computation, on small hand-made checkpoints."""
+"""Gather and the merge stage (streaming engine, greedy soup, DCP, CLI) on small hand-made checkpoints."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+from shardfuse import data as data_module
 from shardfuse.checkpoint import load_weights, save_weights
 from shardfuse.gather import gather
-from shardfuse.io import UserError, write_json
+from shardfuse.io import UserError, sha256_file, write_json
 from shardfuse.merge import merge
-from tests.conftest import subprocess_env
+from shardfuse.merge_methods import merge_arrays, rank_weights, resolve_params
+from tests.conftest import run_stage, subprocess_env
 
 SPEC = {
     "type": "mlp",
@@ -25,11 +33,11 @@ SPEC = {
 }
 
 
-def make_run(tmp_path, tensors_per_rank, rows, run="r"):
+def make_run(tmp_path, tensors_per_rank, rows, run="r", base=None, spec=SPEC):
     """A train directory as the train stage writes it: base, rank files, train.json."""
     train_dir = tmp_path / run / "train"
-    meta = {"run": run, "world_size": len(tensors_per_rank), "strategy": "localsgd", "model": SPEC}
-    save_weights(train_dir / "base.safetensors", tensors_per_rank[0], {**meta, "rank": None})
+    meta = {"run": run, "world_size": len(tensors_per_rank), "strategy": "localsgd", "model": spec}
+    save_weights(train_dir / "base.safetensors", base or tensors_per_rank[0], {**meta, "rank": None})
     for rank, tensors in enumerate(tensors_per_rank):
         save_weights(
             train_dir / f"rank-{rank}.safetensors",
@@ -62,7 +70,7 @@ def gather_to(tmp_path, train_dir, world_size):
 def test_averaging_methods_match_reference(tmp_path, method):
     ranks, rows = random_ranks(3), [10, 30, 60]
     gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, rows), 3)
-    record = merge(gather_path, method, 0.0, tmp_path / "merged.safetensors", tmp_path / "merge.json")
+    record = merge(gather_path, method, tmp_path / "merged.safetensors", tmp_path / "merge.json")
     merged, meta = load_weights(tmp_path / "merged.safetensors")
     weights = [1 / 3] * 3 if method == "uniform" else [r / sum(rows) for r in rows]
     for name in ranks[0]:
@@ -76,7 +84,9 @@ def test_averaging_methods_match_reference(tmp_path, method):
 def test_consolidate_keeps_identical_ranks_and_rejects_drift(tmp_path):
     same = random_ranks(1)[0]
     gather_path = gather_to(tmp_path, make_run(tmp_path, [same, same], [5, 5]), 2)
-    record = merge(gather_path, "consolidate", 0.0, tmp_path / "m.safetensors", tmp_path / "m.json")
+    record = merge(
+        gather_path, "consolidate", tmp_path / "m.safetensors", tmp_path / "m.json", {"tolerance": 0.0}
+    )
     merged, _ = load_weights(tmp_path / "m.safetensors")
     assert all(torch.equal(merged[n], same[n]) for n in same)
     assert record["max_abs_diff_between_ranks"] == 0.0
@@ -84,7 +94,7 @@ def test_consolidate_keeps_identical_ranks_and_rejects_drift(tmp_path):
     drifted = {**same, "b": same["b"] + 1e-3}
     gather_path = gather_to(tmp_path / "x", make_run(tmp_path / "x", [same, drifted], [5, 5]), 2)
     with pytest.raises(UserError, match=r"tensor 'b' differs between ranks by up to 0.001"):
-        merge(gather_path, "consolidate", 1e-6, tmp_path / "n.safetensors", tmp_path / "n.json")
+        merge(gather_path, "consolidate", tmp_path / "n.safetensors", tmp_path / "n.json")
     assert not (tmp_path / "n.safetensors").exists()
 
 
@@ -156,3 +166,365 @@ def test_merge_cli_error_is_one_line_and_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "differs between ranks" in proc.stderr
     assert not list(tmp_path.glob("m.*")) and not list(tmp_path.glob(".m.*"))
+
+
+# ---------------------------------------------------------------- the streaming engine
+
+METHOD_CASES = [
+    ("consolidate", {"tolerance": 100.0}, 3),
+    ("uniform", {}, 3),
+    ("weighted", {"weights": [1.0, 2.0, 5.0]}, 3),
+    ("task_arithmetic", {"scale": 0.8}, 3),
+    ("ties", {"density": 0.3}, 3),
+    ("dare", {"density": 0.6, "seed": 3, "sign_election": True}, 3),
+    ("slerp", {"t": 0.3}, 2),
+    ("model_stock", {}, 3),
+]
+
+
+def run_with_base(tmp_path, num_ranks):
+    ranks, base = random_ranks(num_ranks, seed=1), random_ranks(1, seed=2)[0]
+    ranks = [{name: base[name] + 0.5 * tensor for name, tensor in rank.items()} for rank in ranks]
+    return (
+        ranks,
+        base,
+        gather_to(tmp_path, make_run(tmp_path, ranks, [10, 20, 30][:num_ranks], base=base), num_ranks),
+    )
+
+
+@pytest.mark.parametrize(("method", "given", "num_ranks"), METHOD_CASES)
+def test_streaming_merge_equals_the_in_memory_method_whatever_the_block_size(
+    tmp_path, method, given, num_ranks
+):
+    ranks, base, gather_path = run_with_base(tmp_path, num_ranks)
+    merge(gather_path, method, tmp_path / "a.safetensors", tmp_path / "a.json", given, block_bytes=8 * 4 * 3)
+    record = merge(gather_path, method, tmp_path / "b.safetensors", tmp_path / "b.json", given)
+    tiny, _ = load_weights(tmp_path / "a.safetensors")
+    whole, meta = load_weights(tmp_path / "b.safetensors")
+    p = resolve_params(method, given, [10, 20, 30][:num_ranks])
+    for name in ranks[0]:
+        expected, stats = merge_arrays(
+            method,
+            p,
+            [r[name].numpy() for r in ranks],
+            base[name].numpy(),
+            name,
+            rank_weights(method, p, [10, 20, 30][:num_ranks]),
+        )
+        exact = method not in ("slerp", "model_stock")  # their scans sum dot products block by block
+        for merged in (tiny, whole):
+            if exact:
+                assert np.array_equal(merged[name].numpy(), expected), (method, name)
+            else:
+                np.testing.assert_allclose(merged[name].numpy(), expected, rtol=1e-6, atol=1e-7)
+        assert record["tensor_stats"][name].keys() == stats.keys()
+    assert meta["merge_method"] == method and meta["merge_params"] == p and meta["rank"] is None
+
+
+@pytest.mark.parametrize(("method", "given", "num_ranks"), METHOD_CASES)
+def test_empty_and_scalar_tensors_pass_through_every_method(tmp_path, method, given, num_ranks):
+    ranks = [{"empty": torch.zeros(0, 3), "scalar": torch.tensor(1.5 + r)} for r in range(num_ranks)]
+    base = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(1.0)}
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1] * num_ranks, base=base), num_ranks)
+    merge(gather_path, method, tmp_path / "m.safetensors", tmp_path / "m.json", given, block_bytes=8)
+    merged, _ = load_weights(tmp_path / "m.safetensors")
+    assert merged["empty"].shape == (0, 3) and merged["scalar"].shape == ()
+
+
+def test_ties_keeps_exactly_k_of_many_equal_magnitudes_across_block_boundaries(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    base = {"w": torch.zeros(61)}
+    ranks = [{"w": torch.randint(-2, 3, (61,), generator=gen).float()} for _ in range(3)]
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1, 1], base=base), 3)
+    record = merge(gather_path, "ties", tmp_path / "m.safetensors", tmp_path / "m.json", {"density": 0.3},
+                   block_bytes=8 * 4 * 5)  # fmt: skip
+    expected, stats = merge_arrays("ties", resolve_params("ties", {"density": 0.3}, [1] * 3),
+                                   [r["w"].numpy() for r in ranks], np.zeros(61))  # fmt: skip
+    assert np.array_equal(load_weights(tmp_path / "m.safetensors")[0]["w"].numpy(), expected)
+    assert record["tensor_stats"]["w"]["kept_fraction"] == stats["kept_fraction"] == 18 / 61
+
+
+def test_half_precision_checkpoints_merge_like_a_torch_float64_reference(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    ranks = [
+        {"h": torch.randn(7, 5, generator=gen).half(), "b": torch.randn(33, generator=gen).bfloat16()}
+        for _ in range(3)
+    ]
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1, 1]), 3)
+    merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json", block_bytes=64)
+    merged, _ = load_weights(tmp_path / "m.safetensors")
+    for name, tensor in ranks[0].items():
+        reference = (sum(r[name].double() for r in ranks) / 3).to(tensor.dtype)
+        assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], reference)
+
+
+def test_integer_buffers_are_copied_from_rank_0_and_must_agree(tmp_path):
+    ranks = random_ranks(2)
+    for rank in ranks:
+        rank["steps"] = torch.tensor([5, 6], dtype=torch.int64)
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1]), 2)
+    record = merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
+    assert torch.equal(load_weights(tmp_path / "m.safetensors")[0]["steps"], ranks[0]["steps"])
+    assert record["tensor_stats"]["steps"] == {"max_abs_diff": 0.0, "copied_from_rank": 0}
+    ranks[1]["steps"] = torch.tensor([5, 7], dtype=torch.int64)
+    gather_path = gather_to(tmp_path / "x", make_run(tmp_path / "x", ranks, [1, 1]), 2)
+    with pytest.raises(UserError, match=r"tensor 'steps' \(I64\) differs between rank 0 and rank 1"):
+        merge(gather_path, "uniform", tmp_path / "n.safetensors", tmp_path / "n.json")
+    assert not list(tmp_path.glob("*n.*"))
+
+
+def test_a_rank_file_changed_after_gather_is_refused_and_nothing_is_written(tmp_path):
+    gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(2), [1, 1]), 2)
+    path = tmp_path / "r" / "train" / "rank-1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # same size, one bit of the last tensor flipped
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        UserError, match=r"^rank 1: .*rank-1.safetensors is missing or changed since gather; re-run"
+    ):
+        merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
+    assert not list(tmp_path.glob("*m.*"))
+
+
+def test_merge_json_records_method_params_ingredients_base_and_tensor_stats(tmp_path):
+    _, _, gather_path = run_with_base(tmp_path, 3)
+    record = merge(
+        gather_path, "ties", tmp_path / "m.safetensors", tmp_path / "m.json", {"density": 0.5}, run="sweep"
+    )
+    assert json.loads((tmp_path / "m.json").read_text()) == record
+    assert (record["run"], record["training"], record["method"]) == ("sweep", "r", "ties")
+    assert record["params"] == {"density": 0.5, "scale": 1.0} and record["weights"] is None
+    info = json.loads(gather_path.read_text())
+    assert record["ingredients"] == [
+        {"rank": r["rank"], "path": r["path"], "sha256": r["sha256"], "rows": r["rows"]}
+        for r in info["ranks"]
+    ]
+    assert record["base"] == {"path": info["base"], "sha256": sha256_file(info["base"])}
+    assert record["tensor_stats"]["b"]["kept_fraction"] == pytest.approx(8 / 15)  # round(7.5) = 8 of 15
+    assert record["sha256"] == sha256_file(tmp_path / "m.safetensors") and record["output"] == "m.safetensors"
+    assert (record["num_tensors"], record["num_parameters"]) == (3, 40)
+    assert record["peak_rss_mb"] > 0 and record["seconds"] > 0 and record["greedy_soup"] is None
+
+
+def test_slerp_of_three_ranks_is_refused_before_reading_anything(tmp_path):
+    gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(3), [1, 1, 1]), 3)
+    with pytest.raises(UserError, match="slerp interpolates exactly 2 models but the run has 3 ranks"):
+        merge(gather_path, "slerp", tmp_path / "m.safetensors", tmp_path / "m.json")
+
+
+# ---------------------------------------------------------------- greedy soup
+
+LOGISTIC = {**SPEC, "num_features": 2, "num_classes": 2, "hidden_sizes": []}
+
+
+def classifier(weight):
+    """Logistic regression whose class-1 logit minus class-0 logit is 2 * (weight . x)."""
+    weight = torch.tensor(weight, dtype=torch.float32)
+    return {
+        "net.0.weight": torch.stack([-weight, weight]),
+        "net.0.bias": torch.zeros(2),
+        "input_mean": torch.zeros(2),
+        "input_scale": torch.ones(2),
+    }
+
+
+def write_split(path, features, labels):
+    table = pa.table({"x0": features[:, 0], "x1": features[:, 1], "label": labels.astype(np.int64)})
+    pq.write_table(table, path)
+
+
+@pytest.fixture()
+def greedy_run(tmp_path):
+    gen = np.random.default_rng(0)
+    features = gen.standard_normal((400, 2)).astype(np.float32)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    write_split(dataset / "val.parquet", features[:200], (features[:200, 0] > 0).astype(int))
+    write_split(dataset / "test.parquet", features[200:], (features[200:, 0] < 0).astype(int))  # opposite!
+    (dataset / "dataset.json").write_text(
+        json.dumps({"sha256": {"test": sha256_file(dataset / "test.parquet")}})
+    )
+    # rank 0 inverted (accuracy 0), 1 and 3 perfect, 2 decent: order 1, 3, 2, 0
+    ranks = [classifier([-10.0, 0.0]), classifier([3.0, 0.0]), classifier([5.0, 3.0]), classifier([5.0, 0.0])]
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1, 1, 1], spec=LOGISTIC), 4)
+    return gather_path, dataset, ranks
+
+
+def test_greedy_soup_adds_ranks_by_validation_accuracy_while_it_does_not_drop(
+    greedy_run, tmp_path, monkeypatch
+):
+    gather_path, dataset, ranks = greedy_run
+    read = []
+    original = data_module.load_table
+    monkeypatch.setattr(
+        data_module, "load_table", lambda path, *a, **k: read.append(Path(path)) or original(path)
+    )
+    record = merge(
+        gather_path,
+        "greedy_soup",
+        tmp_path / "m.safetensors",
+        tmp_path / "m.json",
+        val_split=dataset / "val.parquet",
+    )
+    soup = record["greedy_soup"]
+    assert read == [dataset / "val.parquet"]  # the test split is never read
+    assert soup["order"] == [1, 3, 2, 0] and soup["val_accuracy"][0] == 0.0 and soup["val_accuracy"][1] == 1.0
+    assert [step["accepted"] for step in soup["steps"]] == [
+        True,
+        True,
+        False,
+        False,
+    ]  # 3 ties 1.0: >= keeps it
+    assert soup["selected"] == [1, 3] and soup["soup_val_accuracy"] == 1.0
+    assert record["weights"] == [0.0, 0.5, 0.0, 0.5]
+    merged, _ = load_weights(tmp_path / "m.safetensors")
+    for name in ranks[0]:
+        assert torch.equal(merged[name], ((ranks[1][name].double() + ranks[3][name].double()) / 2).float())
+
+
+def test_greedy_soup_refuses_the_test_split_and_needs_a_validation_split(greedy_run, tmp_path):
+    gather_path, dataset, _ = greedy_run
+    out = (tmp_path / "m.safetensors", tmp_path / "m.json")
+    with pytest.raises(
+        UserError, match=r"test.parquet is the dataset's test split .* pass the val.parquet split"
+    ):
+        merge(gather_path, "greedy_soup", *out, val_split=dataset / "test.parquet")
+    with pytest.raises(
+        UserError, match=r"greedy_soup ranks the ranks by held-out accuracy and needs --val-split"
+    ):
+        merge(gather_path, "greedy_soup", *out)
+    write_split(dataset / "empty.parquet", np.zeros((0, 2), np.float32), np.zeros(0, int))
+    with pytest.raises(
+        UserError, match=r"empty.parquet has no rows; greedy_soup needs one — set the dataset's"
+    ):
+        merge(gather_path, "greedy_soup", *out, val_split=dataset / "empty.parquet")
+    assert not list(tmp_path.glob("*m.*"))
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+
+
+def save_sharded_checkpoint(rank, port, path, tensors):
+    """One of two ranks saving DTensor shards with DCP's safetensors writer (run by mp.spawn)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        state = {
+            name: distribute_tensor(t, mesh, [Shard(0) if t.dim() and t.shape[0] > 1 else Replicate()])
+            for name, t in tensors.items()
+        }
+        state["optim.step"] = distribute_tensor(torch.tensor([3]), mesh, [Replicate()])  # not a model tensor
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_consolidate_assembles_a_sharded_dcp_checkpoint_saved_by_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    ranks = random_ranks(2)
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1]), 2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(save_sharded_checkpoint, args=(port, str(tmp_path / "dcp"), ranks[0]), nprocs=2)
+    assert len(list((tmp_path / "dcp").glob("shard-*.safetensors"))) == 2
+    record = merge(
+        gather_path, "consolidate", tmp_path / "m.safetensors", tmp_path / "m.json", dcp_dir=tmp_path / "dcp"
+    )
+    merged, meta = load_weights(tmp_path / "m.safetensors")
+    assert merged.keys() == ranks[0].keys() and all(torch.equal(merged[n], t) for n, t in ranks[0].items())
+    assert meta["merge_method"] == "consolidate" and meta["model"] == SPEC
+    assert record["dcp"]["skipped_tensors"] == ["optim.step"] and len(record["dcp"]["files"]) == 2
+
+
+def test_a_dcp_checkpoint_with_a_pickled_index_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    ranks = random_ranks(2)
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1]), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(ranks[0], checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    with pytest.raises(UserError, match=r"default format, whose index \(.metadata\) and tensors are pickles"):
+        merge(
+            gather_path,
+            "consolidate",
+            tmp_path / "m.safetensors",
+            tmp_path / "m.json",
+            dcp_dir=tmp_path / "dcp",
+        )
+    with pytest.raises(
+        UserError, match="--dcp-dir consolidates a sharded checkpoint: use it with --method consolidate"
+    ):
+        merge(
+            gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json", dcp_dir=tmp_path / "dcp"
+        )
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (
+            ["--method", "greedy_soup"],
+            "greedy_soup ranks the ranks by held-out accuracy and needs --val-split",
+        ),
+        (
+            ["--method", "ties", "--params-json", '{"density": 2}'],
+            "parameter 'density' must be a number in (0, 1]",
+        ),
+        (["--method", "ties", "--params-json", "{density: 2}"], "--params-json is not valid JSON"),
+        (["--method", "mean"], "argument --method: invalid choice: 'mean'"),
+    ],
+)
+def test_merge_cli_errors_are_one_line_and_write_nothing(tmp_path, args, fragment):
+    gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(2), [1, 1]), 2)
+    proc = run_stage(
+        "merge",
+        "--gather",
+        gather_path,
+        *args,
+        "--out-weights",
+        tmp_path / "m.safetensors",
+        "--out-json",
+        tmp_path / "m.json",
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("shardfuse.merge: error: ")
+    assert fragment in proc.stderr
+    assert not list(tmp_path.glob("*m.*"))
+
+
+def test_merge_cli_writes_weights_and_record(tmp_path):
+    gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(3), [1, 2, 3]), 3)
+    proc = run_stage(
+        "merge",
+        "--gather",
+        gather_path,
+        "--method",
+        "dare",
+        "--params-json",
+        '{"density": 0.9}',
+        "--val-split",
+        tmp_path / "unused.parquet",
+        "--run",
+        "cli",
+        "--out-weights",
+        tmp_path / "m.safetensors",
+        "--out-json",
+        tmp_path / "m.json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "m.json").read_text())
+    assert record["run"] == "cli" and record["params"]["density"] == 0.9
+    assert "merged 3 ranks with dare" in proc.stdout

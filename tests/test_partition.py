@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardfuse.io import UserError, sha256_file
-from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
+from shardfuse.partition import partition_parquet, prefetched, rank_assignment, shard_sizes
 from tests.conftest import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,3 +261,91 @@ def test_cli_writes_shards_and_manifest(tmp_path):
         f"shard-{r}.parquet" for r in range(4)
     ]
     assert [pq.read_metadata(tmp_path / "out" / f"shard-{r}.parquet").num_rows for r in range(4)] == [5] * 4
+
+
+# ---------------------------------------------------------------- streaming internals and shard layout
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 64, 1 << 20])
+def test_rank_assignment_drawn_in_blocks_is_exactly_balanced_and_seeded(block_rows):
+    assignment = rank_assignment(1003, 4, seed=9, drop_remainder=True, block_rows=block_rows)
+    assert np.bincount(assignment, minlength=5).tolist() == [250, 250, 250, 250, 3]  # 4 = dropped
+    again = rank_assignment(1003, 4, seed=9, drop_remainder=True, block_rows=block_rows)
+    assert np.array_equal(assignment, again)
+    assert not np.array_equal(assignment, rank_assignment(1003, 4, 10, True, block_rows=block_rows))
+
+
+def test_rank_assignment_in_blocks_is_a_uniform_shuffle():
+    # Small blocks must not bias where a rank's rows land: each position is equally likely per rank.
+    num_rows, world_size, trials = 12, 3, 3000
+    hits = np.zeros((num_rows, world_size))
+    for seed in range(trials):
+        assignment = rank_assignment(num_rows, world_size, seed, False, block_rows=5)
+        hits[np.arange(num_rows), assignment] += 1
+    assert np.abs(hits / trials - 1 / world_size).max() < 0.04
+
+
+def test_manifest_records_the_moments_of_every_numeric_column_but_the_label(tmp_path):
+    write_rows(tmp_path / "in.parquet", 500, row_group_size=37)
+    manifest = partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 3, seed=1, batch_size=41)
+    for shard in manifest["shards"]:
+        table = pq.read_table(tmp_path / "out" / shard["path"])
+        assert set(shard["column_moments"]) == {"id", "x0"}  # not the string column, not the label
+        for name, moments in shard["column_moments"].items():
+            values = table[name].to_numpy().astype(np.float64)
+            assert moments["count"] == len(values)
+            assert moments["sum"] == pytest.approx(values.sum(), rel=1e-12)
+            assert moments["sum_squares"] == pytest.approx(np.square(values).sum(), rel=1e-12)
+
+
+def test_float_columns_keep_dictionary_encoding_only_when_their_values_repeat(tmp_path):
+    rng = np.random.default_rng(0)
+    num_rows = 20_000
+    pq.write_table(
+        pa.table(
+            {
+                "noise": rng.standard_normal(num_rows).astype(np.float32),
+                "pixel": rng.integers(0, 17, num_rows).astype(np.float32),
+                "label": rng.integers(0, 3, num_rows),
+            }
+        ),
+        tmp_path / "in.parquet",
+    )
+    partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
+    row_group = pq.ParquetFile(tmp_path / "out" / "shard-0.parquet").metadata.row_group(0)
+    has_dictionary = {
+        row_group.column(i).path_in_schema: row_group.column(i).has_dictionary_page for i in range(3)
+    }
+    assert has_dictionary == {"noise": False, "pixel": True, "label": True}
+
+
+def test_shards_are_cut_into_row_groups_of_at_most_64ki_rows(tmp_path):
+    pq.write_table(pa.table({"x0": np.arange(150_000, dtype=np.float32)}), tmp_path / "in.parquet")
+    partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 1, seed=0)
+    metadata = pq.read_metadata(tmp_path / "out" / "shard-0.parquet")
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [65536, 65536, 18928]
+
+
+def test_prefetched_yields_in_order_reraises_where_the_source_failed_and_stops_early():
+    def source():
+        yield from range(5)
+        raise ValueError("source broke")
+
+    seen = []
+    with pytest.raises(ValueError, match="source broke"):
+        for item in prefetched(source()):
+            seen.append(item)
+    assert seen == [0, 1, 2, 3, 4]
+
+    produced = []
+
+    def endless():
+        for i in range(10**9):
+            produced.append(i)
+            yield i
+
+    for item in prefetched(endless(), depth=2):
+        if item == 3:
+            break
+    time.sleep(0.2)
+    assert len(produced) <= 8  # the producer thread stopped instead of running on

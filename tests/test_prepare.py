@@ -1,4 +1,5 @@
-"""Prepare: schema, stratified seeded split, byte-identical outputs, chunked synthetic data, user files."""
+"""Prepare: schema, stratified seeded train/val/test split, byte-identical outputs, chunked synthetic data,
+user files."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.conftest import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = {"source": "synthetic", "num_rows": 3000, "num_features": 5, "num_classes": 4, "seed": 3}
+SPLITS = ("train", "val", "test")
 
 
 def read_split(out_dir: Path, split: str) -> pa.Table:
@@ -29,13 +31,17 @@ def class_counts(table: pa.Table, num_classes: int) -> np.ndarray:
     return np.bincount(table["label"].to_numpy(), minlength=num_classes)
 
 
-def assert_stratified(out_dir: Path, num_classes: int, test_fraction: float) -> None:
-    train, test = (
-        class_counts(read_split(out_dir, "train"), num_classes),
-        class_counts(read_split(out_dir, "test"), num_classes),
-    )
-    expected_test = (train + test) * test_fraction
-    assert np.all(np.abs(test - expected_test) <= 1), (test, expected_test)
+def all_splits(out_dir: Path) -> pa.Table:
+    return pa.concat_tables([read_split(out_dir, split) for split in SPLITS])
+
+
+def assert_stratified(
+    out_dir: Path, num_classes: int, test_fraction: float, val_fraction: float = 0.1
+) -> None:
+    train, val, test = (class_counts(read_split(out_dir, split), num_classes) for split in SPLITS)
+    total = train + val + test
+    assert np.all(np.abs(test - total * test_fraction) <= 1), (test, total * test_fraction)
+    assert np.all(np.abs(val - total * val_fraction) <= 1), (val, total * val_fraction)
     assert np.all(test >= 1) and np.all(train >= 1)
 
 
@@ -51,15 +57,14 @@ def digits_dir(tmp_path_factory) -> Path:
 
 
 def test_digits_split_has_the_house_schema_and_all_rows(digits_dir):
-    train, test = read_split(digits_dir, "train"), read_split(digits_dir, "test")
+    train, val, test = (read_split(digits_dir, split) for split in SPLITS)
     expected_schema = pa.schema(
         [*(pa.field(f"x{j}", pa.float32()) for j in range(64)), pa.field("label", pa.int64())]
     )
-    assert train.schema.equals(expected_schema) and test.schema.equals(expected_schema)
-    assert train.num_rows + test.num_rows == 1797
-    assert 0.19 < test.num_rows / 1797 < 0.21
-    labels = np.concatenate([train["label"].to_numpy(), test["label"].to_numpy()])
-    assert set(labels) == set(range(10))
+    assert all(split.schema.equals(expected_schema) for split in (train, val, test))
+    assert train.num_rows + val.num_rows + test.num_rows == 1797
+    assert 0.19 < test.num_rows / 1797 < 0.21 and 0.09 < val.num_rows / 1797 < 0.11
+    assert set(all_splits(digits_dir)["label"].to_numpy()) == set(range(10))
 
 
 def test_digits_split_is_stratified_within_one_row_per_class(digits_dir):
@@ -72,14 +77,9 @@ def test_dataset_json_describes_the_split_and_its_checksums(digits_dir):
     assert (info["num_features"], info["num_classes"]) == (64, 10)
     assert info["feature_names"][:2] == ["pixel_0_0", "pixel_0_1"] and len(info["feature_names"]) == 64
     assert info["label_names"] == [str(d) for d in range(10)]
-    assert info["rows"] == {
-        "train": read_split(digits_dir, "train").num_rows,
-        "test": read_split(digits_dir, "test").num_rows,
-    }
-    assert (info["test_fraction"], info["seed"]) == (0.2, 0)
-    assert info["sha256"] == {
-        split: sha256_file(digits_dir / f"{split}.parquet") for split in ("train", "test")
-    }
+    assert info["rows"] == {split: read_split(digits_dir, split).num_rows for split in SPLITS}
+    assert (info["test_fraction"], info["val_fraction"], info["seed"]) == (0.2, 0.1, 0)
+    assert info["sha256"] == {split: sha256_file(digits_dir / f"{split}.parquet") for split in SPLITS}
 
 
 def test_digits_is_byte_identical_when_prepared_again_and_the_seed_changes_the_split(digits_dir, tmp_path):
@@ -100,7 +100,7 @@ def test_synthetic_is_byte_identical_for_the_same_spec_and_differs_for_another_s
 def test_synthetic_rows_do_not_depend_on_the_writer_row_group_size(tmp_path):
     prepare("syn", SYNTHETIC, tmp_path / "default")
     prepare("syn", SYNTHETIC, tmp_path / "small", row_group_rows=7)
-    for split in ("train", "test"):
+    for split in SPLITS:
         assert read_split(tmp_path / "small", split).equals(read_split(tmp_path / "default", split))
         assert (
             pq.read_metadata(tmp_path / "small" / f"{split}.parquet").num_row_groups > 10
@@ -113,9 +113,9 @@ def test_synthetic_generation_across_many_chunks_is_stratified_and_balanced(tmp_
     )  # 64-row chunks
     spec = {**SYNTHETIC, "num_rows": 1001, "test_fraction": 0.3}
     info = prepare("syn", spec, tmp_path)
-    assert info["rows"]["train"] + info["rows"]["test"] == 1001
+    assert sum(info["rows"].values()) == 1001
     assert_stratified(tmp_path, 4, 0.3)
-    totals = class_counts(read_split(tmp_path, "train"), 4) + class_counts(read_split(tmp_path, "test"), 4)
+    totals = class_counts(all_splits(tmp_path), 4)
     assert totals.max() - totals.min() <= 1
 
 
@@ -125,7 +125,7 @@ def test_synthetic_chunks_do_not_depend_on_the_total_row_count(tmp_path, monkeyp
     monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 100 * SYNTHETIC["num_features"])
     prepare("syn", {**SYNTHETIC, "num_rows": 400}, tmp_path / "small")
     prepare("syn", {**SYNTHETIC, "num_rows": 700}, tmp_path / "large")
-    for split in ("train", "test"):
+    for split in SPLITS:
         small, large = read_split(tmp_path / "small", split), read_split(tmp_path / "large", split)
         assert large.num_rows > small.num_rows
         assert large.slice(0, small.num_rows).equals(small)
@@ -168,8 +168,8 @@ def test_csv_source_keeps_feature_order_and_maps_string_labels_in_sorted_order(t
 
     assert info["feature_names"] == ["height", "row_id"]
     assert info["label_names"] == ["bird", "cat", "dog"]
-    assert info["rows"] == {"train": 7, "test": 3}  # one test row per class
-    table = pa.concat_tables([read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "test")])
+    assert info["rows"] == {"train": 4, "val": 3, "test": 3}  # one test and one val row per class
+    table = all_splits(tmp_path / "out")
     assert table.column_names == ["x0", "x1", "label"]
     for height, row_id, label in zip(*(table[c].to_pylist() for c in table.column_names), strict=True):
         assert height == row_id + 0.5
@@ -187,7 +187,7 @@ def test_parquet_source_maps_integer_labels_in_numeric_order(tmp_path):
     }
     info = prepare("ints", spec, tmp_path / "out")
     assert info["label_names"] == ["2", "10", "33"]
-    table = pa.concat_tables([read_split(tmp_path / "out", "train"), read_split(tmp_path / "out", "test")])
+    table = all_splits(tmp_path / "out")
     assert table.schema.field("x0").type == pa.float32()
     for feature, code in zip(table["x0"].to_pylist(), table["label"].to_pylist(), strict=True):
         assert int(info["label_names"][code]) == labels[int(feature)]
@@ -222,6 +222,9 @@ BASE_CSV = "a,b,kind,y\n1,2,red,p\n3,4,blue,q\n5,6,red,p\n7,8,blue,q\n9,10,red,p
         ),
         (BASE_CSV, {"colour": 1}, r"unknown key\(s\) 'colour' in the 'csv' dataset spec; valid keys are"),
         (BASE_CSV, {"test_fraction": 1.5}, r"'test_fraction' must be a number strictly between 0 and 1"),
+        (BASE_CSV, {"val_fraction": 1.0}, r"'val_fraction' must be a number in \[0, 1\), got 1.0"),
+        (BASE_CSV, {"val_fraction": "0.1"}, r"'val_fraction' must be a number in \[0, 1\)"),
+        (BASE_CSV, {"val_fraction": 0.8}, r"test_fraction \+ val_fraction = 1 leaves no training rows"),
         (BASE_CSV, {"label_column": "a"}, r"'label_column' must be a column name not among feature_columns"),
         (BASE_CSV, {"source": "parquet"}, r"cannot read .* as parquet"),
     ],
@@ -279,5 +282,60 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, spec_json, fragment):
 def test_cli_writes_split_and_dataset_json(tmp_path):
     result = run_prepare_cli(tmp_path, json.dumps({**SYNTHETIC, "num_rows": 100}))
     assert result.returncode == 0, result.stderr
-    assert sorted(os.listdir(tmp_path / "out")) == ["dataset.json", "test.parquet", "train.parquet"]
-    assert json.loads((tmp_path / "out" / "dataset.json").read_text())["rows"] == {"train": 80, "test": 20}
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "dataset.json",
+        "test.parquet",
+        "train.parquet",
+        "val.parquet",
+    ]
+    rows = json.loads((tmp_path / "out" / "dataset.json").read_text())["rows"]
+    assert rows["test"] == 20 and rows["train"] + rows["val"] == 80 and abs(rows["val"] - 10) <= 4
+    assert "val" in result.stdout
+
+
+# ---------------------------------------------------------------- the validation split
+
+
+def row_set(table: pa.Table) -> set[tuple]:
+    return set(zip(*(table[name].to_pylist() for name in table.column_names), strict=True))
+
+
+@pytest.mark.parametrize("spec", [{"source": "digits"}, SYNTHETIC], ids=["digits", "synthetic"])
+def test_val_split_comes_from_the_training_rows_and_leaves_the_test_split_unchanged(tmp_path, spec):
+    prepare("d", {**spec, "val_fraction": 0.0}, tmp_path / "none")
+    info = prepare("d", {**spec, "val_fraction": 0.15}, tmp_path / "some")
+    assert (tmp_path / "some" / "test.parquet").read_bytes() == (
+        tmp_path / "none" / "test.parquet"
+    ).read_bytes()
+    train_and_val = row_set(read_split(tmp_path / "some", "train")) | row_set(
+        read_split(tmp_path / "some", "val")
+    )
+    assert train_and_val == row_set(read_split(tmp_path / "none", "train"))
+    assert not row_set(read_split(tmp_path / "some", "val")) & row_set(read_split(tmp_path / "some", "train"))
+    assert_stratified(tmp_path / "some", info["num_classes"], 0.2, 0.15)
+
+
+def test_val_fraction_zero_writes_an_empty_val_split_with_the_schema(tmp_path):
+    for spec in ({"source": "digits", "val_fraction": 0}, {**SYNTHETIC, "val_fraction": 0}):
+        info = prepare("d", spec, tmp_path / spec["source"])
+        val = read_split(tmp_path / spec["source"], "val")
+        assert val.num_rows == 0 == info["rows"]["val"]
+        assert val.schema.equals(read_split(tmp_path / spec["source"], "train").schema)
+
+
+def test_synthetic_val_split_is_stratified_across_many_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 50 * SYNTHETIC["num_features"])
+    info = prepare(
+        "syn", {**SYNTHETIC, "num_rows": 2003, "test_fraction": 0.25, "val_fraction": 0.2}, tmp_path
+    )
+    assert sum(info["rows"].values()) == 2003
+    assert_stratified(tmp_path, 4, 0.25, 0.2)
+
+
+def test_a_class_too_small_for_a_val_row_keeps_its_training_row(tmp_path):
+    pq.write_table(pa.table({"f": np.arange(6.0), "y": [0, 0, 1, 1, 1, 1]}), tmp_path / "in.parquet")
+    spec = {"source": "parquet", "path": str(tmp_path / "in.parquet"), "feature_columns": ["f"],
+            "label_column": "y", "test_fraction": 0.3, "val_fraction": 0.3}  # fmt: skip
+    prepare("tiny", spec, tmp_path / "out")
+    train, val = (class_counts(read_split(tmp_path / "out", split), 2) for split in ("train", "val"))
+    assert train.tolist() == [1, 2] and val.tolist() == [0, 1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -9,13 +10,21 @@ import sys
 import time
 from pathlib import Path
 
+import mlflow
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from shardfuse import tracking
+from shardfuse.checkpoint import load_weights
 from shardfuse.io import UserError
-from tests.tracking_fixtures import make_run_dir, run_config
+from shardfuse.models import build_model
+from tests.tracking_fixtures import NUM_FEATURES, append_steps, make_run_dir, run_config
 
 pytestmark = pytest.mark.integration
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -32,11 +41,23 @@ def store(tmp_path_factory):
     return {"uri": uri, "client": client, "experiment_id": experiment_id}
 
 
-def _track(store, tmp_path, run_name, **run_kwargs):
+def _track(store, tmp_path, run_name, track_kwargs=None, **run_kwargs):
     run_dir, manifest = make_run_dir(tmp_path, run_name, **run_kwargs)
     config = run_config(run_name, merge_method=run_kwargs.get("merge_method", "average"))
-    result = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    result = tracking.track_run(
+        run_name, run_dir, manifest, config, store["uri"], EXPERIMENT, **(track_kwargs or {})
+    )
     return result, run_dir, manifest, config
+
+
+def _edit_json(path: Path, **changes) -> None:
+    obj = json.loads(path.read_text())
+    obj.update(changes)
+    path.write_text(json.dumps(obj))
+
+
+def _history(store, run_id, key):
+    return sorted((m.step, m.value) for m in store["client"].get_metric_history(run_id, key))
 
 
 def _active_runs(store, run_name, view=ViewType.ACTIVE_ONLY):
@@ -131,11 +152,15 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
         losses = sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)
         assert losses[3].value == pytest.approx(1.1 - 0.3 - 0.01 * rank)
 
-    artifacts = {f.path for d in ("results", "model") for f in client.list_artifacts(parent.info.run_id, d)}
+    artifacts = {f.path for f in client.list_artifacts(parent.info.run_id, "results")}
     assert artifacts == {
         "results/manifest.json", "results/train.json", "results/gather.json", "results/merge.json",
-        "results/eval.json", "model/merged.safetensors",
+        "results/eval.json",
     }  # fmt: skip
+    (model,) = client.search_logged_models(
+        [store["experiment_id"]], f"source_run_id = '{parent.info.run_id}'"
+    )
+    assert result["model_uri"] == f"models:/{model.model_id}" and model.name == "model"
 
 
 def test_second_track_with_identical_inputs_keeps_run_and_does_not_duplicate_history(store, tmp_path):
@@ -143,8 +168,10 @@ def test_second_track_with_identical_inputs_keeps_run_and_does_not_duplicate_his
     second = tracking.track_run("rerun", run_dir, manifest, config, store["uri"], EXPERIMENT)
 
     assert second["action"] == "unchanged"
-    assert {k: v for k, v in second.items() if k != "action"} == {
-        k: v for k, v in first.items() if k != "action"
+    assert second["num_points_pushed"] == 0
+    changing = ("action", "num_points_pushed")
+    assert {k: v for k, v in second.items() if k not in changing} == {
+        k: v for k, v in first.items() if k not in changing
     }
     parents, children = _active_runs(store, "rerun")
     assert [p.info.run_id for p in parents] == [first["parent_run_id"]]
@@ -160,6 +187,7 @@ def test_changed_merge_method_replaces_parent_and_deletes_old_runs(store, tmp_pa
     merge = json.loads((run_dir / "merge.json").read_text())
     merge["method"] = "fisher"
     (run_dir / "merge.json").write_text(json.dumps(merge))
+    config["merge"]["method"] = "fisher"  # params are immutable in MLflow: a new config is a new parent
     second = tracking.track_run("remerged", run_dir, manifest, config, store["uri"], EXPERIMENT)
 
     assert second["action"] == "replaced"
@@ -172,28 +200,39 @@ def test_changed_merge_method_replaces_parent_and_deletes_old_runs(store, tmp_pa
         assert store["client"].get_run(old_id).info.lifecycle_stage == "deleted"
 
 
-def test_interrupted_track_is_marked_failed_and_replaced_on_next_run(store, tmp_path, monkeypatch):
-    run_dir, manifest = make_run_dir(tmp_path, "crashed")
-    config = run_config("crashed")
+def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points(
+    store, tmp_path, monkeypatch
+):
+    run_name, num_steps = "crashed", 700  # 3 batches per rank
+    run_dir, manifest = make_run_dir(tmp_path, run_name, num_steps=num_steps)
+    config = run_config(run_name)
+    original = tracking.sync_history
 
-    def crash(*args, **kwargs):
-        raise KeyboardInterrupt  # as if the job were killed while pushing the rank runs
+    def killed_after_one_batch(client, run_id, rows, start):
+        original(client, run_id, rows[: start + tracking.ROWS_PER_BATCH], start)
+        raise KeyboardInterrupt  # as if the job were killed while pushing rank 0's history
 
     with monkeypatch.context() as patch:
-        patch.setattr(tracking, "_push_rank", crash)
+        patch.setattr(tracking, "sync_history", killed_after_one_batch)
         with pytest.raises(KeyboardInterrupt):
-            tracking.track_run("crashed", run_dir, manifest, config, store["uri"], EXPERIMENT)
-    (interrupted,), _ = _active_runs(store, "crashed")
+            tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    (interrupted,), (partial,) = _active_runs(store, run_name)
     assert interrupted.info.status == "FAILED"
     assert interrupted.data.tags["shardfuse.complete"] == "false"
+    assert len(store["client"].get_metric_history(partial.info.run_id, "loss")) == tracking.ROWS_PER_BATCH
 
-    result = tracking.track_run("crashed", run_dir, manifest, config, store["uri"], EXPERIMENT)
-    assert result["action"] == "replaced"
-    parents, children = _active_runs(store, "crashed")
-    assert [p.info.run_id for p in parents] == [result["parent_run_id"]] != [interrupted.info.run_id]
+    result = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert result["action"] == "updated"
+    assert result["num_points_pushed"] == 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2
+    parents, children = _active_runs(store, run_name)
+    assert [p.info.run_id for p in parents] == [interrupted.info.run_id] == [result["parent_run_id"]]
     assert parents[0].data.tags["shardfuse.complete"] == "true"
-    assert len(children) == 2
-    assert store["client"].get_run(interrupted.info.run_id).info.lifecycle_stage == "deleted"
+    assert parents[0].info.status == "FINISHED"
+    assert result["child_run_ids"]["0"] == partial.info.run_id
+    for child in children:
+        for key in tracking.STEP_METRICS:
+            history = store["client"].get_metric_history(child.info.run_id, key)
+            assert sorted(m.step for m in history) == list(range(num_steps))
 
 
 def test_missing_eval_json_is_a_user_error_naming_the_evaluate_stage(store, tmp_path):
@@ -239,7 +278,7 @@ def test_cli_writes_out_file_with_run_ids(store, tmp_path):
     written = json.loads(out.read_text())
     assert set(written) == {
         "tracking_uri", "experiment_name", "experiment_id", "parent_run_id", "child_run_ids", "fingerprint",
-        "action",
+        "action", "model_uri", "registered_model", "num_points_pushed",
     }  # fmt: skip
     assert written["action"] == "created"
     assert written["tracking_uri"] == store["uri"]
@@ -266,3 +305,129 @@ def test_two_concurrent_cli_tracks_into_one_fresh_sqlite_db_both_succeed(tmp_pat
     parents = client.search_runs([experiment.experiment_id], "tags.`shardfuse.complete` = 'true'")
     assert sorted(p.info.run_name for p in parents) == ["left", "right"]
     assert all(p.data.tags["shardfuse.complete"] == "true" for p in parents)
+
+
+def _git(*args) -> str:
+    return subprocess.run(
+        ["git", "-C", str(SRC), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(store, tmp_path):
+    result, _, _, config = _track(store, tmp_path, "provenance", ddp_baseline=True)
+    parent = store["client"].get_run(result["parent_run_id"])
+    tags = parent.data.tags
+    assert tags["shardfuse.git_commit"] == tags["mlflow.source.git.commit"] == _git("rev-parse", "HEAD")
+    assert tags["shardfuse.git_dirty"] in ("true", "false")
+    assert tags["shardfuse.snakemake_version"] == importlib.metadata.version("snakemake")
+    assert tags["shardfuse.torch_version"] == "2.13.0"  # from train.json, i.e. what the ranks ran
+    assert tags["shardfuse.hosts"] == "node0,node1"
+    assert tags["shardfuse.slurm_job_id"] == "4242"
+    assert tags["shardfuse.config_hash"] == tracking.config_hash(config)
+    for rank, child_id in result["child_run_ids"].items():
+        assert store["client"].get_run(child_id).data.tags["shardfuse.host"] == f"node{rank}"
+    assert parent.data.metrics["test_accuracy_base"] == pytest.approx(0.34)
+    assert parent.data.metrics["test_accuracy_ddp_baseline"] == pytest.approx(0.83)
+
+
+def test_more_training_steps_append_only_the_new_points_to_the_same_runs(store, tmp_path):
+    first, run_dir, manifest, config = _track(store, tmp_path, "grown")
+    append_steps(run_dir, 5)
+    _edit_json(run_dir / "train" / "train.json", num_steps=12)
+    evaluation = json.loads((run_dir / "eval.json").read_text())
+    evaluation["merged"]["accuracy"] = 0.85
+    (run_dir / "eval.json").write_text(json.dumps(evaluation))
+
+    second = tracking.track_run("grown", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert second["action"] == "updated"
+    assert (second["parent_run_id"], second["child_run_ids"]) == (
+        first["parent_run_id"],
+        first["child_run_ids"],
+    )
+    for child_id in second["child_run_ids"].values():
+        for key in tracking.STEP_METRICS:
+            points = store["client"].get_metric_history(child_id, key)
+            assert sorted(m.step for m in points) == list(range(12))  # 7 old + 5 new, none twice
+        assert [s for s, _ in _history(store, child_id, "test_accuracy")] == [7]  # unchanged: not re-logged
+    assert _history(store, second["parent_run_id"], "test_accuracy_merged") == [(7, 0.8), (12, 0.85)]
+    parents, _ = _active_runs(store, "grown")
+    assert parents[0].data.metrics["test_accuracy_merged"] == pytest.approx(0.85)
+    new_points = 2 * 5 * len(tracking.STEP_METRICS)
+    assert new_points < second["num_points_pushed"] <= new_points + 12  # + changed headline metrics
+    third = tracking.track_run("grown", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert (third["action"], third["num_points_pushed"]) == ("unchanged", 0)
+
+
+def test_rewritten_history_with_the_same_config_replaces_the_runs(store, tmp_path):
+    first, run_dir, manifest, config = _track(store, tmp_path, "retrained")
+    path = run_dir / "train" / "metrics" / "rank-1.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(2, "loss", pa.array(table.column("loss").to_numpy() + 0.5)), path)
+    second = tracking.track_run("retrained", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert second["action"] == "replaced"
+    assert store["client"].get_run(first["parent_run_id"]).info.lifecycle_stage == "deleted"
+    losses = _history(store, second["child_run_ids"]["1"], "loss")
+    assert [s for s, _ in losses] == list(range(7)) and losses[0][1] == pytest.approx(1.1 - 0.01 + 0.5)
+
+
+def test_merged_model_loads_with_pyfunc_predicts_like_the_weights_and_is_registered_once(
+    store, tmp_path, monkeypatch
+):
+    name = "shardfuse-merged"
+    result, run_dir, manifest, config = _track(store, tmp_path, "served", {"registered_model": name})
+    assert result["registered_model"] == f"{name}/1"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    features = pd.DataFrame(
+        np.random.default_rng(0).normal(size=(50, NUM_FEATURES)),
+        columns=[f"x{i}" for i in range(NUM_FEATURES)],
+    )
+    tensors, metadata = load_weights(run_dir / "merged.safetensors")
+    reference = build_model(metadata["model"])
+    reference.load_state_dict(tensors)
+    with torch.no_grad():
+        expected = torch.softmax(reference.eval()(torch.tensor(features.to_numpy(), dtype=torch.float32)), 1)
+    for uri in (f"runs:/{result['parent_run_id']}/model", result["model_uri"], f"models:/{name}/1"):
+        predicted = mlflow.pyfunc.load_model(uri).predict(features)
+        assert predicted["prediction"].tolist() == expected.argmax(1).tolist()
+        probabilities = predicted[[f"probability_{c}" for c in range(3)]].to_numpy()
+        np.testing.assert_allclose(probabilities, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+    _edit_json(run_dir / "eval.json", best_rank_accuracy=0.75)  # new results, same weights
+    again = tracking.track_run(
+        "served", run_dir, manifest, config, store["uri"], EXPERIMENT, registered_model=name
+    )
+    assert again["action"] == "updated"
+    assert (again["model_uri"], again["registered_model"]) == (result["model_uri"], f"{name}/1")
+    assert len(store["client"].search_model_versions(f"name = '{name}'")) == 1
+    models = store["client"].search_logged_models(
+        [store["experiment_id"]], f"source_run_id = '{result['parent_run_id']}'"
+    )
+    assert len(models) == 1
+
+
+def test_plots_dir_pngs_become_artifacts_and_a_missing_dir_is_skipped(store, tmp_path):
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    for name in ("loss.png", "fusion.png"):
+        (plots / name).write_bytes(b"\x89PNG fake " + name.encode())
+    result, *_ = _track(store, tmp_path, "plotted", {"plots_dir": plots})
+    listed = {f.path for f in store["client"].list_artifacts(result["parent_run_id"], "plots")}
+    assert listed == {"plots/loss.png", "plots/fusion.png"}
+    result, *_ = _track(store, tmp_path / "other", "unplotted", {"plots_dir": tmp_path / "missing"})
+    assert store["client"].list_artifacts(result["parent_run_id"], "plots") == []
+
+
+def test_a_password_in_the_tracking_uri_is_refused_before_anything_is_sent(tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "leaky")
+    uri = "http://alice:s3cret@127.0.0.1:1"
+    with pytest.raises(
+        UserError, match=r"http://\*\*\*@127.0.0.1:1 has a password in it; .* MLFLOW_TRACKING_PASSWORD"
+    ) as err:
+        tracking.track_run("leaky", run_dir, manifest, run_config("leaky"), uri, EXPERIMENT)
+    assert "s3cret" not in str(err.value)
+
+
+def test_redact_uri_hides_user_and_password():
+    assert tracking.redact_uri("http://alice:s3cret@127.0.0.1:5055") == "http://***@127.0.0.1:5055"
+    assert tracking.redact_uri("postgresql://u:p@h/db?x=1") == "postgresql://***@h/db?x=1"
+    assert tracking.redact_uri("sqlite:///mlflow.db") == "sqlite:///mlflow.db"

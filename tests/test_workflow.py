@@ -22,6 +22,8 @@ def tiny_config(tmp_path: Path, independent_merge: str = "uniform") -> Path:
         "runs": {
             "ddp": {"strategy": "ddp", "merge_method": "consolidate"},
             "independent": {"strategy": "localsgd", "sync_every": 0, "merge_method": independent_merge},
+            # Same training as "independent": a merge sweep must not train twice.
+            "independent_ties": {"strategy": "localsgd", "sync_every": 0, "merge_method": "ties"},
         },
         "datasets": {"digits": {"source": "digits", "test_fraction": 0.2, "seed": 0}},
         "run_defaults": {
@@ -88,6 +90,12 @@ def mlflow_state(workdir: Path) -> dict:
     return {"parents": parents, "children": children, "histories": histories}
 
 
+def ranks_dir(workdir: Path, run: str) -> Path:
+    """The trained ranks a run was fused from (runs that differ only in merge keys share them)."""
+    training = json.loads((workdir / "results" / "runs" / run / "eval.json").read_text())["training"]
+    return workdir / "results" / "trainings" / training / "ranks"
+
+
 def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
     """The 'Job stats' table of a dry run: rule -> number of jobs."""
     table = dry_run_stdout.split("Job stats:")[1].split("\n\n")[0]
@@ -105,13 +113,25 @@ def workdir(tmp_path_factory) -> Path:
 
 def test_full_run_writes_summary_row_per_run(workdir):
     rows = list(csv.DictReader((workdir / "results" / "summary.csv").open()))
-    assert [r["run"] for r in rows] == ["ddp", "independent"]
+    assert [r["run"] for r in rows] == ["ddp", "independent", "independent_ties"]
     for row in rows:
         assert row["dataset"] == "digits" and row["world_size"] == "2"
         assert 0.5 < float(row["test_accuracy_merged"]) <= 1.0
     ddp = rows[0]
     assert float(ddp["test_accuracy_merged"]) == float(ddp["test_accuracy_best_rank"])
     assert float(rows[1]["max_abs_diff_between_ranks"]) > 0
+    assert rows[1]["test_accuracy_ddp_baseline"] == ddp["test_accuracy_merged"]
+
+
+def test_runs_differing_only_in_merge_method_share_one_training(workdir):
+    assert ranks_dir(workdir, "independent") == ranks_dir(workdir, "independent_ties")
+    assert ranks_dir(workdir, "independent") != ranks_dir(workdir, "ddp")
+    assert len(list((workdir / "logs" / "train").glob("*.log"))) == 2
+    merges = [
+        json.loads((workdir / f"results/runs/{r}/merge.json").read_text())
+        for r in ("independent", "independent_ties")
+    ]
+    assert [m["method"] for m in merges] == ["uniform", "ties"]
 
 
 def test_every_rule_wrote_its_log_and_expensive_rules_a_benchmark(workdir):
@@ -123,33 +143,30 @@ def test_every_rule_wrote_its_log_and_expensive_rules_a_benchmark(workdir):
 
 def test_mlflow_has_one_parent_per_run_with_world_size_children(workdir):
     state = mlflow_state(workdir)
-    assert sorted(r.info.run_name for r in state["parents"]) == ["ddp", "independent"]
+    assert sorted(r.info.run_name for r in state["parents"]) == ["ddp", "independent", "independent_ties"]
     assert sorted(r.info.run_name for r in state["children"]) == [
-        "ddp/rank-0",
-        "ddp/rank-1",
-        "independent/rank-0",
-        "independent/rank-1",
+        f"{run}/rank-{rank}" for run in ("ddp", "independent", "independent_ties") for rank in (0, 1)
     ]
     ddp = next(r for r in state["parents"] if r.info.run_name == "ddp")
     assert ddp.data.params["strategy"] == "ddp" and ddp.data.params["merge_method"] == "consolidate"
     assert ddp.data.params["dataset_spec.source"] == "digits"
     assert "test_accuracy_merged" in ddp.data.metrics and "train_seconds" in ddp.data.metrics
-    train = json.loads((workdir / "results/runs/ddp/train/train.json").read_text())
+    train = json.loads((ranks_dir(workdir, "ddp") / "train.json").read_text())
     assert len(state["histories"][("ddp/rank-0", "loss")]) == train["num_steps"]
 
 
 def test_rerun_merge_never_retrains_and_track_twice_duplicates_nothing(workdir):
-    train_before = file_state(workdir / "results" / "runs" / "ddp" / "train")
+    train_before = file_state(ranks_dir(workdir, "ddp"))
     merge_before = (workdir / "results/runs/ddp/merge.json").stat().st_mtime_ns
     snakemake(workdir, "-R", "merge")
-    assert file_state(workdir / "results" / "runs" / "ddp" / "train") == train_before
+    assert file_state(ranks_dir(workdir, "ddp")) == train_before
     assert (workdir / "results/runs/ddp/merge.json").stat().st_mtime_ns > merge_before
     # The re-merge replaced each parent once; tracking the same results again must change nothing.
     mlflow_before = mlflow_state(workdir)
-    assert len(mlflow_before["parents"]) == 2 and len(mlflow_before["children"]) == 4
+    assert len(mlflow_before["parents"]) == 3 and len(mlflow_before["children"]) == 6
     snakemake(workdir, "-R", "track")
     mlflow_after = mlflow_state(workdir)
-    assert len(mlflow_after["parents"]) == 2 and len(mlflow_after["children"]) == 4
+    assert len(mlflow_after["parents"]) == 3 and len(mlflow_after["children"]) == 6
     assert mlflow_after["histories"] == mlflow_before["histories"]
     assert {r.info.run_id for r in mlflow_after["parents"]} == {
         r.info.run_id for r in mlflow_before["parents"]
@@ -160,9 +177,9 @@ def test_changing_only_merge_method_reruns_merge_and_downstream_only(workdir):
     tiny_config(workdir, independent_merge="weighted")
     dry = snakemake(workdir, "--dry-run")
     assert planned_jobs(dry.stdout) == {"merge": 1, "evaluate": 1, "track": 1, "summary": 1, "all": 1}
-    train_before = file_state(workdir / "results" / "runs" / "independent" / "train")
+    train_before = file_state(ranks_dir(workdir, "independent"))
     snakemake(workdir)
-    assert file_state(workdir / "results" / "runs" / "independent" / "train") == train_before
+    assert file_state(ranks_dir(workdir, "independent")) == train_before
     assert json.loads((workdir / "results/runs/independent/merge.json").read_text())["method"] == "weighted"
     state = mlflow_state(workdir)
     independent = [r for r in state["parents"] if r.info.run_name == "independent"]

@@ -1,27 +1,118 @@
 """Fabricate the files the train/gather/merge/evaluate stages leave in a run directory.
 
-The shapes follow what those stages write, so tracking tests exercise the real file contracts without
-running torchrun.
+The shapes follow what those stages write (the merged weights are a real shardfuse MLP checkpoint), so
+tracking, plotting and model-loading tests exercise the real file contracts without running torchrun.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from safetensors.numpy import save_file
+import pytest
+import torch
 
+from shardfuse.checkpoint import save_weights
 from shardfuse.io import sha256_file
+from shardfuse.models import build_model
+
+NUM_FEATURES, NUM_CLASSES = 8, 3
+T0_MS = 1_700_000_000_000
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def service_unavailable(message: str):
+    """CI must have every service (there a missing one fails); elsewhere the test is skipped."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def run_script(
+    name: str, env: dict[str, str], *args: str, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def service_env(state: Path, **extra: str) -> dict[str, str]:
+    """Environment for the scripts: a private state dir and free ports, this checkout's mlflow."""
+    from tests.conftest import subprocess_env
+
+    mlflow_bin = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "mlflow"
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("MLFLOW_")}
+    env.update(
+        SHARDFUSE_PG_DIR=str(state / "pg"),
+        SHARDFUSE_PG_PORT=str(free_port()),
+        SHARDFUSE_MLFLOW_DIR=str(state / "mlflow"),
+        SHARDFUSE_MLFLOW_PORT=str(free_port()),
+        SHARDFUSE_MLFLOW_WORKERS="1",
+        **extra,
+    )
+    if mlflow_bin.exists():
+        env["SHARDFUSE_MLFLOW_BIN"] = str(mlflow_bin)
+    return env
+
+
+@contextmanager
+def mlflow_service(postgres: bool, **extra: str) -> Iterator[dict]:
+    """``mlflow server`` on a free loopback port (PostgreSQL-backed, or SQLite), via scripts/*-up.sh."""
+    # Not under pytest's 0700 tmp dirs: the postgres user must reach its data directory.
+    state = Path(tempfile.mkdtemp(prefix="shardfuse-test-", dir="/tmp"))
+    state.chmod(0o755)
+    if not postgres:
+        extra.setdefault("SHARDFUSE_MLFLOW_BACKEND_URI", f"sqlite:///{state}/mlflow.db")
+    env = service_env(state, **extra)
+    started = []
+    try:
+        for script, wanted in (("postgres-up.sh", postgres), ("mlflow-server-up.sh", True)):
+            if not wanted:
+                continue
+            proc = run_script(script, env)
+            started.append(script.replace("-up.sh", "-down.sh"))
+            if proc.returncode != 0:
+                tail = " | ".join(proc.stderr.strip().splitlines()[-6:])
+                service_unavailable(
+                    f"scripts/{script} failed (needs root or an installed PostgreSQL): {tail}"
+                )
+        yield {"uri": f"http://127.0.0.1:{env['SHARDFUSE_MLFLOW_PORT']}", "env": env, "state": state}
+    finally:
+        for script in reversed(started):
+            run_script(script, env, "--purge", timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def run_config(run_name: str, merge_method: str = "average", world_size: int = 2) -> dict:
     """A resolved run config as the workflow passes it: nested, with lists and nulls."""
     return {
         "run": run_name,
-        "dataset": {"name": "synthetic", "num_features": 8, "num_classes": 3, "path": None},
+        "dataset": {
+            "name": "synthetic",
+            "num_features": NUM_FEATURES,
+            "num_classes": NUM_CLASSES,
+            "path": None,
+        },
         "world_size": world_size,
         "seed": 0,
         "model": {"name": "mlp", "hidden_sizes": [16, 16], "dropout": 0.0},
@@ -30,12 +121,54 @@ def run_config(run_name: str, merge_method: str = "average", world_size: int = 2
     }
 
 
+def model_spec() -> dict:
+    return {
+        "type": "mlp",
+        "num_features": NUM_FEATURES,
+        "num_classes": NUM_CLASSES,
+        "hidden_sizes": [16, 16],
+        "activation": "relu",
+        "dropout": 0.0,
+    }
+
+
+def step_table(rank: int, steps: np.ndarray, num_steps: int, seed: int = 0) -> pa.Table:
+    """Rows of metrics/rank-{rank}.parquet for ``steps`` (values depend only on rank, step and seed)."""
+    rng = np.random.default_rng([seed, rank, int(steps[0]) if len(steps) else 0])
+    return pa.table(
+        {
+            "step": steps.astype(np.int64),
+            "epoch": steps * 2 // num_steps,
+            "loss": 1.1 - 0.1 * steps - 0.01 * rank,
+            "samples_per_second": 1000.0 + rng.random(len(steps)),
+            "lr": np.full(len(steps), 0.01),
+            "timestamp_ms": T0_MS + 250 * steps,
+        }
+    )
+
+
+def append_steps(run_dir: Path, num_new: int) -> None:
+    """Training went on for ``num_new`` more steps: every rank's metrics file gains rows (same prefix)."""
+    for path in sorted((run_dir / "train" / "metrics").glob("rank-*.parquet")):
+        old = pq.read_table(path)
+        first = old.column("step")[-1].as_py() + 1
+        rank = int(path.stem.split("-")[1])
+        new = step_table(rank, np.arange(first, first + num_new), first + num_new, seed=1)
+        pq.write_table(pa.concat_tables([old, new.cast(old.schema)]), path)
+
+
+def _save_mlp(path: Path, seed: int, meta: dict, sidecar: bool = True) -> None:
+    torch.manual_seed(seed)
+    save_weights(path, build_model(model_spec()).state_dict(), {**meta, "model": model_spec()}, sidecar)
+
+
 def make_run_dir(
     root: Path,
     run_name: str,
     world_size: int = 2,
     num_steps: int = 7,
     merge_method: str = "average",
+    ddp_baseline: bool = False,
 ) -> tuple[Path, Path]:
     """Write a complete run directory plus its shard manifest under ``root``; return both paths."""
     run_dir = root / "results" / "runs" / run_name
@@ -53,24 +186,13 @@ def make_run_dir(
     }
     manifest_path.write_text(json.dumps(manifest, indent=2))
 
-    rng = np.random.default_rng(len(run_name))
     ranks = []
     for rank in range(world_size):
-        steps = np.arange(num_steps, dtype=np.int64)
-        table = pa.table(
-            {
-                "step": steps,
-                "epoch": steps * 2 // num_steps,
-                "loss": 1.1 - 0.1 * steps - 0.01 * rank,
-                "samples_per_second": 1000.0 + rng.random(num_steps),
-                "lr": np.full(num_steps, 0.01),
-                "timestamp_ms": 1_700_000_000_000 + 250 * steps,
-            }
+        pq.write_table(
+            step_table(rank, np.arange(num_steps), num_steps), metrics_dir / f"rank-{rank}.parquet"
         )
-        pq.write_table(table, metrics_dir / f"rank-{rank}.parquet")
-        checkpoint = run_dir / "ranks" / f"rank-{rank}.safetensors"
-        checkpoint.parent.mkdir(exist_ok=True)
-        save_file({"fc.weight": rng.random((3, 8), dtype=np.float32)}, str(checkpoint))
+        checkpoint = run_dir / "train" / f"rank-{rank}.safetensors"
+        _save_mlp(checkpoint, rank + 1, {"run": run_name, "rank": rank, "host": f"node{rank}"})
         ranks.append({"rank": rank, "rows": shard_rows[rank], "checkpoint": str(checkpoint)})
 
     train = {
@@ -82,10 +204,13 @@ def make_run_dir(
         "epochs": 2,
         "train_seconds": 12.5,
         "backend": "gloo",
+        "hosts": [f"node{r}" for r in range(world_size)],
+        "slurm_job_id": "4242",
+        "torch_version": "2.13.0",
         "ranks": [
             {"rank": r["rank"], "rows": r["rows"], "checkpoint": Path(r["checkpoint"]).name} for r in ranks
         ],
-        "model": {"name": "mlp", "hidden_sizes": [16, 16]},
+        "model": model_spec(),
     }
     (run_dir / "train" / "train.json").write_text(json.dumps(train, indent=2))
     gather = {
@@ -101,17 +226,15 @@ def make_run_dir(
             }
             for r in ranks
         ],
-        "tensors": {"fc.weight": {"shape": [3, 8], "dtype": "F32"}},
     }
     (run_dir / "gather.json").write_text(json.dumps(gather, indent=2))
     merged = run_dir / "merged.safetensors"
-    save_file({"fc.weight": np.full((3, 8), 0.5, dtype=np.float32)}, str(merged))
-    weights = [r["rows"] / sum(shard_rows) for r in ranks]
+    _save_mlp(merged, 0, {"run": run_name, "rank": None, "merge_method": merge_method}, sidecar=False)
     merge = {
         "run": run_name,
         "method": merge_method,
         "num_ranks": world_size,
-        "weights": weights,
+        "weights": [r["rows"] / sum(shard_rows) for r in ranks],
         "seconds": 0.25,
         "output": "merged.safetensors",
         "sha256": sha256_file(merged),
@@ -124,10 +247,13 @@ def make_run_dir(
         "run": run_name,
         "test_rows": 300,
         "merged": {"loss": 0.5, "accuracy": 0.8},
+        "base": {"loss": 1.1, "accuracy": 0.34},
         "ranks": rank_results,
         "best_rank_accuracy": max(r["accuracy"] for r in rank_results),
         "mean_rank_accuracy": float(np.mean([r["accuracy"] for r in rank_results])),
         "mean_rank_loss": float(np.mean([r["loss"] for r in rank_results])),
     }
+    if ddp_baseline:
+        evaluation["ddp_baseline"] = {"run": "ddp", "accuracy": 0.83, "loss": 0.45}
     (run_dir / "eval.json").write_text(json.dumps(evaluation, indent=2))
     return run_dir, manifest_path

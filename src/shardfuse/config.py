@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import hashlib
 import json
 import os
 import re
@@ -42,6 +43,35 @@ TRAIN_KEYS = (
     "batch_size",
     "epochs",
     "seed",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "nonfinite_loss",
+)
+# What each merge method reads from the run config (config key -> merge param); other keys do not
+# reach the merge rule, so changing them does not re-run it.
+MERGE_PARAMS = {
+    "consolidate": {"merge_tolerance": "tolerance"},
+    "weighted": {"merge_weights": "weights"},
+    "task_arithmetic": {"merge_scale": "scale"},
+    "ties": {"merge_density": "density", "merge_scale": "scale"},
+    "dare": {
+        "merge_density": "density",
+        "merge_seed": "seed",
+        "merge_sign_election": "sign_election",
+        "merge_scale": "scale",
+    },
+    "slerp": {"merge_t": "t"},
+}
+# Everything that determines a training's outputs. Runs that agree on all of these (e.g. a sweep over
+# merge methods) share one training: its ranks are trained once and fused several ways.
+TRAINING_KEYS = (
+    "dataset",
+    "world_size",
+    "shard_seed",
+    "drop_remainder",
+    "nodes",
+    "nproc_per_node",
+    *TRAIN_KEYS,
 )
 
 
@@ -59,6 +89,39 @@ class Experiment:
     def shard_dir(self, run: str) -> str:
         cfg = self.runs[run]
         return f"results/shards/{cfg['dataset']}/{shardset_name(cfg)}"
+
+    def training(self, run: str) -> str:
+        return training_name(self.runs[run])
+
+    @property
+    def trainings(self) -> dict[str, dict[str, Any]]:
+        """Training name -> the config of the first run that uses it (identical training keys)."""
+        found: dict[str, dict[str, Any]] = {}
+        for cfg in self.runs.values():
+            found.setdefault(training_name(cfg), cfg)
+        return found
+
+    def ddp_baseline(self, run: str) -> str | None:
+        """The ddp run trained like ``run`` in every other respect, if the experiment has one."""
+        cfg = self.runs[run]
+        same = [k for k in TRAINING_KEYS if k not in ("strategy", "sync_every")]
+        for other, other_cfg in self.runs.items():
+            if other_cfg["strategy"] == "ddp" and all(other_cfg[k] == cfg[k] for k in same):
+                return other
+        return None
+
+
+def merge_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The params of the run's merge method (null values mean the method's own default)."""
+    mapping = MERGE_PARAMS.get(run_cfg["merge_method"], {})
+    return {param: run_cfg[key] for key, param in mapping.items() if run_cfg[key] is not None}
+
+
+def training_name(run_cfg: dict[str, Any]) -> str:
+    """A readable, content-addressed name: results/trainings/<name>/ holds the trained ranks."""
+    identity = json.dumps({key: run_cfg[key] for key in TRAINING_KEYS}, sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    return f"{run_cfg['dataset']}-w{run_cfg['world_size']}-{run_cfg['strategy']}-{digest}"
 
 
 def shardset_name(run_cfg: dict[str, Any]) -> str:
@@ -205,7 +268,7 @@ def load_experiment(
     rows = read_runs_table(table, run_props) if isinstance(table, str) else table
     fix = f"fix that cell in {table}" if isinstance(table, str) else "fix it in the runs mapping"
     datasets = {
-        name: _dataset_with_defaults(spec, schema["$defs"]["dataset"])
+        name: _dataset_with_defaults(name, spec, schema["$defs"]["dataset"])
         for name, spec in config["datasets"].items()
     }
     runs: dict[str, dict[str, Any]] = {}
@@ -228,11 +291,17 @@ def load_experiment(
     return Experiment(runs, datasets, tracking_uri, mlflow_cfg["experiment"])
 
 
-def _dataset_with_defaults(spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults only for keys the dataset's source uses (class_sep is synthetic's alone)."""
     filled = _with_defaults(spec, schema)
     if filled["source"] != "synthetic" and "class_sep" not in spec:
         del filled["class_sep"]
+    if filled["test_fraction"] + filled["val_fraction"] >= 1:
+        raise ConfigError(
+            f"config error at datasets.{name}: test_fraction + val_fraction = "
+            f"{filled['test_fraction'] + filled['val_fraction']:g} leaves no training rows; "
+            "make their sum < 1"
+        )
     return filled
 
 
@@ -258,7 +327,28 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
             f"{nodes * run['nproc_per_node']} but world_size (the number of shards) is "
             f"{world_size}; make them agree"
         )
-    if run["merge_method"] == "consolidate" and run["strategy"] != "ddp":
+    method = run["merge_method"]
+    if method == "slerp" and world_size != 2:
+        raise ConfigError(
+            f"{where}.merge_method: slerp interpolates exactly two models but world_size is "
+            f"{world_size}; use world_size 2 or another merge_method"
+        )
+    if run["merge_weights"] is not None and len(run["merge_weights"]) != world_size:
+        raise ConfigError(
+            f"{where}.merge_weights: {len(run['merge_weights'])} weights for {world_size} ranks; "
+            "give one weight per rank or null (weights by shard rows)"
+        )
+    if run["merge_weights"] is not None and method != "weighted":
+        raise ConfigError(
+            f"{where}.merge_weights: only merge_method weighted uses weights; remove them or "
+            "set merge_method weighted"
+        )
+    if method == "greedy_soup" and datasets[run["dataset"]].get("val_fraction", 0.1) == 0:
+        raise ConfigError(
+            f"{where}.merge_method: greedy_soup needs a validation split but dataset "
+            f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
+        )
+    if method == "consolidate" and run["strategy"] != "ddp":
         raise ConfigError(
             f"{where}.merge_method: consolidate needs identical ranks (strategy ddp) but "
             f"strategy is {run['strategy']}; use merge_method uniform or weighted"

@@ -6,11 +6,19 @@ No command line; used by training and evaluation, e.g.
 
 Every rank reads only its own shard-{rank}.parquet. Feature columns are x0..x{F-1} (float32 tensor [N, F]),
 labels the ``label`` column (int64 tensor [N]), as written by ``shardfuse.prepare``.
+
+Two ways to feed training: :func:`load_shard` (the whole shard in memory) and :class:`ShardReader`
+(row groups streamed by a background thread; the first batch after one row group, memory flat in the
+shard size). :func:`feature_stats` gives the normalisation statistics from the manifest, without a
+pass over the data. Figures: bench/RESULTS.md (bench/reader.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +30,10 @@ from shardfuse.partition import (
     LABEL_COLUMN,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    column_values,
+    error_reason,
     open_parquet,
+    prefetched,
     read_batches,
     shard_name,
 )
@@ -149,11 +160,27 @@ def _table_columns(schema: pa.Schema, path: Path) -> list[str]:
     return names
 
 
+def _fill_rows(
+    features: np.ndarray, labels: np.ndarray, data: pa.Table | pa.RecordBatch, names: list[str], path: Path
+) -> None:
+    """Copy one Arrow chunk into row-major ``features`` [n, F] (float32) and ``labels`` [n] (int64).
+
+    Arrow stores columns and a model wants rows, so this one copy per value is unavoidable; NumPy
+    does it column by column without a Python loop over rows."""
+    for j, name in enumerate([*names, LABEL_COLUMN]):
+        column = data.column(name)
+        if column.null_count:
+            raise UserError(f"column {name!r} of {path} has {column.null_count} missing value(s); {REMAKE}")
+        if name == LABEL_COLUMN:
+            labels[:] = column_values(column)
+        else:
+            features[:, j] = column_values(column)
+
+
 def load_table(path: str | Path, batch_size: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
     """Read a prepared Parquet file as (features float32 [N, F], labels int64 [N]).
 
-    Arrow stores columns, a model wants rows, so one copy into a preallocated [N, F] array is
-    unavoidable; reading batch by batch keeps peak memory at that array plus one batch.
+    Reading batch by batch into preallocated arrays keeps peak memory at those arrays plus one batch;
     torch.from_numpy then shares the arrays' memory."""
     path = Path(path)
     with open_parquet(path, "data file", REMAKE) as parquet_file:
@@ -166,29 +193,263 @@ def load_table(path: str | Path, batch_size: int = 65536) -> tuple[torch.Tensor,
             parquet_file, f"data file {path}", REMAKE, batch_size=batch_size, columns=[*names, LABEL_COLUMN]
         ):
             end = offset + batch.num_rows
-            for j, name in enumerate([*names, LABEL_COLUMN]):
-                column = batch.column(name)
-                if column.null_count:
-                    raise UserError(
-                        f"column {name!r} of {path} has {column.null_count} missing value(s); {REMAKE}"
-                    )
-                if name == LABEL_COLUMN:
-                    labels[offset:end] = column.to_numpy()
-                else:
-                    features[offset:end, j] = column.to_numpy()
+            _fill_rows(features[offset:end], labels[offset:end], batch, names, path)
             offset = end
     return torch.from_numpy(features), torch.from_numpy(labels)
+
+
+class _Verification:
+    """A shard's sha256 computed in a background thread (hashlib releases the GIL), so checking it
+    overlaps with reading instead of costing a full extra read before the first batch."""
+
+    def __init__(self, path: Path, rank: int, expected: str) -> None:
+        self.path, self.rank, self.expected = path, rank, expected
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfuse-verify")
+        self.digest = self.executor.submit(sha256_file, path)
+        self.executor.shutdown(wait=False)
+
+    def check(self) -> None:
+        if self.digest.result() != self.expected:
+            raise UserError(
+                f"shard of rank {self.rank} ({self.path}) does not match its sha256 in the manifest; "
+                f"{RERUN_PARTITION}"
+            )
+
+
+def _open_shard(shard_dir: str | Path, rank: int, verify: bool) -> tuple[dict, Path, _Verification | None]:
+    """Manifest, checked shard path (existence, size, name) and, if ``verify``, a running checksum."""
+    manifest = read_manifest(shard_dir)
+    path = verify_shard(shard_dir, rank, manifest, checksum=False)
+    if path.name != shard_name(rank):
+        raise UserError(f"shard manifest in {shard_dir} names {path.name} for rank {rank}; {RERUN_PARTITION}")
+    verification = _Verification(path, rank, manifest["shards"][rank]["sha256"]) if verify else None
+    return manifest, path, verification
 
 
 def load_shard(shard_dir: str | Path, rank: int, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Load rank's shard as (features, labels); touches only manifest.json and shard-{rank}.parquet.
 
-    ``verify`` adds the sha256 check (a full extra read); existence and size are always checked."""
-    manifest = read_manifest(shard_dir)
-    path = verify_shard(shard_dir, rank, manifest, checksum=verify)
-    if path.name != shard_name(rank):
-        raise UserError(f"shard manifest in {shard_dir} names {path.name} for rank {rank}; {RERUN_PARTITION}")
-    return load_table(path)
+    ``verify`` adds the sha256 check, computed while the shard loads; existence and size are always
+    checked first."""
+    _, path, verification = _open_shard(shard_dir, rank, verify)
+    loaded = load_table(path)
+    if verification is not None:
+        verification.check()
+    return loaded
+
+
+def feature_stats(manifest: dict, num_features: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mean and (population) std of x0..x{F-1} over every shard, from the column moments partition
+    recorded in the manifest: no pass over the data and no collective, and the same on every rank.
+
+    None when the manifest has no moments (made by an older partition) or a sum is not finite; the
+    caller then computes the statistics from the data."""
+    count, total, squares = np.zeros(num_features), np.zeros(num_features), np.zeros(num_features)
+    for shard in manifest["shards"]:
+        moments = shard.get("column_moments")
+        if not isinstance(moments, dict):
+            return None
+        for j in range(num_features):
+            entry = moments.get(f"x{j}")
+            if not isinstance(entry, dict) or entry.get("sum") is None or entry.get("sum_squares") is None:
+                return None
+            count[j] += entry["count"]
+            total[j] += entry["sum"]
+            squares[j] += entry["sum_squares"]
+    if not count.all():
+        return None
+    mean = total / count
+    std = np.sqrt(np.clip(squares / count - mean**2, 0.0, None))
+    return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
+
+
+def split_sizes(num_rows: int, num_batches: int) -> list[int]:
+    """Batch sizes of one epoch, as torch.tensor_split(range(num_rows), num_batches) cuts it."""
+    base, extra = divmod(num_rows, num_batches)
+    return [base + 1] * extra + [base] * (num_batches - extra)
+
+
+class ShardReader:
+    """Stream one rank's shard as shuffled mini-batches, one Parquet row group at a time::
+
+        with ShardReader("results/shards/digits/w2-seed0", rank=0, seed=0) as reader:
+            for epoch in range(num_epochs):
+                for features, labels in reader.epoch(epoch, num_batches):
+                    ...
+
+    Why not :func:`load_shard`: it reads (and checksums) the whole shard before the first step and
+    holds it all in memory. Here a background thread reads, converts and shuffles the next row groups
+    while the caller trains, so the first batch is ready after one row group, and memory holds a
+    shuffle window (``window_row_groups`` row groups) plus ``prefetch`` windows, whatever the shard size.
+
+    Shuffling: every epoch visits the row groups in a new seeded order and shuffles the rows within
+    each window (a shuffle buffer, as tf.data and webdataset do). Partition assigns rows to ranks at
+    random, but keeps the input's order within a shard: if the input is sorted (e.g. by label), raise
+    ``window_row_groups`` or use ``cache=True``. With ``cache=True`` epoch 0 streams and keeps what it
+    reads, and epochs >= 1 draw a full random permutation of the shard from memory: load_shard's
+    shuffle and memory, without its wait for the first batch.
+
+    The batches depend only on (seed, epoch, num_batches, cache), never on what ran before in this
+    process, so a run resumed mid-epoch (``start_batch``) sees the batches of an uninterrupted one.
+    ``verify`` checks the shard's sha256 in a background thread; a mismatch raises UserError when the
+    first epoch ends, before the caller can save anything trained on it.
+    """
+
+    def __init__(
+        self,
+        shard_dir: str | Path,
+        rank: int,
+        *,
+        seed: int = 0,
+        window_row_groups: int = 4,
+        prefetch: int = 2,
+        cache: bool = False,
+        verify: bool = True,
+    ) -> None:
+        self.rank = rank
+        self.manifest, self.path, self._verification = _open_shard(shard_dir, rank, verify)
+        self.seed, self.window_row_groups, self.prefetch = seed, max(1, window_row_groups), max(1, prefetch)
+        self._file = open_parquet(self.path, "shard", RERUN_PARTITION)
+        self.names = _table_columns(self._file.schema_arrow, self.path)
+        metadata = self._file.metadata
+        self.num_rows = metadata.num_rows
+        self.num_features = len(self.names)
+        group_rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        self._group_offsets = np.concatenate([[0], np.cumsum(group_rows, dtype=np.int64)])
+        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+        if cache:
+            self._cache = (
+                np.empty((self.num_rows, self.num_features), dtype=np.float32),
+                np.empty(self.num_rows, dtype=np.int64),
+            )
+        self._cache_complete = False
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def epoch(
+        self, epoch: int, num_batches: int, start_batch: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches: exactly ``num_batches`` of them, sized like torch.tensor_split, from
+        batch ``start_batch`` on (resuming mid-epoch: the batches are the ones an uninterrupted epoch
+        would have given, and skipped row groups are not read)."""
+        if not 1 <= num_batches <= self.num_rows:
+            raise UserError(
+                f"{num_batches} batches per epoch do not fit the {self.num_rows} rows of {self.path}; "
+                "use a batch size that gives between 1 and that many batches"
+            )
+        if not 0 <= start_batch <= num_batches:
+            raise UserError(f"start batch {start_batch} is outside the epoch's {num_batches} batches")
+        sizes = split_sizes(self.num_rows, num_batches)
+        if self._cache is not None and epoch > 0:
+            if not self._cache_complete:  # resumed after epoch 0: the batches must not depend on that
+                self._read_window(np.arange(len(self._group_offsets) - 1), self.num_rows)
+                self._cache_complete = True
+            yield from self._cached_batches(epoch, sizes, start_batch)
+        else:
+            skip_rows = sum(sizes[:start_batch])
+            windows = prefetched(self._shuffled_windows(epoch, skip_rows), self.prefetch)
+            yield from _rebatch(windows, sizes[start_batch:], self.path)
+            self._cache_complete = self._cache is not None and skip_rows == 0
+        if self._verification is not None:
+            self._verification.check()
+            self._verification = None
+
+    def _cached_batches(
+        self, epoch: int, sizes: list[int], start_batch: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        features, labels = (torch.from_numpy(array) for array in self._cache)
+        order = torch.from_numpy(np.random.default_rng([self.seed, epoch, 2]).permutation(self.num_rows))
+        for batch in torch.split(order, sizes)[start_batch:]:
+            # index_select, not features[batch]: the same gather, ~5x faster on CPU for small batches.
+            yield features.index_select(0, batch), labels.index_select(0, batch)
+
+    def _shuffled_windows(self, epoch: int, skip_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Runs in the prefetch thread: read, convert and shuffle one window of row groups at a time;
+        the first ``skip_rows`` rows of the epoch are left out (whole windows without reading them)."""
+        group_order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(self._group_offsets) - 1)
+        group_rows = np.diff(self._group_offsets)
+        # The first window is a single row group, so the first batch waits for one read only.
+        bounds = sorted({0, *range(1, len(group_order), self.window_row_groups), len(group_order)})
+        window_start = 0
+        for index, (first, stop) in enumerate(itertools.pairwise(bounds)):
+            groups = group_order[first:stop]
+            size = int(group_rows[groups].sum())
+            window_start += size
+            if window_start <= skip_rows:
+                continue
+            features, labels = self._read_window(groups, size)
+            order = np.random.default_rng([self.seed, epoch, 1, index]).permutation(size)
+            drop = max(0, skip_rows - (window_start - size))
+            yield features[order[drop:]], labels[order[drop:]]
+
+    def _read_window(self, groups: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        features = np.empty((size, self.num_features), dtype=np.float32)
+        labels = np.empty(size, dtype=np.int64)
+        columns = [*self.names, LABEL_COLUMN]
+        offset = 0
+        for group in groups:
+            try:
+                table = self._file.read_row_group(int(group), columns=columns, use_threads=False)
+            except (pa.ArrowException, OSError) as exc:
+                raise UserError(
+                    f"shard of rank {self.rank} ({self.path}) could not be read ({error_reason(exc)}); "
+                    f"{RERUN_PARTITION}"
+                ) from None
+            end = offset + table.num_rows
+            expected = self._group_offsets[group + 1] - self._group_offsets[group]
+            if table.num_rows != expected:
+                raise UserError(
+                    f"row group {group} of the shard of rank {self.rank} ({self.path}) has "
+                    f"{table.num_rows} rows, its footer says {expected}; {RERUN_PARTITION}"
+                )
+            _fill_rows(features[offset:end], labels[offset:end], table, self.names, self.path)
+            if self._cache is not None:
+                start = self._group_offsets[group]
+                self._cache[0][start : start + table.num_rows] = features[offset:end]
+                self._cache[1][start : start + table.num_rows] = labels[offset:end]
+            offset = end
+        return features, labels
+
+
+def _rebatch(
+    windows: Iterator[tuple[np.ndarray, np.ndarray]], sizes: list[int], path: Path
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a stream of shuffled windows into batches of ``sizes``; a batch inside one window is a view
+    (no copy), one spanning two windows is stitched together."""
+    features = np.empty((0, 0), dtype=np.float32)
+    labels = np.empty(0, dtype=np.int64)
+    position = 0
+    for size in sizes:
+        if position + size <= len(labels):
+            batch_features, batch_labels = (
+                features[position : position + size],
+                labels[position : position + size],
+            )
+            position += size
+        else:
+            have = len(labels) - position
+            parts_f, parts_l = ([features[position:]], [labels[position:]]) if have else ([], [])
+            while have < size:
+                window = next(windows, None)
+                if window is None:
+                    raise UserError(f"shard {path} has fewer rows than its footer says; {RERUN_PARTITION}")
+                features, labels = window
+                take = min(size - have, len(labels))
+                parts_f.append(features[:take])
+                parts_l.append(labels[:take])
+                have += take
+                position = take
+            batch_features, batch_labels = np.concatenate(parts_f), np.concatenate(parts_l)
+        yield torch.from_numpy(batch_features), torch.from_numpy(batch_labels)
+    if next(windows, None) is not None:
+        raise UserError(f"shard {path} has more rows than its footer says; {RERUN_PARTITION}")
 
 
 def read_dataset_info(dataset_dir: str | Path) -> dict:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.io import UserError, write_json
+from shardfuse.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,13 @@ def distributed(timeout_s: float = 600.0) -> Iterator[DistContext]:
     else:
         backend = "gloo"
         device = torch.device("cpu")
-    torch_dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(torch_dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    # torchrun keeps one store across restarts of the ranks: keys of the failed attempt (old gloo
+    # addresses) would be read by the new one, so every attempt gets its own key prefix.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = torch_dist.PrefixStore(f"shardfuse/attempt-{attempt}", store)
+    torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         yield DistContext(rank, world_size, local_rank, device, backend)
     finally:
@@ -80,6 +85,9 @@ class RankGate:
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
+    def progress(self, total_steps: int, initial_step: int = 0, description: str = "train") -> Progress:
+        return Progress(total_steps, enabled=True, initial_step=initial_step, description=description)
+
 
 class NullGate(RankGate):
     def log(self, message: str) -> None:
@@ -90,6 +98,9 @@ class NullGate(RankGate):
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         return None
+
+    def progress(self, total_steps: int, initial_step: int = 0, description: str = "train") -> Progress:
+        return Progress(total_steps, enabled=False, initial_step=initial_step, description=description)
 
 
 def gate_for(rank: int) -> RankGate:

@@ -54,7 +54,14 @@ def evaluate_weights(
     return score_state_dict(tensors, metadata["model"], features, labels, batch_size)
 
 
-def evaluate(test_path: Path, gather_path: Path, merged_path: Path, batch_size: int) -> dict[str, Any]:
+def evaluate(
+    run: str,
+    test_path: Path,
+    gather_path: Path,
+    merged_path: Path,
+    batch_size: int,
+    ddp_baseline: Path | None = None,
+) -> dict[str, Any]:
     features, labels = load_table(test_path)
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")
@@ -66,8 +73,9 @@ def evaluate(test_path: Path, gather_path: Path, merged_path: Path, batch_size: 
     accuracies = [r["accuracy"] for r in ranks]
     merged = evaluate_weights(merged_path, features, labels, batch_size)
     best = max(accuracies)
-    return {
-        "run": info["run"],
+    result = {
+        "run": run,
+        "training": info["run"],
         "test_rows": int(features.shape[0]),
         "merged": merged,
         "base": evaluate_weights(Path(info["base"]), features, labels, batch_size),
@@ -76,20 +84,32 @@ def evaluate(test_path: Path, gather_path: Path, merged_path: Path, batch_size: 
         "mean_rank_accuracy": sum(accuracies) / len(accuracies),
         "mean_rank_loss": sum(r["loss"] for r in ranks) / len(ranks),
         "fusion_gain": merged["accuracy"] - best,
+        "ddp_baseline": None,
     }
+    if info.get("strategy") == "ddp":
+        result["ddp_baseline"] = {"run": run, **merged}
+    elif ddp_baseline is not None:
+        baseline = read_json(ddp_baseline, "ddp baseline evaluation")
+        result["ddp_baseline"] = {"run": baseline["run"], **baseline["merged"]}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--run", required=True, help="run name (recorded in eval.json)")
     parser.add_argument("--test", type=Path, required=True, help="test split Parquet")
     parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run")
     parser.add_argument("--merged", type=Path, required=True, help="merged.safetensors of the run")
     parser.add_argument("--batch-size", type=int, default=4096, help="rows per forward pass")
+    parser.add_argument(
+        "--ddp-baseline", nargs="?", default="", help="eval.json of the ddp run trained like this one, if any"
+    )
     parser.add_argument("--out", type=Path, required=True, help="eval.json to write")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
-    result = evaluate(args.test, args.gather, args.merged, args.batch_size)
+    baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
+    result = evaluate(args.run, args.test, args.gather, args.merged, args.batch_size, baseline)
     write_json(args.out, result)
     print(
         f"{result['run']}: merged accuracy {result['merged']['accuracy']:.4f}, best rank "

@@ -22,6 +22,7 @@ failed run never leaves a directory that looks complete.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -32,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfuse.io import StageParser, UserError, replace_dir, run_cli
+from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_json
 
 TRAIN_MODULE = "shardfuse.train"
 RDZV_PORT_ENV = "SHARDFUSE_RDZV_PORT"
@@ -70,7 +71,9 @@ def job_resources(geometry: Geometry) -> dict[str, int | str]:
     }
 
 
-def standalone_command(geometry: Geometry, train_args: list[str], python: str = sys.executable) -> list[str]:
+def standalone_command(
+    geometry: Geometry, train_args: list[str], python: str = sys.executable, max_restarts: int = 0
+) -> list[str]:
     """One node: torchrun with its own local rendezvous (``python -m torch.distributed.run`` is torchrun)."""
     return [
         python,
@@ -79,13 +82,16 @@ def standalone_command(geometry: Geometry, train_args: list[str], python: str = 
         "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={geometry.nproc_per_node}",
+        *([f"--max-restarts={max_restarts}"] if max_restarts else []),
         "-m",
         TRAIN_MODULE,
         *train_args,
     ]
 
 
-def srun_command(geometry: Geometry, train_args: list[str], python: str = sys.executable) -> list[str]:
+def srun_command(
+    geometry: Geometry, train_args: list[str], python: str = sys.executable, max_restarts: int = 0
+) -> list[str]:
     """Several nodes: one srun task per node, each becoming that node's torchrun agent."""
     return [
         "srun",
@@ -99,6 +105,7 @@ def srun_command(geometry: Geometry, train_args: list[str], python: str = sys.ex
         "--node-step",
         f"--nodes={geometry.nnodes}",
         f"--nproc-per-node={geometry.nproc_per_node}",
+        *([f"--max-restarts={max_restarts}"] if max_restarts else []),
         "--",
         *train_args,
     ]
@@ -112,6 +119,7 @@ def node_command(
     rdzv_id: str,
     train_args: list[str],
     python: str = sys.executable,
+    max_restarts: int = 0,
 ) -> list[str]:
     """This node's torchrun agent; all agents meet at the c10d store on ``rdzv_host``."""
     return [
@@ -124,6 +132,7 @@ def node_command(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
         f"--rdzv-id={rdzv_id}",
+        *([f"--max-restarts={max_restarts}"] if max_restarts else []),
         "-m",
         TRAIN_MODULE,
         *train_args,
@@ -131,17 +140,21 @@ def node_command(
 
 
 def launch_command(
-    geometry: Geometry, train_args: list[str], environ: Mapping[str, str], python: str = sys.executable
+    geometry: Geometry,
+    train_args: list[str],
+    environ: Mapping[str, str],
+    python: str = sys.executable,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The command the train rule's job runs, chosen from the geometry and where we are."""
     if geometry.nnodes == 1:
-        return standalone_command(geometry, train_args, python)
+        return standalone_command(geometry, train_args, python, max_restarts)
     if "SLURM_JOB_ID" not in environ:
         raise UserError(
             f"nodes={geometry.nnodes} needs a SLURM allocation of {geometry.nnodes} nodes; run "
             "with --profile profiles/slurm or set the run's nodes to 1"
         )
-    return srun_command(geometry, train_args, python)
+    return srun_command(geometry, train_args, python, max_restarts)
 
 
 def rendezvous_port(job_id: str, environ: Mapping[str, str]) -> int:
@@ -172,7 +185,11 @@ def first_host(nodelist: str) -> str:
 
 
 def node_step_command(
-    geometry: Geometry, train_args: list[str], environ: Mapping[str, str], python: str = sys.executable
+    geometry: Geometry,
+    train_args: list[str],
+    environ: Mapping[str, str],
+    python: str = sys.executable,
+    max_restarts: int = 0,
 ) -> list[str]:
     """Inside one srun task: read this step's SLURM variables and build the node's torchrun."""
     missing = [v for v in ("SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_ID") if v not in environ]
@@ -196,6 +213,7 @@ def node_step_command(
         job_id,
         train_args,
         python,
+        max_restarts,
     )
 
 
@@ -227,7 +245,26 @@ def _shard_world_size(train_args: list[str]) -> int | None:
     return int(read_manifest(train_args[train_args.index("--shard-dir") + 1])["world_size"])
 
 
-def launch(geometry: Geometry, out_dir: Path, train_args: list[str], environ: Mapping[str, str]) -> None:
+def prepare_staging(staging: Path, train_args: list[str]) -> bool:
+    """Reuse the staging directory of an interrupted launch of the same training (to resume from its
+    checkpoints); anything else there is stale and goes. Returns True when resuming is possible."""
+    identity = {"train_args": [a for a in train_args if a != str(staging)]}
+    record = staging / "launch.json"
+    if record.is_file() and json.loads(record.read_text()) == identity:
+        return (staging / "checkpoints").is_dir()
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    write_json(record, identity)
+    return False
+
+
+def launch(
+    geometry: Geometry,
+    out_dir: Path,
+    train_args: list[str],
+    environ: Mapping[str, str],
+    max_restarts: int = 0,
+) -> None:
     shards = _shard_world_size(train_args)
     if shards is not None and shards != geometry.world_size:
         raise UserError(
@@ -236,20 +273,25 @@ def launch(geometry: Geometry, out_dir: Path, train_args: list[str], environ: Ma
             "geometry agree"
         )
     staging = staging_dir(out_dir)
-    cmd = launch_command(geometry, [*train_args, "--out-dir", str(staging)], environ)  # checks geometry
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    cmd = launch_command(
+        geometry, [*train_args, "--out-dir", str(staging)], environ, max_restarts=max_restarts
+    )  # checks the geometry before touching files
+    if prepare_staging(staging, train_args):
+        print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
     status = run_and_forward_signals(cmd)
     if status != 0:
         raise UserError(
             f"training failed: exit status {status}; the failing rank's error is above in this "
-            f"log; partial outputs stay in {staging}"
+            f"log; partial outputs and checkpoints stay in {staging} (a re-run resumes from them)"
         )
     if not (staging / "train.json").is_file():
         raise UserError(
             f"training exited 0 but {staging}/train.json is missing; the ranks did not finish — "
             "check the log above"
         )
+    # Checkpoints are resume state only: the published ranks directory holds the results.
+    shutil.rmtree(staging / "checkpoints", ignore_errors=True)
+    (staging / "launch.json").unlink(missing_ok=True)
     replace_dir(staging, out_dir)
 
 
@@ -263,15 +305,24 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="internal: this process is one srun task of a multi-node launch",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts the ranks this often after a failure (they resume from "
+        "the newest checkpoint)",
+    )
     parser.add_argument("train_args", nargs="*", help="-- then the arguments of shardfuse.train")
     args = parser.parse_args(argv)
     geometry = Geometry(args.nodes, args.nproc_per_node)
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
     if args.node_step:
-        status = run_and_forward_signals(node_step_command(geometry, args.train_args, os.environ))
-        sys.exit(status)
+        cmd = node_step_command(geometry, args.train_args, os.environ, max_restarts=args.max_restarts)
+        sys.exit(run_and_forward_signals(cmd))
     if args.out_dir is None:
         raise UserError("--out-dir is required; pass the run's train directory")
-    launch(geometry, args.out_dir, args.train_args, os.environ)
+    launch(geometry, args.out_dir, args.train_args, os.environ, args.max_restarts)
 
 
 if __name__ == "__main__":

@@ -1,126 +1,574 @@
-"""Fuse a run's per-rank models into one, streaming tensor by tensor.
+"""Fuse a run's per-rank models into one, streaming block by block through the tensors.
 
 By hand::
 
-    python -m shardfuse.merge --gather results/runs/ddp/gather.json --method consolidate \
-        --out-weights results/runs/ddp/merged.safetensors --out-json results/runs/ddp/merge.json
+    python -m shardfuse.merge --gather results/trainings/T/gather.json --method ties \\
+        --params-json '{"density": 0.2}' --val-split results/datasets/digits/val.parquet \\
+        --out-weights results/runs/R/merged.safetensors --out-json results/runs/R/merge.json
 
-Methods:
-  consolidate  synchronous (ddp) runs: checks every rank equals rank 0 within --tolerance, keeps rank 0
-  uniform      mean of the ranks' parameters (model soup / one-shot parameter averaging)
-  weighted     mean weighted by each rank's shard rows (FedAvg)
+Methods and their parameters: ``shardfuse.merge_methods`` (consolidate, uniform, weighted, greedy_soup,
+task_arithmetic, ties, dare, slerp, model_stock). ``--val-split`` is read by greedy_soup only, and only
+a validation split is accepted (a file whose sha256 is the sibling dataset.json's test split is
+refused). ``--dcp-dir DIR`` (consolidate only) builds the output from a sharded
+torch.distributed.checkpoint saved in DCP's safetensors format instead of the rank files; DCP's
+default format stores its index as a pickle and is refused (see ``ShardedCheckpoint``). ``--run``
+names the run in merge.json when several runs fuse one training.
 
-Only one tensor of each rank is in memory at a time (safetensors is memory-mapped), so memory grows
-with the model, not with the number of ranks. Sums are accumulated in float64.
+Memory: every input is read with explicit reads (no mmap, see safetensors_stream) in blocks of at most
+BLOCK_BYTES of float64 across all ranks, and the output is written block by block, so peak memory is a
+few blocks plus the interpreter, whatever the number of ranks or the model size. Exceptions: the TIES
+scan holds one rank's float64 magnitudes of one tensor; greedy soup holds one candidate model (and
+the copy its evaluation makes). Two reader threads read (and hash) a few blocks ahead of the math.
+
+Checksums: each ingredient's sha256 is computed from the very bytes that are merged and compared with
+gather.json before the output is renamed into place: one read per file, and no window between check
+and use. The base (shared initial weights) is checked against its sidecar base.json.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import resource
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from shardfuse.checkpoint import open_weights, read_metadata, save_weights
-from shardfuse.io import StageParser, UserError, read_json, run_cli, sha256_file, write_json
+from shardfuse.io import (
+    StageParser,
+    UserError,
+    atomic_path,
+    parse_json_arg,
+    read_json,
+    run_cli,
+    sha256_file,
+    write_json,
+)
+from shardfuse.merge_methods import (
+    METHODS,
+    USES_BASE,
+    USES_VAL,
+    Plan,
+    TensorJob,
+    copy_rule_error,
+    make_plan,
+    merge_block,
+    rank_weights,
+    resolve_params,
+    tensor_stats,
+)
+from shardfuse.safetensors_stream import (
+    SafetensorsReader,
+    SafetensorsWriter,
+    ShardedCheckpoint,
+    TensorInfo,
+    decode_float,
+    encode_float,
+    file_order,
+    to_torch,
+)
 
-METHODS = ("consolidate", "uniform", "weighted")
+METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: it would import torch)
+BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
+PREFETCH_DEPTH = 2  # blocks read ahead by the worker threads
+READ_LANES = 2  # reader threads: hashing the inputs costs as much CPU as the math (sha256 ~2 GB/s)
+RERUN_GATHER = "re-run gather (snakemake -R gather)"
 
 
-def merge_weights(method: str, rows: list[int]) -> list[float]:
-    if method == "weighted":
-        total = sum(rows)
-        if total <= 0:
-            raise UserError("weighted merge needs ranks with rows > 0; use merge_method uniform")
-        return [r / total for r in rows]
-    return [1.0 / len(rows)] * len(rows)
+# ---------------------------------------------------------------- the streaming engine
 
 
-def merge_tensors(
-    paths: list[Path], method: str, weights: list[float], tolerance: float
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Return the merged tensors and, per tensor, the largest |rank - rank 0| difference."""
-    if method not in METHODS:
-        raise UserError(f"unknown merge method {method!r}; use one of {', '.join(METHODS)}")
-    merged: dict[str, torch.Tensor] = {}
-    spread: dict[str, float] = {}
-    with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(open_weights(path)) for path in paths]
-        for name in handles[0].keys():
-            reference = handles[0].get_tensor(name)
-            acc = reference.to(torch.float64) * weights[0]
-            worst = 0.0
-            for handle, weight in zip(handles[1:], weights[1:], strict=True):
-                tensor = handle.get_tensor(name)
-                if reference.numel():
-                    worst = max(
-                        worst, (tensor.to(torch.float64) - reference.to(torch.float64)).abs().max().item()
+@dataclass
+class Job:
+    kind: str  # copy | scan | scan_rank | combine
+    name: str
+    plan: Plan | None
+    start: int
+    count: int
+    reads: list[int]  # indices into Engine.inputs
+    rank_index: int = 0
+    end_rank: bool = False
+    end_scan: bool = False
+    end_tensor: bool = False
+
+
+class MemorySink:
+    """Collects the merged bytes in memory (greedy soup scores candidates without writing them)."""
+
+    def __init__(self, tensors: dict[str, TensorInfo]) -> None:
+        self.tensors = tensors
+        self.buffers = {name: np.empty(info.nbytes, dtype=np.uint8) for name, info in tensors.items()}
+        self.filled = dict.fromkeys(tensors, 0)
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        start = self.filled[name]
+        self.buffers[name][start : start + len(data)] = data
+        self.filled[name] = start + len(data)
+
+    def tensors_for_torch(self) -> dict[str, Any]:
+        return {
+            name: to_torch(self.buffers[name].view(info.dtype.holder).reshape(info.shape), info.dtype)
+            for name, info in self.tensors.items()
+        }
+
+
+class Engine:
+    """Merge ``readers`` (one per rank, in rank order) tensor by tensor, block by block."""
+
+    def __init__(
+        self,
+        readers: list[SafetensorsReader],
+        base: SafetensorsReader | None,
+        method: str,
+        params: dict[str, Any],
+        rank_numbers: list[int],
+        weights: list[float] | None = None,
+        block_bytes: int = BLOCK_BYTES,
+    ) -> None:
+        self.inputs = readers + ([base] if base is not None else [])
+        self.num_ranks = len(readers)
+        self.method, self.params, self.weights = method, params, weights
+        self.rank_numbers = rank_numbers
+        self.block_elems = max(1, block_bytes // (8 * len(self.inputs)))
+
+    def _blocks(self, numel: int) -> Iterator[tuple[int, int, bool]]:
+        if numel == 0:
+            yield 0, 0, True
+        for start in range(0, numel, self.block_elems):
+            count = min(self.block_elems, numel - start)
+            yield start, count, start + count == numel
+
+    def schedule(self, names: list[str]) -> Iterator[Job]:
+        ranks = list(range(self.num_ranks))
+        with_base = ranks + ([self.num_ranks] if len(self.inputs) > self.num_ranks else [])
+        for name in names:
+            info = self.inputs[0].tensors[name]
+            if not info.dtype.is_float:
+                for start, count, last in self._blocks(info.numel):
+                    yield Job("copy", name, None, start, count, ranks, end_tensor=last)
+                continue
+            job = TensorJob(name, info.numel, self.rank_numbers, self.weights)
+            plan = make_plan(self.method, self.params, job)
+            if plan.scan_order == "blocks":
+                for start, count, last in self._blocks(info.numel):
+                    yield Job("scan", name, plan, start, count, with_base, end_scan=last)
+            elif plan.scan_order == "ranks":
+                for index in ranks:
+                    for start, count, last in self._blocks(info.numel):
+                        reads = [index, *with_base[self.num_ranks :]]
+                        end_scan = last and index == ranks[-1]
+                        yield Job("scan_rank", name, plan, start, count, reads, index, last, end_scan)
+            for start, count, last in self._blocks(info.numel):
+                yield Job("combine", name, plan, start, count, with_base, end_tensor=last)
+
+    def _read(self, job: Job, lane: int, buffers: list[np.ndarray]) -> list[tuple[int, np.ndarray]]:
+        """Read the inputs of ``job`` that belong to ``lane``; (position in job.reads, bytes) pairs."""
+        return [
+            (
+                position,
+                self.inputs[index].read_into(
+                    self.inputs[index].tensors[job.name], job.start, job.count, buffers[position]
+                ),
+            )
+            for position, index in enumerate(job.reads)
+            if index % READ_LANES == lane
+        ]
+
+    def _prefetched(self, jobs: Iterator[Job]) -> Iterator[tuple[Job, list[np.ndarray]]]:
+        """Jobs with their raw bytes, read (and hashed) by READ_LANES worker threads, up to PREFETCH_DEPTH
+        jobs ahead of the math.
+
+        Input i always goes to lane i mod READ_LANES, a single thread, so each file is read in order:
+        that is what lets the readers hash as they go. Job k reads into buffer set k mod (depth + 1):
+        when job k + depth is submitted the consumer has finished job k - 1, the last user of that set."""
+        slots = [
+            [np.empty(self.block_elems * 8, dtype=np.uint8) for _ in self.inputs]
+            for _ in range(PREFETCH_DEPTH + 1)
+        ]
+        pending: deque = deque()
+        submitted = 0
+        with contextlib.ExitStack() as stack:
+            lanes = [
+                stack.enter_context(
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardfuse-read{i}")
+                )
+                for i in range(READ_LANES)
+            ]
+
+            def submit() -> None:
+                nonlocal submitted
+                job = next(jobs, None)
+                if job is not None:
+                    slot = slots[submitted % len(slots)]
+                    pending.append(
+                        (job, [lane.submit(self._read, job, i, slot) for i, lane in enumerate(lanes)])
                     )
-                acc.add_(tensor.to(torch.float64), alpha=weight)
-            spread[name] = worst
-            if method == "consolidate":
-                if worst > tolerance:
-                    raise UserError(
-                        f"consolidate: tensor {name!r} differs between ranks by up to {worst:.3g} "
-                        f"(merge_tolerance {tolerance:.3g}); the ranks are not synchronous — use "
-                        "merge_method uniform/weighted or raise merge_tolerance"
-                    )
-                merged[name] = reference.clone()
+                    submitted += 1
+
+            try:
+                for _ in range(PREFETCH_DEPTH):
+                    submit()
+                while pending:
+                    job, futures = pending.popleft()
+                    views: list[np.ndarray] = [None] * len(job.reads)  # type: ignore[list-item]
+                    for future in futures:
+                        for position, view in future.result():
+                            views[position] = view
+                    yield job, views
+                    submit()
+            finally:
+                for _, futures in pending:
+                    for future in futures:
+                        future.cancel()
+
+    def run(self, names: list[str], sink) -> dict[str, dict[str, Any]]:
+        """Merge ``names`` in this order into ``sink`` (anything with ``write(name, bytes)``)."""
+        scratch = [np.empty(self.block_elems) for _ in self.inputs]
+        out = np.empty(self.block_elems * 8, dtype=np.uint8)
+        stats: dict[str, dict[str, Any]] = {}
+        for job, views in self._prefetched(self.schedule(names)):
+            info = self.inputs[0].tensors[job.name]
+            if job.kind == "copy":
+                for index, view in enumerate(views[1:], start=1):
+                    if not np.array_equal(view, views[0]):
+                        raise copy_rule_error(job.name, info.dtype.name, self.rank_numbers[index])
+                sink.write(job.name, views[0])
+                if job.end_tensor:
+                    stats[job.name] = {"max_abs_diff": 0.0, "copied_from_rank": self.rank_numbers[0]}
+                continue
+            values = [
+                decode_float(view, info.dtype, buffer) for view, buffer in zip(views, scratch, strict=False)
+            ]
+            plan = job.plan
+            if job.kind == "scan_rank":
+                plan.scan_rank(job.rank_index, job.start, values[0], values[1] if len(values) > 1 else None)
+                if job.end_rank:
+                    plan.end_rank(job.rank_index)
             else:
-                merged[name] = acc.to(reference.dtype)
-    return merged, spread
+                blocks, base = (
+                    values[: self.num_ranks],
+                    (values[self.num_ranks] if len(values) > self.num_ranks else None),
+                )
+                if job.kind == "scan":
+                    plan.scan_blocks(job.start, blocks, base)
+                else:
+                    sink.write(
+                        job.name, encode_float(merge_block(plan, job.start, blocks, base), info.dtype, out)
+                    )
+            if job.end_scan:
+                plan.end_scan()
+            if job.end_tensor:
+                stats[job.name] = tensor_stats(plan)
+        return stats
 
 
-def merge(gather_path: Path, method: str, tolerance: float, out_weights: Path, out_json: Path) -> dict:
+# ---------------------------------------------------------------- inputs and checks
+
+
+def _open_checked(path: Path, expected_bytes: int | None, what: str) -> SafetensorsReader:
+    if not path.is_file() or (expected_bytes is not None and path.stat().st_size != expected_bytes):
+        raise UserError(f"{what}: {path} is missing or changed since gather; {RERUN_GATHER}")
+    return SafetensorsReader(path)
+
+
+def _check_header(reader: SafetensorsReader, expected: dict[str, Any], what: str) -> None:
+    if reader.header() != expected:
+        raise UserError(
+            f"{what}: {reader.path} does not hold the tensors gather.json records; {RERUN_GATHER}"
+        )
+
+
+def _merged_metadata(first: SafetensorsReader, method: str, params: dict[str, Any]) -> dict[str, str]:
+    raw = first.metadata.get(METADATA_KEY)
+    if raw is None:
+        raise UserError(f"checkpoint {first.path} has no shardfuse metadata; point at a shardfuse checkpoint")
+    metadata = {**json.loads(raw), "rank": None, "merge_method": method, "merge_params": params}
+    return {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
+
+
+def _base_sha256(base: SafetensorsReader) -> str:
+    digest = base.sha256()
+    sidecar = base.path.with_suffix(".json")
+    if sidecar.is_file() and read_json(sidecar, "base sidecar").get("sha256") not in (None, digest):
+        raise UserError(
+            f"base checkpoint {base.path} does not match the sha256 in {sidecar} (changed after "
+            "training); re-run training (snakemake -R train)"
+        )
+    return digest
+
+
+def _refuse_test_split(val_split: Path) -> None:
+    info_path = val_split.parent / "dataset.json"
+    if info_path.is_file() and val_split.is_file():
+        test_digest = (read_json(info_path, "dataset info").get("sha256") or {}).get("test")
+        if test_digest is not None and test_digest == sha256_file(val_split):
+            raise UserError(
+                f"{val_split} is the dataset's test split (its sha256 is dataset.json's test entry); "
+                "greedy_soup chooses on held-out data — pass the val.parquet split"
+            )
+
+
+def peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+# ---------------------------------------------------------------- greedy soup
+
+
+def greedy_soup(
+    readers: list[SafetensorsReader],
+    rank_numbers: list[int],
+    spec: dict[str, Any],
+    val_split: Path,
+    batch_size: int,
+    block_bytes: int = BLOCK_BYTES,
+) -> dict[str, Any]:
+    """Wortsman et al. 2022, Algorithm 1: sort ranks by their own validation accuracy, then add each to
+    the soup (a uniform mean) if the soup's validation accuracy does not drop (>=, as in the paper).
+
+    Candidates are merged from the files as the engine would write them, one in memory at a time."""
+    from shardfuse.data import load_table  # deferred: these import torch
+    from shardfuse.evaluate import score_state_dict
+
+    _refuse_test_split(val_split)
+    features, labels = load_table(val_split)
+    if labels.shape[0] == 0:
+        raise UserError(
+            f"validation split {val_split} has no rows; greedy_soup needs one — set the dataset's "
+            "val_fraction > 0 (e.g. 0.1)"
+        )
+    tensors = readers[0].tensors
+    names = file_order({name: (t.dtype.name, list(t.shape)) for name, t in tensors.items()})
+
+    def accuracy(indices: list[int]) -> float:
+        sink = MemorySink(tensors)
+        engine = Engine(
+            [readers[i] for i in indices],
+            None,
+            "greedy_soup",
+            {},
+            [rank_numbers[i] for i in indices],
+            block_bytes=block_bytes,
+        )
+        engine.run(names, sink)
+        return score_state_dict(sink.tensors_for_torch(), spec, features, labels, batch_size)["accuracy"]
+
+    alone = [accuracy([index]) for index in range(len(readers))]
+    order = sorted(range(len(readers)), key=lambda index: (-alone[index], index))
+    soup, best = [order[0]], alone[order[0]]
+    steps = [{"rank": rank_numbers[order[0]], "soup_val_accuracy": best, "accepted": True}]
+    for index in order[1:]:
+        candidate = accuracy(sorted([*soup, index]))
+        accepted = candidate >= best
+        steps.append({"rank": rank_numbers[index], "soup_val_accuracy": candidate, "accepted": accepted})
+        if accepted:
+            soup.append(index)
+            best = candidate
+    return {
+        "val_split": str(val_split),
+        "val_rows": int(labels.shape[0]),
+        "val_accuracy": alone,
+        "order": [rank_numbers[index] for index in order],
+        "steps": steps,
+        "selected": sorted(rank_numbers[index] for index in soup),
+        "soup_val_accuracy": best,
+    }
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def _write(out_weights: Path, entries: dict, metadata: dict[str, str], fill) -> tuple[str, Any]:
+    """Write ``out_weights`` atomically; ``fill(writer)`` streams the tensors and returns a result.
+    Anything ``fill`` raises (a checksum mismatch included) leaves no output behind."""
+    with atomic_path(out_weights) as tmp:
+        writer = SafetensorsWriter(tmp, entries, metadata)
+        try:
+            result = fill(writer)
+        except BaseException:
+            writer.discard()
+            raise
+        return writer.close(), result
+
+
+def _merge_dcp(
+    dcp_dir: Path, info: dict, first: SafetensorsReader, metadata: dict, out_weights: Path
+) -> dict:
+    with ShardedCheckpoint(dcp_dir) as checkpoint:
+        wanted = info["tensors"]
+        for name, expected in wanted.items():
+            found = checkpoint.shapes.get(name)
+            if found is None or [found[0], found[1]] != [expected["dtype"], expected["shape"]]:
+                what = "lacks" if found is None else f"has {found[0]}{found[1]} for"
+                raise UserError(
+                    f"DCP checkpoint {dcp_dir} {what} tensor {name!r} (the model has "
+                    f"{expected['dtype']}{expected['shape']}); consolidate the checkpoint of this run"
+                )
+        entries = {name: (t["dtype"], t["shape"]) for name, t in wanted.items()}
+
+        def fill(writer: SafetensorsWriter) -> None:
+            for name in writer.names:
+                writer.write(name, checkpoint.assemble(name).reshape(-1).view(np.uint8))
+
+        digest, _ = _write(out_weights, entries, metadata, fill)
+        files = [{"path": str(r.path), "sha256": r.sha256(), "bytes": r.size} for r in checkpoint.readers]
+        skipped = sorted(set(checkpoint.shapes) - set(wanted))
+    return {"digest": digest, "dcp": {"dir": str(dcp_dir), "files": files, "skipped_tensors": skipped}}
+
+
+def merge(
+    gather_path: Path,
+    method: str,
+    out_weights: Path,
+    out_json: Path,
+    params: dict[str, Any] | None = None,
+    *,
+    val_split: Path | None = None,
+    batch_size: int = 4096,
+    dcp_dir: Path | None = None,
+    run: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> dict[str, Any]:
+    """Merge the ranks listed in gather.json with ``method``; write the weights and merge.json."""
+    started = time.perf_counter()
     info = read_json(gather_path, "gather record")
     ranks = info["ranks"]
-    paths = [Path(rank["path"]) for rank in ranks]
-    for rank, path in zip(ranks, paths, strict=True):
-        if not path.is_file() or sha256_file(path) != rank["sha256"]:
-            raise UserError(
-                f"rank {rank['rank']}: {path} is missing or changed since gather; re-run "
-                "gather (snakemake -R gather)"
+    rank_numbers = [int(r["rank"]) for r in ranks]
+    rows = [int(r["rows"]) for r in ranks]
+    resolved = resolve_params(method, params, rows)
+    if dcp_dir is not None and method != "consolidate":
+        raise UserError(
+            f"--dcp-dir consolidates a sharded checkpoint: use it with --method consolidate, not {method}"
+        )
+    if method in USES_VAL and val_split is None:
+        raise UserError(
+            f"{method} ranks the ranks by held-out accuracy and needs --val-split PATH (the dataset's "
+            "val.parquet; never the test split)"
+        )
+    weights = rank_weights(method, resolved, rows)
+    record: dict[str, Any] = {"run": run or info["run"], "training": info["run"], "method": method}
+    record.update(params=resolved, num_ranks=len(ranks), base=None, weights=weights, greedy_soup=None)
+    with contextlib.ExitStack() as stack:
+        what = [f"rank {number}" for number in rank_numbers]
+        bytes_expected = [r.get("bytes") for r in ranks]
+        if dcp_dir is not None:  # the rank files only lend the metadata
+            first = stack.enter_context(SafetensorsReader(Path(ranks[0]["path"])))
+            result = _merge_dcp(dcp_dir, info, first, _merged_metadata(first, method, resolved), out_weights)
+            digest, stats = result["digest"], {}
+            record.update(ingredients=[], dcp=result["dcp"], weights=None)
+        else:
+            readers = [
+                stack.enter_context(_open_checked(Path(r["path"]), size, label))
+                for r, size, label in zip(ranks, bytes_expected, what, strict=True)
+            ]
+            for reader, label in zip(readers, what, strict=True):
+                _check_header(reader, info["tensors"], label)
+            base = None
+            if method in USES_BASE:
+                base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
+                _check_header(base, info["tensors"], "base")
+            metadata = _merged_metadata(readers[0], method, resolved)
+            inputs = list(range(len(readers)))
+            if method == "greedy_soup":
+                soup = greedy_soup(
+                    readers, rank_numbers, info["model"], Path(val_split), batch_size, block_bytes
+                )
+                inputs = [rank_numbers.index(number) for number in soup["selected"]]
+                record["greedy_soup"] = soup
+                record["weights"] = [1 / len(inputs) if i in inputs else 0.0 for i in range(len(readers))]
+            engine = Engine(
+                [readers[i] for i in inputs],
+                base,
+                method,
+                resolved,
+                [rank_numbers[i] for i in inputs],
+                weights,
+                block_bytes,
             )
-    weights = merge_weights(method, [rank["rows"] for rank in ranks])
-    started = time.perf_counter()
-    merged, spread = merge_tensors(paths, method, weights, tolerance)
-    digest = save_weights(
-        out_weights, merged, {**read_metadata(paths[0]), "rank": None, "merge_method": method}, sidecar=False
+            entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
+
+            def fill(writer: SafetensorsWriter) -> tuple[dict, list[str]]:
+                stats = engine.run(writer.names, writer)
+                digests = [reader.sha256() for reader in readers]
+                for r, digest, label in zip(ranks, digests, what, strict=True):
+                    if digest != r["sha256"]:
+                        raise UserError(
+                            f"{label}: {r['path']} is missing or changed since gather; {RERUN_GATHER}"
+                        )
+                if base is not None:
+                    record["base"] = {"path": str(base.path), "sha256": _base_sha256(base)}
+                return stats, digests
+
+            digest, (stats, digests) = _write(out_weights, entries, metadata, fill)
+            record["ingredients"] = [
+                {"rank": number, "path": r["path"], "sha256": d, "rows": n}
+                for number, r, d, n in zip(rank_numbers, ranks, digests, rows, strict=True)
+            ]
+    tensor_stats_clean = {name: {k: _finite(v) for k, v in s.items()} for name, s in stats.items()}
+    spreads = [s["max_abs_diff"] for s in stats.values()]
+    record.update(
+        tensor_stats=tensor_stats_clean,
+        max_abs_diff_between_ranks=_finite(max(spreads, default=0.0)) if dcp_dir is None else None,
+        seconds=time.perf_counter() - started,
+        peak_rss_mb=peak_rss_mb(),
+        output=out_weights.name,
+        sha256=digest,
+        num_tensors=len(info["tensors"]),
+        num_parameters=sum(math.prod(t["shape"]) for t in info["tensors"].values()),
     )
-    record: dict[str, Any] = {
-        "run": info["run"],
-        "method": method,
-        "num_ranks": len(ranks),
-        "weights": weights,
-        "rows": [rank["rows"] for rank in ranks],
-        "tolerance": tolerance,
-        "max_abs_diff_between_ranks": max(spread.values(), default=0.0),
-        "seconds": time.perf_counter() - started,
-        "output": out_weights.name,
-        "sha256": digest,
-        "num_tensors": len(merged),
-        "num_parameters": sum(t.numel() for t in merged.values()),
-    }
     write_json(out_json, record)
     return record
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.merge", description=__doc__.splitlines()[0])
-    parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run")
+    parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run's training")
     parser.add_argument("--method", required=True, choices=METHODS)
-    parser.add_argument("--tolerance", type=float, default=1e-6, help="consolidate: max |rank - rank 0|")
+    parser.add_argument("--params-json", default="{}", help="the method's parameters as a JSON object")
+    parser.add_argument("--val-split", type=Path, help="validation split Parquet (read by greedy_soup only)")
+    parser.add_argument("--batch-size", type=int, default=4096, help="greedy_soup: rows per forward pass")
+    parser.add_argument("--dcp-dir", type=Path, help="consolidate: a sharded torch.distributed.checkpoint")
+    parser.add_argument("--run", help="run name for merge.json (default: the training's name)")
     parser.add_argument("--out-weights", type=Path, required=True, help="merged.safetensors to write")
     parser.add_argument("--out-json", type=Path, required=True, help="merge.json to write")
     args = parser.parse_args(argv)
-    if args.tolerance < 0:
-        raise UserError(f"--tolerance {args.tolerance} must be >= 0")
-    record = merge(args.gather, args.method, args.tolerance, args.out_weights, args.out_json)
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size} must be at least 1")
+    params = parse_json_arg(args.params_json, "--params-json")
+    record = merge(
+        args.gather,
+        args.method,
+        args.out_weights,
+        args.out_json,
+        params,
+        val_split=args.val_split,
+        batch_size=args.batch_size,
+        dcp_dir=args.dcp_dir,
+        run=args.run,
+    )
+    spread = record["max_abs_diff_between_ranks"]
     print(
-        f"merged {record['num_ranks']} ranks with {args.method}: {record['num_parameters']} parameters, "
-        f"max |rank - rank 0| = {record['max_abs_diff_between_ranks']:.3g}"
+        f"merged {record['num_ranks']} ranks with {args.method} in {record['seconds']:.2f} s "
+        f"(peak RSS {record['peak_rss_mb']:.0f} MB): {record['num_parameters']} parameters, "
+        f"max |rank - rank 0| = {spread if spread is None else f'{spread:.3g}'}"
     )
 
 

@@ -1,15 +1,21 @@
-"""Prepare one dataset: a seeded, stratified train/test split written as Parquet.
+"""Prepare one dataset: a seeded, stratified train/validation/test split written as Parquet.
 
 Run by hand:
 
     python -m shardfuse.prepare --name digits \
         --spec-json '{"source": "digits", "test_fraction": 0.2, "seed": 0}' --out-dir results/datasets/digits
 
-Writes OUT_DIR/train.parquet, OUT_DIR/test.parquet and OUT_DIR/dataset.json (each atomically; dataset.json
-last, so its presence means the split is complete). Both Parquet files hold the columns x0..x{F-1}
-(float32) then ``label`` (int64 in [0, C)). The same spec gives byte-identical files.
+Writes OUT_DIR/train.parquet, OUT_DIR/val.parquet, OUT_DIR/test.parquet and OUT_DIR/dataset.json (each
+atomically; dataset.json last, so its presence means the split is complete). The Parquet files hold the
+columns x0..x{F-1} (float32) then ``label`` (int64 in [0, C)). The same spec gives byte-identical files.
 
-Sources (keys of the spec; ``test_fraction`` defaults to 0.2, ``seed`` to 0):
+The test split (``test_fraction`` of the rows, default 0.2) is drawn first and does not depend on
+``val_fraction``; the validation split (``val_fraction`` of all rows, default 0.1, stratified and seeded
+the same way) is carved from the remaining rows, and train.parquet holds the rest. Choices such as
+greedy soup's are made on val.parquet, never on the test split. val_fraction 0 writes an empty
+val.parquet with the same schema.
+
+Sources (keys of the spec; ``test_fraction`` defaults to 0.2, ``val_fraction`` to 0.1, ``seed`` to 0):
   digits     scikit-learn's bundled 8x8 digits (1797 rows, 64 features, 10 classes; no download)
   synthetic  num_rows, num_features, num_classes, class_sep (default 1.0): seeded Gaussian clusters,
              generated and written chunk by chunk, so tens of millions of rows fit in bounded memory.
@@ -21,6 +27,7 @@ Sources (keys of the spec; ``test_fraction`` defaults to 0.2, ``seed`` to 0):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -34,12 +41,14 @@ import pyarrow.parquet as pq
 from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli, sha256_file, write_json
 from shardfuse.partition import error_reason
 
-DEFAULTS = {"test_fraction": 0.2, "seed": 0, "class_sep": 1.0}
-USER_FILE_KEYS = ({"path", "feature_columns", "label_column"}, {"test_fraction", "seed"})
+DEFAULTS = {"test_fraction": 0.2, "val_fraction": 0.1, "seed": 0, "class_sep": 1.0}
+SPLITS = ("train", "val", "test")
+SPLIT_KEYS = {"test_fraction", "val_fraction", "seed"}
+USER_FILE_KEYS = ({"path", "feature_columns", "label_column"}, SPLIT_KEYS)
 # source -> (required keys, optional keys); "source" itself is always required.
 SOURCE_KEYS: dict[str, tuple[set[str], set[str]]] = {
-    "digits": (set(), {"test_fraction", "seed"}),
-    "synthetic": ({"num_rows", "num_features", "num_classes"}, {"test_fraction", "seed", "class_sep"}),
+    "digits": (set(), SPLIT_KEYS),
+    "synthetic": ({"num_rows", "num_features", "num_classes"}, SPLIT_KEYS | {"class_sep"}),
     "parquet": USER_FILE_KEYS,
     "csv": USER_FILE_KEYS,
 }
@@ -60,6 +69,10 @@ def _is_int(value: Any) -> bool:
 def _require_int(spec: dict, key: str, minimum: int) -> None:
     if not _is_int(spec[key]) or spec[key] < minimum:
         raise UserError(f"spec key {key!r} must be an integer >= {minimum}, got {spec[key]!r}; {SPEC_FIX}")
+
+
+def _is_fraction(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _require_number(spec: dict, key: str, low: float, high: float, *, open_interval: bool) -> None:
@@ -91,6 +104,16 @@ def validate_spec(spec: Any) -> dict:
     spec = {**{k: v for k, v in DEFAULTS.items() if k in optional}, **spec}
 
     _require_number(spec, "test_fraction", 0, 1, open_interval=True)
+    val_fraction = spec["val_fraction"]
+    if not (_is_fraction(val_fraction) and 0 <= val_fraction < 1):
+        raise UserError(
+            f"spec key 'val_fraction' must be a number in [0, 1), got {val_fraction!r}; {SPEC_FIX}"
+        )
+    if spec["test_fraction"] + val_fraction >= 1:
+        raise UserError(
+            f"test_fraction + val_fraction = {spec['test_fraction'] + val_fraction:g} leaves no training "
+            f"rows; make their sum < 1 ({SPEC_FIX})"
+        )
     _require_int(spec, "seed", 0)
     if source == "synthetic":
         _require_int(spec, "num_rows", 2)
@@ -138,6 +161,29 @@ def stratified_test_mask(labels: np.ndarray, num_classes: int, test_fraction: fl
     return is_test
 
 
+def stratified_val_mask(
+    labels: np.ndarray, is_test: np.ndarray, num_classes: int, val_fraction: float, seed: int
+) -> np.ndarray:
+    """The validation rows, carved from the non-test rows like the test split: each class sends
+    round(n_c * val_fraction) rows (n_c counts all its rows), at least 1 if val_fraction > 0, and always
+    leaves at least one row of the class for training. Its own random stream, so the test split does not
+    depend on val_fraction."""
+    rng = np.random.default_rng([seed, 2])
+    order = np.argsort(labels, kind="stable")
+    counts = np.bincount(labels, minlength=num_classes)
+    is_val = np.zeros(len(labels), dtype=bool)
+    start = 0
+    for count in counts:
+        members = order[start : start + count]
+        start += count
+        remaining = members[~is_test[members]]
+        wanted = math.floor(count * val_fraction + 0.5)
+        num_val = min(max(wanted, 1 if val_fraction > 0 else 0), len(remaining) - 1)
+        if num_val > 0:
+            is_val[rng.permutation(remaining)[:num_val]] = True
+    return is_val
+
+
 def _schema(num_features: int) -> pa.Schema:
     return pa.schema(
         [*(pa.field(f"x{j}", pa.float32()) for j in range(num_features)), pa.field("label", pa.int64())]
@@ -151,9 +197,9 @@ def _table(features: np.ndarray, labels: np.ndarray) -> pa.Table:
 
 
 def _write_split(
-    out_dir: Path, features: np.ndarray, labels: np.ndarray, is_test: np.ndarray, row_group_rows: int
+    out_dir: Path, features: np.ndarray, labels: np.ndarray, masks: dict[str, np.ndarray], row_group_rows: int
 ) -> None:
-    for split, mask in (("train", ~is_test), ("test", is_test)):
+    for split, mask in masks.items():
         with atomic_path(out_dir / f"{split}.parquet") as tmp:
             pq.write_table(_table(features[mask], labels[mask]), tmp, row_group_size=row_group_rows)
 
@@ -286,33 +332,49 @@ def _synthetic_chunk(
     rows = rng.permutation(np.arange(start, stop, dtype=np.int64))  # rows come out in random class order
     labels = rows % num_classes
     position = rows // num_classes  # index of the row within its class
-    is_test = np.floor((position + 1) * test_fraction + 0.5) > np.floor(position * test_fraction + 0.5)
+    is_test = _spread(position, test_fraction)
+    # The same rule once more over the non-test rows of each class (index: rows before it that are not
+    # test rows), with the share that makes val_fraction of all rows.
+    remaining_position = position - np.floor(position * test_fraction + 0.5).astype(np.int64)
+    is_val = ~is_test & _spread(remaining_position, _val_share(spec))
     features = rng.standard_normal((stop - start, centroids.shape[1]))
     features += centroids[labels]
     # Mix each feature with one other: correlated features, elementwise so the bits do not depend on
     # the CPU (a BLAS matmul would).
     features += mix_weight * features[:, mix_source]
-    return features.astype(np.float32), labels, is_test
+    return features.astype(np.float32), labels, {"train": ~(is_test | is_val), "val": is_val, "test": is_test}
 
 
-def _class_splits_both_ways(class_rows: int, test_fraction: float) -> bool:
+def _spread(position: np.ndarray, fraction: float) -> np.ndarray:
+    """Bresenham-style: position p is picked when round((p + 1) * fraction) steps past round(p * fraction),
+    so any n consecutive positions from 0 hold round(n * fraction) picks, spread evenly."""
+    return np.floor((position + 1) * fraction + 0.5) > np.floor(position * fraction + 0.5)
+
+
+def _val_share(spec: dict) -> float:
+    return spec["val_fraction"] / (1 - spec["test_fraction"])
+
+
+def _class_splits_both_ways(class_rows: int, test_fraction: float, val_share: float = 0.0) -> bool:
     """Whether a synthetic class of this size gets at least one train and one test row."""
     num_test = math.floor(class_rows * test_fraction + 0.5)  # what _synthetic_chunk's rule adds up to
+    class_rows -= math.floor((class_rows - num_test) * val_share + 0.5)  # validation rows leave training
     return 1 <= num_test < class_rows
 
 
 def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> tuple[dict, list[str], list[str]]:
     num_rows, num_features, num_classes = spec["num_rows"], spec["num_features"], spec["num_classes"]
-    test_fraction = spec["test_fraction"]
-    if not _class_splits_both_ways(num_rows // num_classes, test_fraction):
-        # Smallest workable class size: start from the analytic bound, step over float rounding.
+    test_fraction, val_share = spec["test_fraction"], _val_share(spec)
+    if not _class_splits_both_ways(num_rows // num_classes, test_fraction, val_share):
+        # Smallest workable class size: start from the analytic bound (without validation rows), step up.
         class_rows = max(2, math.ceil(0.5 / test_fraction), math.floor(0.5 / (1 - test_fraction)) + 1)
-        while not _class_splits_both_ways(class_rows, test_fraction):
+        while not _class_splits_both_ways(class_rows, test_fraction, val_share):
             class_rows += 1
         need = num_classes * class_rows
         raise UserError(
             f"num_rows={num_rows} is too small for {num_classes} classes at test_fraction="
-            f"{test_fraction}: some class would get no train or no test row; use num_rows >= {need}"
+            f"{test_fraction} (val_fraction={spec['val_fraction']}): some class would get no train or no "
+            f"test row; use num_rows >= {need}"
         )
     params = np.random.default_rng([spec["seed"], 0])
     # Centroid spread scales with 1/sqrt(F), so class_sep sets the difficulty whatever num_features is:
@@ -325,15 +387,16 @@ def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> tuple[
 
     schema = _schema(num_features)
     chunk_rows = synthetic_chunk_rows(num_features)
-    num_written = {"train": 0, "test": 0}
-    with (
-        atomic_path(out_dir / "train.parquet") as train_tmp,
-        atomic_path(out_dir / "test.parquet") as test_tmp,
-        pq.ParquetWriter(train_tmp, schema) as train_writer,
-        pq.ParquetWriter(test_tmp, schema) as test_writer,
-    ):
+    num_written = dict.fromkeys(SPLITS, 0)
+    with contextlib.ExitStack() as stack:
+        writers = {
+            split: stack.enter_context(
+                pq.ParquetWriter(stack.enter_context(atomic_path(out_dir / f"{split}.parquet")), schema)
+            )
+            for split in SPLITS
+        }
         for chunk_index, start in enumerate(range(0, num_rows, chunk_rows)):
-            features, labels, is_test = _synthetic_chunk(
+            features, labels, masks = _synthetic_chunk(
                 spec,
                 centroids,
                 mix_source,
@@ -342,11 +405,10 @@ def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> tuple[
                 start,
                 min(start + chunk_rows, num_rows),
             )
-            for split, writer, mask in (
-                ("train", train_writer, ~is_test),
-                ("test", test_writer, is_test),
-            ):
-                writer.write_table(_table(features[mask], labels[mask]), row_group_size=row_group_rows)
+            for split, mask in masks.items():
+                writers[split].write_table(
+                    _table(features[mask], labels[mask]), row_group_size=row_group_rows
+                )
                 num_written[split] += int(np.count_nonzero(mask))
     feature_names = [f"x{j}" for j in range(num_features)]
     return num_written, feature_names, [str(c) for c in range(num_classes)]
@@ -356,7 +418,7 @@ def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> tuple[
 
 
 def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW_GROUP_ROWS) -> dict:
-    """Write OUT_DIR/{train,test}.parquet and dataset.json for ``spec``; return the dataset.json content.
+    """Write OUT_DIR/{train,val,test}.parquet and dataset.json for ``spec``; return the dataset.json content.
 
     ``row_group_rows`` only changes the Parquet layout, never the rows (tests rely on that)."""
     if not isinstance(name, str) or not name:
@@ -370,8 +432,10 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
             _load_digits() if spec["source"] == "digits" else _load_user_file(spec)
         )
         is_test = stratified_test_mask(labels, len(label_names), spec["test_fraction"], spec["seed"])
-        _write_split(out_dir, features, labels, is_test, row_group_rows)
-        rows = {"train": int(np.count_nonzero(~is_test)), "test": int(np.count_nonzero(is_test))}
+        is_val = stratified_val_mask(labels, is_test, len(label_names), spec["val_fraction"], spec["seed"])
+        masks = {"train": ~(is_test | is_val), "val": is_val, "test": is_test}
+        _write_split(out_dir, features, labels, masks, row_group_rows)
+        rows = {split: int(np.count_nonzero(mask)) for split, mask in masks.items()}
     info = {
         "name": name,
         "source": spec["source"],
@@ -381,8 +445,9 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
         "label_names": label_names,
         "rows": rows,
         "test_fraction": spec["test_fraction"],
+        "val_fraction": spec["val_fraction"],
         "seed": spec["seed"],
-        "sha256": {split: sha256_file(out_dir / f"{split}.parquet") for split in ("train", "test")},
+        "sha256": {split: sha256_file(out_dir / f"{split}.parquet") for split in SPLITS},
     }
     write_json(out_dir / "dataset.json", info)
     return info
@@ -392,11 +457,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.prepare", description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True, help="dataset name, recorded in dataset.json")
     parser.add_argument("--spec-json", required=True, help="the dataset spec as a JSON object")
-    parser.add_argument("--out-dir", required=True, help="directory for train/test.parquet and dataset.json")
+    parser.add_argument(
+        "--out-dir", required=True, help="directory for train/val/test.parquet and dataset.json"
+    )
     args = parser.parse_args(argv)
     info = prepare(args.name, parse_json_arg(args.spec_json, "--spec-json"), args.out_dir)
     print(
-        f"{info['name']}: {info['rows']['train']} train / {info['rows']['test']} test rows, "
+        f"{info['name']}: {info['rows']['train']} train / {info['rows']['val']} val / "
+        f"{info['rows']['test']} test rows, "
         f"{info['num_features']} features, {info['num_classes']} classes -> {args.out_dir}"
     )
 

@@ -16,6 +16,7 @@ from shardfuse.io import StageParser, atomic_path, parse_json_arg, read_json, ru
 
 COLUMNS = (
     "run",
+    "training",
     "dataset",
     "world_size",
     "strategy",
@@ -26,6 +27,7 @@ COLUMNS = (
     "test_accuracy_best_rank",
     "test_accuracy_mean_rank",
     "test_accuracy_base",
+    "test_accuracy_ddp_baseline",
     "fusion_gain",
     "max_abs_diff_between_ranks",
     "num_steps",
@@ -33,9 +35,10 @@ COLUMNS = (
 )
 
 
-def summary_row(run: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
     evaluation = read_json(run_dir / "eval.json", "evaluation")
-    training = read_json(run_dir / "train" / "train.json", "training summary")
+    training = read_json(trainings_dir / cfg["training"] / "ranks" / "train.json", "training summary")
+    baseline = evaluation.get("ddp_baseline") or {}
     merging = read_json(run_dir / "merge.json", "merge record")
     return {
         "run": run,
@@ -49,6 +52,7 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         "test_accuracy_best_rank": evaluation["best_rank_accuracy"],
         "test_accuracy_mean_rank": evaluation["mean_rank_accuracy"],
         "test_accuracy_base": evaluation["base"]["accuracy"],
+        "test_accuracy_ddp_baseline": baseline.get("accuracy", ""),
         "fusion_gain": evaluation["fusion_gain"],
         "max_abs_diff_between_ranks": merging["max_abs_diff_between_ranks"],
         "num_steps": training["num_steps"],
@@ -56,8 +60,10 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     }
 
 
-def write_summary(runs: dict[str, dict[str, Any]], results_dir: Path, out: Path) -> list[dict[str, Any]]:
-    rows = [summary_row(run, cfg, results_dir / run) for run, cfg in runs.items()]
+def write_summary(
+    runs: dict[str, dict[str, Any]], results_dir: Path, trainings_dir: Path, out: Path
+) -> list[dict[str, Any]]:
+    rows = [summary_row(run, cfg, results_dir / run, trainings_dir) for run, cfg in runs.items()]
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
@@ -69,9 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.summary", description=__doc__.splitlines()[0])
     parser.add_argument("--runs-json", required=True, help="{run: resolved config} of the runs to list")
     parser.add_argument("--results-dir", type=Path, default=Path("results/runs"), help="default: %(default)s")
+    parser.add_argument(
+        "--trainings-dir", type=Path, default=Path("results/trainings"), help="default: %(default)s"
+    )
     parser.add_argument("--out", type=Path, required=True, help="CSV to write")
     args = parser.parse_args(argv)
-    rows = write_summary(parse_json_arg(args.runs_json, "--runs-json"), args.results_dir, args.out)
+    runs = parse_json_arg(args.runs_json, "--runs-json")
+    rows = write_summary(runs, args.results_dir, args.trainings_dir, args.out)
     for row in rows:
         print(
             f"{row['run']:>20}  merged {row['test_accuracy_merged']:.4f}  best rank "

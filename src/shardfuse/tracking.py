@@ -1,53 +1,86 @@
-"""Push one finished run (config, per-rank step metrics, eval results, merged weights) to MLflow.
+"""Push one finished run (config, per-rank step metrics, results, plots, merged model) to MLflow.
 
-Run by hand (from the workflow's working directory):
+Run by hand (from the workflow's working directory)::
 
     python -m shardfuse.tracking --run NAME --run-dir results/runs/NAME \\
         --manifest results/shards/D/w2-seed0/manifest.json --config-json '{"model": {...}, ...}' \\
-        --tracking-uri sqlite:///mlflow.db --experiment shardfuse --out results/runs/NAME/mlflow.json
+        --tracking-uri sqlite:///mlflow.db --experiment shardfuse [--registered-model NAME] \\
+        [--plots-dir results/runs/NAME/plots] --out results/runs/NAME/mlflow.json
 
-Layout in MLflow: one parent run per shardfuse run (run_name NAME; config as params, headline metrics,
-JSON results under artifacts ``results/``, weights under ``model/``) with one nested child per rank
-(run_name ``NAME/rank-{r}``; step histories of loss, samples_per_second and lr, plus its test metrics).
+Layout in MLflow: one parent run per shardfuse run (run_name NAME; the resolved config as params;
+headline metrics; tags for git commit/dirty, snakemake/torch versions, hosts, SLURM job id, config hash;
+JSON results under ``results/``, plots under ``plots/``; the merged model as an MLflow pyfunc model
+``model``, optionally registered) with one nested child per rank (``NAME/rank-{r}``: loss, throughput and
+lr by step with their original timestamps, plus its test metrics).
 
-Idempotent: the parent carries ``shardfuse.fingerprint`` (config + every input file) and, written
-last, ``shardfuse.complete=true``. A re-run with the same fingerprint touches nothing; anything else
-(stale inputs, an interrupted push) soft-deletes the old runs and pushes afresh, so there is always
-exactly one active parent per NAME and one point per step in each history.
+The files are the source of truth and this is the only writer, so the push is a sync:
+- inputs unchanged (``shardfuse.fingerprint``, written last with ``shardfuse.complete=true``): nothing
+  is written (``unchanged``);
+- same config, histories that only grew (more steps, an interrupted push, a new evaluation): only the
+  missing points are appended, changed headline metrics get a new point at step ``num_steps``, changed
+  files are re-uploaded, changed weights logged as a new model (``updated``);
+- another config or a rewritten history (re-trained): the old runs are soft-deleted and everything is
+  pushed afresh (``replaced``).
+Histories go in step order, whole rows per log_batch (333 rows = 999 points, MLflow's limit is 1000).
+A finished history gets ``shardfuse.synced = ROWS:SHA256`` (rows pushed, hash of those rows); after a
+push killed midway, the latest point of each key (which MLflow keeps with the run) says where to go on,
+so a re-run neither loses nor doubles a point, and a rewritten history is told apart.
+Live runs (``shardfuse.live``) of the same run name that started before the pushed training finished
+are soft-deleted once the push is complete.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import hashlib
+import importlib.metadata
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from shardfuse import mlflow_model
 from shardfuse.io import StageParser, UserError, parse_json_arg, read_json, run_cli, sha256_file, write_json
 
+LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
 RUN_TAG = "shardfuse.run"
 RANK_TAG = "shardfuse.rank"
 FINGERPRINT_TAG = "shardfuse.fingerprint"
 COMPLETE_TAG = "shardfuse.complete"
+CONFIG_HASH_TAG = "shardfuse.config_hash"
+SYNCED_TAG = "shardfuse.synced"
+ARTIFACTS_TAG = "shardfuse.artifacts_sha256"
+MODEL_TAG = "shardfuse.model_id"
+REGISTERED_TAG = "shardfuse.registered_model"
+LIVE_TAG = "shardfuse.live"
+LIVE_RUN_TAG = "shardfuse.live_run"
 PARENT_TAG = "mlflow.parentRunId"
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI's "model training" kind
 STEP_METRICS = ("loss", "samples_per_second", "lr")
 PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
+RESULT_FILES = ("manifest", "train", "gather", "merge", "eval")
 # MLflow's per-request limits (mlflow.utils.validation); a larger batch is rejected outright.
 MAX_PARAMS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_CHARS = 6000
+ROWS_PER_BATCH = MAX_METRICS_PER_BATCH // len(STEP_METRICS)  # whole rows: 333 rows = 999 points
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 # MLflow's defaults (7 retries, 120 s timeout) make an unreachable server hang for minutes.
 HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
+RERUN_HINT = "start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`"
 
 
 def flatten_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -66,6 +99,20 @@ def flatten_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return params
 
 
+def redact_uri(uri: str) -> str:
+    """``scheme://user:secret@host`` -> ``scheme://***@host``: URIs end up in logs and mlflow.json."""
+    return re.sub(r"^([A-Za-z][\w+.-]*://)[^/@]*@", r"\1***@", uri)
+
+
+def check_no_password(tracking_uri: str) -> None:
+    """Credentials come from the environment only: a URI ends up in logs, outputs and MLflow's messages."""
+    if re.match(r"^[A-Za-z][\w+.-]*://[^/@]*:[^/@]*@", tracking_uri):
+        raise UserError(
+            f"tracking URI {redact_uri(tracking_uri)} has a password in it; remove it and set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or PGPASSFILE for a database) instead"
+        )
+
+
 def _require_file(path: Path, stage: str) -> Path:
     if not path.is_file():
         raise UserError(f"{path} does not exist; re-run the {stage} stage for this run first")
@@ -78,7 +125,8 @@ def _field(obj: dict, key: str, path: Path) -> Any:
     return obj[key]
 
 
-def _read_step_metrics(path: Path) -> dict[str, list]:
+def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
+    """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file."""
     import pyarrow.parquet as pq
 
     try:
@@ -88,10 +136,10 @@ def _read_step_metrics(path: Path) -> dict[str, list]:
     missing = [c for c in PARQUET_COLUMNS if c not in table.column_names]
     if missing:
         raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
-    return {c: table.column(c).to_pylist() for c in PARQUET_COLUMNS}
+    return {c: table.column(c).to_numpy() for c in PARQUET_COLUMNS}
 
 
-def load_inputs(run_dir: Path, manifest_path: Path) -> dict[str, Any]:
+def load_inputs(run_dir: Path, manifest_path: Path, plots_dir: Path | None = None) -> dict[str, Any]:
     """Read and check every file the push needs before MLflow is touched."""
     files = {
         "manifest": _require_file(manifest_path, "partition"),
@@ -120,10 +168,10 @@ def load_inputs(run_dir: Path, manifest_path: Path) -> dict[str, Any]:
             )
         metrics_path = run_dir / "train" / "metrics" / f"rank-{rank}.parquet"
         files[f"metrics-{rank}"] = _require_file(metrics_path, "train")
-    rank_results = {
-        rank: {f"test_{k}": float(_field(eval_ranks[rank], k, files["eval"])) for k in ("accuracy", "loss")}
-        for rank in range(world_size)
-    }
+    plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
+    files.update({f"plot-{p.name}": p for p in plots})
+    from shardfuse.checkpoint import read_metadata
+
     inputs = {
         "files": files,
         "train": train,
@@ -131,19 +179,45 @@ def load_inputs(run_dir: Path, manifest_path: Path) -> dict[str, Any]:
         "eval": evaluation,
         "world_size": world_size,
         "shard_rows": shard_rows,
-        "rank_results": rank_results,
-        "steps": {rank: _read_step_metrics(files[f"metrics-{rank}"]) for rank in range(world_size)},
+        "rank_results": {
+            rank: {
+                f"test_{k}": float(_field(eval_ranks[rank], k, files["eval"])) for k in ("accuracy", "loss")
+            }
+            for rank in range(world_size)
+        },
+        "steps": {rank: read_step_metrics(files[f"metrics-{rank}"]) for rank in range(world_size)},
+        "model_spec": _field(read_metadata(files["weights"]), "model", files["weights"]),
+        "hosts": _rank_hosts(run_dir, train, world_size),
     }
     inputs["headline"] = headline_metrics(inputs)
     return inputs
 
 
-def fingerprint(config: dict, files: dict[str, Path]) -> str:
-    """sha256 over the config (sorted keys) and the sha256 of every file that goes into MLflow."""
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+def _rank_hosts(run_dir: Path, train: dict, world_size: int) -> dict[int, str]:
+    """Host per rank from train.json's "hosts", else the rank sidecars' "host" (both optional)."""
+    hosts = train.get("hosts")
+    if isinstance(hosts, list) and len(hosts) == world_size:
+        return {rank: str(host) for rank, host in enumerate(hosts)}
+    found = {}
+    for rank in range(world_size):
+        sidecar = run_dir / "train" / f"rank-{rank}.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if host := json.loads(sidecar.read_text()).get("host"):
+                found[rank] = str(host)
+    return found
+
+
+def fingerprint(config: dict, files: dict[str, Path], registered_model: str | None = None) -> str:
+    """sha256 over the layout version, the config (sorted keys), the registry name and every file's sha256."""
+    digest = hashlib.sha256(f"{LAYOUT_VERSION}\n{registered_model}\n".encode())
+    digest.update(json.dumps(config, sort_keys=True).encode())
     for name in sorted(files):
         digest.update(f"\n{name}:{sha256_file(files[name])}".encode())
     return digest.hexdigest()
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 def headline_metrics(inputs: dict[str, Any]) -> dict[str, float]:
@@ -160,9 +234,61 @@ def headline_metrics(inputs: dict[str, Any]) -> dict[str, float]:
         "merge_seconds": float(_field(inputs["merge"], "seconds", inputs["files"]["merge"])),
     }
     metrics["fusion_gain"] = metrics["test_accuracy_merged"] - best_rank
+    for optional in ("base", "ddp_baseline"):  # written by newer evaluate stages only
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            metrics[f"test_accuracy_{optional}"] = float(evaluation[optional]["accuracy"])
     for rank, result in inputs["rank_results"].items():
         metrics[f"test_accuracy_rank_{rank}"] = result["test_accuracy"]
+    throughputs = [
+        float(np.mean(s["samples_per_second"])) for s in inputs["steps"].values() if len(s["step"])
+    ]
+    if throughputs:
+        metrics["samples_per_second"] = sum(throughputs)  # all ranks together
     return metrics
+
+
+def _git_state(directory: Path) -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str | None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            proc = subprocess.run(
+                ["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10
+            )
+            return proc.stdout.strip() if proc.returncode == 0 else None
+        return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return commit, None if status is None else bool(status)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def provenance_tags(inputs: dict[str, Any], run_config_hash: str) -> dict[str, str]:
+    """Where the results came from: code, tools, machines, scheduler."""
+    train = inputs["train"]
+    commit, dirty = train.get("git_commit"), train.get("git_dirty")
+    if commit is None:  # the code that is pushing is the code that ran, unless train.json says otherwise
+        commit, dirty = _git_state(Path(__file__).resolve().parent)
+    tags = {
+        CONFIG_HASH_TAG: run_config_hash,
+        "shardfuse.git_commit": commit or "unknown",
+        "shardfuse.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower(),
+        "shardfuse.snakemake_version": _version("snakemake"),
+        "shardfuse.torch_version": str(train.get("torch_version") or _version("torch")),
+        "shardfuse.mlflow_version": _version("mlflow"),
+    }
+    if commit:
+        tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
+    if inputs["hosts"]:
+        tags["shardfuse.hosts"] = ",".join(sorted(set(inputs["hosts"].values())))
+    if train.get("slurm_job_id"):
+        tags["shardfuse.slurm_job_id"] = str(train["slurm_job_id"])
+    return tags
 
 
 def _sqlite_path(tracking_uri: str) -> Path | None:
@@ -189,42 +315,56 @@ def writer_lock(tracking_uri: str) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _connect(tracking_uri: str, experiment: str):
-    """Return (client, experiment id), creating the experiment if missing."""
+@contextlib.contextmanager
+def tracking_errors(tracking_uri: str) -> Iterator[None]:
+    """A dead server or broken store is one line that says how to finish the job later."""
+    import requests
     from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except (MlflowException, requests.RequestException, ConnectionError) as exc:
+        text = str(getattr(exc, "message", exc)).strip() or type(exc).__name__
+        reason = text.splitlines()[0][:300]
+        raise UserError(
+            f"cannot use tracking URI {redact_uri(tracking_uri)} ({reason}); {RERUN_HINT}: "
+            "the local results are kept and only what is missing in MLflow is uploaded"
+        ) from None
+
+
+def connect(tracking_uri: str, experiment: str):
+    """Return (client, experiment id), creating the experiment if missing."""
     from mlflow.tracking import MlflowClient
 
-    # The first calls are where a wrong URI or a dead server shows up: say so in one line.
-    try:
-        client = MlflowClient(tracking_uri=tracking_uri)
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            return client, client.create_experiment(experiment)
-    except MlflowException as exc:
-        first_line = (str(exc.message).strip() or type(exc).__name__).splitlines()[0]
-        raise UserError(
-            f"cannot use tracking URI {tracking_uri} ({first_line}); check --tracking-uri "
-            "and that the tracking server is running"
-        ) from None
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return client, client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
     if found.lifecycle_stage != "active":
         raise UserError(
-            f"experiment '{experiment}' is deleted in {tracking_uri}; restore it "
+            f"experiment '{experiment}' is deleted in {redact_uri(tracking_uri)}; restore it "
             "(mlflow experiments restore) or pass another --experiment"
         )
     return client, found.experiment_id
 
 
-def _runs_of(client, experiment_id: str, run_name: str) -> list:
+def _quote(value: str) -> str:
+    quote = "'" if "'" not in value else '"'
+    if quote in value:
+        raise UserError(f"run name {value!r} contains both quote characters; rename the run")
+    return f"{quote}{value}{quote}"
+
+
+def search_all(client, experiment_id: str, filter_string: str) -> list:
     from mlflow.entities import ViewType
 
-    quote = "'" if "'" not in run_name else '"'
-    if quote in run_name:
-        raise UserError(f"run name {run_name!r} contains both quote characters; rename the run")
     runs, token = [], None
     while True:
         page = client.search_runs(
             [experiment_id],
-            f"tags.`{RUN_TAG}` = {quote}{run_name}{quote}",
+            filter_string,
             run_view_type=ViewType.ACTIVE_ONLY,
             max_results=1000,
             page_token=token,
@@ -235,71 +375,227 @@ def _runs_of(client, experiment_id: str, run_name: str) -> list:
             return runs
 
 
-def _log_metrics(client, run_id: str, metrics: list) -> None:
+def log_batches(client, run_id: str, metrics=(), params=(), tags=()) -> None:
+    """log_batch within MLflow's per-request limits."""
+    metrics, params, tags = list(metrics), list(params), list(tags)
     for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
+    for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[start : start + MAX_PARAMS_PER_BATCH])
+    for start in range(0, len(tags), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=tags[start : start + MAX_PARAMS_PER_BATCH])
 
 
-def _log_params(client, run_id: str, params: dict[str, str]) -> None:
-    from mlflow.entities import Param
-
-    items = [Param(k, v) for k, v in params.items()]
-    for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=items[start : start + MAX_PARAMS_PER_BATCH])
+def _history_rows(steps: dict[str, np.ndarray]) -> np.ndarray:
+    """One float64 row per step (step, timestamp, metrics): its prefix hash identifies what was pushed."""
+    columns = ("step", "timestamp_ms", *STEP_METRICS)
+    return np.ascontiguousarray(np.column_stack([steps[c].astype(np.float64) for c in columns]))
 
 
-def _push_rank(client, experiment_id: str, parent_id: str, run_name: str, rank: int, inputs: dict) -> str:
+def _same(stored: float, value: float) -> bool:
+    return stored == value or (np.isnan(stored) and np.isnan(value))
+
+
+def _synced_rows(child, rows: np.ndarray) -> int | None:
+    """Rows of ``rows`` already in the child run, or None if its history is not a prefix of them.
+
+    The synced tag (set once a history is complete) vouches for a hashed prefix; a push killed midway
+    left its last whole batch as the latest point of each key, which MLflow returns with the run.
+    """
+    count, _, digest = child.data.tags.get(SYNCED_TAG, f"0:{EMPTY_SHA256}").partition(":")
+    if not count.isdigit() or int(count) > len(rows):
+        return None
+    if hashlib.sha256(rows[: int(count)].tobytes()).hexdigest() != digest:
+        return None
+    # RunData keeps the latest Metric objects (with step and timestamp) only privately.
+    latest = {m.key: m for m in getattr(child.data, "_metric_objs", []) if m.key in STEP_METRICS}
+    if len(latest) < len(STEP_METRICS):
+        return int(count)
+    step = min(m.step for m in latest.values())
+    (matches,) = np.nonzero(rows[:, 0] == step)
+    if not len(matches):
+        return None
+    row = rows[matches[0]]
+    for k, key in enumerate(STEP_METRICS):
+        point = latest[key]
+        if point.step == step and (point.timestamp != row[1] or not _same(point.value, row[2 + k])):
+            return None
+    return max(int(count), int(matches[0]) + 1)
+
+
+def _changed_metrics(current: dict[str, float], wanted: dict[str, float], step: int) -> list:
     from mlflow.entities import Metric
 
-    child = client.create_run(
-        experiment_id,
-        run_name=f"{run_name}/rank-{rank}",
-        tags={PARENT_TAG: parent_id, RUN_TAG: run_name, RANK_TAG: str(rank)},
-    )
-    child_id = child.info.run_id
-    _log_params(client, child_id, {"rank": str(rank), "shard_rows": str(inputs["shard_rows"][rank])})
-    steps = inputs["steps"][rank]
-    history = [
-        Metric(key, float(steps[key][i]), int(steps["timestamp_ms"][i]), int(steps["step"][i]))
-        for key in STEP_METRICS
-        for i in range(len(steps["step"]))
-    ]
     now_ms = int(time.time() * 1000)
-    history += [Metric(k, v, now_ms, 0) for k, v in inputs["rank_results"][rank].items()]
-    _log_metrics(client, child_id, history)
-    client.set_terminated(child_id, "FINISHED")
-    return child_id
+    return [Metric(k, v, now_ms, step) for k, v in wanted.items() if current.get(k) != v]
 
 
-def _push(client, experiment_id: str, run_name: str, config: dict, inputs: dict, run_fingerprint: str):
-    """Create the parent and its children; the complete tag goes on last so a crash leaves it off."""
+def sync_history(client, run_id: str, rows: np.ndarray, start: int) -> int:
+    """Append rows[start:] as points, whole rows per log_batch, in step order. Returns points pushed."""
     from mlflow.entities import Metric
 
-    parent = client.create_run(
-        experiment_id,
-        run_name=run_name,
-        tags={RUN_TAG: run_name, FINGERPRINT_TAG: run_fingerprint, COMPLETE_TAG: "false"},
-    )
+    steps = rows[:, 0].astype(np.int64).tolist()
+    stamps = rows[:, 1].astype(np.int64).tolist()
+    values = [rows[:, 2 + i].tolist() for i in range(len(STEP_METRICS))]
+    pushed = 0
+    with _gc_paused():
+        for begin in range(start, len(rows), ROWS_PER_BATCH):
+            batch = [
+                Metric(key, values[k][i], stamps[i], steps[i])
+                for i in range(begin, min(begin + ROWS_PER_BATCH, len(rows)))
+                for k, key in enumerate(STEP_METRICS)
+            ]
+            client.log_batch(run_id, metrics=batch)
+            pushed += len(batch)
+    return pushed
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Each batch makes thousands of short-lived objects (Metric, ORM rows) and no cycles: the cyclic
+    collector would only rescan them, costing 10-20% of the push."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _sync_rank(client, experiment_id: str, parent_id: str, run_name: str, rank: int, child, inputs) -> tuple:
+    from mlflow.entities import Param, RunTag
+
+    rows = _history_rows(inputs["steps"][rank])
+    if child is None:
+        tags = {PARENT_TAG: parent_id, RUN_TAG: run_name, RANK_TAG: str(rank)}
+        child = client.create_run(experiment_id, run_name=f"{run_name}/rank-{rank}", tags=tags)
+    child_id = child.info.run_id
+    pushed = sync_history(client, child_id, rows, _synced_rows(child, rows) or 0)
+    # After the history, in one request: the tag that vouches for it, test metrics, params, host.
+    num_steps = int(inputs["train"].get("num_steps", len(rows)))
+    final = _changed_metrics(child.data.metrics, inputs["rank_results"][rank], num_steps)
+    params = {"rank": str(rank), "shard_rows": str(inputs["shard_rows"][rank])}
+    tags = {SYNCED_TAG: f"{len(rows)}:{hashlib.sha256(rows.tobytes()).hexdigest()}"}
+    if rank in inputs["hosts"]:
+        tags["shardfuse.host"] = inputs["hosts"][rank]
+    params = [Param(k, v) for k, v in params.items() if child.data.params.get(k) != v]
+    tags = [RunTag(k, v) for k, v in tags.items() if child.data.tags.get(k) != v]
+    if final or params or tags:
+        client.log_batch(child_id, metrics=final, params=params, tags=tags)
+    if child.info.status != "FINISHED":
+        client.set_terminated(child_id, "FINISHED")
+    return child_id, pushed + len(final)
+
+
+def _sync_parent_extras(client, experiment_id: str, parent, inputs: dict, tracking_uri: str, options: dict):
+    """Artifacts, the MLflow model and its registration: each skipped when already there."""
+    parent_id, tags = parent.info.run_id, parent.data.tags
+    files = inputs["files"]
+    uploads = [(files[name], "results") for name in RESULT_FILES]
+    uploads += [(path, "plots") for name, path in files.items() if name.startswith("plot-")]
+    artifacts_sha = hashlib.sha256("".join(f"{d}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode())
+    if tags.get(ARTIFACTS_TAG) != artifacts_sha.hexdigest():
+        for path, directory in uploads:
+            client.log_artifact(parent_id, str(path), artifact_path=directory)
+        client.set_tag(parent_id, ARTIFACTS_TAG, artifacts_sha.hexdigest())
+    weights_sha = sha256_file(files["weights"])
+    model = mlflow_model.find_logged_model(client, experiment_id, parent_id, weights_sha)
+    model_id = model.model_id if model is not None else None
+    if model_id is None:
+        model_id = mlflow_model.log_merged_model(
+            tracking_uri, parent_id, files["weights"], weights_sha, inputs["model_spec"]
+        )
+    if tags.get(MODEL_TAG) != model_id:
+        mlflow_model.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
+        client.set_tag(parent_id, MODEL_TAG, model_id)
+    registered = None
+    if options.get("registered_model"):
+        version = mlflow_model.register_model(client, options["registered_model"], parent_id, model_id)
+        registered = f"{options['registered_model']}/{version}"
+        if tags.get(REGISTERED_TAG) != registered:
+            client.set_tag(parent_id, REGISTERED_TAG, registered)
+    return model_id, registered
+
+
+def _delete_runs(client, experiment_id: str, runs: list) -> None:
+    for run in runs:
+        if PARENT_TAG not in run.data.tags:
+            mlflow_model.delete_unregistered_models(client, experiment_id, run.info.run_id)
+        client.delete_run(run.info.run_id)
+
+
+def _delete_finished_live_runs(client, experiment_id: str, run_name: str, trained_before_ms: int) -> None:
+    """Live runs only mirror what the parent now holds; keep a live run of a training still going on."""
+    for run in search_all(client, experiment_id, f"tags.`{LIVE_RUN_TAG}` = {_quote(run_name)}"):
+        if run.info.start_time <= trained_before_ms:
+            client.delete_run(run.info.run_id)
+
+
+def _plan(runs: list, run_fingerprint: str, run_config_hash: str, inputs: dict):
+    """Pick what to do with the runs already in MLflow: (action, parent or None, {rank: child})."""
+    parents = [r for r in runs if PARENT_TAG not in r.data.tags]
+    if len(parents) != 1:
+        return ("replaced" if runs else "created"), None, {}
+    parent = parents[0]
+    children: dict[int, Any] = {}
+    for run in runs:
+        rank = run.data.tags.get(RANK_TAG, "")
+        if run.data.tags.get(PARENT_TAG) != parent.info.run_id or not rank.isdigit():
+            continue
+        rows = _history_rows(inputs["steps"][int(rank)]) if int(rank) in inputs["steps"] else None
+        if rows is None or _synced_rows(run, rows) is None:
+            return "replaced", None, {}  # a re-trained (rewritten) history or another world size
+        best = children.get(int(rank))  # a lost create_run response may leave two: keep the fuller one
+        if best is None or _synced_rows(run, rows) > _synced_rows(best, rows):
+            children[int(rank)] = run
+    tags = parent.data.tags
+    if tags.get(CONFIG_HASH_TAG) != run_config_hash:
+        return "replaced", None, {}
+    if (
+        tags.get(FINGERPRINT_TAG) == run_fingerprint
+        and tags.get(COMPLETE_TAG) == "true"
+        and len(children) == inputs["world_size"]
+    ):
+        return "unchanged", parent, children
+    return "updated", parent, children
+
+
+def _sync(client, experiment_id: str, run_name: str, config: dict, inputs: dict, plan: tuple, options: dict):
+    """Create or complete the parent and its children; the complete tag goes on last."""
+    from mlflow.entities import Param, RunTag
+
+    _, parent, children = plan
+    tags = {**provenance_tags(inputs, options["config_hash"]), COMPLETE_TAG: "false"}
+    if parent is None:
+        parent = client.create_run(experiment_id, run_name=run_name, tags={RUN_TAG: run_name, **tags})
+    else:
+        client.update_run(parent.info.run_id, status="RUNNING")
+        log_batches(client, parent.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     parent_id = parent.info.run_id
     try:
-        _log_params(client, parent_id, flatten_params(config))
-        now_ms = int(time.time() * 1000)
-        _log_metrics(client, parent_id, [Metric(k, v, now_ms, 0) for k, v in inputs["headline"].items()])
-        child_ids = {
-            str(rank): _push_rank(client, experiment_id, parent_id, run_name, rank, inputs)
-            for rank in range(inputs["world_size"])
-        }
-        files = inputs["files"]
-        for name in ("manifest", "train", "gather", "merge", "eval"):
-            client.log_artifact(parent_id, str(files[name]), artifact_path="results")
-        client.log_artifact(parent_id, str(files["weights"]), artifact_path="model")
-        client.set_tag(parent_id, COMPLETE_TAG, "true")
+        params = [Param(k, v) for k, v in flatten_params(config).items() if k not in parent.data.params]
+        num_steps = int(inputs["train"].get("num_steps", 0))
+        headline = _changed_metrics(parent.data.metrics, inputs["headline"], num_steps)
+        log_batches(client, parent_id, metrics=headline, params=params)
+        pushed = len(headline)
+        child_ids = {}
+        for rank in range(inputs["world_size"]):
+            child_ids[str(rank)], count = _sync_rank(
+                client, experiment_id, parent_id, run_name, rank, children.get(rank), inputs
+            )
+            pushed += count
+        model_id, registered = _sync_parent_extras(
+            client, experiment_id, parent, inputs, options["uri"], options
+        )
+        final_tags = [RunTag(FINGERPRINT_TAG, options["fingerprint"]), RunTag(COMPLETE_TAG, "true")]
+        client.log_batch(parent_id, tags=final_tags)
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:
         with contextlib.suppress(Exception):
             client.set_terminated(parent_id, "FAILED")
         raise
-    return parent_id, child_ids
+    return parent_id, child_ids, model_id, registered, pushed
 
 
 def track_run(
@@ -309,49 +605,48 @@ def track_run(
     config: dict,
     tracking_uri: str,
     experiment: str,
+    registered_model: str | None = None,
+    plots_dir: str | os.PathLike | None = None,
 ) -> dict:
-    """Push one run to MLflow idempotently; return what ``--out`` records."""
+    """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
         raise UserError("--config-json must be a JSON object (the run's resolved config)")
-    inputs = load_inputs(Path(run_dir), Path(manifest_path))
-    run_fingerprint = fingerprint(config, inputs["files"])
-    for key, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-    with writer_lock(tracking_uri):
-        client, experiment_id = _connect(tracking_uri, experiment)
-        runs = _runs_of(client, experiment_id, run_name)
-        parents = [r for r in runs if PARENT_TAG not in r.data.tags]
-        keep = None
-        if len(parents) == 1:
-            tags = parents[0].data.tags
-            children = [r for r in runs if r.data.tags.get(PARENT_TAG) == parents[0].info.run_id]
-            if (
-                tags.get(FINGERPRINT_TAG) == run_fingerprint
-                and tags.get(COMPLETE_TAG) == "true"
-                and len(children) == inputs["world_size"]
-            ):
-                keep = parents[0].info.run_id
-        # Everything else with this run's tag is stale: other parents, their children, strays.
-        stale = [r for r in runs if keep is None or keep not in (r.info.run_id, r.data.tags.get(PARENT_TAG))]
-        for run in stale:
-            client.delete_run(run.info.run_id)
-        if keep is not None:
-            parent_id, action = keep, "unchanged"
-            child_ids = {
-                r.data.tags[RANK_TAG]: r.info.run_id for r in runs if r.data.tags.get(PARENT_TAG) == keep
-            }
+    check_no_password(tracking_uri)
+    inputs = load_inputs(Path(run_dir), Path(manifest_path), Path(plots_dir) if plots_dir else None)
+    options = {
+        "uri": tracking_uri,
+        "registered_model": registered_model,
+        "fingerprint": fingerprint(config, inputs["files"], registered_model),
+        "config_hash": config_hash(config),
+    }
+    with writer_lock(tracking_uri), tracking_errors(tracking_uri):
+        client, experiment_id = connect(tracking_uri, experiment)
+        runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {_quote(run_name)}")
+        plan = _plan(runs, options["fingerprint"], options["config_hash"], inputs)
+        action, parent, children = plan
+        keep = {parent.info.run_id} | {c.info.run_id for c in children.values()} if parent else set()
+        _delete_runs(client, experiment_id, [r for r in runs if r.info.run_id not in keep])
+        if action == "unchanged":
+            parent_id, pushed = parent.info.run_id, 0
+            child_ids = {str(rank): child.info.run_id for rank, child in children.items()}
+            model_id, registered = parent.data.tags.get(MODEL_TAG), parent.data.tags.get(REGISTERED_TAG)
         else:
-            action = "replaced" if stale else "created"
-            parent_id, child_ids = _push(client, experiment_id, run_name, config, inputs, run_fingerprint)
+            parent_id, child_ids, model_id, registered, pushed = _sync(
+                client, experiment_id, run_name, config, inputs, plan, options
+            )
+            trained_ms = int(inputs["files"]["train"].stat().st_mtime * 1000)
+            _delete_finished_live_runs(client, experiment_id, run_name, trained_ms)
     return {
-        "tracking_uri": tracking_uri,
+        "tracking_uri": redact_uri(tracking_uri),
         "experiment_name": experiment,
         "experiment_id": experiment_id,
         "parent_run_id": parent_id,
         "child_run_ids": dict(sorted(child_ids.items(), key=lambda kv: int(kv[0]))),
-        "fingerprint": run_fingerprint,
+        "model_uri": f"models:/{model_id}" if model_id else None,
+        "registered_model": registered,
+        "fingerprint": options["fingerprint"],
         "action": action,
+        "num_points_pushed": pushed,
     }
 
 
@@ -363,14 +658,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-json", required=True, help="the run's resolved config as a JSON object")
     parser.add_argument("--tracking-uri", required=True, help="e.g. sqlite:///mlflow.db or http://host:5000")
     parser.add_argument("--experiment", default="shardfuse", help="MLflow experiment (created if missing)")
+    parser.add_argument("--registered-model", help="also register the merged model under this name")
+    parser.add_argument("--plots-dir", type=Path, help="upload its *.png under plots/ (skipped if missing)")
     parser.add_argument("--out", required=True, type=Path, help="where to write the run ids (JSON)")
     args = parser.parse_args(argv)
     config = parse_json_arg(args.config_json, "--config-json")
-    result = track_run(args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment)
+    started = time.perf_counter()
+    result = track_run(
+        args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment,
+        registered_model=args.registered_model, plots_dir=args.plots_dir,
+    )  # fmt: skip
     write_json(args.out, result)
     print(
         f"shardfuse.tracking: {result['action']} parent run {result['parent_run_id']} with "
-        f"{len(result['child_run_ids'])} rank runs in experiment '{args.experiment}'",
+        f"{len(result['child_run_ids'])} rank runs in experiment '{args.experiment}' "
+        f"({result['num_points_pushed']} metric points in {time.perf_counter() - started:.1f} s)",
         file=sys.stderr,
     )
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
@@ -30,10 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 from shardfuse.checkpoint import save_weights
 from shardfuse.data import load_shard, read_dataset_info, read_manifest
 from shardfuse.dist import DistContext, distributed, gate_for
-from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli
+from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
+from shardfuse.metrics_log import MetricsLog
 from shardfuse.models import build_model, mlp_spec
-
-METRIC_COLUMNS = ("step", "epoch", "loss", "samples_per_second", "lr", "timestamp_ms")
+from shardfuse.resume import Position, complete_steps, load_rank_state, mark_complete, save_rank_state
 
 
 def make_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
@@ -88,20 +88,18 @@ def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
     return max(1, math.ceil(smallest / batch_size))
 
 
-def write_metrics(path: Path, rows: dict[str, list]) -> None:
-    table = pa.table(
-        {
-            "step": pa.array(rows["step"], pa.int64()),
-            "epoch": pa.array(rows["epoch"], pa.int64()),
-            "loss": pa.array(rows["loss"], pa.float64()),
-            "samples_per_second": pa.array(rows["samples_per_second"], pa.float64()),
-            "lr": pa.array(rows["lr"], pa.float64()),
-            "timestamp_ms": pa.array(rows["timestamp_ms"], pa.int64()),
-        }
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
+def _check_finite(loss: torch.Tensor, ctx: DistContext, step: int, policy: str) -> bool:
+    """True if the step may proceed. 'error' stops the run; 'skip' skips the batch on every rank."""
+    if policy == "skip":
+        finite = torch.isfinite(loss.detach()).to(torch.int32).reshape(1)
+        torch_dist.all_reduce(finite, op=torch_dist.ReduceOp.MIN)
+        return bool(finite.item())
+    if not torch.isfinite(loss.detach()):
+        raise UserError(
+            f"rank {ctx.rank}: loss is {loss.item()} at step {step}; lower lr, check the data for "
+            "extreme values, or set nonfinite_loss: skip to skip such batches"
+        )
+    return True
 
 
 def train_rank(
@@ -112,7 +110,7 @@ def train_rank(
     if manifest["world_size"] != ctx.world_size:
         raise UserError(
             f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
-            f"{ctx.world_size} ranks; launch with --world-size {manifest['world_size']}"
+            f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
     info = read_dataset_info(dataset_dir)
     features, labels = load_shard(shard_dir, ctx.rank, verify=True)
@@ -123,26 +121,49 @@ def train_rank(
     model = build_model(spec).to(ctx.device)
     model.set_input_stats(*global_feature_stats(features))
     broadcast_from_rank0(model)
+    host = socket.gethostname()
     meta = {
         "run": run,
         "world_size": ctx.world_size,
         "strategy": cfg["strategy"],
         "model": spec,
         "init_sha256": state_digest(model),
+        "host": host,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
-
+    checkpoint_dir = out_dir / "checkpoints"
+    optimizer = make_optimizer(model, cfg)
+    metrics = MetricsLog(out_dir / "metrics", ctx.rank)
     # Dropout and data order differ per rank; the initial weights above do not.
     torch.manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
     order_gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
+
+    resumable = complete_steps(checkpoint_dir)
+    if resumable:
+        position = load_rank_state(
+            checkpoint_dir,
+            resumable[-1],
+            ctx.rank,
+            model,
+            optimizer,
+            expect={"world_size": ctx.world_size, "run": run},
+        )
+        order_gen.set_state(position.epoch_order_state)
+        metrics.truncate_after(position.step)
+        gate.log(
+            f"[{run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
+            f"batch {position.next_batch})"
+        )
+    else:
+        position = Position()
+        gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
+
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
-    optimizer = make_optimizer(model, cfg)
     sync_every = cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0
+    checkpoint_every = cfg.get("checkpoint_every", 0)
     num_batches = steps_per_epoch(manifest, cfg["batch_size"])
     num_rows = features.shape[0]
-    rows: dict[str, list] = {name: [] for name in METRIC_COLUMNS}
     gate.log(
         f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}): {cfg['epochs']} epochs "
         f"x {num_batches} steps"
@@ -150,34 +171,48 @@ def train_rank(
 
     model.train()
     started = time.perf_counter()
-    step = 0
-    for epoch in range(cfg["epochs"]):
-        order = torch.randperm(num_rows, generator=order_gen).to(ctx.device)
-        for batch in torch.tensor_split(order, num_batches):
-            tick = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(net(features[batch]), labels[batch])
-            loss.backward()
-            optimizer.step()
-            step += 1
-            if sync_every and step % sync_every == 0:
-                average_parameters(model, ctx.world_size)
-            loss_value = loss.item()
-            elapsed = max(time.perf_counter() - tick, 1e-9)
-            for name, value in zip(
-                METRIC_COLUMNS,
-                (
+    step = position.step
+    with gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress:
+        for epoch in range(position.epoch, cfg["epochs"]):
+            resuming_this_epoch = epoch == position.epoch and position.epoch_order_state is not None
+            epoch_order_state = position.epoch_order_state if resuming_this_epoch else order_gen.get_state()
+            order = torch.randperm(num_rows, generator=order_gen).to(ctx.device)
+            batches = torch.tensor_split(order, num_batches)
+            for index in range(position.next_batch if resuming_this_epoch else 0, num_batches):
+                batch = batches[index]
+                tick = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(net(features[batch]), labels[batch])
+                step += 1
+                if _check_finite(loss, ctx, step, cfg.get("nonfinite_loss", "error")):
+                    loss.backward()
+                    optimizer.step()
+                if sync_every and step % sync_every == 0:
+                    average_parameters(model, ctx.world_size)
+                elapsed = max(time.perf_counter() - tick, 1e-9)
+                loss_value, throughput = loss.item(), len(batch) / elapsed
+                metrics.append(
                     step,
                     epoch,
                     loss_value,
-                    len(batch) / elapsed,
+                    throughput,
                     optimizer.param_groups[0]["lr"],
                     int(time.time() * 1000),
-                ),
-                strict=True,
-            ):
-                rows[name].append(value)
-        gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} rank-0 loss {loss_value:.4f}")
+                )
+                progress.update(step, loss=loss_value, samples_per_second=throughput)
+                if checkpoint_every and step % checkpoint_every == 0:
+                    metrics.flush()
+                    save_rank_state(
+                        checkpoint_dir,
+                        ctx.rank,
+                        model,
+                        optimizer,
+                        Position(step, epoch, index + 1, epoch_order_state),
+                        {"world_size": ctx.world_size, "run": run},
+                    )
+                    torch_dist.barrier()  # every rank saved before the checkpoint counts
+                    gate.call(mark_complete, checkpoint_dir, step, cfg.get("keep_checkpoints", 2))
+            gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss.item():.4f}")
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
 
@@ -186,8 +221,9 @@ def train_rank(
         model.state_dict(),
         {**meta, "rank": ctx.rank, "rows": num_rows, "num_steps": step},
     )
-    write_metrics(out_dir / "metrics" / f"rank-{ctx.rank}.parquet", rows)
-    torch_dist.barrier()  # every rank's files exist before train.json says the run is complete
+    metrics.consolidate()
+    hosts: list[str | None] = [None] * ctx.world_size
+    torch_dist.all_gather_object(hosts, host)  # also the barrier: every rank's files exist now
     gate.write_json(
         out_dir / "train.json",
         {
@@ -200,11 +236,19 @@ def train_rank(
             "steps_per_epoch": num_batches,
             "train_seconds": float(seconds.item()),
             "backend": ctx.backend,
+            "hosts": hosts,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "torch_version": torch.__version__,
             "shard_dir": str(shard_dir),
             "dataset_dir": str(dataset_dir),
             "model": spec,
             "ranks": [
-                {"rank": s["rank"], "rows": s["rows"], "checkpoint": f"rank-{s['rank']}.safetensors"}
+                {
+                    "rank": s["rank"],
+                    "rows": s["rows"],
+                    "host": hosts[s["rank"]],
+                    "checkpoint": f"rank-{s['rank']}.safetensors",
+                }
                 for s in manifest["shards"]
             ],
         },

@@ -21,7 +21,9 @@ from shardfuse.config import (  # noqa: E402
     TRAIN_KEYS,
     ConfigError,
     load_experiment,
+    merge_params,
     run_config_for_tracking,
+    shardset_name,
 )
 
 try:
@@ -36,10 +38,13 @@ except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 RUNS = EXPERIMENT.runs
+# Runs that differ only in merge keys share a training (see shardfuse.config.training_name).
+TRAININGS = EXPERIMENT.trainings
 
 
 wildcard_constraints:
     run="|".join(re.escape(run) for run in RUNS),
+    training="|".join(re.escape(name) for name in TRAININGS),
     dataset="|".join(re.escape(name) for name in EXPERIMENT.datasets),
     shardset=r"w\d+-seed\d+(-drop)?",
 
@@ -58,6 +63,14 @@ def _json(obj):
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
+def _cfg(wildcards):
+    """The config behind a job: its run's, or (train, gather) its training's."""
+    if "run" in wildcards.keys():
+        return RUNS[wildcards.run]
+    return TRAININGS[wildcards.training]
+
+
+# prepare_dataset, partition
 def dataset_spec_json(wildcards):
     return _json(EXPERIMENT.datasets[wildcards.dataset])
 
@@ -73,63 +86,90 @@ def shardset_args(wildcards):
     return f"--world-size {match.group(1)} --seed {match.group(2)}{drop}"
 
 
-def shard_dir_of_run(wildcards):
-    return EXPERIMENT.shard_dir(wildcards.run)
+# train, gather (wildcard: training)
+def shard_dir_of(wildcards):
+    cfg = _cfg(wildcards)
+    return f"results/shards/{cfg['dataset']}/{shardset_name(cfg)}"
 
 
-def dataset_dir_of_run(wildcards):
-    return f"results/datasets/{RUNS[wildcards.run]['dataset']}"
+def dataset_dir_of(wildcards):
+    return f"results/datasets/{_cfg(wildcards)['dataset']}"
 
 
-def dataset_info_of_run(wildcards):
-    return f"{dataset_dir_of_run(wildcards)}/dataset.json"
+def dataset_info_of(wildcards):
+    return f"{dataset_dir_of(wildcards)}/dataset.json"
 
 
-def test_split_of_run(wildcards):
-    return f"{dataset_dir_of_run(wildcards)}/test.parquet"
+def world_size_of(wildcards):
+    return _cfg(wildcards)["world_size"]
 
 
-def world_size_of_run(wildcards):
-    return RUNS[wildcards.run]["world_size"]
+def nodes_of(wildcards):
+    return _cfg(wildcards)["nodes"]
 
 
-def nodes_of_run(wildcards):
-    return RUNS[wildcards.run]["nodes"]
+def nproc_per_node_of(wildcards):
+    return _cfg(wildcards)["nproc_per_node"]
 
 
-def nproc_per_node_of_run(wildcards):
-    return RUNS[wildcards.run]["nproc_per_node"]
+def max_restarts_of(wildcards):
+    return _cfg(wildcards)["max_restarts"]
 
 
-def geometry_of_run(wildcards):
-    cfg = RUNS[wildcards.run]
-    return Geometry(cfg["nodes"], cfg["nproc_per_node"])
+def train_config_json(wildcards):
+    return _json({key: _cfg(wildcards)[key] for key in TRAIN_KEYS})
 
 
 def train_job_resource(name):
     """A resource function for the train rule, from shardfuse.launch.job_resources."""
 
     def resource(wildcards):
-        return job_resources(geometry_of_run(wildcards))[name]
+        cfg = _cfg(wildcards)
+        return job_resources(Geometry(cfg["nodes"], cfg["nproc_per_node"]))[name]
 
-    resource.__name__ = f"train_{name}_of_run"
+    resource.__name__ = f"train_{name}_of"
     return resource
 
 
-def train_config_json(wildcards):
-    return _json({key: RUNS[wildcards.run][key] for key in TRAIN_KEYS})
+# merge, evaluate, track, summary (wildcard: run)
+def training_dir_of_run(wildcards):
+    return f"results/trainings/{EXPERIMENT.training(wildcards.run)}"
+
+
+def ranks_of_run(wildcards):
+    return f"{training_dir_of_run(wildcards)}/ranks"
+
+
+def gather_of_run(wildcards):
+    return f"{training_dir_of_run(wildcards)}/gather.json"
+
+
+def val_split_of_run(wildcards):
+    return f"{dataset_dir_of(wildcards)}/val.parquet"
+
+
+def test_split_of_run(wildcards):
+    return f"{dataset_dir_of(wildcards)}/test.parquet"
 
 
 def merge_method_of_run(wildcards):
     return RUNS[wildcards.run]["merge_method"]
 
 
-def merge_tolerance_of_run(wildcards):
-    return RUNS[wildcards.run]["merge_tolerance"]
+def merge_params_json(wildcards):
+    return _json(merge_params(RUNS[wildcards.run]))
 
 
 def eval_batch_size_of_run(wildcards):
     return RUNS[wildcards.run]["eval_batch_size"]
+
+
+def ddp_baseline_of_run(wildcards):
+    """The eval.json of the ddp run trained like this one, if any (a ddp run is its own baseline)."""
+    baseline = EXPERIMENT.ddp_baseline(wildcards.run)
+    if baseline is None or baseline == wildcards.run:
+        return []
+    return [f"results/runs/{baseline}/eval.json"]
 
 
 def tracking_config_json(wildcards):
@@ -137,4 +177,9 @@ def tracking_config_json(wildcards):
 
 
 def summary_runs_json(wildcards):
-    return _json(RUNS)
+    return _json(
+        {
+            run: {**cfg, "training": EXPERIMENT.training(run)}
+            for run, cfg in RUNS.items()
+        }
+    )

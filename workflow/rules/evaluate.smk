@@ -1,8 +1,9 @@
 rule evaluate:
     input:
         test=test_split_of_run,
-        gather=rules.gather.output.record,
+        gather=gather_of_run,
         merged=rules.merge.output.weights,
+        ddp_baseline=ddp_baseline_of_run,
     output:
         record="results/runs/{run}/eval.json",
     log:
@@ -14,5 +15,6 @@ rule evaluate:
     params:
         batch_size=eval_batch_size_of_run,
     shell:
-        "python -m shardfuse.evaluate --test {input.test} --gather {input.gather}"
-        " --merged {input.merged} --batch-size {params.batch_size} --out {output.record} > {log} 2>&1"
+        "python -m shardfuse.evaluate --run {wildcards.run} --test {input.test} --gather {input.gather}"
+        " --merged {input.merged} --batch-size {params.batch_size}"
+        " --ddp-baseline {input.ddp_baseline:q} --out {output.record} > {log} 2>&1"

@@ -1,14 +1,14 @@
 rule gather:
     input:
-        train=rules.train.output.train,
+        ranks=rules.train.output.ranks,
     output:
-        record="results/runs/{run}/gather.json",
+        record="results/trainings/{training}/gather.json",
     log:
-        "logs/gather/{run}.log",
+        "logs/gather/{training}.log",
     conda:
         "../../envs/train.yaml"
     params:
-        world_size=world_size_of_run,
+        world_size=world_size_of,
     shell:
-        "python -m shardfuse.gather --train-dir {input.train} --world-size {params.world_size}"
+        "python -m shardfuse.gather --train-dir {input.ranks} --world-size {params.world_size}"
         " --out {output.record} > {log} 2>&1"

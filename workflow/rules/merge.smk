@@ -1,6 +1,7 @@
 rule merge:
     input:
-        gather=rules.gather.output.record,
+        gather=gather_of_run,
+        val=val_split_of_run,
     output:
         weights="results/runs/{run}/merged.safetensors",
         record="results/runs/{run}/merge.json",
@@ -12,8 +13,9 @@ rule merge:
         "../../envs/train.yaml"
     params:
         method=merge_method_of_run,
-        tolerance=merge_tolerance_of_run,
+        merge_params=merge_params_json,
+        batch_size=eval_batch_size_of_run,
     shell:
-        "python -m shardfuse.merge --gather {input.gather} --method {params.method}"
-        " --tolerance {params.tolerance} --out-weights {output.weights} --out-json {output.record}"
-        " > {log} 2>&1"
+        "python -m shardfuse.merge --run {wildcards.run} --gather {input.gather} --method {params.method}"
+        " --params-json {params.merge_params:q} --val-split {input.val} --batch-size {params.batch_size}"
+        " --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"

@@ -3,6 +3,7 @@ rule prepare_dataset:
         source=dataset_source_files,
     output:
         train="results/datasets/{dataset}/train.parquet",
+        val="results/datasets/{dataset}/val.parquet",
         test="results/datasets/{dataset}/test.parquet",
         info="results/datasets/{dataset}/dataset.json",
     log:

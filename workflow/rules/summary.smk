@@ -6,7 +6,7 @@ rule summary:
     input:
         evaluations=expand(rules.evaluate.output.record, run=RUNS),
         merges=expand(rules.merge.output.record, run=RUNS),
-        trainings=expand(rules.train.output.train, run=RUNS),
+        gathers=expand(rules.gather.output.record, training=TRAININGS),
     output:
         csv=report(
             "results/summary.csv",

@@ -6,9 +6,9 @@ localrules:
 
 rule track:
     input:
-        train=rules.train.output.train,
-        shards=shard_dir_of_run,
-        gather=rules.gather.output.record,
+        ranks=ranks_of_run,
+        shards=shard_dir_of,
+        gather=gather_of_run,
         merge=rules.merge.output.record,
         merged=rules.merge.output.weights,
         evaluation=rules.evaluate.output.record,
@@ -24,6 +24,7 @@ rule track:
         experiment=EXPERIMENT.mlflow_experiment,
     shell:
         "python -m shardfuse.tracking --run {wildcards.run} --run-dir results/runs/{wildcards.run}"
+        " --train-dir {input.ranks} --gather {input.gather}"
         " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
         " --out {output.record} > {log} 2>&1"

@@ -1,16 +1,16 @@
 rule train:
     input:
-        shards=shard_dir_of_run,
-        info=dataset_info_of_run,
+        shards=shard_dir_of,
+        info=dataset_info_of,
     output:
-        train=directory("results/runs/{run}/train"),
+        ranks=directory("results/trainings/{training}/ranks"),
     log:
-        "logs/train/{run}.log",
+        "logs/train/{training}.log",
     benchmark:
-        "benchmarks/train/{run}.tsv"
+        "benchmarks/train/{training}.tsv"
     conda:
         "../../envs/train.yaml"
-    threads: nproc_per_node_of_run
+    threads: nproc_per_node_of
     resources:
         # Launch geometry from the run's nodes (shardfuse.launch.job_resources): one SLURM task
         # per node. Partition, account, memory, runtime and GPUs (gres) come from the profile.
@@ -19,12 +19,13 @@ rule train:
         tasks_per_gpu=train_job_resource("tasks_per_gpu"),
         mpi=train_job_resource("mpi"),
     params:
-        nodes=nodes_of_run,
-        nproc_per_node=nproc_per_node_of_run,
-        dataset_dir=dataset_dir_of_run,
+        nodes=nodes_of,
+        nproc_per_node=nproc_per_node_of,
+        max_restarts=max_restarts_of,
+        dataset_dir=dataset_dir_of,
         config=train_config_json,
     shell:
         "python -m shardfuse.launch --nodes {params.nodes} --nproc-per-node {params.nproc_per_node}"
-        " --out-dir {output.train} --"
-        " --run-name {wildcards.run} --shard-dir {input.shards} --dataset-dir {params.dataset_dir}"
-        " --config-json {params.config:q} > {log} 2>&1"
+        " --max-restarts {params.max_restarts} --out-dir {output.ranks} --"
+        " --run-name {wildcards.training} --shard-dir {input.shards}"
+        " --dataset-dir {params.dataset_dir} --config-json {params.config:q} > {log} 2>&1"

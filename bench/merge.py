@@ -1,0 +1,307 @@
+"""Benchmark the streaming merge engine against loading every checkpoint fully and averaging.
+
+    python bench/merge.py                      # 100 MB models, N = 2, 4, 8, 16 ranks, 3 repetitions
+    python bench/merge.py --sizes-mb 100,400 --ranks 2,8
+    python bench/merge.py --quick              # CI smoke: 8 MB models, N = 2, 4, one repetition (< 30 s)
+
+For each model size and N it writes N rank checkpoints (a few big float32 tensors, small ones, an int64
+counter) under --dir (default: a temporary directory in /tmp, removed afterwards) plus a gather.json,
+then runs, each in a fresh child process, interleaved and repeated:
+  stream    shardfuse.merge.merge(method="uniform"): explicit reads, block by block, sha256 checks included
+  baseline  safetensors.torch.load_file of every rank, float64 mean in memory, save_file (no checks)
+  mmap      the streaming loop but reading through safetensors.safe_open (memory-mapped): shows whether
+            touched file pages inflate RSS with N (they do: the reason stream uses explicit reads)
+  nohash    the stream engine with the input sha256 checks switched off: what verification costs
+Seconds are the merge itself, measured inside the child (interpreter start and imports excluded: the
+baseline's `import torch` alone takes ~1.5 s); peak RSS is the child's VmHWM, imports included (not
+ru_maxrss: a forked child's ru_maxrss includes the parent's RSS from before its exec).
+Targets: stream peak RSS <= 1.5 x model + 64 MB at every N, and stream >= 3x faster than baseline at N = 8.
+Sizes and RSS are in MiB (2**20 bytes): "100 MB" models hold at least 100 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import child_env, machine_info, measure, median, python_cmd, remove, table, verdict
+
+NUM_BIG = 4
+SMALL_SHAPES = [(1024,), (4096,), (256, 64), (10,), (512, 3)] * 4
+SPEC = {
+    "type": "mlp",
+    "num_features": 4,
+    "num_classes": 3,
+    "hidden_sizes": [],
+    "activation": "relu",
+    "dropout": 0,
+}
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def write_ranks(root: Path, size_mb: int, num_ranks: int) -> dict:
+    """Rank checkpoints of a model of ``size_mb`` MB and a gather.json listing all of them."""
+    from safetensors.numpy import save_file
+
+    from shardfuse.io import sha256_file
+    from shardfuse.safetensors_stream import SafetensorsReader
+
+    small = sum(int(np.prod(shape)) for shape in SMALL_SHAPES)
+    big = -(-(size_mb * 2**20 // 4 - small - 1) // NUM_BIG)  # at least size_mb MiB in all
+    ranks = []
+    for rank in range(num_ranks):
+        gen = np.random.default_rng(rank)
+        tensors = {f"layer{i}.weight": gen.standard_normal(big, dtype=np.float32) for i in range(NUM_BIG)}
+        tensors.update(
+            {f"small{i}": gen.standard_normal(s, dtype=np.float32) for i, s in enumerate(SMALL_SHAPES)}
+        )
+        tensors["steps"] = np.array([1000], dtype=np.int64)  # identical counter: copied from rank 0
+        meta = {"run": "bench", "rank": rank, "rows": 100 + rank, "num_steps": 1000, "model": SPEC}
+        path = root / f"rank-{rank}.safetensors"
+        save_file(tensors, str(path), metadata={"shardfuse": json.dumps(meta, sort_keys=True)})
+        del tensors
+        ranks.append(
+            {
+                "rank": rank,
+                "path": str(path),
+                "sha256": sha256_file(path),
+                "bytes": path.stat().st_size,
+                "rows": 100 + rank,
+                "num_steps": 1000,
+            }
+        )
+    with SafetensorsReader(ranks[0]["path"]) as reader:
+        header = reader.header()
+    return {"run": "bench", "model": SPEC, "base": "", "tensors": header, "ranks": ranks}
+
+
+def gather_for(root: Path, record: dict, num_ranks: int) -> Path:
+    path = root / f"gather-{num_ranks}.json"
+    path.write_text(json.dumps({**record, "world_size": num_ranks, "ranks": record["ranks"][:num_ranks]}))
+    return path
+
+
+# ---------------------------------------------------------------- children (one measurement each)
+
+
+def _status_mb(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_stream(gather: Path, out: Path) -> float:
+    from shardfuse.merge import merge
+
+    started = time.perf_counter()
+    merge(gather, "uniform", out, out.with_suffix(".json"))
+    return time.perf_counter() - started
+
+
+def child_nohash(gather: Path, out: Path) -> float:
+    """The stream engine without the input checksums: what verification costs."""
+    from shardfuse.merge import Engine
+    from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter
+
+    ranks = json.loads(gather.read_text())["ranks"]
+    started = time.perf_counter()
+    readers = [SafetensorsReader(r["path"], hash_reads=False) for r in ranks]
+    entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
+    writer = SafetensorsWriter(out, entries, None)
+    Engine(readers, None, "uniform", {}, [r["rank"] for r in ranks]).run(writer.names, writer)
+    writer.close()
+    return time.perf_counter() - started
+
+
+def child_baseline(gather: Path, out: Path) -> float:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    paths = [r["path"] for r in json.loads(gather.read_text())["ranks"]]
+    started = time.perf_counter()
+    states = [load_file(path) for path in paths]
+    merged = {}
+    for name, first in states[0].items():
+        if not first.is_floating_point():
+            merged[name] = first
+            continue
+        total = first.to(torch.float64)
+        for state in states[1:]:
+            total += state[name]
+        merged[name] = (total / len(states)).to(first.dtype)
+    save_file(merged, str(out))
+    return time.perf_counter() - started
+
+
+def child_mmap(gather: Path, out: Path) -> float:
+    from safetensors import safe_open
+
+    from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter
+
+    paths = [r["path"] for r in json.loads(gather.read_text())["ranks"]]
+    started = time.perf_counter()
+    with SafetensorsReader(paths[0]) as first:
+        entries = {name: (t.dtype.name, list(t.shape)) for name, t in first.tensors.items()}
+    handles = [safe_open(path, framework="numpy") for path in paths]
+    writer = SafetensorsWriter(out, entries, None)
+    for name in writer.names:
+        values = handles[0].get_tensor(name)
+        if values.dtype.kind == "f":
+            total = values.astype(np.float64)
+            for handle in handles[1:]:
+                total += handle.get_tensor(name)
+            values = (total / len(handles)).astype(values.dtype)
+        writer.write(name, values.reshape(-1).view(np.uint8))
+    writer.close()
+    return time.perf_counter() - started
+
+
+CHILDREN = {"stream": child_stream, "baseline": child_baseline, "mmap": child_mmap, "nohash": child_nohash}
+
+
+def run_child(kind: str, gather: Path, out: Path) -> None:
+    seconds = CHILDREN[kind](gather, out)
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": _status_mb("VmHWM")}))
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def bench(size_mb: int, ranks: list[int], repeats: int, root: Path) -> list[dict]:
+    print(f"writing {max(ranks)} rank checkpoints of {size_mb} MB in {root} ...", flush=True)
+    record = write_ranks(root, size_mb, max(ranks))
+    model_mb = record["ranks"][0]["bytes"] / 2**20
+    for r in record["ranks"]:  # same page-cache state for every variant: all files cached
+        Path(r["path"]).read_bytes()
+    results = []
+    for num_ranks in ranks:
+        gather = gather_for(root, record, num_ranks)
+        samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in CHILDREN}
+        for repeat in range(repeats):
+            kinds = list(CHILDREN) if repeat % 2 == 0 else list(reversed(CHILDREN))  # alternate the order
+            for kind in kinds:
+                out = root / f"out-{kind}.safetensors"
+                measured = measure(python_cmd(__file__, "--child", kind, gather, out), env=child_env())
+                child = json.loads(measured.stdout.strip().splitlines()[-1])
+                # VmHWM of the child's own address space: ru_maxrss would also count the parent's RSS,
+                # which a (v)forked child inherits until it execs.
+                samples[kind].append((child["seconds"], child["peak_rss_mb"]))
+                remove(out)
+                remove(out.with_suffix(".json"))
+        row = {"size_mb": size_mb, "model_mb": model_mb, "ranks": num_ranks}
+        for kind, values in samples.items():
+            row[f"{kind}_s"] = median([s for s, _ in values])
+            row[f"{kind}_rss_mb"] = max(rss for _, rss in values)
+        results.append(row)
+        print(
+            f"  N={num_ranks}: stream {row['stream_s']:.2f} s / {row['stream_rss_mb']:.0f} MB, baseline "
+            f"{row['baseline_s']:.2f} s / {row['baseline_rss_mb']:.0f} MB",
+            flush=True,
+        )
+    return results
+
+
+def report(results: list[dict], repeats: int) -> bool:
+    header = [
+        "model MiB",
+        "N",
+        "stream s",
+        "baseline s",
+        "speedup",
+        "stream w/o checksums s",
+        "speedup w/o checksums",
+        "stream peak RSS MiB",
+        "baseline peak RSS MiB",
+        "mmap-stream peak RSS MiB",
+        "stream RSS / model",
+    ]
+    rows = [
+        [
+            r["model_mb"],
+            r["ranks"],
+            r["stream_s"],
+            r["baseline_s"],
+            r["baseline_s"] / r["stream_s"],
+            r["nohash_s"],
+            r["baseline_s"] / r["nohash_s"],
+            r["stream_rss_mb"],
+            r["baseline_rss_mb"],
+            r["mmap_rss_mb"],
+            r["stream_rss_mb"] / r["model_mb"],
+        ]
+        for r in results
+    ]
+    print(f"\nuniform merge, medians of {repeats} run(s) (seconds: the merge inside the child; RSS: VmHWM)\n")
+    print(table(header, rows))
+    ok = True
+    data = np.random.default_rng(0).bytes(1 << 26)
+    started = time.perf_counter()
+    hashlib.sha256(data).digest()
+    rate = len(data) / (time.perf_counter() - started) / 1e9
+    print(
+        f"\nsha256 on this CPU: {rate:.2f} GB/s on one core, so checking N models of M MB costs N x M / "
+        f"{rate * 1000:.0f} s of CPU (N = 8, 100 MB: {0.8 / rate:.2f} s), which the baseline does not spend."
+    )
+    print()
+    for r in results:
+        limit = 1.5 * r["model_mb"] + 64
+        passed = r["stream_rss_mb"] <= limit
+        ok &= passed
+        print(
+            f"{verdict(passed)}  {r['model_mb']:.0f} MB, N={r['ranks']}: stream peak RSS "
+            f"{r['stream_rss_mb']:.0f} MB <= 1.5 x model + 64 MB = {limit:.0f} MB"
+        )
+    for r in results:
+        if r["ranks"] == 8:
+            speedup = r["baseline_s"] / r["stream_s"]
+            ok &= speedup >= 3
+            print(
+                f"{verdict(speedup >= 3)}  {r['model_mb']:.0f} MB, N=8: stream {speedup:.1f}x faster than "
+                "baseline (>= 3x)"
+            )
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", default="100", help="model sizes in MB, comma-separated (default 100)")
+    parser.add_argument("--ranks", default="2,4,8,16", help="rank counts, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: 8 MB, N = 2, 4, one repetition")
+    parser.add_argument(
+        "--dir", type=Path, help="where to write the checkpoints (default: a temp dir in /tmp)"
+    )
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "GATHER", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(args.child[0], Path(args.child[1]), Path(args.child[2]))
+        return
+    sizes = [8] if args.quick else [int(s) for s in args.sizes_mb.split(",")]
+    ranks = [2, 4] if args.quick else [int(n) for n in args.ranks.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    print("\n".join(f"{key}: {value}" for key, value in machine_info().items()))
+    results = []
+    for size in sizes:
+        root = Path(tempfile.mkdtemp(prefix="shardfuse-bench-merge-", dir=args.dir or "/tmp"))
+        try:
+            results += bench(size, ranks, repeats, root)
+        finally:
+            remove(root)
+    ok = report(results, repeats)
+    sys.exit(0 if ok or args.quick else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Benchmark 2: the shard reader against the naive path, and its share of a training step.
+
+    python bench/reader.py                          # a 4M-row x 32-feature shard
+    python bench/reader.py --rows 50000 --reps 1    # smoke size
+
+Paths, each in its own process (peak RSS per process), interleaved and repeated:
+
+* naive: pandas.read_parquet -> tensors -> TensorDataset -> DataLoader(shuffle=True);
+* load_shard: what train.py does today (whole shard into tensors, sha256 checked, randperm per epoch,
+  ``features[batch]``);
+* ShardReader: row-group streaming with a background prefetch thread and a shuffle window
+  (sha256 checked in the background).
+
+Time to first batch runs from just before the path starts (imports done) to the first batch in hand;
+samples/s is measured over the next ``--batches`` batches of ``--batch-size`` rows (the config's
+default batch size). Then the default MLP trains ``--steps`` steps on each in-process path
+(one torch thread, as a rank gets under torchrun with two ranks on two cores) and the time spent
+waiting for the next batch is reported as a share of the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common
+
+TARGET_TTFB_SPEEDUP = 5.0
+TARGET_WAIT_SHARE = 0.05
+# The config's run_defaults: the default model and optimiser.
+DEFAULT_RUN = {
+    "hidden_sizes": [64],
+    "activation": "relu",
+    "dropout": 0.0,
+    "lr": 0.05,
+    "momentum": 0.9,
+    "batch_size": 32,
+}
+PATHS = ("naive", "load_shard", "ShardReader")
+
+
+def batches_of(path_name: str, shard_dir: Path, batch_size: int, seed: int = 0):
+    """An iterator over (features, labels) batches of one epoch of rank 0's shard, started now."""
+    import torch
+
+    from shardfuse.data import ShardReader, load_shard, read_manifest
+
+    num_rows = read_manifest(shard_dir)["shards"][0]["rows"]
+    num_batches = max(1, -(-num_rows // batch_size))
+    if path_name == "naive":
+        import numpy as np
+        import pandas as pd
+
+        frame = pd.read_parquet(shard_dir / "shard-0.parquet")
+        names = [c for c in frame.columns if c != "label"]
+        dataset = torch.utils.data.TensorDataset(
+            torch.tensor(frame[names].to_numpy(np.float32)), torch.tensor(frame["label"].to_numpy())
+        )
+        generator = torch.Generator().manual_seed(seed)
+        return iter(torch.utils.data.DataLoader(dataset, batch_size, shuffle=True, generator=generator))
+    if path_name == "load_shard":
+        features, labels = load_shard(shard_dir, 0, verify=True)
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
+        return ((features[batch], labels[batch]) for batch in torch.tensor_split(order, num_batches))
+    reader = ShardReader(shard_dir, 0, seed=seed)
+    return reader.epoch(0, num_batches)
+
+
+def measure_path(path_name: str, shard_dir: Path, batch_size: int, num_batches: int) -> dict:
+    """Runs in a child process: time to first batch, then samples/s over ``num_batches`` batches."""
+    import torch
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    batches = batches_of(path_name, shard_dir, batch_size)
+    next(batches)
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    samples = 0
+    for _, (_, labels) in zip(range(num_batches), batches, strict=False):
+        samples += len(labels)
+    return {"ttfb_s": first, "samples_per_s": samples / (time.perf_counter() - started)}
+
+
+def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
+    """Runs in a child process: the default MLP's training step fed by ``path_name``; the share of
+    wall time spent waiting for batches."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardfuse.data import read_dataset_info
+    from shardfuse.models import build_model, mlp_spec
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    info = read_dataset_info(shard_dir.parent / "dataset")
+    model = build_model(mlp_spec(info["num_features"], info["num_classes"], DEFAULT_RUN))
+    optimizer = torch.optim.SGD(model.parameters(), lr=DEFAULT_RUN["lr"], momentum=DEFAULT_RUN["momentum"])
+    batches = batches_of(path_name, shard_dir, DEFAULT_RUN["batch_size"])
+    next(batches)  # start-up is time to first batch, measured above; this is the steady state
+    waiting = computing = 0.0
+    for _ in range(num_steps):
+        tick = time.perf_counter()
+        features, labels = next(batches)
+        tock = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+        waiting += tock - tick
+        computing += time.perf_counter() - tock
+    return {
+        "wait_share": waiting / (waiting + computing),
+        "step_ms": 1000 * (waiting + computing) / num_steps,
+    }
+
+
+def make_shard(work_dir: Path, num_rows: int, num_features: int) -> Path:
+    spec = common.synthetic_spec(num_rows, num_features)
+    dataset = work_dir / "dataset"
+    common.measure(
+        common.python_cmd(
+            "-m",
+            "shardfuse.prepare",
+            "--name",
+            "bench",
+            "--spec-json",
+            json.dumps(spec),
+            "--out-dir",
+            dataset,
+        )
+    )
+    shard_dir = work_dir / "shards"
+    common.measure(
+        common.python_cmd(
+            "-m",
+            "shardfuse.partition",
+            "--input",
+            dataset / "train.parquet",
+            "--world-size",
+            1,
+            "--seed",
+            0,
+            "--out-dir",
+            shard_dir,
+        )
+    )
+    return shard_dir
+
+
+def child(kind: str, path_name: str, shard_dir: Path, args: argparse.Namespace) -> list[object]:
+    return common.python_cmd(
+        __file__,
+        "--child",
+        kind,
+        path_name,
+        "--shard-dir",
+        shard_dir,
+        "--batch-size",
+        args.batch_size,
+        "--batches",
+        args.batches,
+        "--steps",
+        args.steps,
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    shard_dir = make_shard(args.work_dir, args.rows, args.features)
+    shard_mb = (shard_dir / "shard-0.parquet").stat().st_size / 1e6
+    samples: dict[str, list[dict]] = {name: [] for name in PATHS}
+    training: dict[str, list[dict]] = {name: [] for name in ("load_shard", "ShardReader")}
+    for _ in range(args.reps):
+        for name in PATHS:
+            measured = common.measure(child("read", name, shard_dir, args))
+            samples[name].append(
+                {**json.loads(measured.stdout.strip().splitlines()[-1]), "rss": measured.peak_rss_mb}
+            )
+        for name in training:
+            measured = common.measure(child("train", name, shard_dir, args))
+            training[name].append(json.loads(measured.stdout.strip().splitlines()[-1]))
+
+    def med(name: str, key: str, source=samples) -> float:
+        return common.median([s[key] for s in source[name]])
+
+    def paired(name: str, key: str, invert: bool) -> float:
+        pairs = zip(samples["naive"], samples[name], strict=True)
+        return common.median([(n[key] / o[key]) if invert else (o[key] / n[key]) for n, o in pairs])
+
+    rows = []
+    for name in PATHS:
+        rows.append(
+            [
+                name,
+                med(name, "ttfb_s"),
+                "1x" if name == "naive" else f"{paired(name, 'ttfb_s', invert=True):.1f}x",
+                med(name, "samples_per_s"),
+                "1x" if name == "naive" else f"{paired(name, 'samples_per_s', invert=False):.1f}x",
+                f"{med(name, 'rss'):.0f}",
+                f"{100 * med(name, 'wait_share', training):.2f}%" if name in training else "-",
+                f"{med(name, 'step_ms', training):.3f}" if name in training else "-",
+            ]
+        )
+    ttfb_speedup = paired("ShardReader", "ttfb_s", invert=True)
+    throughput_ratio = paired("ShardReader", "samples_per_s", invert=False)
+    wait_share = med("ShardReader", "wait_share", training)
+    checks = [
+        (
+            f"ShardReader time to first batch >= {TARGET_TTFB_SPEEDUP:g}x better than naive",
+            f"{ttfb_speedup:.1f}x",
+            ttfb_speedup >= TARGET_TTFB_SPEEDUP,
+        ),
+        ("ShardReader samples/s >= naive", f"{throughput_ratio:.1f}x", throughput_ratio >= 1.0),
+        (
+            f"ShardReader wait share of a training step < {100 * TARGET_WAIT_SHARE:g}%",
+            f"{100 * wait_share:.2f}%",
+            wait_share < TARGET_WAIT_SHARE,
+        ),
+    ]
+    markdown = common.table(
+        [
+            "path",
+            "time to first batch s",
+            "TTFB vs naive",
+            "samples/s",
+            "samples/s vs naive",
+            "peak RSS MB",
+            "wait share of train step",
+            "step ms",
+        ],
+        rows,
+    )
+    markdown += (
+        f"\n\nShard: {args.rows * 0.99:,.0f} rows x {args.features} float32 features, {shard_mb:,.0f} MB of "
+        f"Parquet (one rank, written by partition). Batch size {args.batch_size}; samples/s over "
+        f"{args.batches} batches after the first; training: default MLP {DEFAULT_RUN['hidden_sizes']}, SGD, "
+        f"{args.steps} steps, 1 torch thread. Median of {args.reps} interleaved repetitions; ratios paired "
+        "per repetition."
+    )
+    return {
+        "title": "2. Shard reader",
+        "markdown": markdown,
+        "checks": checks,
+        "results": {"samples": samples, "training": training, "shard_mb": shard_mb},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4_000_000)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_RUN["batch_size"])
+    parser.add_argument("--batches", type=int, default=10_000)
+    parser.add_argument("--steps", type=int, default=3_000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfuse-bench/reader"))
+    parser.add_argument("--shard-dir", type=Path, help="internal")
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help="internal")
+    args = parser.parse_args()
+    if args.child:
+        kind, path_name = args.child
+        if kind == "read":
+            result = measure_path(path_name, args.shard_dir, args.batch_size, args.batches)
+        else:
+            result = measure_training(path_name, args.shard_dir, args.steps)
+        print(json.dumps(result))
+        return
+    try:
+        section = run(args)
+    finally:
+        common.remove(args.work_dir)
+    print(section["markdown"])
+    for name, value, ok in section["checks"]:
+        print(f"{common.verdict(ok)}  {name}: {value}")
+    sys.exit(0 if all(ok for _, _, ok in section["checks"]) else 1)
+
+
+if __name__ == "__main__":
+    main()

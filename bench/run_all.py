@@ -1,0 +1,139 @@
+"""Run the four scale benchmarks and write bench/RESULTS.md (machine info, one table each, PASS/FAIL).
+
+    .venv/bin/python bench/run_all.py                 # full sizes, ~12 min on 2 cores
+    .venv/bin/python bench/run_all.py --smoke --out /tmp/RESULTS.md   # tiny sizes (CI): checks they run
+
+Each benchmark can also run alone (bench/partition.py, reader.py, scaling.py, pipeline.py). Work files
+go to a fresh directory under --work-dir (default: the system temp dir) and are deleted afterwards.
+Exit status: 0 when every benchmark ran (a FAIL is reported in the file, not as an error), 1 when one
+crashed; with --strict also 1 when a target fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import common
+import partition
+import pipeline
+import reader
+import scaling
+
+FULL = {
+    "partition": {"base_rows": 1_400_000, "factors": [1, 4, 16], "num_features": 16, "reps": 3},
+    "reader": {
+        "rows": 4_000_000,
+        "features": 32,
+        "batch_size": 32,
+        "batches": 10_000,
+        "steps": 3_000,
+        "reps": 3,
+    },
+    "scaling": {"rows": 60_000, "features": 32, "epochs": 2, "reps": 3, "strategies": ["ddp", "localsgd"]},
+    "pipeline": {"epochs": 4, "reps": 3, "runs": list(pipeline.RUNS)},
+}
+SMOKE = {
+    "partition": {"base_rows": 5_000, "factors": [1, 4, 16], "num_features": 4, "reps": 1},
+    "reader": {"rows": 20_000, "features": 8, "batch_size": 32, "batches": 100, "steps": 100, "reps": 1},
+    "scaling": {"rows": 2_000, "features": 8, "epochs": 1, "reps": 1, "strategies": ["ddp"]},
+    "pipeline": {"epochs": 1, "reps": 1, "runs": ["ddp"]},
+}
+NOT_MEASURED = (
+    "## 5. GPU\n\nNot measured: this machine has no GPU (CPU-only torch build, gloo). On a GPU machine "
+    "the same scripts run unchanged; the reader's share of step time is the figure to re-check there, "
+    "since a GPU step is far shorter than a CPU one."
+)
+
+
+def run_benchmarks(sizes: dict, work_dir: Path) -> list[dict]:
+    jobs = {
+        "partition": lambda s: partition.run(work_dir=work_dir / "partition", **s),
+        "reader": lambda s: reader.run(argparse.Namespace(work_dir=work_dir / "reader", **s)),
+        "scaling": lambda s: scaling.run(work_dir=work_dir / "scaling", **s),
+        "pipeline": lambda s: pipeline.run(work_dir=work_dir / "pipeline", **s),
+    }
+    sections = []
+    for name, job in jobs.items():
+        started = time.perf_counter()
+        print(f"--- {name} ...", flush=True)
+        try:
+            section = job(sizes[name])
+        except Exception:  # one broken benchmark must not hide the others' results
+            section = {
+                "title": name,
+                "markdown": "```\n" + traceback.format_exc()[-3000:] + "```",
+                "checks": [(f"{name} benchmark ran", "crashed", False)],
+                "crashed": True,
+            }
+        finally:
+            common.remove(work_dir / name)
+        section["seconds"] = time.perf_counter() - started
+        print(section["markdown"], flush=True)
+        sections.append(section)
+    return sections
+
+
+def render(sections: list[dict], info: dict[str, str], smoke: bool, total_seconds: float) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `bench/run_all.py`"
+        + (" --smoke (tiny sizes: the figures mean nothing)" if smoke else "")
+        + f" in {total_seconds / 60:.1f} min. Every timed command ran in its own process; baselines "
+        "ran interleaved with what they are compared to; figures are medians of the repetitions, and "
+        "ratios are paired per repetition (a busy machine slows both sides alike).",
+        "",
+        "## Machine",
+        "",
+        common.table(["", ""], [[key, value] for key, value in info.items()]),
+        "",
+        "## Targets",
+        "",
+        common.table(
+            ["benchmark", "target", "measured", "verdict"],
+            [
+                [section["title"], name, value, "reported" if ok is None else common.verdict(ok)]
+                for section in sections
+                for name, value, ok in section["checks"]
+            ],
+        ),
+        "",
+    ]
+    for section in sections:
+        lines += [f"## {section['title']}", "", f"({section['seconds']:.0f} s)", "", section["markdown"], ""]
+    lines += [NOT_MEASURED, ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks that everything runs")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "RESULTS.md")
+    parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below when killed
+    info = common.machine_info()
+    started = time.perf_counter()
+    work_dir = Path(tempfile.mkdtemp(prefix="shardfuse-bench-", dir=args.work_dir))
+    try:
+        sections = run_benchmarks(SMOKE if args.smoke else FULL, work_dir)
+    finally:
+        common.remove(work_dir)
+    text = render(sections, info, args.smoke, time.perf_counter() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    crashed = any(section.get("crashed") for section in sections)
+    failed = any(ok is False for section in sections for _, _, ok in section["checks"])
+    raise SystemExit(1 if crashed or (args.strict and failed) else 0)
+
+
+if __name__ == "__main__":
+    main()

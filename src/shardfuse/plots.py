@@ -1,0 +1,233 @@
+"""Plots of one run (loss, throughput, merged vs ranks) and of merge methods across runs, as PNGs.
+
+By hand::
+
+    python -m shardfuse.plots --run-dir results/runs/ddp --out-dir results/runs/ddp/plots
+    python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
+
+The run plots read ``train/metrics/rank-*.parquet`` and ``eval.json``; ``compare`` groups the rows of
+``summary.csv`` that share their training (a ``training`` column if there is one, else dataset, world
+size and strategy) and shows each group's merged accuracy per run/merge method. Matplotlib's Agg
+backend, no display needed; every PNG is written atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardfuse.io import StageParser, UserError, atomic_path, read_json, run_cli
+from shardfuse.tracking import read_step_metrics
+
+RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
+GROUP_COLUMNS = ("dataset", "world_size", "strategy")
+MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
+    """Centred moving average (about 2% of the points); the ends average over what exists."""
+    values = np.asarray(values, dtype=np.float64)
+    if window is None:
+        window = max(1, len(values) // 50)
+    if window <= 1 or len(values) < 3:
+        return values
+    kernel = np.ones(window)
+    return np.convolve(values, kernel, mode="same") / np.convolve(np.ones(len(values)), kernel, mode="same")
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a PNG atomically; no timestamp or version in it, so unchanged data gives identical bytes."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
+    _pyplot().close(fig)
+    return path
+
+
+def rank_metrics(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
+    paths = sorted((run_dir / "train" / "metrics").glob("rank-*.parquet"), key=lambda p: int(p.stem[5:]))
+    if not paths:
+        raise UserError(f"{run_dir}/train/metrics has no rank-*.parquet; re-run the train stage first")
+    return {int(path.stem[5:]): read_step_metrics(path) for path in paths}
+
+
+def _rank_colors(num_ranks: int) -> list:
+    cmap = _pyplot().get_cmap("tab10" if num_ranks <= 10 else "viridis")
+    return [cmap(i if num_ranks <= 10 else i / max(num_ranks - 1, 1)) for i in range(num_ranks)]
+
+
+def plot_curves(
+    metrics: dict[int, dict[str, np.ndarray]], key: str, ylabel: str, title: str, out: Path
+) -> Path:
+    """One line per rank vs step: raw (faint) and smoothed; log scale when the values span decades."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    colors = _rank_colors(len(metrics))
+    finite = []
+    for color, (rank, columns) in zip(colors, sorted(metrics.items()), strict=True):
+        steps, values = columns["step"], columns[key].astype(np.float64)
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        label = f"rank {rank}" + (
+            f" (median {np.median(values):,.0f}/s)" if key == "samples_per_second" else ""
+        )
+        ax.plot(steps, smooth(values), color=color, linewidth=1.8, label=label)
+        finite.extend(values[np.isfinite(values)].tolist())
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 30:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", ncol=max(1, math.ceil(len(metrics) / 8)))
+    return save_figure(fig, out)
+
+
+def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
+    """(label, test accuracy, color) for the merged model, each rank, best/mean rank and baselines."""
+    try:
+        bars = [("merged", float(evaluation["merged"]["accuracy"]), MERGED_COLOR)]
+        ranks = sorted(evaluation["ranks"], key=lambda r: int(r["rank"]))
+        bars += [(f"rank {int(r['rank'])}", float(r["accuracy"]), RANK_COLOR) for r in ranks]
+        bars.append(("best rank", float(evaluation["best_rank_accuracy"]), SUMMARY_COLOR))
+        bars.append(("mean rank", float(evaluation["mean_rank_accuracy"]), SUMMARY_COLOR))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"eval.json lacks {exc}; re-run the evaluate stage") from None
+    for key, label in (("ddp_baseline", "ddp baseline"), ("base", "initial model")):
+        with_value = evaluation.get(key)
+        if isinstance(with_value, dict) and isinstance(with_value.get("accuracy"), (int, float)):
+            run = f"\n({with_value['run']})" if with_value.get("run") else ""
+            bars.append((label + run, float(with_value["accuracy"]), BASELINE_COLOR))
+    return bars
+
+
+def _bar_chart(ax, bars: list[tuple[str, float, str]]) -> None:
+    positions = np.arange(len(bars))
+    ax.bar(positions, [b[1] for b in bars], color=[b[2] for b in bars])
+    for x, (_, value, _) in zip(positions, bars, strict=True):
+        ax.annotate(f"{value:.3f}", (x, value), ha="center", va="bottom", fontsize="small",
+                    xytext=(0, 2), textcoords="offset points")  # fmt: skip
+    ax.set_xticks(positions, [b[0] for b in bars], rotation=30 if len(bars) > 6 else 0, ha="right")
+    ax.set_ylim(0, 1.08)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_fusion(evaluation: dict[str, Any], title: str, out: Path) -> Path:
+    bars = fusion_bars(evaluation)
+    fig, ax = _pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
+    _bar_chart(ax, bars)
+    gain = bars[0][1] - next(value for label, value, _ in bars if label == "best rank")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{title}: merged vs ranks (fusion gain {gain:+.3f})")
+    return save_figure(fig, out)
+
+
+def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
+    metrics = rank_metrics(run_dir)
+    evaluation = read_json(run_dir / "eval.json", "evaluation")
+    name = run_dir.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        plot_curves(metrics, "loss", "training loss", f"{name}: loss per rank", out_dir / "loss.png"),
+        plot_curves(
+            metrics,
+            "samples_per_second",
+            "samples / s",
+            f"{name}: throughput per rank",
+            out_dir / "throughput.png",
+        ),
+        plot_fusion(evaluation, name, out_dir / "fusion.png"),
+    ]
+
+
+def read_summary(path: Path) -> list[dict[str, str]]:
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; run the summary stage first")
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    needed = {"run", "merge_method", "test_accuracy_merged", "test_accuracy_best_rank"}
+    missing = needed - set(rows[0] if rows else needed)
+    if not rows or missing:
+        raise UserError(f"{path} has no rows or lacks {', '.join(sorted(missing))}; re-run the summary stage")
+    return rows
+
+
+def training_groups(rows: Iterable[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
+    """Runs that share their training: by the ``training`` column, else dataset + world size + strategy."""
+    groups: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        if row.get("training"):
+            key = row["training"]
+        else:
+            key = " / ".join(f"{c} {row[c]}" if c == "world_size" else row.get(c, "?") for c in GROUP_COLUMNS)
+        groups.setdefault(key, []).append(row)
+    return groups
+
+
+def plot_merge_methods(summary: Path, out: Path) -> Path:
+    groups = training_groups(read_summary(summary))
+    columns = min(3, len(groups))
+    rows = math.ceil(len(groups) / columns)
+    widest = max(len(g) for g in groups.values())
+    fig, axes = _pyplot().subplots(
+        rows,
+        columns,
+        figsize=(columns * max(3.5, 0.9 * widest + 1.5), rows * 3.8),
+        squeeze=False,
+        sharey=True,
+    )
+    for ax, (key, members) in zip(axes.flat, groups.items(), strict=False):
+        bars = [
+            (f"{r['run']}\n{r['merge_method']}", float(r["test_accuracy_merged"]), MERGED_COLOR)
+            for r in members
+        ]
+        _bar_chart(ax, bars)
+        ax.set_xlim(-0.6, max(len(bars), 3) - 0.4)  # a lone bar stays bar-sized
+        best = [float(r["test_accuracy_best_rank"]) for r in members]
+        ax.scatter(
+            range(len(bars)), best, marker="_", s=600, color=SUMMARY_COLOR, zorder=3, label="best rank"
+        )
+        ax.set_title(key, fontsize="medium")
+        ax.legend(fontsize="small", loc="lower right")
+    for ax in list(axes.flat)[len(groups) :]:
+        ax.set_visible(False)
+    axes[0][0].set_ylabel("merged test accuracy")
+    fig.suptitle("Merge methods side by side (runs that share their training)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        parser = StageParser(
+            prog="python -m shardfuse.plots compare", description="Merge methods across runs."
+        )
+        parser.add_argument("--summary", type=Path, required=True, help="results/summary.csv")
+        parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+        args = parser.parse_args(argv[1:])
+        written = [plot_merge_methods(args.summary, args.out)]
+    else:
+        parser = StageParser(prog="python -m shardfuse.plots", description=__doc__.splitlines()[0])
+        parser.add_argument("--run-dir", type=Path, required=True, help="results/runs/{run}")
+        parser.add_argument("--out-dir", type=Path, required=True, help="where loss/throughput/fusion.png go")
+        args = parser.parse_args(argv)
+        written = plot_run(args.run_dir, args.out_dir)
+    print("wrote " + ", ".join(str(path) for path in written))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,133 @@
+"""Training checkpoints for exact resume: model, optimiser, RNG states and data position.
+
+Layout (inside the run's staging directory, so it survives a failed or killed job)::
+
+    checkpoints/step-{N}/rank-{r}.safetensors   tensors: model.*, optim.<param>.<key>, rng.*
+    checkpoints/step-{N}/rank-{r}.json          step, epoch, next batch, optimiser param groups, ...
+    checkpoints/step-{N}/COMPLETE               written by rank 0 once every rank's files exist
+
+Only directories with COMPLETE count; the newest ``keep`` complete ones are kept. Tensors go through
+safetensors and everything else through JSON: nothing here is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardfuse.io import UserError, atomic_path, write_json
+
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Position:
+    """Where training continues: the next batch of an epoch, and the data-order RNG at that epoch's start."""
+
+    step: int = 0
+    epoch: int = 0
+    next_batch: int = 0
+    epoch_order_state: torch.Tensor | None = None
+
+
+def complete_steps(checkpoint_dir: Path) -> list[int]:
+    if not checkpoint_dir.is_dir():
+        return []
+    steps = [
+        int(m.group(1))
+        for p in checkpoint_dir.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).is_file()
+    ]
+    return sorted(steps)
+
+
+def save_rank_state(
+    checkpoint_dir: Path,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    position: Position,
+    extra: dict[str, Any],
+) -> Path:
+    step_dir = checkpoint_dir / f"step-{position.step}"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {f"model.{name}": t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    optim = optimizer.state_dict()
+    for index, state in optim["state"].items():
+        for key, value in state.items():
+            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.epoch_order"] = position.epoch_order_state
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    with atomic_path(step_dir / f"rank-{rank}.safetensors") as tmp:
+        save_file(tensors, str(tmp))
+    write_json(
+        step_dir / f"rank-{rank}.json",
+        {
+            **extra,
+            "rank": rank,
+            "step": position.step,
+            "epoch": position.epoch,
+            "next_batch": position.next_batch,
+            "param_groups": optim["param_groups"],
+        },
+    )
+    return step_dir
+
+
+def mark_complete(checkpoint_dir: Path, step: int, keep: int) -> None:
+    """Rank 0, after every rank saved: the checkpoint counts; older ones (and incomplete ones) go."""
+    step_dir = checkpoint_dir / f"step-{step}"
+    with atomic_path(step_dir / COMPLETE) as tmp:
+        tmp.write_text(f"{step}\n")
+    keep_steps = set(complete_steps(checkpoint_dir)[-keep:])
+    for path in checkpoint_dir.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and int(match.group(1)) not in keep_steps and int(match.group(1)) < step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_rank_state(
+    checkpoint_dir: Path,
+    step: int,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    expect: dict[str, Any],
+) -> Position:
+    step_dir = checkpoint_dir / f"step-{step}"
+    meta = json.loads((step_dir / f"rank-{rank}.json").read_text())
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise UserError(
+                f"checkpoint {step_dir} was written with {key}={meta.get(key)!r}, this run has "
+                f"{value!r}; delete {checkpoint_dir} to start afresh"
+            )
+    tensors = load_file(str(step_dir / f"rank-{rank}.safetensors"))
+    model.load_state_dict(
+        {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")}
+    )
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    return Position(
+        step=meta["step"],
+        epoch=meta["epoch"],
+        next_batch=meta["next_batch"],
+        epoch_order_state=tensors["rng.epoch_order"],
+    )

@@ -1,0 +1,225 @@
+"""Kills and restarts: training resumes from its newest checkpoint and ends bitwise identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from shardfuse.checkpoint import load_weights
+from shardfuse.launch import staging_dir
+from tests.conftest import REPO, run_stage, subprocess_env
+
+pytestmark = pytest.mark.integration
+
+TRAIN_CFG = {
+    "hidden_sizes": [32],
+    "activation": "relu",
+    "dropout": 0.1,
+    "optimizer": "adamw",
+    "lr": 0.003,
+    "momentum": 0.9,
+    "weight_decay": 0.01,
+    "batch_size": 16,
+    "epochs": 12,
+    "seed": 1,
+    "checkpoint_every": 40,
+    "keep_checkpoints": 2,
+    "nonfinite_loss": "error",
+}
+
+
+def launch_args(out: Path, dataset: Path, shards: Path, cfg: dict, max_restarts: int = 0) -> list:
+    return [
+        "--nproc-per-node",
+        2,
+        "--max-restarts",
+        max_restarts,
+        "--out-dir",
+        out,
+        "--",
+        "--run-name",
+        "r",
+        "--shard-dir",
+        shards,
+        "--dataset-dir",
+        dataset,
+        "--config-json",
+        json.dumps(cfg),
+    ]
+
+
+def assert_same_ranks(left: Path, right: Path) -> None:
+    for rank in (0, 1):
+        a, _ = load_weights(left / f"rank-{rank}.safetensors")
+        b, _ = load_weights(right / f"rank-{rank}.safetensors")
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[name], b[name]) for name in a), f"rank {rank} differs"
+
+
+def wait_for_checkpoint(staging: Path, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = sorted(staging.glob("checkpoints/step-*/COMPLETE"))
+        if done:
+            return int(done[-1].parent.name.split("-")[1])
+        time.sleep(0.1)
+    raise AssertionError(f"no complete checkpoint in {staging} within {timeout} s")
+
+
+def rank_pids(marker: str, rank: int) -> list[int]:
+    """Training processes (python -m shardfuse.train) of one launch, identified by its out dir."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"shardfuse.train" in cmdline
+            and marker.encode() in b" ".join(cmdline)
+            and f"RANK={rank}".encode() in environ
+            and b"torch.distributed.run" not in b" ".join(cmdline)
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "localsgd"])
+def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
+    tmp_path, digits_dataset, digits_shards, strategy
+):
+    cfg = {**TRAIN_CFG, "strategy": strategy, "sync_every": 7 if strategy == "localsgd" else 0}
+    reference = tmp_path / "reference"
+    proc = run_stage("launch", *launch_args(reference, digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardfuse.launch",
+            *map(str, launch_args(killed, digits_dataset, digits_shards, cfg, max_restarts=1)),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    ) as launcher:
+        step = wait_for_checkpoint(staging_dir(killed))
+        (pid,) = rank_pids(str(staging_dir(killed)), rank=1)
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "exitcode: -9" in stderr  # the rank really died
+    resumed = [line for line in stderr.splitlines() if "resuming from checkpoint step" in line]
+    assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= step
+    assert_same_ranks(reference, killed)
+    metrics = __import__("pyarrow.parquet", fromlist=["x"]).read_table(killed / "metrics" / "rank-0.parquet")
+    steps = metrics.column("step").to_pylist()
+    assert steps == list(range(1, len(steps) + 1))  # one row per step, none lost or doubled
+
+
+def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, digits_dataset, digits_shards):
+    reference = tmp_path / "reference"
+    cfg = {**TRAIN_CFG, "strategy": "ddp", "sync_every": 0}
+    proc = run_stage("launch", *launch_args(reference, digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    workdir = tmp_path / "work"
+    (workdir / "config").mkdir(parents=True)
+    (workdir / "config" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "runs": {"r": {"strategy": "ddp", "merge_method": "consolidate"}},
+                "datasets": {"digits": {"source": "digits"}},
+                "run_defaults": {k: v for k, v in TRAIN_CFG.items()},
+                "mlflow": {"tracking_uri": f"sqlite:///{workdir}/mlflow.db"},
+            }
+        )
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+    ]
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+        start_new_session=True,
+    ) as snakemake:
+        staging = next(iter(wait_for_staging(workdir)))
+        wait_for_checkpoint(staging)
+        os.killpg(snakemake.pid, signal.SIGKILL)  # snakemake, the launcher, torchrun and the ranks
+        snakemake.wait(timeout=60)
+    time.sleep(1)
+    assert not list((workdir / "results" / "trainings").glob("*/ranks"))
+    subprocess.run([*command, "--unlock"], check=True, capture_output=True, env=subprocess_env())
+    rerun = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    (log,) = (workdir / "logs" / "train").glob("*.log")
+    assert "resuming from checkpoint step" in log.read_text()
+    (ranks,) = (workdir / "results" / "trainings").glob("*/ranks")
+    assert_same_ranks(reference, ranks)
+    assert not (ranks / "checkpoints").exists()
+
+
+def wait_for_staging(workdir: Path, timeout: float = 120) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list((workdir / "results" / "trainings").glob("*/.ranks.partial"))
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError("training never started")
+
+
+def test_nonfinite_loss_stops_training_naming_rank_and_step(tmp_path, digits_dataset, digits_shards):
+    cfg = {
+        **TRAIN_CFG,
+        "strategy": "localsgd",
+        "sync_every": 0,
+        "optimizer": "sgd",
+        "lr": 1e12,
+        "dropout": 0.0,
+    }
+    proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 2
+    assert "loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
+    assert "set nonfinite_loss: skip" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_nonfinite_loss_skip_policy_finishes(tmp_path, digits_dataset, digits_shards):
+    cfg = {
+        **TRAIN_CFG,
+        "strategy": "ddp",
+        "sync_every": 0,
+        "optimizer": "sgd",
+        "lr": 1e12,
+        "dropout": 0.0,
+        "epochs": 1,
+        "nonfinite_loss": "skip",
+    }
+    proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "train.json").is_file()
