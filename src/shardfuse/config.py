@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import difflib
 import hashlib
 import json
 import os
@@ -143,7 +144,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
-        hint = f"; valid keys: {', '.join(allowed)}" if allowed else ""
+        close = difflib.get_close_matches(extra[0], allowed, n=1) if extra else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint += f"; valid keys: {', '.join(allowed)}" if allowed else ""
         return f"unknown key {', '.join(repr(k) for k in extra)}{hint}"
     if error.validator == "enum":
         return f"{error.instance!r} is not one of {', '.join(map(str, error.validator_value))}"
@@ -222,6 +225,12 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
         )
     unknown = [col for col in header if col != "run" and col not in run_props]
     if unknown:
+        close = difflib.get_close_matches(unknown[0], list(run_props), n=1)
+        if close:
+            raise ConfigError(
+                f"config error at runs: {path} has unknown column {unknown[0]!r} (did you mean "
+                f"{close[0]!r}?); rename the column"
+            )
         raise ConfigError(
             f"config error at runs: {path} has unknown column {unknown[0]!r}; valid columns: "
             f"run, {', '.join(sorted(run_props))}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -137,4 +138,21 @@ def run_cli(main: Callable[[list[str] | None], Any], argv: list[str] | None = No
         main(argv)
     except UserError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError) as exc:
+        # A results directory we cannot write to: say where, not a traceback.
+        print(
+            f"{prog}: error: cannot write {exc.filename or 'the output'} ({exc.strerror}); choose a "
+            "writable, existing results directory",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+            raise
+        print(
+            f"{prog}: error: cannot write {exc.filename or 'the output'} ({exc.strerror}); free space or "
+            "point results at another filesystem",
+            file=sys.stderr,
+        )
         sys.exit(2)

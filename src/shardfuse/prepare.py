@@ -291,6 +291,8 @@ def _load_user_file(spec: dict) -> tuple[np.ndarray, np.ndarray, list[str], list
             f"column(s) {', '.join(map(repr, missing))} not found in {path}; available columns: "
             f"{', '.join(table.column_names)}"
         )
+    if table.num_rows == 0:
+        raise UserError(f"{path} has no rows; point the dataset's path at a file with data")
     features = _feature_matrix(table, features_wanted, path)
     labels, label_names = _label_codes(table.column(label_name), label_name, path)
     if len(label_names) < 2:

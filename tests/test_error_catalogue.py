@@ -1,0 +1,492 @@
+"""The catalogue of bad input (docs/errors.md): each case is one clear line, exit status 2, no output.
+
+Every case runs the stage's command as a user would. The fragment asserted here is also the one the
+docs table shows, so the table cannot drift from what users see.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from shardfuse.checkpoint import save_weights
+from tests.conftest import REPO, run_stage
+
+DOCS = REPO / "docs" / "errors.md"
+
+
+@dataclass
+class Case:
+    stage: str
+    args: list
+    fragment: str
+    out: Path | None = None  # must not exist afterwards
+
+
+def base_config(**run) -> dict:
+    return {"runs": {"r": run}, "datasets": {"d": {"source": "digits"}}, "run_defaults": {"dataset": "d"}}
+
+
+def config_case(tmp: Path, config: dict, fragment: str) -> Case:
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return Case("config", ["--configfile", path], fragment)
+
+
+def table(tmp: Path, name: str, columns: dict) -> Path:
+    path = tmp / name
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def prepare_case(tmp: Path, spec: dict, fragment: str) -> Case:
+    return Case(
+        "prepare",
+        ["--name", "x", "--spec-json", json.dumps(spec), "--out-dir", tmp / "out"],
+        fragment,
+        tmp / "out",
+    )
+
+
+def user_file(tmp: Path, columns: dict, fragment: str, **spec) -> Case:
+    path = table(tmp, "data.parquet", columns)
+    full = {
+        "source": "parquet",
+        "path": str(path),
+        "feature_columns": ["a", "b"],
+        "label_column": "y",
+        **spec,
+    }
+    return prepare_case(tmp, full, fragment)
+
+
+def train_dir(tmp: Path, ranks: int = 2, shapes: dict | None = None) -> Path:
+    """A train directory as training writes it, with hand-made rank checkpoints."""
+    spec = {
+        "type": "mlp",
+        "num_features": 4,
+        "num_classes": 3,
+        "hidden_sizes": [],
+        "activation": "relu",
+        "dropout": 0.0,
+    }
+    meta = {"run": "t", "world_size": ranks, "strategy": "localsgd", "model": spec}
+    out = tmp / "ranks"
+    tensors = {"net.0.weight": torch.zeros(3, 4), "net.0.bias": torch.zeros(3)}
+    save_weights(out / "base.safetensors", tensors, {**meta, "rank": None})
+    for rank in range(ranks):
+        own = {**tensors, **(shapes or {})} if rank == ranks - 1 else tensors
+        save_weights(out / f"rank-{rank}.safetensors", own, {**meta, "rank": rank, "rows": 5, "num_steps": 1})
+    (out / "train.json").write_text(json.dumps({**meta, "num_steps": 1}))
+    return out
+
+
+def gather_case(tmp: Path, out_dir: Path, fragment: str, world_size: int = 2) -> Case:
+    return Case(
+        "gather",
+        ["--train-dir", out_dir, "--world-size", world_size, "--out", tmp / "gather.json"],
+        fragment,
+        tmp / "gather.json",
+    )
+
+
+class Evil:
+    """Unpickling this creates a file: proof that a checkpoint was (not) unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def case_unknown_config_key(tmp):
+    return config_case(tmp, base_config(epoch=3), "unknown key 'epoch' (did you mean 'epochs'?)")
+
+
+def case_wrong_type(tmp):
+    return config_case(
+        tmp, base_config(world_size="two"), "runs[r].world_size: 'two' is not of type 'integer'"
+    )
+
+
+def case_zero_batch_size(tmp):
+    return config_case(tmp, base_config(batch_size=0), "runs[r].batch_size: 0 is less than the minimum of 1")
+
+
+def case_negative_lr(tmp):
+    return config_case(
+        tmp, base_config(lr=-0.1), "runs[r].lr: -0.1 is less than or equal to the minimum of 0"
+    )
+
+
+def case_geometry_mismatch(tmp):
+    return config_case(
+        tmp,
+        base_config(world_size=2, nodes=2, nproc_per_node=2),
+        "nodes x nproc_per_node = 2 x 2 = 4 but world_size (the number of shards) is 2",
+    )
+
+
+@pytest.fixture
+def unsafe_name(request):
+    return request.param
+
+
+def case_run_name_dotdot(tmp):
+    config = base_config()
+    config["runs"] = {"../x": {}}
+    return config_case(tmp, config, "run name '../x' is not allowed")
+
+
+def case_run_name_space(tmp):
+    config = base_config()
+    config["runs"] = {"my run": {}}
+    return config_case(tmp, config, "run name 'my run' is not allowed")
+
+
+def case_run_name_slash(tmp):
+    config = base_config()
+    config["runs"] = {"a/b": {}}
+    return config_case(tmp, config, "run name 'a/b' is not allowed")
+
+
+def case_duplicate_run_names(tmp):
+    runs = tmp / "runs.tsv"
+    runs.write_text("run\tlr\nr\t0.1\nr\t0.2\n")
+    config = base_config()
+    config["runs"] = str(runs)
+    return config_case(tmp, config, "run 'r' appears twice")
+
+
+def case_unknown_merge_method(tmp):
+    return config_case(tmp, base_config(merge_method="soup"), "runs[r].merge_method: 'soup' is not one of")
+
+
+def case_slerp_needs_two(tmp):
+    return config_case(
+        tmp,
+        base_config(world_size=4, merge_method="slerp"),
+        "slerp interpolates exactly two models but world_size is 4",
+    )
+
+
+def case_greedy_soup_without_val(tmp):
+    config = base_config(merge_method="greedy_soup")
+    config["datasets"]["d"]["val_fraction"] = 0
+    return config_case(tmp, config, "greedy_soup needs a validation split")
+
+
+def case_missing_dataset_path(tmp):
+    spec = {
+        "source": "parquet",
+        "path": str(tmp / "nope.parquet"),
+        "feature_columns": ["a"],
+        "label_column": "y",
+    }
+    return prepare_case(tmp, spec, "does not exist")
+
+
+def case_missing_label_column(tmp):
+    return user_file(tmp, {"a": [1.0] * 10, "b": [2.0] * 10, "z": [0, 1] * 5}, "column(s) 'y' not found")
+
+
+def case_label_also_a_feature(tmp):
+    return user_file(
+        tmp,
+        {"a": [1.0] * 10, "b": [2.0] * 10, "y": [0, 1] * 5},
+        "must be a column name not among feature_columns",
+        feature_columns=["a", "y"],
+    )
+
+
+def case_non_numeric_feature(tmp):
+    return user_file(tmp, {"a": ["x"] * 10, "b": [2.0] * 10, "y": [0, 1] * 5}, "numeric")
+
+
+def case_nan_in_features(tmp):
+    return user_file(tmp, {"a": [float("nan")] + [1.0] * 9, "b": [2.0] * 10, "y": [0, 1] * 5}, "NaN")
+
+
+def case_empty_dataset(tmp):
+    return user_file(
+        tmp,
+        {"a": pa.array([], pa.float64()), "b": pa.array([], pa.float64()), "y": pa.array([], pa.int64())},
+        "no rows",
+    )
+
+
+def case_fewer_rows_than_ranks(tmp):
+    path = table(tmp, "train.parquet", {"x0": np.zeros(3, np.float32), "label": np.zeros(3, np.int64)})
+    return Case(
+        "partition",
+        ["--input", path, "--world-size", 4, "--seed", 0, "--out-dir", tmp / "out"],
+        "--world-size 4 exceeds the 3 rows",
+        tmp / "out",
+    )
+
+
+def case_corrupt_parquet(tmp):
+    path = tmp / "train.parquet"
+    path.write_bytes(b"PAR1 this is not parquet")
+    return Case(
+        "partition",
+        ["--input", path, "--world-size", 2, "--seed", 0, "--out-dir", tmp / "out"],
+        "is not a readable Parquet file",
+        tmp / "out",
+    )
+
+
+def case_missing_rank_checkpoint(tmp):
+    out = train_dir(tmp)
+    (out / "rank-1.safetensors").unlink()
+    return gather_case(tmp, out, "rank 1: checkpoint")
+
+
+def case_mismatched_shapes(tmp):
+    return gather_case(
+        tmp,
+        train_dir(tmp, shapes={"net.0.bias": torch.zeros(4)}),
+        "rank 1: tensor 'net.0.bias' is F32[4] but the base model has F32[3]",
+    )
+
+
+def case_mismatched_dtypes(tmp):
+    return gather_case(
+        tmp,
+        train_dir(tmp, shapes={"net.0.bias": torch.zeros(3, dtype=torch.float64)}),
+        "rank 1: tensor 'net.0.bias' is F64[3]",
+    )
+
+
+def case_truncated_safetensors(tmp):
+    out = train_dir(tmp)
+    data = (out / "rank-1.safetensors").read_bytes()
+    (out / "rank-1.safetensors").write_bytes(data[: len(data) // 2])
+    return gather_case(tmp, out, "rank-1.safetensors is not a readable safetensors file")
+
+
+def case_pickle_as_checkpoint(tmp):
+    out = train_dir(tmp)
+    (out / "rank-1.safetensors").write_bytes(pickle.dumps(Evil(tmp / "UNPICKLED")))
+    return gather_case(tmp, out, "rank-1.safetensors is not a readable safetensors file")
+
+
+def case_world_size_not_matching_checkpoints(tmp):
+    return gather_case(
+        tmp, train_dir(tmp), "was trained with world size 2 but the run config says 3", world_size=3
+    )
+
+
+def case_unknown_merge_method_cli(tmp):
+    return Case(
+        "merge",
+        [
+            "--gather",
+            tmp / "g.json",
+            "--method",
+            "soup",
+            "--out-weights",
+            tmp / "m.safetensors",
+            "--out-json",
+            tmp / "m.json",
+        ],
+        "argument --method: invalid choice: 'soup'",
+        tmp / "m.safetensors",
+    )
+
+
+def _gathered(tmp: Path, ranks: int) -> Path:
+    out = train_dir(tmp, ranks=ranks)
+    proc = run_stage("gather", "--train-dir", out, "--world-size", ranks, "--out", tmp / "g.json")
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "g.json"
+
+
+def case_slerp_with_three_models(tmp):
+    return Case(
+        "merge",
+        [
+            "--gather",
+            _gathered(tmp, 3),
+            "--method",
+            "slerp",
+            "--out-weights",
+            tmp / "m.safetensors",
+            "--out-json",
+            tmp / "m.json",
+        ],
+        "slerp",
+        tmp / "m.safetensors",
+    )
+
+
+def case_greedy_soup_without_val_split(tmp):
+    return Case(
+        "merge",
+        [
+            "--gather",
+            _gathered(tmp, 2),
+            "--method",
+            "greedy_soup",
+            "--out-weights",
+            tmp / "m.safetensors",
+            "--out-json",
+            tmp / "m.json",
+        ],
+        "--val-split",
+        tmp / "m.safetensors",
+    )
+
+
+def case_unknown_merge_param(tmp):
+    return Case(
+        "merge",
+        [
+            "--gather",
+            _gathered(tmp, 2),
+            "--method",
+            "ties",
+            "--params-json",
+            '{"densty": 0.3}',
+            "--out-weights",
+            tmp / "m.safetensors",
+            "--out-json",
+            tmp / "m.json",
+        ],
+        "densty",
+        tmp / "m.safetensors",
+    )
+
+
+def case_unwritable_results_dir(tmp):  # root ignores permission bits: a file blocks the path instead
+    path = table(tmp, "train.parquet", {"x0": np.zeros(8, np.float32), "label": np.zeros(8, np.int64)})
+    blocker = tmp / "results"
+    blocker.write_text("a file where a directory should be")
+    return Case(
+        "partition",
+        ["--input", path, "--world-size", 2, "--seed", 0, "--out-dir", blocker / "shards"],
+        "choose a writable, existing results directory",
+    )
+
+
+def case_bad_json_argument(tmp):
+    return (
+        prepare_case(tmp, {}, "")
+        if False
+        else Case(
+            "prepare",
+            ["--name", "x", "--spec-json", "{source: digits}", "--out-dir", tmp / "out"],
+            "--spec-json is not valid JSON",
+            tmp / "out",
+        )
+    )
+
+
+def case_tracking_inputs_missing(tmp):
+    return Case(
+        "tracking",
+        [
+            "--run",
+            "r",
+            "--run-dir",
+            tmp,
+            "--manifest",
+            tmp / "manifest.json",
+            "--config-json",
+            "{}",
+            "--tracking-uri",
+            "http://127.0.0.1:9",
+            "--out",
+            tmp / "o.json",
+        ],
+        "does not exist",
+        tmp / "o.json",
+    )
+
+
+CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_clear_line(name, tmp_path):
+    case = CASES[name](tmp_path)
+    proc = run_stage(case.stage, *case.args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"shardfuse.{case.stage}: error: ")
+    assert case.fragment in lines[0]
+    if case.out is not None:
+        assert not case.out.exists()
+        assert not list(case.out.parent.glob(f".{case.out.name}.tmp-*"))
+    assert not (tmp_path / "UNPICKLED").exists()
+
+
+def test_catalogue_is_large_enough_and_documented():
+    assert len(CASES) >= 25
+    docs = DOCS.read_text()
+    missing = [name for name in CASES if f"`{name}`" not in docs]
+    assert not missing, f"docs/errors.md lacks {missing}"
+
+
+def test_shell_metacharacters_in_a_dataset_path_reach_no_shell(tmp_path):
+    """Config values reach rule shells quoted: a path full of metacharacters is just a path."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    name = "my data;touch PWNED;$(touch PWNED2)`touch PWNED3`.parquet"
+    rng = np.random.default_rng(0)
+    table(data_dir, name, {"a": rng.normal(size=60), "b": rng.normal(size=60), "y": np.arange(60) % 3})
+    config = {
+        "runs": {"r": {}},
+        "datasets": {
+            "mine": {
+                "source": "parquet",
+                "path": f"data/{name}",
+                "feature_columns": ["a", "b"],
+                "label_column": "y",
+            }
+        },
+        "run_defaults": {"dataset": "mine", "world_size": 2},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "--configfile",
+            str(tmp_path / "config.yaml"),
+            "--cores",
+            "1",
+            "--until",
+            "partition",
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(tmp_path.rglob("PWNED*")) and not list(Path.cwd().glob("PWNED*"))
+    assert (tmp_path / "results" / "datasets" / "mine" / "train.parquet").is_file()
+    shutil.rmtree(tmp_path / "results")
