@@ -223,3 +223,92 @@ def test_nonfinite_loss_skip_policy_finishes(tmp_path, digits_dataset, digits_sh
     proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "out" / "train.json").is_file()
+
+
+def kill_when(proc: subprocess.Popen, condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            proc.kill()
+            proc.wait(timeout=30)
+            return
+        if proc.poll() is not None:
+            raise AssertionError("the stage finished before it could be interrupted; make the input larger")
+        time.sleep(0.01)
+    raise AssertionError("the interruption point never came")
+
+
+def test_interrupted_partition_leaves_nothing_that_looks_complete(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 3_000_000
+    source = tmp_path / "train.parquet"
+    rng = np.random.default_rng(0)
+    columns = {f"x{i}": rng.standard_normal(rows, dtype=np.float32) for i in range(8)}
+    pq.write_table(
+        pa.table({**columns, "label": (np.arange(rows) % 10).astype(np.int64)}),
+        source,
+        row_group_size=100_000,
+    )
+    out = tmp_path / "shards"
+    args = ["--input", source, "--world-size", 4, "--seed", 0, "--out-dir", out, "--batch-size", 50_000]
+    with subprocess.Popen(
+        [sys.executable, "-m", "shardfuse.partition", *map(str, args)],
+        env=subprocess_env(),
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        kill_when(proc, lambda: any(p.stat().st_size > 0 for p in tmp_path.glob(".shards.tmp-*/shard-*")))
+    assert not out.exists()
+    rerun = run_stage("partition", *args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["total_rows"] == rows
+
+
+def test_interrupted_merge_leaves_nothing_that_looks_complete(tmp_path):
+    from shardfuse.checkpoint import save_weights
+    from shardfuse.io import write_json
+
+    spec = {
+        "type": "mlp",
+        "num_features": 4,
+        "num_classes": 3,
+        "hidden_sizes": [],
+        "activation": "relu",
+        "dropout": 0.0,
+    }
+    meta = {"run": "t", "world_size": 2, "strategy": "localsgd", "model": spec}
+    ranks = tmp_path / "ranks"
+    big = {f"w{i}": torch.randn(4096, 4096) for i in range(6)}  # ~400 MB per rank: the merge takes a while
+    save_weights(ranks / "base.safetensors", big, {**meta, "rank": None})
+    for rank in (0, 1):
+        save_weights(
+            ranks / f"rank-{rank}.safetensors",
+            {k: v + rank for k, v in big.items()},
+            {**meta, "rank": rank, "rows": 5, "num_steps": 1},
+        )
+    write_json(ranks / "train.json", {**meta, "num_steps": 1})
+    gathered = run_stage("gather", "--train-dir", ranks, "--world-size", 2, "--out", tmp_path / "gather.json")
+    assert gathered.returncode == 0, gathered.stderr
+    out_weights, out_json = tmp_path / "run" / "merged.safetensors", tmp_path / "run" / "merge.json"
+    args = [
+        "--gather",
+        tmp_path / "gather.json",
+        "--method",
+        "uniform",
+        "--out-weights",
+        out_weights,
+        "--out-json",
+        out_json,
+    ]
+    with subprocess.Popen(
+        [sys.executable, "-m", "shardfuse.merge", *map(str, args)],
+        env=subprocess_env(),
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        kill_when(proc, lambda: any(p.stat().st_size > 0 for p in out_weights.parent.glob(".merged*tmp*")))
+    assert not out_weights.exists() and not out_json.exists()
+    rerun = run_stage("merge", *args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads(out_json.read_text())["sha256"]
