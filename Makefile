@@ -28,6 +28,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 	$(BIN)/snakemake --lint
+	@if command -v shellcheck >/dev/null; then shellcheck scripts/*.sh .ci/run; \
+	else echo "shellcheck not installed: skipping the shell-script lint (CI installs it)"; fi
 
 format: $(STAMP)
 	$(BIN)/ruff format .

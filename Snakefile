@@ -14,8 +14,9 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/gather.smk"
 include: "workflow/rules/merge.smk"
 include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/track.smk"
 include: "workflow/rules/summary.smk"
+include: "workflow/rules/plots.smk"
+include: "workflow/rules/track.smk"
 
 
 onstart:
@@ -27,3 +28,4 @@ rule all:
     input:
         rules.summary.output.csv,
         expand(rules.track.output.record, run=RUNS),
+        rules.compare_merge_methods.output.png,

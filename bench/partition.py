@@ -9,7 +9,7 @@ memory rule applies to it), then, interleaved and repeated, each in its own proc
 * ``python -m shardfuse.partition`` (W=4) of train.parquet;
 * bare pyarrow: ``iter_batches`` -> ``ParquetWriter`` into one file with pyarrow's default writer options;
 * bare pyarrow with the writer options partition uses (no dictionary for float columns that do not
-  repeat): the practical limit, and the one the 0.7x target is judged against.
+  repeat): the practical limit. The 0.7x target is checked against both.
 
 Throughput is input Parquet bytes per second of wall time (process start to exit). Ratios are paired
 per repetition, then the median is taken.
@@ -128,9 +128,17 @@ def summarise(results: list[dict], reps: int) -> dict:
     rss_growth = last["partition_rss_mb"] / first["partition_rss_mb"]
     prepare_growth = last["prepare_rss_mb"] / first["prepare_rss_mb"]
     worst_ratio = min(r["ratio_vs_same_options"] for r in results)
+    worst_default = min(r["ratio_vs_defaults"] for r in results)
     checks = [
         (
-            f"partition throughput >= {TARGET_THROUGHPUT_RATIO}x bare pyarrow (same options), every scale",
+            f"partition throughput >= {TARGET_THROUGHPUT_RATIO}x a bare pyarrow read -> write "
+            "(pyarrow's default writer options), every scale",
+            f"min {worst_default:.2f}x",
+            worst_default >= TARGET_THROUGHPUT_RATIO,
+        ),
+        (
+            f"partition throughput >= {TARGET_THROUGHPUT_RATIO}x a bare pyarrow read -> write with "
+            "partition's own writer options (stricter), every scale",
             f"min {worst_ratio:.2f}x",
             worst_ratio >= TARGET_THROUGHPUT_RATIO,
         ),

@@ -33,8 +33,9 @@ def _row(run, strategy, method, merged, **extra):
 
 
 def test_run_plots_are_three_deterministic_pngs_written_atomically(tmp_path):
-    run_dir, _ = make_run_dir(tmp_path, "pictured", world_size=3, num_steps=120)
-    written = plots.plot_run(run_dir, run_dir / "plots")
+    run_dir, _ = make_run_dir(tmp_path, "pictured", world_size=3, num_steps=120, training="shared")
+    train_dir = tmp_path / "results" / "trainings" / "shared" / "ranks"
+    written = plots.plot_run(run_dir, run_dir / "plots", train_dir)
     assert [p.name for p in written] == list(plots.RUN_PLOTS)
     for path in written:
         image = matplotlib.image.imread(path)
@@ -42,7 +43,7 @@ def test_run_plots_are_three_deterministic_pngs_written_atomically(tmp_path):
         assert image[..., :3].std() > 0.05  # not a blank canvas
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == sorted(plots.RUN_PLOTS)  # no temp files
     first = {p.name: p.read_bytes() for p in written}
-    again = plots.plot_run(run_dir, run_dir / "plots")
+    again = plots.plot_run(run_dir, run_dir / "plots", train_dir)
     assert {p.name: p.read_bytes() for p in again} == first  # same data, same bytes: no needless re-upload
 
 
@@ -109,5 +110,5 @@ def test_run_plots_without_metrics_are_a_one_line_user_error(tmp_path):
     run_dir, _ = make_run_dir(tmp_path, "unmeasured")
     for path in (run_dir / "train" / "metrics").glob("*.parquet"):
         path.unlink()
-    with pytest.raises(UserError, match=r"has no rank-\*\.parquet; re-run the train stage"):
+    with pytest.raises(UserError, match=r"train/metrics has no rank-\*\.parquet; re-run the train stage"):
         plots.plot_run(run_dir, run_dir / "plots")

@@ -269,10 +269,13 @@ def test_cli_reports_unreachable_tracking_server_in_one_line_quickly(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_cli_writes_out_file_with_run_ids(store, tmp_path):
-    run_dir, manifest = make_run_dir(tmp_path, "viacli")
+def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(store, tmp_path):
+    # Runs that differ only in how they merge share one training: ranks and gather.json live there.
+    run_dir, manifest = make_run_dir(tmp_path, "viacli", training="shared")
+    training = tmp_path / "results" / "trainings" / "shared"
     out = run_dir / "mlflow.json"
     args = _cli_args("viacli", run_dir, manifest, store["uri"], out)
+    args += ["--train-dir", str(training / "ranks"), "--gather", str(training / "gather.json")]
     proc = subprocess.run(args, capture_output=True, text=True, env=_subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     written = json.loads(out.read_text())
@@ -285,6 +288,19 @@ def test_cli_writes_out_file_with_run_ids(store, tmp_path):
     (parent,), _ = _active_runs(store, "viacli")
     assert written["parent_run_id"] == parent.info.run_id
     assert set(written["child_run_ids"]) == {"0", "1"}
+    assert proc.stderr.strip().endswith("s)") and "created parent run" in proc.stderr
+
+    other_dir, _ = make_run_dir(tmp_path, "viacli_ties", training="shared")
+    other = tracking.track_run(
+        "viacli_ties", other_dir, manifest, run_config("viacli_ties"), store["uri"], EXPERIMENT,
+        train_dir=training / "ranks", gather_path=training / "gather.json",
+    )  # fmt: skip
+    assert other["parent_run_id"] != written["parent_run_id"]
+    for rank in ("0", "1"):
+        histories = [
+            _history(store, ids[rank], "loss") for ids in (written["child_run_ids"], other["child_run_ids"])
+        ]
+        assert histories[0] == histories[1] and len(histories[0]) == 7
 
 
 def test_two_concurrent_cli_tracks_into_one_fresh_sqlite_db_both_succeed(tmp_path):
@@ -332,7 +348,7 @@ def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(store, tm
 
 def test_more_training_steps_append_only_the_new_points_to_the_same_runs(store, tmp_path):
     first, run_dir, manifest, config = _track(store, tmp_path, "grown")
-    append_steps(run_dir, 5)
+    append_steps(run_dir / "train", 5)
     _edit_json(run_dir / "train" / "train.json", num_steps=12)
     evaluation = json.loads((run_dir / "eval.json").read_text())
     evaluation["merged"]["accuracy"] = 0.85

@@ -147,9 +147,9 @@ def step_table(rank: int, steps: np.ndarray, num_steps: int, seed: int = 0) -> p
     )
 
 
-def append_steps(run_dir: Path, num_new: int) -> None:
+def append_steps(train_dir: Path, num_new: int) -> None:
     """Training went on for ``num_new`` more steps: every rank's metrics file gains rows (same prefix)."""
-    for path in sorted((run_dir / "train" / "metrics").glob("rank-*.parquet")):
+    for path in sorted((train_dir / "metrics").glob("rank-*.parquet")):
         old = pq.read_table(path)
         first = old.column("step")[-1].as_py() + 1
         rank = int(path.stem.split("-")[1])
@@ -169,11 +169,21 @@ def make_run_dir(
     num_steps: int = 7,
     merge_method: str = "average",
     ddp_baseline: bool = False,
+    training: str | None = None,
 ) -> tuple[Path, Path]:
-    """Write a complete run directory plus its shard manifest under ``root``; return both paths."""
+    """Write a complete run directory plus its shard manifest under ``root``; return both paths.
+
+    With ``training``, the ranks and gather.json go where runs sharing a training keep them:
+    results/trainings/{training}/ranks and results/trainings/{training}/gather.json.
+    """
     run_dir = root / "results" / "runs" / run_name
-    metrics_dir = run_dir / "train" / "metrics"
-    metrics_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True)
+    train_dir, gather_path = run_dir / "train", run_dir / "gather.json"
+    if training is not None:
+        train_dir = root / "results" / "trainings" / training / "ranks"
+        gather_path = train_dir.parent / "gather.json"
+    metrics_dir = train_dir / "metrics"
+    metrics_dir.mkdir(parents=True, exist_ok=training is not None)
     shard_dir = root / "results" / "shards" / "synthetic" / f"w{world_size}-seed0"
     shard_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = shard_dir / "manifest.json"
@@ -191,7 +201,7 @@ def make_run_dir(
         pq.write_table(
             step_table(rank, np.arange(num_steps), num_steps), metrics_dir / f"rank-{rank}.parquet"
         )
-        checkpoint = run_dir / "train" / f"rank-{rank}.safetensors"
+        checkpoint = train_dir / f"rank-{rank}.safetensors"
         _save_mlp(checkpoint, rank + 1, {"run": run_name, "rank": rank, "host": f"node{rank}"})
         ranks.append({"rank": rank, "rows": shard_rows[rank], "checkpoint": str(checkpoint)})
 
@@ -212,7 +222,7 @@ def make_run_dir(
         ],
         "model": model_spec(),
     }
-    (run_dir / "train" / "train.json").write_text(json.dumps(train, indent=2))
+    (train_dir / "train.json").write_text(json.dumps(train, indent=2))
     gather = {
         "run": run_name,
         "world_size": world_size,
@@ -227,7 +237,7 @@ def make_run_dir(
             for r in ranks
         ],
     }
-    (run_dir / "gather.json").write_text(json.dumps(gather, indent=2))
+    gather_path.write_text(json.dumps(gather, indent=2))
     merged = run_dir / "merged.safetensors"
     _save_mlp(merged, 0, {"run": run_name, "rank": None, "merge_method": merge_method}, sidecar=False)
     merge = {

@@ -86,6 +86,8 @@ class Experiment:
     datasets: dict[str, dict[str, Any]]
     tracking_uri: str
     mlflow_experiment: str
+    registered_model: str | None = None
+    live: bool = False
 
     def shard_dir(self, run: str) -> str:
         cfg = self.runs[run]
@@ -297,7 +299,14 @@ def load_experiment(
 
     mlflow_cfg = _with_defaults(config["mlflow"], schema["properties"]["mlflow"])
     tracking_uri = mlflow_cfg["tracking_uri"] or environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    return Experiment(runs, datasets, tracking_uri, mlflow_cfg["experiment"])
+    return Experiment(
+        runs,
+        datasets,
+        tracking_uri,
+        mlflow_cfg["experiment"],
+        mlflow_cfg["registered_model"],
+        mlflow_cfg["live"],
+    )
 
 
 def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

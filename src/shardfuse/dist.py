@@ -17,6 +17,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.io import UserError, write_json
+from shardfuse.live import LiveLogger
 from shardfuse.progress import Progress
 
 
@@ -88,6 +89,9 @@ class RankGate:
     def progress(self, total_steps: int, initial_step: int = 0, description: str = "train") -> Progress:
         return Progress(total_steps, enabled=True, initial_step=initial_step, description=description)
 
+    def live_logger(self, tracking_uri: str | None, experiment: str, run_name: str) -> LiveLogger:
+        return LiveLogger(tracking_uri, experiment, run_name, enabled=tracking_uri is not None)
+
 
 class NullGate(RankGate):
     def log(self, message: str) -> None:
@@ -101,6 +105,9 @@ class NullGate(RankGate):
 
     def progress(self, total_steps: int, initial_step: int = 0, description: str = "train") -> Progress:
         return Progress(total_steps, enabled=False, initial_step=initial_step, description=description)
+
+    def live_logger(self, tracking_uri: str | None, experiment: str, run_name: str) -> LiveLogger:
+        return LiveLogger(tracking_uri, experiment, run_name, enabled=False)
 
 
 def gate_for(rank: int) -> RankGate:

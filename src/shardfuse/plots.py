@@ -2,13 +2,14 @@
 
 By hand::
 
-    python -m shardfuse.plots --run-dir results/runs/ddp --out-dir results/runs/ddp/plots
+    python -m shardfuse.plots --run-dir results/runs/ddp --out-dir results/runs/ddp/plots \\
+        [--train-dir results/trainings/T/ranks]
     python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
 
-The run plots read ``train/metrics/rank-*.parquet`` and ``eval.json``; ``compare`` groups the rows of
-``summary.csv`` that share their training (a ``training`` column if there is one, else dataset, world
-size and strategy) and shows each group's merged accuracy per run/merge method. Matplotlib's Agg
-backend, no display needed; every PNG is written atomically.
+The run plots read the training's ``metrics/rank-*.parquet`` (default RUN_DIR/train) and the run's
+``eval.json``; ``compare`` groups the rows of ``summary.csv`` that share their training (a ``training``
+column if there is one, else dataset, world size and strategy) and shows each group's merged accuracy
+per run/merge method. Matplotlib's Agg backend, no display needed; every PNG is written atomically.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
-def rank_metrics(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
-    paths = sorted((run_dir / "train" / "metrics").glob("rank-*.parquet"), key=lambda p: int(p.stem[5:]))
+def rank_metrics(train_dir: Path) -> dict[int, dict[str, np.ndarray]]:
+    paths = sorted((train_dir / "metrics").glob("rank-*.parquet"), key=lambda p: int(p.stem[5:]))
     if not paths:
-        raise UserError(f"{run_dir}/train/metrics has no rank-*.parquet; re-run the train stage first")
+        raise UserError(f"{train_dir}/metrics has no rank-*.parquet; re-run the train stage first")
     return {int(path.stem[5:]): read_step_metrics(path) for path in paths}
 
 
@@ -135,8 +136,8 @@ def plot_fusion(evaluation: dict[str, Any], title: str, out: Path) -> Path:
     return save_figure(fig, out)
 
 
-def plot_run(run_dir: Path, out_dir: Path) -> list[Path]:
-    metrics = rank_metrics(run_dir)
+def plot_run(run_dir: Path, out_dir: Path, train_dir: Path | None = None) -> list[Path]:
+    metrics = rank_metrics(train_dir if train_dir is not None else run_dir / "train")
     evaluation = read_json(run_dir / "eval.json", "evaluation")
     name = run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -189,18 +190,21 @@ def plot_merge_methods(summary: Path, out: Path) -> Path:
         squeeze=False,
         sharey=True,
     )
-    for ax, (key, members) in zip(axes.flat, groups.items(), strict=False):
-        bars = [
-            (f"{r['run']}\n{r['merge_method']}", float(r["test_accuracy_merged"]), MERGED_COLOR)
-            for r in members
-        ]
+    for ax, members in zip(axes.flat, groups.values(), strict=False):
+        bars = [(r["merge_method"], float(r["test_accuracy_merged"]), MERGED_COLOR) for r in members]
         _bar_chart(ax, bars)
+        ax.tick_params(axis="x", labelrotation=30)
         ax.set_xlim(-0.6, max(len(bars), 3) - 0.4)  # a lone bar stays bar-sized
         best = [float(r["test_accuracy_best_rank"]) for r in members]
         ax.scatter(
             range(len(bars)), best, marker="_", s=600, color=SUMMARY_COLOR, zorder=3, label="best rank"
         )
-        ax.set_title(key, fontsize="medium")
+        first = members[0]
+        title = f"{first.get('dataset', '?')}, world size {first.get('world_size', '?')}, "
+        title += first.get("strategy", "?")
+        if first.get("sync_every") not in (None, ""):
+            title += f" (sync_every {first['sync_every']})"
+        ax.set_title(title, fontsize="medium")
         ax.legend(fontsize="small", loc="lower right")
     for ax in list(axes.flat)[len(groups) :]:
         ax.set_visible(False)
@@ -222,10 +226,11 @@ def main(argv: list[str] | None = None) -> None:
         written = [plot_merge_methods(args.summary, args.out)]
     else:
         parser = StageParser(prog="python -m shardfuse.plots", description=__doc__.splitlines()[0])
-        parser.add_argument("--run-dir", type=Path, required=True, help="results/runs/{run}")
+        parser.add_argument("--run-dir", type=Path, required=True, help="results/runs/{run} (eval.json)")
+        parser.add_argument("--train-dir", type=Path, help="its training's metrics/ (default: RUN_DIR/train)")
         parser.add_argument("--out-dir", type=Path, required=True, help="where loss/throughput/fusion.png go")
         args = parser.parse_args(argv)
-        written = plot_run(args.run_dir, args.out_dir)
+        written = plot_run(args.run_dir, args.out_dir, args.train_dir)
     print("wrote " + ", ".join(str(path) for path in written))
 
 

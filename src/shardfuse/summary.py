@@ -42,6 +42,7 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
     merging = read_json(run_dir / "merge.json", "merge record")
     return {
         "run": run,
+        "training": cfg["training"],
         "dataset": cfg["dataset"],
         "world_size": cfg["world_size"],
         "strategy": cfg["strategy"],

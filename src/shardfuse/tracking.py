@@ -3,6 +3,7 @@
 Run by hand (from the workflow's working directory)::
 
     python -m shardfuse.tracking --run NAME --run-dir results/runs/NAME \\
+        [--train-dir results/trainings/T/ranks --gather results/trainings/T/gather.json] \\
         --manifest results/shards/D/w2-seed0/manifest.json --config-json '{"model": {...}, ...}' \\
         --tracking-uri sqlite:///mlflow.db --experiment shardfuse [--registered-model NAME] \\
         [--plots-dir results/runs/NAME/plots] --out results/runs/NAME/mlflow.json
@@ -139,12 +140,25 @@ def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
     return {c: table.column(c).to_numpy() for c in PARQUET_COLUMNS}
 
 
-def load_inputs(run_dir: Path, manifest_path: Path, plots_dir: Path | None = None) -> dict[str, Any]:
-    """Read and check every file the push needs before MLflow is touched."""
+def load_inputs(
+    run_dir: Path,
+    manifest_path: Path,
+    plots_dir: Path | None = None,
+    train_dir: Path | None = None,
+    gather_path: Path | None = None,
+) -> dict[str, Any]:
+    """Read and check every file the push needs before MLflow is touched.
+
+    ``train_dir`` (train.json, metrics/rank-{r}.parquet; default RUN_DIR/train) and ``gather_path``
+    (default RUN_DIR/gather.json) may be shared by runs that differ only in how they merge.
+    """
+    train_dir = train_dir if train_dir is not None else run_dir / "train"
     files = {
         "manifest": _require_file(manifest_path, "partition"),
-        "train": _require_file(run_dir / "train" / "train.json", "train"),
-        "gather": _require_file(run_dir / "gather.json", "gather"),
+        "train": _require_file(train_dir / "train.json", "train"),
+        "gather": _require_file(
+            gather_path if gather_path is not None else run_dir / "gather.json", "gather"
+        ),
         "merge": _require_file(run_dir / "merge.json", "merge"),
         "weights": _require_file(run_dir / "merged.safetensors", "merge"),
         "eval": _require_file(run_dir / "eval.json", "evaluate"),
@@ -166,7 +180,7 @@ def load_inputs(run_dir: Path, manifest_path: Path, plots_dir: Path | None = Non
                 f"rank {rank} of world size {world_size} is missing from {files['train']} "
                 f"or {files['eval']}; re-run the train and evaluate stages"
             )
-        metrics_path = run_dir / "train" / "metrics" / f"rank-{rank}.parquet"
+        metrics_path = train_dir / "metrics" / f"rank-{rank}.parquet"
         files[f"metrics-{rank}"] = _require_file(metrics_path, "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
     files.update({f"plot-{p.name}": p for p in plots})
@@ -187,20 +201,20 @@ def load_inputs(run_dir: Path, manifest_path: Path, plots_dir: Path | None = Non
         },
         "steps": {rank: read_step_metrics(files[f"metrics-{rank}"]) for rank in range(world_size)},
         "model_spec": _field(read_metadata(files["weights"]), "model", files["weights"]),
-        "hosts": _rank_hosts(run_dir, train, world_size),
+        "hosts": _rank_hosts(train_dir, train, world_size),
     }
     inputs["headline"] = headline_metrics(inputs)
     return inputs
 
 
-def _rank_hosts(run_dir: Path, train: dict, world_size: int) -> dict[int, str]:
+def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
     """Host per rank from train.json's "hosts", else the rank sidecars' "host" (both optional)."""
     hosts = train.get("hosts")
     if isinstance(hosts, list) and len(hosts) == world_size:
         return {rank: str(host) for rank, host in enumerate(hosts)}
     found = {}
     for rank in range(world_size):
-        sidecar = run_dir / "train" / f"rank-{rank}.json"
+        sidecar = train_dir / f"rank-{rank}.json"
         with contextlib.suppress(OSError, ValueError, AttributeError):
             if host := json.loads(sidecar.read_text()).get("host"):
                 found[rank] = str(host)
@@ -607,12 +621,20 @@ def track_run(
     experiment: str,
     registered_model: str | None = None,
     plots_dir: str | os.PathLike | None = None,
+    train_dir: str | os.PathLike | None = None,
+    gather_path: str | os.PathLike | None = None,
 ) -> dict:
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
         raise UserError("--config-json must be a JSON object (the run's resolved config)")
     check_no_password(tracking_uri)
-    inputs = load_inputs(Path(run_dir), Path(manifest_path), Path(plots_dir) if plots_dir else None)
+    inputs = load_inputs(
+        Path(run_dir),
+        Path(manifest_path),
+        plots_dir=Path(plots_dir) if plots_dir else None,
+        train_dir=Path(train_dir) if train_dir else None,
+        gather_path=Path(gather_path) if gather_path else None,
+    )
     options = {
         "uri": tracking_uri,
         "registered_model": registered_model,
@@ -654,6 +676,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="shardfuse.tracking", description=__doc__.splitlines()[0])
     parser.add_argument("--run", required=True, help="run name (the {run} wildcard)")
     parser.add_argument("--run-dir", required=True, type=Path, help="results/runs/{run}")
+    parser.add_argument("--train-dir", type=Path, help="train.json + metrics/ (default: RUN_DIR/train)")
+    parser.add_argument(
+        "--gather", type=Path, help="the training's gather.json (default: RUN_DIR/gather.json)"
+    )
     parser.add_argument("--manifest", required=True, type=Path, help="the shards' manifest.json")
     parser.add_argument("--config-json", required=True, help="the run's resolved config as a JSON object")
     parser.add_argument("--tracking-uri", required=True, help="e.g. sqlite:///mlflow.db or http://host:5000")
@@ -666,7 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     result = track_run(
         args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment,
-        registered_model=args.registered_model, plots_dir=args.plots_dir,
+        registered_model=args.registered_model, plots_dir=args.plots_dir, train_dir=args.train_dir,
+        gather_path=args.gather,
     )  # fmt: skip
     write_json(args.out, result)
     print(

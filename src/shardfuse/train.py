@@ -31,6 +31,7 @@ from shardfuse.checkpoint import save_weights
 from shardfuse.data import load_shard, read_dataset_info, read_manifest
 from shardfuse.dist import DistContext, distributed, gate_for
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
+from shardfuse.live import LiveLogger
 from shardfuse.metrics_log import MetricsLog
 from shardfuse.models import build_model, mlp_spec
 from shardfuse.resume import Position, complete_steps, load_rank_state, mark_complete, save_rank_state
@@ -103,7 +104,13 @@ def _check_finite(loss: torch.Tensor, ctx: DistContext, step: int, policy: str) 
 
 
 def train_rank(
-    ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, cfg: dict[str, Any], out_dir: Path
+    ctx: DistContext,
+    run: str,
+    shard_dir: Path,
+    dataset_dir: Path,
+    cfg: dict[str, Any],
+    out_dir: Path,
+    live: LiveLogger | None = None,
 ) -> None:
     gate = gate_for(ctx.rank)
     manifest = read_manifest(shard_dir)
@@ -200,6 +207,8 @@ def train_rank(
                     int(time.time() * 1000),
                 )
                 progress.update(step, loss=loss_value, samples_per_second=throughput)
+                if live is not None:
+                    live.log(step, {"loss": loss_value, "samples_per_second": throughput})
                 if checkpoint_every and step % checkpoint_every == 0:
                     metrics.flush()
                     save_rank_state(
@@ -262,10 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset-dir", required=True, type=Path, help="prepared dataset (dataset.json)")
     parser.add_argument("--config-json", required=True, help="the run's resolved config as JSON")
     parser.add_argument("--out-dir", required=True, type=Path, help="where this run's rank files go")
+    parser.add_argument("--live-tracking-uri", help="rank 0 also logs to MLflow while training (optional)")
+    parser.add_argument("--live-experiment", default="shardfuse", help="MLflow experiment for live logging")
     args = parser.parse_args(argv)
     cfg = parse_json_arg(args.config_json, "--config-json")
-    with distributed() as ctx:
-        train_rank(ctx, args.run_name, args.shard_dir, args.dataset_dir, cfg, args.out_dir)
+    with (
+        distributed() as ctx,
+        gate_for(ctx.rank).live_logger(args.live_tracking_uri, args.live_experiment, args.run_name) as live,
+    ):
+        train_rank(ctx, args.run_name, args.shard_dir, args.dataset_dir, cfg, args.out_dir, live)
 
 
 if __name__ == "__main__":

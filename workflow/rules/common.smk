@@ -176,10 +176,28 @@ def tracking_config_json(wildcards):
     return _json(run_config_for_tracking(EXPERIMENT, wildcards.run))
 
 
-def summary_runs_json(wildcards):
-    return _json(
-        {
-            run: {**cfg, "training": EXPERIMENT.training(run)}
-            for run, cfg in RUNS.items()
-        }
+def live_logging_args(wildcards):
+    """Extra train arguments when mlflow.live is on (rank 0 logs while training)."""
+    if not EXPERIMENT.live:
+        return ""
+    return (
+        f"--live-tracking-uri {shlex.quote(EXPERIMENT.tracking_uri)}"
+        f" --live-experiment {shlex.quote(EXPERIMENT.mlflow_experiment)}"
     )
+
+
+def registered_model_args(wildcards):
+    if EXPERIMENT.registered_model is None:
+        return ""
+    return f"--registered-model {shlex.quote(EXPERIMENT.registered_model)}"
+
+
+def summary_runs_json(wildcards):
+    keys = ("dataset", "world_size", "strategy", "sync_every")
+    rows = {
+        run: {**{key: cfg[key] for key in keys}, "training": EXPERIMENT.training(run)}
+        for run, cfg in RUNS.items()
+    }
+    return json.dumps(
+        rows, separators=(",", ":")
+    )  # unsorted: the summary keeps the table's order

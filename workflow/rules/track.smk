@@ -12,6 +12,7 @@ rule track:
         merge=rules.merge.output.record,
         merged=rules.merge.output.weights,
         evaluation=rules.evaluate.output.record,
+        plots=rules.plots.output,
     output:
         record="results/runs/{run}/mlflow.json",
     log:
@@ -22,9 +23,11 @@ rule track:
         config=tracking_config_json,
         tracking_uri=EXPERIMENT.tracking_uri,
         experiment=EXPERIMENT.mlflow_experiment,
+        registered_model=registered_model_args,
     shell:
         "python -m shardfuse.tracking --run {wildcards.run} --run-dir results/runs/{wildcards.run}"
         " --train-dir {input.ranks} --gather {input.gather}"
         " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
-        " --out {output.record} > {log} 2>&1"
+        " {params.registered_model}"
+        " --plots-dir results/runs/{wildcards.run}/plots --out {output.record} > {log} 2>&1"

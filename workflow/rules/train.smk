@@ -24,8 +24,10 @@ rule train:
         max_restarts=max_restarts_of,
         dataset_dir=dataset_dir_of,
         config=train_config_json,
+        live=live_logging_args,
     shell:
         "python -m shardfuse.launch --nodes {params.nodes} --nproc-per-node {params.nproc_per_node}"
         " --max-restarts {params.max_restarts} --out-dir {output.ranks} --"
         " --run-name {wildcards.training} --shard-dir {input.shards}"
-        " --dataset-dir {params.dataset_dir} --config-json {params.config:q} > {log} 2>&1"
+        " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.live}"
+        " > {log} 2>&1"

@@ -1,0 +1,53 @@
+# Plots are cheap (matplotlib on small Parquet files): they run on the submit host.
+localrules:
+    plots,
+    compare_merge_methods,
+
+
+rule plots:
+    input:
+        ranks=ranks_of_run,
+        evaluation=rules.evaluate.output.record,
+    output:
+        loss=report(
+            "results/runs/{run}/plots/loss.png",
+            caption="../report/loss.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
+        throughput=report(
+            "results/runs/{run}/plots/throughput.png",
+            caption="../report/throughput.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
+        fusion=report(
+            "results/runs/{run}/plots/fusion.png",
+            caption="../report/fusion.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
+    log:
+        "logs/plots/{run}.log",
+    conda:
+        "../../envs/tracking.yaml"
+    shell:
+        "python -m shardfuse.plots --run-dir results/runs/{wildcards.run} --train-dir {input.ranks}"
+        " --out-dir results/runs/{wildcards.run}/plots > {log} 2>&1"
+
+
+rule compare_merge_methods:
+    input:
+        summary=rules.summary.output.csv,
+    output:
+        png=report(
+            "results/plots/merge_methods.png",
+            caption="../report/merge_methods.rst",
+            category="Summary",
+        ),
+    log:
+        "logs/plots/merge_methods.log",
+    conda:
+        "../../envs/tracking.yaml"
+    shell:
+        "python -m shardfuse.plots compare --summary {input.summary} --out {output.png} > {log} 2>&1"
