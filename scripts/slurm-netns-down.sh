@@ -66,6 +66,9 @@ if [[ -n $pids ]]; then
     log "stopping $(wc -w <<<"$pids") processes in ${NAMESPACES[*]}"
     # shellcheck disable=SC2086
     kill -TERM $pids 2>/dev/null || true
+    # A stopped process (a test freezes a "hung" node) only acts on SIGTERM once continued.
+    # shellcheck disable=SC2086
+    kill -CONT $pids 2>/dev/null || true
     for _ in $(seq 1 100); do
         alive=""
         for p in $(ns_pids); do running "$p" && alive+="$p "; done
@@ -88,7 +91,7 @@ stop() {
         log "stopping $1 (pid $pid)"
         kill -TERM "$pid" 2>/dev/null || true
         for _ in $(seq 1 100); do running "$pid" || break; sleep 0.1; done
-        running "$pid" && kill -KILL "$pid" 2>/dev/null || true
+        if running "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
     fi
     rm -f "$2"
 }

@@ -30,6 +30,9 @@ NET=${SHARDFUSE_NETNS_NET:-10.231.187}
 CTLD_PORT=${SHARDFUSE_NETNS_CTLD_PORT:-6827}
 SLURMD_PORT=${SHARDFUSE_NETNS_SLURMD_PORT:-6828}
 WAIT_S=${SHARDFUSE_NETNS_WAIT_S:-60}
+# CPUs each node declares; default: what slurmd detects, but at least 4, so one node can run a
+# 4-rank job (world size 4 on one node vs 2 x 2) even on a 2-core machine (oversubscribed).
+NODE_CPUS=${SHARDFUSE_NETNS_CPUS:-}
 BRIDGE=sfnbr0
 IFACE=sfn0
 PARTITION=netns
@@ -38,8 +41,11 @@ MUNGE_SOCKET=$STATE_DIR/munge/munge.socket
 export SLURM_CONF=$CONF
 
 log() { printf 'slurm-netns-up: %s\n' "$*" >&2; }
+# Daemon logs are worth showing only once daemons are involved (section 3 on).
+SHOW_LOGS=0
 die() {
     log "ERROR: $*"
+    ((SHOW_LOGS)) || exit 1
     local f
     for f in "$STATE_DIR"/log/*; do
         [[ -s $f ]] || continue
@@ -48,6 +54,8 @@ die() {
     done
     exit 1
 }
+# A step without its own message (e.g. an `ip` call the sandbox refuses) still says what failed.
+trap 'log "ERROR: line $LINENO: \`$BASH_COMMAND\` failed"' ERR
 
 # Names derive from the index only, so the down script finds everything without a record.
 ns_of() { echo "sfn-node$1"; }
@@ -113,8 +121,9 @@ fi
 # --------------------------------------------------------------------------------------------
 # Refuse a subnet that already exists here on anything but our bridge: only addresses this
 # harness creates may be used.
-if ip -4 -o addr show | awk -v b="$BRIDGE" '$2 != b {print $4}' | grep -q "^$NET\."; then
-    die "$NET.0/24 is already in use on this machine; pick another with SHARDFUSE_NETNS_NET"
+if ip -4 -o addr show | awk -v b="$BRIDGE" '$2 != b {print $4}' | grep -q "^$NET\." \
+    || ip -4 route show | grep -v " dev $BRIDGE " | grep -q "^$NET\."; then
+    die "$NET.0/24 is already in use on this machine (address or route); pick another with SHARDFUSE_NETNS_NET"
 fi
 if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
     log "creating bridge $BRIDGE $CTL_ADDR/24"
@@ -162,6 +171,7 @@ rm -f "$hosts_file"
 #    neither depends on nor disturbs the munged of scripts/slurm-up.sh. The socket is a file on
 #    the shared filesystem, reachable from every network namespace.
 # --------------------------------------------------------------------------------------------
+SHOW_LOGS=1
 munge_ok() { munge -S "$MUNGE_SOCKET" -n 2>/dev/null | unmunge -S "$MUNGE_SOCKET" >/dev/null 2>&1; }
 if ! pid_alive munged "$STATE_DIR/munged.pid" || ! munge_ok; then
     chmod 0700 "$STATE_DIR/munge"
@@ -185,19 +195,28 @@ for ((i = 1; i <= NNODES; i++)); do
 done
 
 # --------------------------------------------------------------------------------------------
-# 4. Config. Every node declares the CPUs slurmd detects (slurmd drains a node that claims more)
-#    and a share of the memory (not enforced: no cgroups).
+# 4. Config. Every node declares NODE_CPUS CPUs and a share of the memory (neither is enforced:
+#    no cgroups). Claiming more CPUs than slurmd detects needs SlurmdParameters=config_overrides,
+#    without which slurmd would drain the node.
 # --------------------------------------------------------------------------------------------
 hw=$(slurmd -C 2>/dev/null | head -n1)
 get() { sed -n "s/.* $1=\([0-9]*\).*/\1/p" <<<"$hw"; }
-CPUS=$(get CPUs)
+DETECTED_CPUS=$(get CPUs)
 DETECTED_MB=$(get RealMemory)
-[[ -n $CPUS && -n $DETECTED_MB ]] || die "cannot parse 'slurmd -C' output: $hw"
+[[ -n $DETECTED_CPUS && -n $DETECTED_MB ]] || die "cannot parse 'slurmd -C' output: $hw"
+CPUS=${NODE_CPUS:-$((DETECTED_CPUS > 4 ? DETECTED_CPUS : 4))}
+[[ $CPUS =~ ^[1-9][0-9]*$ ]] || die "SHARDFUSE_NETNS_CPUS must be a positive integer (got '$CPUS')"
+if ((CPUS == DETECTED_CPUS)); then
+    layout="Boards=$(get Boards) SocketsPerBoard=$(get SocketsPerBoard) CoresPerSocket=$(get CoresPerSocket) ThreadsPerCore=$(get ThreadsPerCore)"
+    overrides=""
+else
+    layout="Sockets=1 CoresPerSocket=$CPUS ThreadsPerCore=1"
+    overrides="SlurmdParameters=config_overrides"
+fi
 MEM_MB=$((DETECTED_MB * 9 / 10 / NNODES))
 node_line() {
     echo "NodeName=$(node_of "$1") NodeAddr=$(addr_of "$1") NodeHostname=$(node_of "$1") CPUs=$CPUS" \
-        "Boards=$(get Boards) SocketsPerBoard=$(get SocketsPerBoard) CoresPerSocket=$(get CoresPerSocket)" \
-        "ThreadsPerCore=$(get ThreadsPerCore) RealMemory=$MEM_MB State=UNKNOWN"
+        "$layout RealMemory=$MEM_MB State=UNKNOWN"
 }
 new_conf=$(mktemp "$STATE_DIR/slurm.conf.XXXXXX")
 cat >"$new_conf" <<EOF
@@ -248,6 +267,7 @@ KillWait=5
 Waittime=0
 MessageTimeout=10
 EOF
+[[ -n $overrides ]] && printf '# Nodes declare %s CPUs; slurmd detects %s.\n%s\n' "$CPUS" "$DETECTED_CPUS" "$overrides" >>"$new_conf"
 for ((i = 1; i <= NNODES; i++)); do node_line "$i"; done >>"$new_conf"
 echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$new_conf"
 chmod 0644 "$new_conf"
@@ -331,4 +351,4 @@ if ! all_usable; then
     done
     die "nodes not usable after ${WAIT_S}s"
 fi
-log "up: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')cpus=$CPUS mem=${MEM_MB}MB per node; export SLURM_CONF=$CONF"
+log "up: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')cpus=$CPUS (detected $DETECTED_CPUS) mem=${MEM_MB}MB per node; export SLURM_CONF=$CONF"

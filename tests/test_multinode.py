@@ -71,11 +71,15 @@ def netns_cluster():
         try:
             proc = bring_up()
             if proc.returncode != 0:
-                reason = f"scripts/slurm-netns-up.sh failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+                errors = "\n".join(line for line in proc.stderr.splitlines() if "ERROR" in line)
+                reason = (
+                    f"scripts/slurm-netns-up.sh exited {proc.returncode}: {errors}\n{proc.stderr[-3000:]}"
+                )
         except (OSError, subprocess.SubprocessError) as exc:
             reason = f"scripts/slurm-netns-up.sh did not run: {exc}"
     if reason:
-        subprocess.run(["bash", str(DOWN)], capture_output=True, env=cluster_env(), timeout=120)
+        if os.geteuid() == 0:  # remove whatever a failed up left behind
+            subprocess.run(["bash", str(DOWN)], capture_output=True, env=cluster_env(), timeout=120)
         if os.environ.get("CI"):
             pytest.fail(f"two-node SLURM cluster unavailable: {reason}")
         pytest.skip(f"two-node SLURM cluster unavailable: {reason}")
@@ -130,73 +134,91 @@ def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
     ]
 
 
-def training_of(workdir: Path, nodes: int) -> Path:
-    """The one training directory whose launch used ``nodes`` nodes (from its train log)."""
-    found = []
-    for log in (workdir / "logs" / "train").glob("*.log"):
-        text = log.read_text()
-        if (f"--nodes={nodes} " in text) if nodes > 1 else ("--standalone" in text):
-            found.append(workdir / "results" / "trainings" / log.stem)
-    assert len(found) == 1, found
+# Same world size across two nodes and on one node: (run across nodes, run on one node, ranks per node).
+PAIRS = [("multi", "single", 1), ("multi4", "single4", 2)]
+RUNS = {
+    "multi": {"nodes": 2, "nproc_per_node": 1, "world_size": 2},
+    "single": {"nodes": 1, "nproc_per_node": 2, "world_size": 2},
+    "multi4": {"nodes": 2, "nproc_per_node": 2, "world_size": 4},
+    "single4": {"nodes": 1, "nproc_per_node": 4, "world_size": 4},
+}
+
+
+def training_dir(workdir: Path, run: str) -> Path:
+    """results/trainings/<training> of a run, found by the launch line its train log starts with."""
+    cfg = RUNS[run]
+    if cfg["nodes"] == 1:
+        launch = f" --standalone --nnodes=1 --nproc-per-node={cfg['nproc_per_node']} "
+    else:
+        launch = f" --node-step --nodes={cfg['nodes']} --nproc-per-node={cfg['nproc_per_node']} "
+    found = [
+        workdir / "results" / "trainings" / log.stem
+        for log in (workdir / "logs" / "train").glob("*.log")
+        if launch in log.read_text().split("\n", 1)[0]
+    ]
+    assert len(found) == 1, (run, found)
     return found[0]
 
 
 @pytest.fixture(scope="module")
 def two_node_workdir(netns_cluster, tmp_path_factory):
-    """One workflow, two runs of world size 2: across two nodes (1 rank each) and on one node."""
-    workdir = experiment(
-        tmp_path_factory.mktemp("multinode") / "work",
-        {
-            "multi": {"nodes": 2, "nproc_per_node": 1},
-            "single": {"nodes": 1, "nproc_per_node": 2},
-        },
-    )
+    """One workflow: world size 2 and 4, each across two nodes and on one node."""
+    workdir = experiment(tmp_path_factory.mktemp("multinode") / "work", RUNS)
     started = time.perf_counter()
     proc = subprocess.run(
         snakemake_cmd(workdir), capture_output=True, text=True, env=cluster_env(), timeout=480
     )
     seconds = time.perf_counter() - started
-    MEASUREMENTS.append(f"two-node workflow (multi 2x1 + single 1x2, all rules): {seconds:.1f} s")
+    MEASUREMENTS.append(f"two-node workflow (2x1, 1x2, 2x2, 1x4; all rules): {seconds:.1f} s")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return workdir
 
 
-def test_two_node_run_completes_the_workflow(two_node_workdir):
+def test_two_node_runs_complete_the_workflow(two_node_workdir):
     results = two_node_workdir / "results"
-    assert (results / "summary.csv").is_file()
-    for run in ("multi", "single"):
+    assert len((results / "summary.csv").read_text().splitlines()) == 1 + len(RUNS)
+    for run in RUNS:
         assert (results / "runs" / run / "merged.safetensors").is_file()
         assert (results / "runs" / run / "eval.json").is_file()
 
 
-def test_each_rank_records_the_node_it_ran_on(two_node_workdir):
-    ranks = training_of(two_node_workdir, nodes=2) / "ranks"
+@pytest.mark.parametrize(("multi", "single", "per_node"), PAIRS)
+def test_each_rank_records_the_node_it_ran_on(two_node_workdir, multi, single, per_node):
+    ranks = training_dir(two_node_workdir, multi) / "ranks"
     hosts = json.loads((ranks / "train.json").read_text())["hosts"]
-    assert sorted(hosts) == list(NODES)
-    assert [json.loads((ranks / f"rank-{r}.json").read_text())["host"] for r in range(2)] == hosts
-    single = training_of(two_node_workdir, nodes=1) / "ranks"
-    assert len(set(json.loads((single / "train.json").read_text())["hosts"])) == 1
+    # c10d assigns node ranks in arrival order: node2 may hold ranks 0..per_node-1.
+    assert sorted(hosts) == sorted(NODES * per_node)
+    assert all(len(set(hosts[r : r + per_node])) == 1 for r in range(0, len(hosts), per_node)), hosts
+    sidecars = [json.loads((ranks / f"rank-{r}.json").read_text())["host"] for r in range(len(hosts))]
+    assert sidecars == hosts
+    single_hosts = json.loads((training_dir(two_node_workdir, single) / "ranks" / "train.json").read_text())[
+        "hosts"
+    ]
+    assert len(set(single_hosts)) == 1 and single_hosts[0] in NODES
 
 
-def test_two_node_train_log_shows_srun_and_one_torchrun_agent_per_node(two_node_workdir):
+@pytest.mark.parametrize(("multi", "single", "per_node"), PAIRS)
+def test_two_node_train_log_shows_srun_and_one_torchrun_agent_per_node(
+    two_node_workdir, multi, single, per_node
+):
     log = (
-        two_node_workdir / "logs" / "train" / f"{training_of(two_node_workdir, nodes=2).name}.log"
+        two_node_workdir / "logs" / "train" / f"{training_dir(two_node_workdir, multi).name}.log"
     ).read_text()
     launches = [line for line in log.splitlines() if line.startswith("launch: ")]
-    assert any(" srun --nodes=2 --ntasks=2 --ntasks-per-node=1 " in f"{line} " for line in launches), log[
-        -3000:
-    ]
+    srun = " srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "
+    assert any(srun in f"{line} " for line in launches), log[-3000:]
     agents = [line for line in launches if "torch.distributed.run" in line and "--rdzv-backend=c10d" in line]
     assert sorted(a.split("--node-rank=")[1].split()[0] for a in agents) == ["0", "1"], log[-3000:]
-    assert all("--rdzv-endpoint=node1:" in a for a in agents)
+    assert all("--rdzv-endpoint=node1:" in a and f"--nproc-per-node={per_node} " in a for a in agents)
 
 
-def test_ddp_across_two_nodes_is_bitwise_identical_to_one_node(two_node_workdir):
+@pytest.mark.parametrize(("multi", "single", "per_node"), PAIRS)
+def test_ddp_across_two_nodes_is_bitwise_identical_to_one_node(two_node_workdir, multi, single, per_node):
     runs = two_node_workdir / "results" / "runs"
-    multi, _ = load_weights(runs / "multi" / "merged.safetensors")
-    single, _ = load_weights(runs / "single" / "merged.safetensors")
-    assert multi.keys() == single.keys()
-    assert all(torch.equal(multi[name], single[name]) for name in multi)
+    across, _ = load_weights(runs / multi / "merged.safetensors")
+    one_node, _ = load_weights(runs / single / "merged.safetensors")
+    assert across.keys() == one_node.keys()
+    assert all(torch.equal(across[name], one_node[name]) for name in across)
 
 
 def wait_for(condition, what: str, timeout: float, proc: subprocess.Popen | None = None):
@@ -284,7 +306,9 @@ def test_losing_a_node_fails_the_job_and_the_retry_resumes_from_its_checkpoint(n
     text = output.read_text()
     seconds = time.perf_counter() - started
     MEASUREMENTS.append(f"node loss + retry: {seconds:.1f} s; NODE_FAIL {detected:.1f} s after the kill")
-    assert f"SLURM-job '{job_id}' failed, SLURM status is: 'NODE_FAIL'" in text, text[-4000:]
+    assert f"SLURM-job '{job_id}' failed due to a node failure, SLURM status is: 'NODE_FAIL'" in text, text[
+        -4000:
+    ]
     assert snakemake.returncode == 0, text[-4000:]
     (log,) = (workdir / "logs" / "train").glob("*.log")
     assert "resuming from checkpoint step" in log.read_text()

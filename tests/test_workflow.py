@@ -176,7 +176,15 @@ def test_rerun_merge_never_retrains_and_track_twice_duplicates_nothing(workdir):
 def test_changing_only_merge_method_reruns_merge_and_downstream_only(workdir):
     tiny_config(workdir, independent_merge="weighted")
     dry = snakemake(workdir, "--dry-run")
-    assert planned_jobs(dry.stdout) == {"merge": 1, "evaluate": 1, "track": 1, "summary": 1, "all": 1}
+    assert planned_jobs(dry.stdout) == {
+        "merge": 1,
+        "evaluate": 1,
+        "plots": 1,
+        "track": 1,
+        "summary": 1,
+        "compare_merge_methods": 1,
+        "all": 1,
+    }
     train_before = file_state(ranks_dir(workdir, "independent"))
     snakemake(workdir)
     assert file_state(ranks_dir(workdir, "independent")) == train_before

@@ -189,7 +189,9 @@ def train_rank(
                 batch = batches[index]
                 tick = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(net(features[batch]), labels[batch])
+                # index_select: a contiguous gather, several times faster than fancy indexing on CPU.
+                inputs, targets = features.index_select(0, batch), labels.index_select(0, batch)
+                loss = F.cross_entropy(net(inputs), targets)
                 step += 1
                 if _check_finite(loss, ctx, step, cfg.get("nonfinite_loss", "error")):
                     loss.backward()

@@ -5,6 +5,8 @@ rule gather:
         record="results/trainings/{training}/gather.json",
     log:
         "logs/gather/{training}.log",
+    benchmark:
+        "benchmarks/gather/{training}.tsv"
     conda:
         "../../envs/train.yaml"
     params:

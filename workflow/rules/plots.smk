@@ -29,6 +29,8 @@ rule plots:
         ),
     log:
         "logs/plots/{run}.log",
+    benchmark:
+        "benchmarks/plots/{run}.tsv"
     conda:
         "../../envs/tracking.yaml"
     shell:

@@ -17,6 +17,8 @@ rule track:
         record="results/runs/{run}/mlflow.json",
     log:
         "logs/track/{run}.log",
+    benchmark:
+        "benchmarks/track/{run}.tsv"
     conda:
         "../../envs/tracking.yaml"
     params:
