@@ -140,3 +140,11 @@ def test_sbatch_for_four_nodes_of_eight_gpus_asks_gres_per_node_and_one_task_per
 def test_sbatch_for_one_node_is_a_single_task_job():
     line = sbatch_line(Geometry(1, 2), threads=2)
     assert "--nodes=1" in line and "--ntasks=1" in line and "--cpus-per-task=2" in line
+
+
+def test_each_rank_gets_its_share_of_the_job_threads():
+    from shardfuse.launch import rank_environ
+
+    assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "2"
+    assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in rank_environ(Geometry(1, 4), {})

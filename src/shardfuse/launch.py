@@ -37,6 +37,8 @@ from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_jso
 
 TRAIN_MODULE = "shardfuse.train"
 RDZV_PORT_ENV = "SHARDFUSE_RDZV_PORT"
+# Thread-pool sizes Snakemake sets to the job's `threads` (= the CPUs of one node).
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 @dataclass(frozen=True)
@@ -217,14 +219,29 @@ def node_step_command(
     )
 
 
+def rank_environ(geometry: Geometry, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of this node's ranks: the node's threads shared among its ranks.
+
+    Snakemake sets OMP_NUM_THREADS to the job's threads, which torchrun passes on unchanged, so
+    each of the node's ``nproc_per_node`` ranks would run as many threads as the node has CPUs:
+    oversubscribed, and the threads per rank (which decide the order of float sums in a matmul)
+    would depend on the geometry, so 2 nodes x 1 rank would not be bitwise equal to 1 x 2.
+    """
+    env = dict(environ)
+    for var in THREAD_ENV_VARS:
+        if env.get(var, "").isdigit():
+            env[var] = str(max(1, int(env[var]) // geometry.nproc_per_node))
+    return env
+
+
 def staging_dir(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.partial")
 
 
-def run_and_forward_signals(cmd: list[str]) -> int:
+def run_and_forward_signals(cmd: list[str], env: Mapping[str, str] | None = None) -> int:
     """Run ``cmd``; a SIGTERM/SIGINT to us (job cancelled) is passed on so no rank is orphaned."""
     print("launch:", shlex.join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum, _frame):
         proc.send_signal(signum)
@@ -278,7 +295,8 @@ def launch(
     )  # checks the geometry before touching files
     if prepare_staging(staging, train_args):
         print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
-    status = run_and_forward_signals(cmd)
+    # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
+    status = run_and_forward_signals(cmd, rank_environ(geometry, environ) if geometry.nnodes == 1 else None)
     if status != 0:
         raise UserError(
             f"training failed: exit status {status}; the failing rank's error is above in this "
@@ -319,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
     if args.node_step:
         cmd = node_step_command(geometry, args.train_args, os.environ, max_restarts=args.max_restarts)
-        sys.exit(run_and_forward_signals(cmd))
+        sys.exit(run_and_forward_signals(cmd, rank_environ(geometry, os.environ)))
     if args.out_dir is None:
         raise UserError("--out-dir is required; pass the run's train directory")
     launch(geometry, args.out_dir, args.train_args, os.environ, args.max_restarts)

@@ -179,6 +179,7 @@ def train_rank(
     model.train()
     started = time.perf_counter()
     step = position.step
+    loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
     with gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress:
         for epoch in range(position.epoch, cfg["epochs"]):
             resuming_this_epoch = epoch == position.epoch and position.epoch_order_state is not None
@@ -223,7 +224,7 @@ def train_rank(
                     )
                     torch_dist.barrier()  # every rank saved before the checkpoint counts
                     gate.call(mark_complete, checkpoint_dir, step, cfg.get("keep_checkpoints", 2))
-            gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss.item():.4f}")
+            gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss_value:.4f}")
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
 
