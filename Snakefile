@@ -28,4 +28,4 @@ rule all:
     input:
         rules.summary.output.csv,
         expand(rules.track.output.record, run=RUNS),
-        rules.compare_merge_methods.output.png,
+        rules.track_comparison.output.record,

@@ -151,6 +151,12 @@ def test_mlflow_has_one_parent_per_run_with_world_size_children(workdir):
     assert ddp.data.params["strategy"] == "ddp" and ddp.data.params["merge_method"] == "consolidate"
     assert ddp.data.params["dataset_spec.source"] == "digits"
     assert "test_accuracy_merged" in ddp.data.metrics and "train_seconds" in ddp.data.metrics
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    for parent in state["parents"]:
+        artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+        assert artifacts == {"comparison/merge_methods.png"}, parent.info.run_name
     train = json.loads((ranks_dir(workdir, "ddp") / "train.json").read_text())
     assert len(state["histories"][("ddp/rank-0", "loss")]) == train["num_steps"]
 
@@ -183,6 +189,7 @@ def test_changing_only_merge_method_reruns_merge_and_downstream_only(workdir):
         "track": 1,
         "summary": 1,
         "compare_merge_methods": 1,
+        "track_comparison": 1,
         "all": 1,
     }
     train_before = file_state(ranks_dir(workdir, "independent"))

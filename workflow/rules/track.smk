@@ -33,3 +33,22 @@ rule track:
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
         " {params.registered_model}"
         " --plots-dir results/runs/{wildcards.run}/plots --out {output.record} > {log} 2>&1"
+
+
+localrules:
+    track_comparison,
+
+
+rule track_comparison:
+    input:
+        png=rules.compare_merge_methods.output.png,
+        records=expand(rules.track.output.record, run=RUNS),
+    output:
+        record="results/plots/merge_methods.mlflow.json",
+    log:
+        "logs/track/comparison.log",
+    conda:
+        "../../envs/tracking.yaml"
+    shell:
+        "python -m shardfuse.comparison --png {input.png} --records {input.records}"
+        " --out {output.record} > {log} 2>&1"
