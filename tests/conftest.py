@@ -29,6 +29,20 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def snakemake_command(workdir: Path, *args: object) -> list[str]:
+    """``snakemake`` on this repository's workflow, run in ``workdir`` (its config/config.yaml)."""
+    return [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        *map(str, args),
+    ]
+
+
 def run_stage(stage: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m shardfuse.<stage> ARGS`` as a user would, capturing its output."""
     return subprocess.run(

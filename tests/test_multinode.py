@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import MEASUREMENTS, REPO, subprocess_env
+from tests.conftest import MEASUREMENTS, REPO, snakemake_command, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -119,19 +118,7 @@ def experiment(path: Path, runs: dict[str, dict], **defaults) -> Path:
 
 
 def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--profile",
-        str(REPO / "profiles" / "slurm"),
-        *FAST_STATUS,
-        *args,
-    ]
+    return snakemake_command(workdir, "--profile", REPO / "profiles" / "slurm", *FAST_STATUS, *args)
 
 
 # Same world size across two nodes and on one node: (run across nodes, run on one node, ranks per node).

@@ -16,7 +16,7 @@ import yaml
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
-from tests.conftest import REPO, run_stage, subprocess_env
+from tests.conftest import run_stage, snakemake_command, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -149,17 +149,7 @@ def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, digits_data
             }
         )
     )
-    command = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-        "--cores",
-        "2",
-    ]
+    command = snakemake_command(workdir, "--cores", "2")
     with subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import MEASUREMENTS, REPO, subprocess_env
+from tests.conftest import MEASUREMENTS, REPO, snakemake_command, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -38,18 +37,9 @@ FAST_STATUS = [
 
 
 def snakemake_cmd(workdir: Path, *args: str, profile: bool = True) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workdir),
-    ]
     if profile:
-        cmd += ["--profile", str(REPO / "profiles" / "slurm"), *FAST_STATUS]
-    return [*cmd, *args]
+        return snakemake_command(workdir, "--profile", REPO / "profiles" / "slurm", *FAST_STATUS, *args)
+    return snakemake_command(workdir, *args)
 
 
 def run_snakemake(workdir: Path, *args: str, profile: bool = True, timeout: float = 600):
