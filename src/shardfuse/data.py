@@ -232,7 +232,13 @@ def load_shard(shard_dir: str | Path, rank: int, verify: bool = True) -> tuple[t
     ``verify`` adds the sha256 check, computed while the shard loads; existence and size are always
     checked first."""
     _, path, verification = _open_shard(shard_dir, rank, verify)
-    loaded = load_table(path)
+    try:
+        loaded = load_table(path)
+    except Exception:
+        # A damaged file usually fails to decode before the checksum is done: report the mismatch.
+        if verification is not None:
+            verification.check()
+        raise
     if verification is not None:
         verification.check()
     return loaded
