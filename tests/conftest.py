@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,18 @@ def snakemake_command(workdir: Path, *args: object) -> list[str]:
         str(workdir),
         *map(str, args),
     ]
+
+
+def snakemake_failure(workdir: Path, proc: subprocess.CompletedProcess, tail: int = 4000) -> str:
+    """Assertion message for a failed snakemake run: its stderr tail, then the end of the log of
+    every job it reports as failed (the job's own error is there, not in snakemake's output)."""
+    parts = [f"snakemake exited {proc.returncode}:", (proc.stderr or "")[-tail:]]
+    logs = re.findall(r"^\s*log: (.+?) \(check log file", proc.stderr or "", flags=re.MULTILINE)
+    for name in dict.fromkeys(path for entry in logs for path in entry.split(", ")):
+        path = Path(workdir) / name
+        text = path.read_text(errors="replace") if path.is_file() else "(no such file)"
+        parts.append(f"--- {name} (last {tail} chars) ---\n{text[-tail:]}")
+    return "\n".join(parts)
 
 
 def run_stage(stage: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import MEASUREMENTS, REPO, snakemake_command, subprocess_env
+from tests.conftest import MEASUREMENTS, REPO, snakemake_command, snakemake_failure, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -157,7 +157,7 @@ def two_node_workdir(netns_cluster, tmp_path_factory):
     )
     seconds = time.perf_counter() - started
     MEASUREMENTS.append(f"two-node workflow (2x1, 1x2, 2x2, 1x4; all rules): {seconds:.1f} s")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
     return workdir
 
 

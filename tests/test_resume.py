@@ -16,7 +16,7 @@ import yaml
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
-from tests.conftest import run_stage, snakemake_command, subprocess_env
+from tests.conftest import run_stage, snakemake_command, snakemake_failure, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -165,7 +165,7 @@ def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, digits_data
     assert not list((workdir / "results" / "trainings").glob("*/ranks"))
     subprocess.run([*command, "--unlock"], check=True, capture_output=True, env=subprocess_env())
     rerun = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
     (log,) = (workdir / "logs" / "train").glob("*.log")
     assert "resuming from checkpoint step" in log.read_text()
     (ranks,) = (workdir / "results" / "trainings").glob("*/ranks")

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import MEASUREMENTS, REPO, snakemake_command, subprocess_env
+from tests.conftest import MEASUREMENTS, REPO, snakemake_command, snakemake_failure, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -90,10 +90,10 @@ def slurm_and_local_runs(slurm_cluster, tmp_path_factory):
     """The default experiment twice, in the same test run: with the SLURM profile and locally."""
     slurm_dir = default_experiment(tmp_path_factory.mktemp("slurm") / "work")
     proc, slurm_seconds = run_snakemake(slurm_dir)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, snakemake_failure(slurm_dir, proc)
     local_dir = default_experiment(tmp_path_factory.mktemp("local") / "work")
     local_proc, local_seconds = run_snakemake(local_dir, "--cores", "all", profile=False)
-    assert local_proc.returncode == 0, local_proc.stderr[-4000:]
+    assert local_proc.returncode == 0, snakemake_failure(local_dir, local_proc)
     timing = {
         "local_seconds": round(local_seconds, 1),
         "slurm_seconds": round(slurm_seconds, 1),
@@ -153,7 +153,7 @@ def corrupt_keeping_mtime(path: Path) -> None:
 def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_path):
     workdir = tiny_experiment(tmp_path / "work")
     proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
     corrupt_keeping_mtime(workdir / "results/shards/digits/w2-seed0/shard-1.parquet")
 
     proc, _ = run_snakemake(workdir, "--until", "train")
@@ -172,7 +172,7 @@ def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_p
 def test_cancelled_train_job_is_reported_as_cancelled_and_the_rerun_resumes(slurm_cluster, tmp_path):
     workdir = tiny_experiment(tmp_path / "work", epochs=80, checkpoint_every=40)
     proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
     with subprocess.Popen(
         snakemake_cmd(workdir, "--until", "train"),
         stdout=subprocess.PIPE,
@@ -193,7 +193,7 @@ def test_cancelled_train_job_is_reported_as_cancelled_and_the_rerun_resumes(slur
     assert not list(workdir.glob("results/trainings/*/ranks"))
 
     rerun, _ = run_snakemake(workdir, "--until", "train")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
     (log,) = (workdir / "logs" / "train").glob("*.log")
     assert "resuming from checkpoint step" in log.read_text()
     assert list(workdir.glob("results/trainings/*/ranks/train.json"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, snakemake_failure, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +60,7 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
         timeout=600,
     )
     if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.returncode == 0, snakemake_failure(workdir, proc)
     return proc
 
 

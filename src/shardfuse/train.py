@@ -111,7 +111,10 @@ def train_rank(
     cfg: dict[str, Any],
     out_dir: Path,
     live: LiveLogger | None = None,
+    step_metrics: bool = True,
 ) -> None:
+    """Train this rank. ``step_metrics=False`` records no per-step metrics, progress or live points
+    (the logging-overhead benchmark's baseline; the track stage then has no curves to log)."""
     gate = gate_for(ctx.rank)
     manifest = read_manifest(shard_dir)
     if manifest["world_size"] != ctx.world_size:
@@ -140,7 +143,6 @@ def train_rank(
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = out_dir / "checkpoints"
     optimizer = make_optimizer(model, cfg)
-    metrics = MetricsLog(out_dir / "metrics", ctx.rank)
     # Dropout and data order differ per rank; the initial weights above do not.
     torch.manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
     order_gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
@@ -156,7 +158,6 @@ def train_rank(
             expect={"world_size": ctx.world_size, "run": run},
         )
         order_gen.set_state(position.epoch_order_state)
-        metrics.truncate_after(position.step)
         gate.log(
             f"[{run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
             f"batch {position.next_batch})"
@@ -164,6 +165,8 @@ def train_rank(
     else:
         position = Position()
         gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
+    # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
+    metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
 
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
@@ -180,6 +183,7 @@ def train_rank(
     started = time.perf_counter()
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
+    last_loss: torch.Tensor | None = None
     with gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress:
         for epoch in range(position.epoch, cfg["epochs"]):
             resuming_this_epoch = epoch == position.epoch and position.epoch_order_state is not None
@@ -199,21 +203,25 @@ def train_rank(
                     optimizer.step()
                 if sync_every and step % sync_every == 0:
                     average_parameters(model, ctx.world_size)
-                elapsed = max(time.perf_counter() - tick, 1e-9)
-                loss_value, throughput = loss.item(), len(batch) / elapsed
-                metrics.append(
-                    step,
-                    epoch,
-                    loss_value,
-                    throughput,
-                    optimizer.param_groups[0]["lr"],
-                    int(time.time() * 1000),
-                )
-                progress.update(step, loss=loss_value, samples_per_second=throughput)
-                if live is not None:
-                    live.log(step, {"loss": loss_value, "samples_per_second": throughput})
+                if metrics is not None:
+                    elapsed = max(time.perf_counter() - tick, 1e-9)
+                    loss_value, throughput = loss.item(), len(batch) / elapsed
+                    metrics.append(
+                        step,
+                        epoch,
+                        loss_value,
+                        throughput,
+                        optimizer.param_groups[0]["lr"],
+                        int(time.time() * 1000),
+                    )
+                    progress.update(step, loss=loss_value, samples_per_second=throughput)
+                    if live is not None:
+                        live.log(step, {"loss": loss_value, "samples_per_second": throughput})
+                else:
+                    last_loss = loss
                 if checkpoint_every and step % checkpoint_every == 0:
-                    metrics.flush()
+                    if metrics is not None:
+                        metrics.flush()  # every row up to the checkpoint survives a restart from it
                     save_rank_state(
                         checkpoint_dir,
                         ctx.rank,
@@ -224,6 +232,8 @@ def train_rank(
                     )
                     torch_dist.barrier()  # every rank saved before the checkpoint counts
                     gate.call(mark_complete, checkpoint_dir, step, cfg.get("keep_checkpoints", 2))
+            if metrics is None and last_loss is not None:
+                loss_value = last_loss.item()
             gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss_value:.4f}")
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
@@ -233,7 +243,8 @@ def train_rank(
         model.state_dict(),
         {**meta, "rank": ctx.rank, "rows": num_rows, "num_steps": step},
     )
-    metrics.consolidate()
+    if metrics is not None:
+        metrics.consolidate()
     hosts: list[str | None] = [None] * ctx.world_size
     torch_dist.all_gather_object(hosts, host)  # also the barrier: every rank's files exist now
     gate.write_json(
@@ -248,6 +259,7 @@ def train_rank(
             "steps_per_epoch": num_batches,
             "train_seconds": float(seconds.item()),
             "backend": ctx.backend,
+            "step_metrics": step_metrics,
             "hosts": hosts,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "torch_version": torch.__version__,
@@ -276,13 +288,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", required=True, type=Path, help="where this run's rank files go")
     parser.add_argument("--live-tracking-uri", help="rank 0 also logs to MLflow while training (optional)")
     parser.add_argument("--live-experiment", default="shardfuse", help="MLflow experiment for live logging")
+    parser.add_argument(
+        "--no-step-metrics",
+        dest="step_metrics",
+        action="store_false",
+        help="record no per-step metrics, progress or live points (for measuring their overhead: "
+        "bench/logging_overhead.py; the track stage then has no curves to log)",
+    )
     args = parser.parse_args(argv)
     cfg = parse_json_arg(args.config_json, "--config-json")
     with (
         distributed() as ctx,
         gate_for(ctx.rank).live_logger(args.live_tracking_uri, args.live_experiment, args.run_name) as live,
     ):
-        train_rank(ctx, args.run_name, args.shard_dir, args.dataset_dir, cfg, args.out_dir, live)
+        train_rank(
+            ctx, args.run_name, args.shard_dir, args.dataset_dir, cfg, args.out_dir, live, args.step_metrics
+        )
 
 
 if __name__ == "__main__":
