@@ -1,9 +1,10 @@
-"""Run the four scale benchmarks and write bench/RESULTS.md (machine info, one table each, PASS/FAIL).
+"""Run the benchmarks and write bench/RESULTS.md (machine info, one table each, PASS/FAIL).
 
     .venv/bin/python bench/run_all.py                 # full sizes, ~12 min on 2 cores
     .venv/bin/python bench/run_all.py --smoke --out /tmp/RESULTS.md   # tiny sizes (CI): checks they run
 
-Each benchmark can also run alone (bench/partition.py, reader.py, scaling.py, pipeline.py). Work files
+Each benchmark can also run alone (bench/partition.py, reader.py, scaling.py, pipeline.py,
+logging_overhead.py). Work files
 go to a fresh directory under --work-dir (default: the system temp dir) and are deleted afterwards.
 Exit status: 0 when every benchmark ran (a FAIL is reported in the file, not as an error), 1 when one
 crashed; with --strict also 1 when a target fails.
@@ -20,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import common
+import logging_overhead
 import partition
 import pipeline
 import reader
@@ -37,15 +39,17 @@ FULL = {
     },
     "scaling": {"rows": 60_000, "features": 32, "epochs": 2, "reps": 3, "strategies": ["ddp", "localsgd"]},
     "pipeline": {"epochs": 4, "reps": 3, "runs": list(pipeline.RUNS)},
+    "logging": {"rows": 240_000, "features": 32, "epochs": 2, "reps": 5},
 }
 SMOKE = {
     "partition": {"base_rows": 5_000, "factors": [1, 4, 16], "num_features": 4, "reps": 1},
     "reader": {"rows": 20_000, "features": 8, "batch_size": 32, "batches": 100, "steps": 100, "reps": 1},
     "scaling": {"rows": 2_000, "features": 8, "epochs": 1, "reps": 1, "strategies": ["ddp"]},
     "pipeline": {"epochs": 1, "reps": 1, "runs": ["ddp"]},
+    "logging": {"rows": 4_000, "features": 8, "epochs": 1, "reps": 1},
 }
 NOT_MEASURED = (
-    "## 5. GPU\n\nNot measured: this machine has no GPU (CPU-only torch build, gloo). On a GPU machine "
+    "## 6. GPU\n\nNot measured: this machine has no GPU (CPU-only torch build, gloo). On a GPU machine "
     "the same scripts run unchanged; the reader's share of step time is the figure to re-check there, "
     "since a GPU step is far shorter than a CPU one."
 )
@@ -57,6 +61,7 @@ def run_benchmarks(sizes: dict, work_dir: Path) -> list[dict]:
         "reader": lambda s: reader.run(argparse.Namespace(work_dir=work_dir / "reader", **s)),
         "scaling": lambda s: scaling.run(work_dir=work_dir / "scaling", **s),
         "pipeline": lambda s: pipeline.run(work_dir=work_dir / "pipeline", **s),
+        "logging": lambda s: logging_overhead.run(work_dir=work_dir / "logging", **s),
     }
     sections = []
     for name, job in jobs.items():

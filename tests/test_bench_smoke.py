@@ -18,7 +18,8 @@ SECTIONS = (
     "## 2. Shard reader",
     "## 3. Scaling on this machine",
     "## 4. Pipeline overhead",
-    "## 5. GPU",
+    "## 5. Metric logging during training",
+    "## 6. GPU",
 )
 
 
@@ -44,6 +45,12 @@ def test_run_all_smoke_writes_every_benchmark_table(tmp_path):
     for heading in SECTIONS:
         assert heading in text, heading
     assert "crashed" not in text
-    for fragment in ("| partition MB/s", "| time to first batch s", "| samples/s W=1", "| whole DAG, wall"):
+    for fragment in (
+        "| partition MB/s",
+        "| time to first batch s",
+        "| samples/s W=1",
+        "| whole DAG, wall",
+        "| metrics + live |",
+    ):
         assert fragment in text, fragment
     assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md"]  # work files cleaned up

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardfuse.io import UserError, sha256_file
+from shardfuse.io import UserError, recorded_sha256, sha256_file, write_stamps
 from shardfuse.partition import partition_parquet, prefetched, rank_assignment, shard_sizes
 from tests.conftest import run_stage
 
@@ -349,3 +349,27 @@ def test_prefetched_yields_in_order_reraises_where_the_source_failed_and_stops_e
             break
     time.sleep(0.2)
     assert len(produced) <= 8  # the producer thread stopped instead of running on
+
+
+def test_input_checksum_comes_from_prepare_only_while_the_file_is_unchanged(digits_dataset, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    train = data / "train.parquet"
+    train.write_bytes((digits_dataset / "train.parquet").read_bytes())
+    actual = sha256_file(train)
+    assert recorded_sha256(digits_dataset / "train.parquet") == actual  # prepare left its record
+    # A record whose stamp matches is trusted (a stand-in digest shows it was used, not recomputed).
+    stand_in = "ab" * 32
+    write_stamps(data, {"train.parquet": stand_in})
+    assert partition_parquet(train, tmp_path / "reused", 2, 0)["source"]["sha256"] == stand_in
+    # Touched since (a new mtime, as any rewrite gives it): the record is stale and the file is hashed.
+    stat = train.stat()
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert partition_parquet(train, tmp_path / "rehashed", 2, 0)["source"]["sha256"] == actual
+    # A different size with the same mtime: stale too.
+    write_stamps(data, {"train.parquet": stand_in})
+    stat = train.stat()
+    with open(train, "ab") as fh:
+        fh.write(b"\0")
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert recorded_sha256(train) is None

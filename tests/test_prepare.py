@@ -46,7 +46,8 @@ def assert_stratified(
 
 
 def directory_bytes(path: Path) -> dict[str, bytes]:
-    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+    """Every output file's bytes (hidden files are caches: .sha256-stamps.json holds mtimes)."""
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path)) if not name.startswith(".")}
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +284,7 @@ def test_cli_writes_split_and_dataset_json(tmp_path):
     result = run_prepare_cli(tmp_path, json.dumps({**SYNTHETIC, "num_rows": 100}))
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path / "out")) == [
+        ".sha256-stamps.json",
         "dataset.json",
         "test.parquet",
         "train.parquet",

@@ -112,6 +112,39 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+STAMPS_NAME = ".sha256-stamps.json"
+
+
+def _stamp(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def write_stamps(directory: str | os.PathLike, digests: dict[str, str]) -> None:
+    """Record the sha256 of files in ``directory`` (name -> digest) with each file's size and mtime, in
+    a hidden ``.sha256-stamps.json`` beside them (a cache, not an output: the stamps differ from run
+    to run, the outputs do not)."""
+    directory = Path(directory)
+    write_json(
+        directory / STAMPS_NAME,
+        {name: {"sha256": digest, **_stamp(directory / name)} for name, digest in digests.items()},
+    )
+
+
+def recorded_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 recorded for ``path`` by :func:`write_stamps`, while the file's size and mtime still
+    match the record (the test make and rsync use); None when there is no such record or it is stale."""
+    path = Path(path)
+    try:
+        record = json.loads((path.parent / STAMPS_NAME).read_text())[path.name]
+        digest = record["sha256"]
+        if {"bytes": record["bytes"], "mtime_ns": record["mtime_ns"]} == _stamp(path):
+            return digest if isinstance(digest, str) and len(digest) == 64 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
 def parse_json_arg(text: str, flag: str) -> Any:
     """Parse a JSON command-line argument, turning a syntax error into a one-line UserError."""
     try:

@@ -43,7 +43,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardfuse.io import StageParser, UserError, atomic_dir, run_cli, sha256_file, write_json
+from shardfuse.io import (
+    StageParser,
+    UserError,
+    atomic_dir,
+    recorded_sha256,
+    run_cli,
+    sha256_file,
+    write_json,
+)
 
 MANIFEST_FORMAT = "shardfuse.shards/1"
 MANIFEST_NAME = "manifest.json"
@@ -484,7 +492,9 @@ def partition_parquet(
     # Four threads, so a 2-core machine stays busy: reading and grouping by rank (prefetched), this
     # one (buffering row groups), writing, and checksums (the input's, and each shard's as it grows).
     with atomic_dir(out_dir) as tmp_dir, ThreadPoolExecutor(max_workers=2) as hashers:
-        source_sha256: Future[str] = hashers.submit(sha256_file, input_path)
+        # The input's checksum: prepare's record when the file is unchanged since (one pass less).
+        recorded = recorded_sha256(input_path)
+        source_sha256: Future[str] = hashers.submit(lambda: recorded or sha256_file(input_path))
         writes = _BackgroundWrites()
         writers = [
             _ShardWriter(tmp_dir / shard_name(rank), schema, row_group_rows, writes, hashers, use_dictionary)
