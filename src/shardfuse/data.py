@@ -353,16 +353,22 @@ class ShardReader:
         if not 0 <= start_batch <= num_batches:
             raise UserError(f"start batch {start_batch} is outside the epoch's {num_batches} batches")
         sizes = split_sizes(self.num_rows, num_batches)
-        if self._cache is not None and epoch > 0:
-            if not self._cache_complete:  # resumed after epoch 0: the batches must not depend on that
-                self._read_window(np.arange(len(self._group_offsets) - 1), self.num_rows)
-                self._cache_complete = True
-            yield from self._cached_batches(epoch, sizes, start_batch)
-        else:
-            skip_rows = sum(sizes[:start_batch])
-            windows = prefetched(self._shuffled_windows(epoch, skip_rows), self.prefetch)
-            yield from _rebatch(windows, sizes[start_batch:], self.path)
-            self._cache_complete = self._cache is not None and skip_rows == 0
+        try:
+            if self._cache is not None and epoch > 0:
+                if not self._cache_complete:  # resumed after epoch 0: the batches must not depend on that
+                    self._read_window(np.arange(len(self._group_offsets) - 1), self.num_rows)
+                    self._cache_complete = True
+                yield from self._cached_batches(epoch, sizes, start_batch)
+            else:
+                skip_rows = sum(sizes[:start_batch])
+                windows = prefetched(self._shuffled_windows(epoch, skip_rows), self.prefetch)
+                yield from _rebatch(windows, sizes[start_batch:], self.path)
+                self._cache_complete = self._cache is not None and skip_rows == 0
+        except UserError:
+            # A damaged file usually fails to decode before its checksum is done: report the mismatch.
+            if self._verification is not None:
+                self._verification.check()
+            raise
         if self._verification is not None:
             self._verification.check()
             self._verification = None

@@ -30,12 +30,12 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 
 @dataclass
 class Position:
-    """Where training continues: the next batch of an epoch, and the data-order RNG at that epoch's start."""
+    """Where training continues: the next batch of an epoch (the shard reader's batches depend only on
+    the seed and the epoch, so this is the whole data position)."""
 
     step: int = 0
     epoch: int = 0
     next_batch: int = 0
-    epoch_order_state: torch.Tensor | None = None
 
 
 def complete_steps(checkpoint_dir: Path) -> list[int]:
@@ -65,7 +65,6 @@ def save_rank_state(
         for key, value in state.items():
             tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
-    tensors["rng.epoch_order"] = position.epoch_order_state
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     with atomic_path(step_dir / f"rank-{rank}.safetensors") as tmp:
@@ -125,9 +124,4 @@ def load_rank_state(
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
-    return Position(
-        step=meta["step"],
-        epoch=meta["epoch"],
-        next_batch=meta["next_batch"],
-        epoch_order_state=tensors["rng.epoch_order"],
-    )
+    return Position(step=meta["step"], epoch=meta["epoch"], next_batch=meta["next_batch"])

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoint import save_weights
-from shardfuse.data import load_shard, read_dataset_info, read_manifest
+from shardfuse.data import ShardReader, feature_stats, read_dataset_info, read_manifest
 from shardfuse.dist import DistContext, distributed, gate_for
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.live import LiveLogger
@@ -51,18 +51,6 @@ def average_parameters(model: torch.nn.Module, world_size: int) -> None:
     for param in model.parameters():
         torch_dist.all_reduce(param, op=torch_dist.ReduceOp.SUM)
         param.div_(world_size)
-
-
-@torch.no_grad()
-def global_feature_stats(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and std of the whole training split, from every rank's shard (float64 sums)."""
-    sums = torch.stack([features.sum(0, dtype=torch.float64), features.double().pow(2).sum(0)])
-    count = torch.tensor([features.shape[0]], dtype=torch.float64, device=features.device)
-    torch_dist.all_reduce(sums)
-    torch_dist.all_reduce(count)
-    mean = sums[0] / count
-    var = (sums[1] / count - mean.pow(2)).clamp_min(0)
-    return mean.float(), var.sqrt().float()
 
 
 @torch.no_grad()
@@ -123,13 +111,19 @@ def train_rank(
             f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
     info = read_dataset_info(dataset_dir)
-    features, labels = load_shard(shard_dir, ctx.rank, verify=True)
-    features, labels = features.to(ctx.device), labels.to(ctx.device)
+    # Input normalisation over the whole training split, from the moments partition recorded: the
+    # same on every rank, with no pass over the data before the first step.
+    stats = feature_stats(manifest, info["num_features"])
+    if stats is None:
+        raise UserError(
+            f"shard manifest in {shard_dir} has no finite feature moments (made by an older partition, "
+            "or a feature overflows float64); re-run partition (snakemake -R partition)"
+        )
 
     spec = mlp_spec(info["num_features"], info["num_classes"], cfg)
     torch.manual_seed(cfg["seed"])
     model = build_model(spec).to(ctx.device)
-    model.set_input_stats(*global_feature_stats(features))
+    model.set_input_stats(*stats)
     broadcast_from_rank0(model)
     host = socket.gethostname()
     meta = {
@@ -144,8 +138,8 @@ def train_rank(
     checkpoint_dir = out_dir / "checkpoints"
     optimizer = make_optimizer(model, cfg)
     # Dropout and data order differ per rank; the initial weights above do not.
-    torch.manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
-    order_gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + ctx.rank + 1)
+    rank_seed = cfg["seed"] * 1_000_003 + ctx.rank + 1
+    torch.manual_seed(rank_seed)
 
     resumable = complete_steps(checkpoint_dir)
     if resumable:
@@ -157,7 +151,6 @@ def train_rank(
             optimizer,
             expect={"world_size": ctx.world_size, "run": run},
         )
-        order_gen.set_state(position.epoch_order_state)
         gate.log(
             f"[{run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
             f"batch {position.next_batch})"
@@ -173,7 +166,7 @@ def train_rank(
     sync_every = cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0
     checkpoint_every = cfg.get("checkpoint_every", 0)
     num_batches = steps_per_epoch(manifest, cfg["batch_size"])
-    num_rows = features.shape[0]
+    num_rows = manifest["shards"][ctx.rank]["rows"]
     gate.log(
         f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}): {cfg['epochs']} epochs "
         f"x {num_batches} steps"
@@ -184,18 +177,19 @@ def train_rank(
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
     last_loss: torch.Tensor | None = None
-    with gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress:
+    # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
+    # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
+    with (
+        ShardReader(shard_dir, ctx.rank, seed=rank_seed, cache=True, verify=True) as reader,
+        gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress,
+    ):
         for epoch in range(position.epoch, cfg["epochs"]):
-            resuming_this_epoch = epoch == position.epoch and position.epoch_order_state is not None
-            epoch_order_state = position.epoch_order_state if resuming_this_epoch else order_gen.get_state()
-            order = torch.randperm(num_rows, generator=order_gen).to(ctx.device)
-            batches = torch.tensor_split(order, num_batches)
-            for index in range(position.next_batch if resuming_this_epoch else 0, num_batches):
-                batch = batches[index]
-                tick = time.perf_counter()
+            first = position.next_batch if epoch == position.epoch else 0
+            tick = time.perf_counter()  # samples/s covers the whole step: waiting for data included
+            for index, (inputs, targets) in enumerate(reader.epoch(epoch, num_batches, first), start=first):
+                inputs = inputs.to(ctx.device, non_blocking=True)
+                targets = targets.to(ctx.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                # index_select: a contiguous gather, several times faster than fancy indexing on CPU.
-                inputs, targets = features.index_select(0, batch), labels.index_select(0, batch)
                 loss = F.cross_entropy(net(inputs), targets)
                 step += 1
                 if _check_finite(loss, ctx, step, cfg.get("nonfinite_loss", "error")):
@@ -204,8 +198,9 @@ def train_rank(
                 if sync_every and step % sync_every == 0:
                     average_parameters(model, ctx.world_size)
                 if metrics is not None:
-                    elapsed = max(time.perf_counter() - tick, 1e-9)
-                    loss_value, throughput = loss.item(), len(batch) / elapsed
+                    now = time.perf_counter()
+                    loss_value, throughput = loss.item(), len(targets) / max(now - tick, 1e-9)
+                    tick = now
                     metrics.append(
                         step,
                         epoch,
@@ -227,7 +222,7 @@ def train_rank(
                         ctx.rank,
                         model,
                         optimizer,
-                        Position(step, epoch, index + 1, epoch_order_state),
+                        Position(step, epoch, index + 1),
                         {"world_size": ctx.world_size, "run": run},
                     )
                     torch_dist.barrier()  # every rank saved before the checkpoint counts
