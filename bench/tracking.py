@@ -27,7 +27,7 @@ sys.path[:0] = [str(REPO / "src"), str(REPO)]
 
 from mlflow.entities import Metric  # noqa: E402
 
-from shardfuse import tracking  # noqa: E402
+from shardfuse import tracking, tracking_inputs  # noqa: E402
 from tests.tracking_fixtures import make_run_dir, run_config  # noqa: E402
 
 TARGET_VS_PER_POINT = 30.0
@@ -38,7 +38,7 @@ def history_columns(run_dir: Path) -> dict[int, dict[str, list]]:
     """Per rank, the history as plain column lists (what any loop over a metrics file starts from)."""
     columns = {}
     for path in sorted((run_dir / "train" / "metrics").glob("rank-*.parquet")):
-        table = tracking.read_step_metrics(path)
+        table = tracking_inputs.read_step_metrics(path)
         columns[int(path.stem[5:])] = {name: values.tolist() for name, values in table.items()}
     return columns
 
@@ -46,7 +46,7 @@ def history_columns(run_dir: Path) -> dict[int, dict[str, list]]:
 def bench_log_batch(client, experiment_id: str, columns: dict[int, dict[str, list]]) -> float:
     """One run per rank, like the track stage's children (one run for all ranks would collide on lr);
     the same point order, 1,000 points per call."""
-    keys = tracking.STEP_METRICS
+    keys = tracking_inputs.STEP_METRICS
     started = time.perf_counter()
     for rank, table in columns.items():
         run_id = client.create_run(experiment_id, run_name=f"bench/log_batch/rank-{rank}").info.run_id
@@ -69,7 +69,7 @@ def bench_per_point(client, experiment_id: str, columns: dict[int, dict[str, lis
     count = 0
     started = time.perf_counter()
     for i in range(len(table["step"])):
-        for key in tracking.STEP_METRICS:
+        for key in tracking_inputs.STEP_METRICS:
             client.log_metric(
                 run_id, key, table[key][i], timestamp=table["timestamp_ms"][i], step=table["step"][i]
             )
@@ -169,7 +169,7 @@ def main() -> int:
     parser.add_argument("--tracking-uri", help="default: a fresh sqlite store in a temporary directory")
     parser.add_argument("--live", action="store_true", help="also measure the live logger's overhead")
     args = parser.parse_args()
-    STEPS = -(-args.points // (2 * len(tracking.STEP_METRICS)))  # two ranks
+    STEPS = -(-args.points // (2 * len(tracking_inputs.STEP_METRICS)))  # two ranks
 
     with tempfile.TemporaryDirectory(prefix="shardfuse-bench-") as tmp:
         root = Path(tmp)
@@ -177,10 +177,10 @@ def main() -> int:
         experiment = f"bench-{int(time.time())}"
         client, experiment_id = tracking.connect(uri, experiment)
         points = history_columns(make_run_dir(root / "data", "reference", num_steps=STEPS)[0])
-        num_points = sum(len(p["step"]) for p in points.values()) * len(tracking.STEP_METRICS)
+        num_points = sum(len(p["step"]) for p in points.values()) * len(tracking_inputs.STEP_METRICS)
         print(
             f"store {tracking.redact_uri(uri)}; {num_points:,} history points "
-            f"(2 ranks x {STEPS:,} steps x {len(tracking.STEP_METRICS)} metrics)"
+            f"(2 ranks x {STEPS:,} steps x {len(tracking_inputs.STEP_METRICS)} metrics)"
         )
 
         ours, history_only, bare = [], [], []

@@ -6,7 +6,7 @@ import math
 
 import pyarrow.parquet as pq
 
-from shardfuse.metrics_log import MetricsLog, read_log
+from shardfuse.metrics_log import RECORD_BYTES, MetricsLog, read_records
 
 
 def append_steps(log: MetricsLog, steps: range) -> None:
@@ -15,7 +15,7 @@ def append_steps(log: MetricsLog, steps: range) -> None:
 
 
 def steps_on_disk(log: MetricsLog) -> list[int]:
-    return read_log(log.path)["step"].to_pylist()
+    return read_records(log.path)["step"].to_pylist()
 
 
 def test_rows_reach_the_file_once_the_flush_interval_has_passed(tmp_path):
@@ -44,7 +44,7 @@ def test_values_read_back_bitwise_including_non_finite_ones(tmp_path):
     for step, value in enumerate(values, start=1):
         log.append(step, 2, value, value, value, step)
     log.append(len(values) + 1, 2, float("nan"), 1.0, 1.0, 0)
-    table = read_log(log.path).to_pydict()
+    table = read_records(log.path).to_pydict()
     assert table["loss"][: len(values)] == values and table["lr"][: len(values)] == values
     assert math.isnan(table["loss"][-1]) and table["epoch"] == [2] * (len(values) + 1)
 
@@ -52,8 +52,8 @@ def test_values_read_back_bitwise_including_non_finite_ones(tmp_path):
 def test_a_line_cut_by_a_kill_is_left_out(tmp_path):
     log = MetricsLog(tmp_path, rank=0, flush_seconds=0.0)
     append_steps(log, range(1, 4))
-    with open(log.path, "a") as fh:
-        fh.write("4,0,0.12")  # the process died mid-write: no newline, a truncated number
+    with open(log.path, "ab") as fh:
+        fh.write(b"\x01" * (RECORD_BYTES - 5))  # the process died mid-write: part of a record
     assert steps_on_disk(log) == [1, 2, 3]
     resumed = MetricsLog(tmp_path, rank=0, resume_step=3)
     append_steps(resumed, range(4, 6))

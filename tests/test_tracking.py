@@ -20,7 +20,7 @@ import torch
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from shardfuse import tracking
+from shardfuse import tracking, tracking_inputs
 from shardfuse.checkpoint import load_weights
 from shardfuse.io import UserError
 from shardfuse.models import build_model
@@ -84,7 +84,7 @@ def _cli_args(run_name, run_dir, manifest, uri, out):
 
 
 def test_flatten_params_dots_nested_keys_and_stringifies_lists_and_none():
-    params = tracking.flatten_params(
+    params = tracking_inputs.flatten_params(
         {"model": {"name": "mlp", "hidden_sizes": [16, 8], "opt": {"lr": 0.1}}, "seed": 0, "path": None,
          "flag": True, "empty": {}}
     )  # fmt: skip
@@ -97,7 +97,10 @@ def test_flatten_params_dots_nested_keys_and_stringifies_lists_and_none():
         "flag": "True",
         "empty": "{}",
     }
-    assert len(tracking.flatten_params({"long": "x" * 10_000})["long"]) == tracking.MAX_PARAM_VALUE_CHARS
+    assert (
+        len(tracking_inputs.flatten_params({"long": "x" * 10_000})["long"])
+        == tracking_inputs.MAX_PARAM_VALUE_CHARS
+    )
 
 
 def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_histories(store, tmp_path):
@@ -117,7 +120,7 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["shardfuse.complete"] == "true"
     assert parent.data.tags["shardfuse.fingerprint"] == result["fingerprint"]
-    assert parent.data.params == tracking.flatten_params(config)
+    assert parent.data.params == tracking_inputs.flatten_params(config)
     assert parent.data.params["merge.weights"] == "None"
     assert parent.data.params["model.hidden_sizes"] == "[16, 16]"
 
@@ -230,7 +233,7 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
     assert parents[0].info.status == "FINISHED"
     assert result["child_run_ids"]["0"] == partial.info.run_id
     for child in children:
-        for key in tracking.STEP_METRICS:
+        for key in tracking_inputs.STEP_METRICS:
             history = store["client"].get_metric_history(child.info.run_id, key)
             assert sorted(m.step for m in history) == list(range(num_steps))
 
@@ -339,7 +342,7 @@ def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(store, tm
     assert tags["shardfuse.torch_version"] == "2.13.0"  # from train.json, i.e. what the ranks ran
     assert tags["shardfuse.hosts"] == "node0,node1"
     assert tags["shardfuse.slurm_job_id"] == "4242"
-    assert tags["shardfuse.config_hash"] == tracking.config_hash(config)
+    assert tags["shardfuse.config_hash"] == tracking_inputs.config_hash(config)
     for rank, child_id in result["child_run_ids"].items():
         assert store["client"].get_run(child_id).data.tags["shardfuse.host"] == f"node{rank}"
     assert parent.data.metrics["test_accuracy_base"] == pytest.approx(0.34)
@@ -361,14 +364,14 @@ def test_more_training_steps_append_only_the_new_points_to_the_same_runs(store, 
         first["child_run_ids"],
     )
     for child_id in second["child_run_ids"].values():
-        for key in tracking.STEP_METRICS:
+        for key in tracking_inputs.STEP_METRICS:
             points = store["client"].get_metric_history(child_id, key)
             assert sorted(m.step for m in points) == list(range(12))  # 7 old + 5 new, none twice
         assert [s for s, _ in _history(store, child_id, "test_accuracy")] == [7]  # unchanged: not re-logged
     assert _history(store, second["parent_run_id"], "test_accuracy_merged") == [(7, 0.8), (12, 0.85)]
     parents, _ = _active_runs(store, "grown")
     assert parents[0].data.metrics["test_accuracy_merged"] == pytest.approx(0.85)
-    new_points = 2 * 5 * len(tracking.STEP_METRICS)
+    new_points = 2 * 5 * len(tracking_inputs.STEP_METRICS)
     assert new_points < second["num_points_pushed"] <= new_points + 12  # + changed headline metrics
     third = tracking.track_run("grown", run_dir, manifest, config, store["uri"], EXPERIMENT)
     assert (third["action"], third["num_points_pushed"]) == ("unchanged", 0)

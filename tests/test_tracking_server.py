@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shardfuse import plots, tracking
+from shardfuse import plots, tracking, tracking_inputs
 from shardfuse.io import UserError
 from tests.tracking_fixtures import NUM_FEATURES, make_run_dir, mlflow_service, run_config, run_script
 
@@ -67,7 +67,7 @@ def _assert_complete(server, result: dict, num_steps: int) -> None:
     parent = client.get_run(result["parent_run_id"])
     assert parent.data.tags["shardfuse.complete"] == "true" and parent.info.status == "FINISHED"
     for child_id in result["child_run_ids"].values():
-        for key in tracking.STEP_METRICS:
+        for key in tracking_inputs.STEP_METRICS:
             steps = sorted(m.step for m in client.get_metric_history(child_id, key))
             assert steps == list(range(num_steps))  # every point, none twice
 

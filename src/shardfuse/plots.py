@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from shardfuse.io import StageParser, UserError, atomic_path, read_json, run_cli
-from shardfuse.tracking import read_step_metrics
+from shardfuse.tracking_inputs import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
 GROUP_COLUMNS = ("dataset", "world_size", "strategy")

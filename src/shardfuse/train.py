@@ -3,12 +3,13 @@
 Not launched by hand with plain python: use the launcher, which wraps torchrun (locally
 ``--standalone``; under SLURM see ``shardfuse.launch``)::
 
-    python -m shardfuse.launch --world-size 2 --out-dir results/runs/ddp/train -- \
-        --run-name ddp --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \
+    python -m shardfuse.launch --nproc-per-node 2 --out-dir results/trainings/demo/ranks -- \
+        --run-name demo --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \
         --config-json '{"strategy": "ddp", ...}'
 
-Every rank reads only its own shard, starts from the same initial weights (rank 0's, saved once as
-``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``) and
+Every rank reads only its own shard (streamed by :class:`shardfuse.data.ShardReader`: training starts
+after one row group, the sha256 is checked alongside), starts from the same initial weights (rank 0's,
+saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``) and
 ``metrics/rank-{rank}.parquet`` (one row per optimiser step). Rank 0 writes ``train.json`` last.
 """
 

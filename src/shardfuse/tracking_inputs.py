@@ -1,0 +1,237 @@
+"""What a run's MLflow push carries, read from its files and computed without talking to MLflow.
+
+:func:`load_inputs` reads and checks every file the track stage needs (manifest, train.json, gather.json,
+merge.json, the merged weights, eval.json, each rank's ``metrics/rank-{r}.parquet`` and any plots) before
+MLflow is touched, so a missing or malformed file is one error that names it and the stage to re-run.
+From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`), the
+headline metrics, the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash) and
+the fingerprint that tells an unchanged run from one to sync again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardfuse.io import UserError, read_json, sha256_file
+
+LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
+CONFIG_HASH_TAG = "shardfuse.config_hash"
+STEP_METRICS = ("loss", "samples_per_second", "lr")
+PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
+RESULT_FILES = ("manifest", "train", "gather", "merge", "eval")
+MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected
+
+
+def flatten_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into MLflow params: dotted keys, lists as JSON, None as "None"."""
+    params: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            params.update(flatten_params(value, prefix=f"{name}."))
+            continue
+        text = json.dumps(value, sort_keys=True) if isinstance(value, (list, tuple, dict)) else str(value)
+        # MLflow rejects longer values; a truncated param beats a failed push.
+        if len(text) > MAX_PARAM_VALUE_CHARS:
+            text = text[: MAX_PARAM_VALUE_CHARS - 3] + "..."
+        params[name] = text
+    return params
+
+
+def _require_file(path: Path, stage: str) -> Path:
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; re-run the {stage} stage for this run first")
+    return path
+
+
+def _field(obj: dict, key: str, path: Path) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it")
+    return obj[key]
+
+
+def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
+    """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise UserError(f"{path} is not a readable Parquet file ({exc}); re-run the train stage") from None
+    missing = [c for c in PARQUET_COLUMNS if c not in table.column_names]
+    if missing:
+        raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
+    return {c: table.column(c).to_numpy() for c in PARQUET_COLUMNS}
+
+
+def load_inputs(
+    run_dir: Path,
+    manifest_path: Path,
+    plots_dir: Path | None = None,
+    train_dir: Path | None = None,
+    gather_path: Path | None = None,
+) -> dict[str, Any]:
+    """Read and check every file the push needs before MLflow is touched.
+
+    ``train_dir`` (train.json, metrics/rank-{r}.parquet; default RUN_DIR/train) and ``gather_path``
+    (default RUN_DIR/gather.json) may be shared by runs that differ only in how they merge.
+    """
+    train_dir = train_dir if train_dir is not None else run_dir / "train"
+    files = {
+        "manifest": _require_file(manifest_path, "partition"),
+        "train": _require_file(train_dir / "train.json", "train"),
+        "gather": _require_file(
+            gather_path if gather_path is not None else run_dir / "gather.json", "gather"
+        ),
+        "merge": _require_file(run_dir / "merge.json", "merge"),
+        "weights": _require_file(run_dir / "merged.safetensors", "merge"),
+        "eval": _require_file(run_dir / "eval.json", "evaluate"),
+    }
+    train, merge, evaluation = (read_json(files[k], k) for k in ("train", "merge", "eval"))
+    read_json(files["gather"], "gather")  # only uploaded, but must be valid JSON
+    try:
+        world_size = int(_field(train, "world_size", files["train"]))
+        shard_rows = {int(r["rank"]): int(r["rows"]) for r in _field(train, "ranks", files["train"])}
+        eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", files["eval"])}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(
+            f"malformed 'ranks' entry in {files['train']} or {files['eval']} ({exc!r}); "
+            "re-run the train and evaluate stages"
+        ) from None
+    for rank in range(world_size):
+        if rank not in shard_rows or rank not in eval_ranks:
+            raise UserError(
+                f"rank {rank} of world size {world_size} is missing from {files['train']} "
+                f"or {files['eval']}; re-run the train and evaluate stages"
+            )
+        metrics_path = train_dir / "metrics" / f"rank-{rank}.parquet"
+        files[f"metrics-{rank}"] = _require_file(metrics_path, "train")
+    plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
+    files.update({f"plot-{p.name}": p for p in plots})
+    from shardfuse.checkpoint import read_metadata
+
+    inputs = {
+        "files": files,
+        "train": train,
+        "merge": merge,
+        "eval": evaluation,
+        "world_size": world_size,
+        "shard_rows": shard_rows,
+        "rank_results": {
+            rank: {
+                f"test_{k}": float(_field(eval_ranks[rank], k, files["eval"])) for k in ("accuracy", "loss")
+            }
+            for rank in range(world_size)
+        },
+        "steps": {rank: read_step_metrics(files[f"metrics-{rank}"]) for rank in range(world_size)},
+        "model_spec": _field(read_metadata(files["weights"]), "model", files["weights"]),
+        "hosts": _rank_hosts(train_dir, train, world_size),
+    }
+    inputs["headline"] = headline_metrics(inputs)
+    return inputs
+
+
+def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
+    """Host per rank from train.json's "hosts", else the rank sidecars' "host" (both optional)."""
+    hosts = train.get("hosts")
+    if isinstance(hosts, list) and len(hosts) == world_size:
+        return {rank: str(host) for rank, host in enumerate(hosts)}
+    found = {}
+    for rank in range(world_size):
+        sidecar = train_dir / f"rank-{rank}.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if host := json.loads(sidecar.read_text()).get("host"):
+                found[rank] = str(host)
+    return found
+
+
+def fingerprint(config: dict, files: dict[str, Path], registered_model: str | None = None) -> str:
+    """sha256 over the layout version, the config (sorted keys), the registry name and every file's sha256."""
+    digest = hashlib.sha256(f"{LAYOUT_VERSION}\n{registered_model}\n".encode())
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for name in sorted(files):
+        digest.update(f"\n{name}:{sha256_file(files[name])}".encode())
+    return digest.hexdigest()
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def headline_metrics(inputs: dict[str, Any]) -> dict[str, float]:
+    evaluation, eval_path = inputs["eval"], inputs["files"]["eval"]
+    merged = _field(evaluation, "merged", eval_path)
+    best_rank = float(_field(evaluation, "best_rank_accuracy", eval_path))
+    metrics = {
+        "test_accuracy_merged": float(_field(merged, "accuracy", eval_path)),
+        "test_loss_merged": float(_field(merged, "loss", eval_path)),
+        "test_accuracy_best_rank": best_rank,
+        "test_accuracy_mean_rank": float(_field(evaluation, "mean_rank_accuracy", eval_path)),
+        "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
+        "train_seconds": float(_field(inputs["train"], "train_seconds", inputs["files"]["train"])),
+        "merge_seconds": float(_field(inputs["merge"], "seconds", inputs["files"]["merge"])),
+    }
+    metrics["fusion_gain"] = metrics["test_accuracy_merged"] - best_rank
+    for optional in ("base", "ddp_baseline"):  # written by newer evaluate stages only
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            metrics[f"test_accuracy_{optional}"] = float(evaluation[optional]["accuracy"])
+    for rank, result in inputs["rank_results"].items():
+        metrics[f"test_accuracy_rank_{rank}"] = result["test_accuracy"]
+    throughputs = [
+        float(np.mean(s["samples_per_second"])) for s in inputs["steps"].values() if len(s["step"])
+    ]
+    if throughputs:
+        metrics["samples_per_second"] = sum(throughputs)  # all ranks together
+    return metrics
+
+
+def _git_state(directory: Path) -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str | None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            proc = subprocess.run(
+                ["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10
+            )
+            return proc.stdout.strip() if proc.returncode == 0 else None
+        return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return commit, None if status is None else bool(status)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def provenance_tags(inputs: dict[str, Any], run_config_hash: str) -> dict[str, str]:
+    """Where the results came from: code, tools, machines, scheduler."""
+    train = inputs["train"]
+    commit, dirty = train.get("git_commit"), train.get("git_dirty")
+    if commit is None:  # the code that is pushing is the code that ran, unless train.json says otherwise
+        commit, dirty = _git_state(Path(__file__).resolve().parent)
+    tags = {
+        CONFIG_HASH_TAG: run_config_hash,
+        "shardfuse.git_commit": commit or "unknown",
+        "shardfuse.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower(),
+        "shardfuse.snakemake_version": _version("snakemake"),
+        "shardfuse.torch_version": str(train.get("torch_version") or _version("torch")),
+        "shardfuse.mlflow_version": _version("mlflow"),
+    }
+    if commit:
+        tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
+    if inputs["hosts"]:
+        tags["shardfuse.hosts"] = ",".join(sorted(set(inputs["hosts"].values())))
+    if train.get("slurm_job_id"):
+        tags["shardfuse.slurm_job_id"] = str(train["slurm_job_id"])
+    return tags
