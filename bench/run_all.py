@@ -39,7 +39,7 @@ FULL = {
     },
     "scaling": {"rows": 60_000, "features": 32, "epochs": 2, "reps": 3, "strategies": ["ddp", "localsgd"]},
     "pipeline": {"epochs": 4, "reps": 3, "runs": list(pipeline.RUNS)},
-    "logging": {"rows": 240_000, "features": 32, "epochs": 2, "reps": 5},
+    "logging": {"rows": 200_000, "features": 32, "epochs": 2, "reps": 4},
 }
 SMOKE = {
     "partition": {"base_rows": 5_000, "factors": [1, 4, 16], "num_features": 4, "reps": 1},
