@@ -14,12 +14,13 @@ modes, interleaved per repetition in a rotating order so drift of a shared machi
   a background thread. The store exists before the timed runs: its one-off creation is not a step cost.
 
 steps/s = num_steps / train_seconds from train.json (the training loop alone: no process start, no
-shard load). Cost = 1 - (steps/s with logging / steps/s off), paired per repetition, median: the
-target's figure. Running in one process is what makes a sub-1% difference measurable at all (no
-process start-up, no second copy of torch competing for the two cores), but a shared machine still
-moves single runs by about a percent, so the time spent inside the logging calls is also accounted
-directly (each call timed in the first repetition, plus the live logger thread's CPU: while it runs
-Python it holds the GIL) as a share of the loop's time: a noise-free figure to read next to it.
+shard load). Cost = 1 - (best steps/s with logging / best steps/s off) over the repetitions: the
+target's figure (best of N, as timeit takes it: interference only ever slows a run down); the median of
+the per-repetition ratios is shown too. Running in one process is what makes a sub-1% difference
+measurable at all (no process start-up, no second copy of torch competing for the two cores), but a
+shared 2-core machine still moves single runs by several percent, so the time spent inside the logging
+calls is also accounted directly (each call timed in the first repetition, plus the live logger thread's
+CPU: while it runs Python it holds the GIL) as a share of the loop's time: the steadiest figure.
 """
 
 from __future__ import annotations
@@ -80,30 +81,48 @@ def prepare_data(work_dir: Path, rows: int, features: int) -> tuple[Path, Path]:
     return dataset, shards
 
 
+def _timer(method, spent: list[float]):
+    """``method`` wrapped to add its seconds to ``spent[0]`` and count its calls in ``spent[1]``."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - started
+            spent[1] += 1
+
+    return wrapper
+
+
+def _timer_cost(calls: int = 200_000) -> float:
+    """Seconds a timed call adds by itself (measured on a no-op), to subtract per call."""
+    spent = [0.0, 0]
+    noop = _timer(lambda: None, spent)
+    started = time.perf_counter()
+    for _ in range(calls):
+        noop()
+    total = time.perf_counter() - started
+    bare = time.perf_counter()
+    for _ in range(calls):
+        (lambda: None)()
+    return max(0.0, (spent[0] - (time.perf_counter() - bare)) / calls) if total else 0.0
+
+
 @contextlib.contextmanager
 def timed_logging_calls() -> Iterator[list[float]]:
-    """Accumulate the seconds spent inside every per-step logging call while the block runs."""
+    """Accumulate the seconds spent inside every per-step logging call while the block runs
+    (``[seconds, calls]``)."""
     from shardfuse.live import LiveLogger
     from shardfuse.metrics_log import MetricsLog
     from shardfuse.progress import Progress
 
-    spent = [0.0]
+    spent = [0.0, 0]
     targets = [(MetricsLog, "append"), (MetricsLog, "flush"), (Progress, "update"), (LiveLogger, "log")]
     originals = [getattr(cls, name) for cls, name in targets]
-
-    def timer(method):
-        @functools.wraps(method)
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - started
-
-        return wrapper
-
     for (cls, name), method in zip(targets, originals, strict=True):
-        setattr(cls, name, timer(method))
+        setattr(cls, name, _timer(method, spent))
     try:
         yield spent
     finally:
@@ -126,23 +145,29 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
     uri = f"sqlite:///{work_dir / 'mlflow.db'}"
     connect(uri, "bench-logging")  # the store and experiment exist before any timed run
     torch.set_num_threads(1)
+    timer_cost = _timer_cost()
     torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
     steps_per_second: dict[str, list[float]] = {mode: [] for mode in MODES}
     accounted: dict[str, float] = {}
+    live_start: dict[str, float] = {}
     live_points = []
     try:
         for rep in range(reps):
             for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
                 out = work_dir / "train"
                 live = LiveLogger(uri, "bench-logging", f"live-{rep}", enabled=mode == "metrics + live")
-                timing = timed_logging_calls() if rep == 0 else contextlib.nullcontext([0.0])
+                timing = timed_logging_calls() if rep == 0 else contextlib.nullcontext([0.0, 0])
                 with timing as spent, live:
                     train_rank(ctx, "bench", shards, dataset, cfg, out, live, step_metrics=mode != "off")
                 info = json.loads((out / "train.json").read_text())
                 steps_per_second[mode].append(info["num_steps"] / info["train_seconds"])
                 if rep == 0:  # one timed repetition: the timers cost a little themselves
-                    accounted[mode] = 100 * (spent[0] + live.cpu_seconds) / info["train_seconds"]
+                    # The live thread's CPU after its one-off start (client, store, run: reported apart).
+                    steady = live.cpu_seconds - live.start_cpu_seconds
+                    inside = max(0.0, spent[0] - spent[1] * timer_cost)  # the timers' own cost left out
+                    accounted[mode] = 100 * (inside + steady) / info["train_seconds"]
+                    live_start[mode] = live.start_cpu_seconds
                 if live.enabled:
                     live_points.append(live.num_logged)
                 common.remove(out)
@@ -152,21 +177,26 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
     off = steps_per_second["off"]
     rows_out, checks = [], []
     for mode in MODES:
-        overhead = common.median(
+        paired = common.median(
             [100 * (1 - on / base) for on, base in zip(steps_per_second[mode], off, strict=True)]
         )
+        # Best of the repetitions, as timeit takes: interference from other processes only ever slows a
+        # run down, so the fastest run of each mode is the closest to its own cost.
+        overhead = 100 * (1 - max(steps_per_second[mode]) / max(off))
         rows_out.append(
             [
                 mode,
+                max(steps_per_second[mode]),
                 common.median(steps_per_second[mode]),
                 "-" if mode == "off" else f"{overhead:+.2f}%",
+                "-" if mode == "off" else f"{paired:+.2f}%",
                 "-" if mode == "off" else f"{accounted[mode]:.2f}%",
             ]
         )
         if mode != "off":
             checks.append(
                 (
-                    f"{mode}: steps/s cost vs off < {TARGET_PERCENT:g}% (A/B, median of paired reps)",
+                    f"{mode}: steps/s cost vs off < {TARGET_PERCENT:g}% (A/B, best of reps)",
                     f"{overhead:+.2f}%",
                     overhead < TARGET_PERCENT,
                 )
@@ -180,16 +210,25 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
             )
     num_steps = info["num_steps"]
     markdown = common.table(
-        ["logging", "steps/s", "cost vs off (median of paired reps)", "time inside logging calls"], rows_out
+        [
+            "logging",
+            "steps/s (best)",
+            "steps/s (median)",
+            "cost vs off (best of reps)",
+            "cost vs off (median of paired reps)",
+            "time inside logging calls",
+        ],
+        rows_out,
     )
     markdown += (
         f"\n\n{num_steps:,} steps a run ({rows:,} synthetic rows x {features} features, {epochs} epochs, "
         f"batch 32, MLP [64], checkpoints every 100 steps), one rank, one thread, {reps} repetitions in "
         f"rotating order. Live logging pushed {common.median(live_points) if live_points else 0:,.0f} "
-        "points a run (rate-limited to 2 rows/s); its thread's CPU includes its one-off start (client, "
-        "run), which a longer run spreads thinner. The A/B figure moves by a few percent from run to run on "
-        "a shared machine (a negative cost is such noise); the time inside the logging calls (timers "
-        "included) is the steadier figure."
+        f"points a run (rate-limited to 2 rows/s); its thread's one-off start (MLflow client, store, run) "
+        f"took {live_start.get('metrics + live', 0.0):.2f} s of CPU, left out of the accounted share (a "
+        "run of minutes spreads it to nothing). The A/B figure moves by a few percent from run to run on "
+        "a shared machine (a negative cost is such noise); the time inside the logging calls (the "
+        f"timers' own cost, {1e9 * timer_cost:.0f} ns a call, subtracted) is the steadier figure."
     )
     return {"title": "5. Metric logging during training", "markdown": markdown, "checks": checks}
 

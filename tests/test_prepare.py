@@ -194,6 +194,28 @@ def test_parquet_source_maps_integer_labels_in_numeric_order(tmp_path):
         assert int(info["label_names"][code]) == labels[int(feature)]
 
 
+def test_a_file_sorted_by_label_is_written_in_a_seeded_random_order(tmp_path):
+    num_rows = 2000
+    labels = np.repeat(np.arange(4), num_rows // 4)  # sorted by label, as exported files often are
+    pq.write_table(
+        pa.table({"f": np.arange(num_rows, dtype=np.float32), "y": labels}), tmp_path / "sorted.parquet"
+    )
+    spec = {
+        "source": "parquet",
+        "path": str(tmp_path / "sorted.parquet"),
+        "feature_columns": ["f"],
+        "label_column": "y",
+        "seed": 3,
+    }
+    prepare("sorted", spec, tmp_path / "out")
+    train = read_split(tmp_path / "out", "train")
+    first_tenth = train["label"].to_numpy()[: train.num_rows // 10]
+    assert len(set(first_tenth.tolist())) == 4  # every class early on, not one class per quarter
+    assert sorted(train["x0"].to_pylist()) != train["x0"].to_pylist()
+    prepare("sorted", spec, tmp_path / "again")
+    assert read_split(tmp_path / "again", "train").equals(train)  # the order is seeded
+
+
 BASE_CSV = "a,b,kind,y\n1,2,red,p\n3,4,blue,q\n5,6,red,p\n7,8,blue,q\n9,10,red,p\n"
 
 

@@ -378,7 +378,11 @@ class ShardReader:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         features, labels = (torch.from_numpy(array) for array in self._cache)
         order = torch.from_numpy(np.random.default_rng([self.seed, epoch, 2]).permutation(self.num_rows))
-        for batch in torch.split(order, sizes)[start_batch:]:
+        bounds = [0, *itertools.accumulate(sizes)]
+        # One slice per batch as it is needed: torch.split would build every view of the epoch (125k for
+        # a 4M-row shard, ~0.3 s) before the first batch.
+        for index in range(start_batch, len(sizes)):
+            batch = order[bounds[index] : bounds[index + 1]]
             # index_select, not features[batch]: the same gather, ~5x faster on CPU for small batches.
             yield features.index_select(0, batch), labels.index_select(0, batch)
 

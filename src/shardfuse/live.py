@@ -63,6 +63,7 @@ class LiveLogger:
         self.num_logged = self.num_skipped = self.num_dropped = self.num_errors = 0
         self.last_error: str | None = None
         self.cpu_seconds = 0.0
+        self.start_cpu_seconds = 0.0
         self._pending: collections.deque = collections.deque()
         self._next_row_at = 0.0
         self._gave_up = False
@@ -184,6 +185,7 @@ class LiveLogger:
             if client is None and not self._gave_up:
                 try:  # the server may come up later: try again at the next flush
                     client, self.run_id = self._start_run()
+                    self.start_cpu_seconds = time.thread_time()  # the one-off part: client, store, run
                 except Exception as exc:
                     self._failed(exc)
             if client is not None:

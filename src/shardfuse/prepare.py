@@ -13,7 +13,9 @@ The test split (``test_fraction`` of the rows, default 0.2) is drawn first and d
 ``val_fraction``; the validation split (``val_fraction`` of all rows, default 0.1, stratified and seeded
 the same way) is carved from the remaining rows, and train.parquet holds the rest. Choices such as
 greedy soup's are made on val.parquet, never on the test split. val_fraction 0 writes an empty
-val.parquet with the same schema.
+val.parquet with the same schema. Rows are written in a seeded random order (user files are often sorted
+by label; the synthetic generator draws labels at random already), since partition keeps the input's
+order within a shard and the shard reader's first epoch follows the file row group by row group.
 
 Sources (keys of the spec; ``test_fraction`` defaults to 0.2, ``val_fraction`` to 0.1, ``seed`` to 0):
   digits     scikit-learn's bundled 8x8 digits (1797 rows, 64 features, 10 classes; no download)
@@ -206,11 +208,20 @@ def _table(features: np.ndarray, labels: np.ndarray) -> pa.Table:
 
 
 def _write_split(
-    out_dir: Path, features: np.ndarray, labels: np.ndarray, masks: dict[str, np.ndarray], row_group_rows: int
+    out_dir: Path,
+    features: np.ndarray,
+    labels: np.ndarray,
+    masks: dict[str, np.ndarray],
+    row_group_rows: int,
+    seed: int,
 ) -> None:
-    for split, mask in masks.items():
+    """Each split's rows in a seeded random order: files are often sorted (by label, by time), and
+    partition keeps the input's order within a shard, which the shard reader's first epoch follows
+    row group by row group."""
+    for index, (split, mask) in enumerate(masks.items()):
+        rows = np.random.default_rng([seed, 11, index]).permutation(np.flatnonzero(mask))
         with atomic_path(out_dir / f"{split}.parquet") as tmp:
-            pq.write_table(_table(features[mask], labels[mask]), tmp, row_group_size=row_group_rows)
+            pq.write_table(_table(features[rows], labels[rows]), tmp, row_group_size=row_group_rows)
 
 
 # ---------------------------------------------------------------- sources
@@ -445,7 +456,7 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
         is_test = stratified_test_mask(labels, len(label_names), spec["test_fraction"], spec["seed"])
         is_val = stratified_val_mask(labels, is_test, len(label_names), spec["val_fraction"], spec["seed"])
         masks = {"train": ~(is_test | is_val), "val": is_val, "test": is_test}
-        _write_split(out_dir, features, labels, masks, row_group_rows)
+        _write_split(out_dir, features, labels, masks, row_group_rows, spec["seed"])
         rows = {split: int(np.count_nonzero(mask)) for split, mask in masks.items()}
     info = {
         "name": name,
