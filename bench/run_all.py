@@ -1,11 +1,11 @@
 """Run the benchmarks and write bench/RESULTS.md (machine info, one table each, PASS/FAIL).
 
-    .venv/bin/python bench/run_all.py                 # full sizes, ~12 min on 2 cores
+    .venv/bin/python bench/run_all.py                 # full sizes, ~14 min on 2 cores
     .venv/bin/python bench/run_all.py --smoke --out /tmp/RESULTS.md   # tiny sizes (CI): checks they run
 
 Each benchmark can also run alone (bench/partition.py, reader.py, scaling.py, pipeline.py,
-logging_overhead.py). Work files
-go to a fresh directory under --work-dir (default: the system temp dir) and are deleted afterwards.
+logging_overhead.py, and on GPU machines gpu.py, which run_all adds there). Work files go to a fresh
+directory under --work-dir (default: the system temp dir) and are deleted afterwards.
 Exit status: 0 when every benchmark ran (a FAIL is reported in the file, not as an error), 1 when one
 crashed; with --strict also 1 when a target fails.
 """
@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import common
+import gpu
 import logging_overhead
 import partition
 import pipeline
@@ -40,6 +41,13 @@ FULL = {
     "scaling": {"rows": 60_000, "features": 32, "epochs": 2, "reps": 3, "strategies": ["ddp", "localsgd"]},
     "pipeline": {"epochs": 4, "reps": 3, "runs": list(pipeline.RUNS)},
     "logging": {"rows": 200_000, "features": 32, "epochs": 2, "reps": 4},
+    "gpu": {
+        "rows": 2_000_000,
+        "features": 64,
+        "epochs": 2,
+        "batch_size": 512,
+        "reps": 3,
+    },  # GPU machines only
 }
 SMOKE = {
     "partition": {"base_rows": 5_000, "factors": [1, 4, 16], "num_features": 4, "reps": 1},
@@ -47,11 +55,14 @@ SMOKE = {
     "scaling": {"rows": 2_000, "features": 8, "epochs": 1, "reps": 1, "strategies": ["ddp"]},
     "pipeline": {"epochs": 1, "reps": 1, "runs": ["ddp"]},
     "logging": {"rows": 4_000, "features": 8, "epochs": 1, "reps": 1},
+    "gpu": {"rows": 50_000, "features": 8, "epochs": 1, "batch_size": 512, "reps": 1},
 }
 NOT_MEASURED = (
     "## 6. GPU\n\nNot measured: this machine has no GPU (CPU-only torch build, gloo). On a GPU machine "
-    "the same scripts run unchanged; the reader's share of step time is the figure to re-check there, "
-    "since a GPU step is far shorter than a CPU one."
+    "run_all.py adds this section by running bench/gpu.py (the train stage under torchrun with NCCL, "
+    "precision fp32 vs auto = bf16 autocast, samples/s and peak GPU memory); the device, backend and "
+    "precision selection it relies on is unit-tested on any machine (tests/test_dist.py). The reader's "
+    "share of step time is the figure to re-check there, since a GPU step is far shorter than a CPU one."
 )
 
 
@@ -63,6 +74,10 @@ def run_benchmarks(sizes: dict, work_dir: Path) -> list[dict]:
         "pipeline": lambda s: pipeline.run(work_dir=work_dir / "pipeline", **s),
         "logging": lambda s: logging_overhead.run(work_dir=work_dir / "logging", **s),
     }
+    import torch
+
+    if torch.cuda.is_available():
+        jobs["gpu"] = lambda s: gpu.run(work_dir=work_dir / "gpu", **s)
     sections = []
     for name, job in jobs.items():
         started = time.perf_counter()
@@ -112,7 +127,8 @@ def render(sections: list[dict], info: dict[str, str], smoke: bool, total_second
     ]
     for section in sections:
         lines += [f"## {section['title']}", "", f"({section['seconds']:.0f} s)", "", section["markdown"], ""]
-    lines += [NOT_MEASURED, ""]
+    if not any(section["title"] == "6. GPU" for section in sections):
+        lines += [NOT_MEASURED, ""]
     return "\n".join(lines)
 
 

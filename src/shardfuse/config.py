@@ -47,6 +47,7 @@ TRAIN_KEYS = (
     "checkpoint_every",
     "keep_checkpoints",
     "nonfinite_loss",
+    "precision",
 )
 # What each merge method reads from the run config (config key -> merge param); other keys do not
 # reach the merge rule, so changing them does not re-run it.

@@ -269,6 +269,9 @@ def feature_stats(manifest: dict, num_features: int) -> tuple[torch.Tensor, torc
     return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
 
 
+CACHE_BLOCK_ROWS = 8192  # rows gathered at once from the in-memory copy (cached epochs): 1 MB at 32 floats
+
+
 def split_sizes(num_rows: int, num_batches: int) -> list[int]:
     """Batch sizes of one epoch, as torch.tensor_split(range(num_rows), num_batches) cuts it."""
     base, extra = divmod(num_rows, num_batches)
@@ -379,12 +382,18 @@ class ShardReader:
         features, labels = (torch.from_numpy(array) for array in self._cache)
         order = torch.from_numpy(np.random.default_rng([self.seed, epoch, 2]).permutation(self.num_rows))
         bounds = [0, *itertools.accumulate(sizes)]
-        # One slice per batch as it is needed: torch.split would build every view of the epoch (125k for
-        # a 4M-row shard, ~0.3 s) before the first batch.
-        for index in range(start_batch, len(sizes)):
-            batch = order[bounds[index] : bounds[index + 1]]
-            # index_select, not features[batch]: the same gather, ~5x faster on CPU for small batches.
-            yield features.index_select(0, batch), labels.index_select(0, batch)
+        # The rows of several batches are gathered at once (index_select, not fancy indexing: the same
+        # gather, several times faster on CPU) and handed out as contiguous views: one call per block
+        # instead of two per batch, and the random reads of a block overlap in the memory system. Batch
+        # by batch this was 5-7% of a small model's step; per block it is about a tenth of that.
+        per_block = max(1, CACHE_BLOCK_ROWS // max(1, max(sizes)))
+        for first in range(start_batch, len(sizes), per_block):
+            last = min(first + per_block, len(sizes))
+            rows = order[bounds[first] : bounds[last]]
+            block_features, block_labels = features.index_select(0, rows), labels.index_select(0, rows)
+            for index in range(first, last):
+                start, stop = bounds[index] - bounds[first], bounds[index + 1] - bounds[first]
+                yield block_features[start:stop], block_labels[start:stop]
 
     def _shuffled_windows(self, epoch: int, skip_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Runs in the prefetch thread: read, convert and shuffle one window of row groups at a time;

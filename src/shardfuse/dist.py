@@ -40,23 +40,51 @@ def _env_int(name: str) -> int:
     return int(value)
 
 
+def select_device(local_rank: int, cuda_available: bool, gpu_count: int) -> tuple[torch.device, str]:
+    """The rank's device and process-group backend: GPU ``local_rank`` with NCCL when CUDA is present
+    (one rank per GPU), else the CPU with gloo."""
+    if not cuda_available:
+        return torch.device("cpu"), "gloo"
+    if local_rank >= gpu_count:
+        raise UserError(
+            f"local rank {local_rank} has no GPU: this node shows {gpu_count} GPU(s); set the run's "
+            "nproc_per_node to the GPUs per node and ask for them with gres=gpu:N in the profile"
+        )
+    return torch.device("cuda", local_rank), "nccl"
+
+
+def step_dtype(precision: str, device: torch.device, bf16_supported: bool) -> torch.dtype | None:
+    """The autocast dtype of the training step for the config's ``precision`` (None: plain fp32).
+
+    ``auto`` takes bf16 on a GPU that supports it and fp32 elsewhere: on CPUs bf16 autocast is slower
+    than fp32 for small models, and fp32 keeps CPU runs bitwise reproducible."""
+    if precision == "fp32" or (precision == "auto" and not (device.type == "cuda" and bf16_supported)):
+        return None
+    if precision in ("auto", "bf16"):
+        if device.type != "cuda" or not bf16_supported:
+            raise UserError(
+                f"precision bf16 needs a GPU with bf16 support, this rank runs on {device.type}"
+                f"{'' if device.type == 'cpu' else ' without it'}; set precision: auto or fp32"
+            )
+        return torch.bfloat16
+    raise UserError(f"unknown precision {precision!r}; use auto, fp32 or bf16")
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The step's autocast region (a no-op context for fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
 @contextlib.contextmanager
 def distributed(timeout_s: float = 600.0) -> Iterator[DistContext]:
     """Join the process group for the duration of the block; always tear it down."""
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise UserError(
-                f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} "
-                "GPU(s); set the run's nproc_per_node to the GPUs per node and ask for them "
-                "with gres=gpu:N in the profile"
-            )
-        backend = "nccl"
-        device = torch.device("cuda", local_rank)
+    cuda = torch.cuda.is_available()
+    device, backend = select_device(local_rank, cuda, torch.cuda.device_count() if cuda else 0)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        backend = "gloo"
-        device = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     store, _, _ = next(torch_dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     # torchrun keeps one store across restarts of the ranks: keys of the failed attempt (old gloo

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoint import save_weights
 from shardfuse.data import ShardReader, feature_stats, read_dataset_info, read_manifest
-from shardfuse.dist import DistContext, distributed, gate_for
+from shardfuse.dist import DistContext, autocast, distributed, gate_for, step_dtype
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.live import LiveLogger
 from shardfuse.metrics_log import MetricsLog
@@ -162,15 +162,19 @@ def train_rank(
     # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
     metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
 
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    cuda = ctx.device.type == "cuda"
+    dtype = step_dtype(cfg.get("precision", "auto"), ctx.device, cuda and torch.cuda.is_bf16_supported())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    device_ids = [ctx.device.index] if cuda else None
     net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
     sync_every = cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0
     checkpoint_every = cfg.get("checkpoint_every", 0)
     num_batches = steps_per_epoch(manifest, cfg["batch_size"])
     num_rows = manifest["shards"][ctx.rank]["rows"]
     gate.log(
-        f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}): {cfg['epochs']} epochs "
-        f"x {num_batches} steps"
+        f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}, "
+        f"{'fp32' if dtype is None else 'bf16 autocast'}): {cfg['epochs']} epochs x {num_batches} steps"
     )
 
     model.train()
@@ -191,7 +195,8 @@ def train_rank(
                 inputs = inputs.to(ctx.device, non_blocking=True)
                 targets = targets.to(ctx.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(net(inputs), targets)
+                with autocast(ctx.device, dtype):
+                    loss = F.cross_entropy(net(inputs), targets)
                 step += 1
                 if _check_finite(loss, ctx, step, cfg.get("nonfinite_loss", "error")):
                     loss.backward()
@@ -241,6 +246,7 @@ def train_rank(
     )
     if metrics is not None:
         metrics.consolidate()
+    peak_memory = int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else None
     hosts: list[str | None] = [None] * ctx.world_size
     torch_dist.all_gather_object(hosts, host)  # also the barrier: every rank's files exist now
     gate.write_json(
@@ -255,6 +261,9 @@ def train_rank(
             "steps_per_epoch": num_batches,
             "train_seconds": float(seconds.item()),
             "backend": ctx.backend,
+            "device": str(ctx.device),
+            "precision": "fp32" if dtype is None else "bf16",
+            "peak_gpu_memory_bytes": peak_memory,
             "step_metrics": step_metrics,
             "hosts": hosts,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
