@@ -40,7 +40,7 @@ FULL = {
     },
     "scaling": {"rows": 60_000, "features": 32, "epochs": 2, "reps": 3, "strategies": ["ddp", "localsgd"]},
     "pipeline": {"epochs": 4, "reps": 3, "runs": list(pipeline.RUNS)},
-    "logging": {"rows": 200_000, "features": 32, "epochs": 2, "reps": 4},
+    "logging": {"rows": 100_000, "features": 32, "epochs": 1, "reps": 12},
     "gpu": {
         "rows": 2_000_000,
         "features": 64,
