@@ -182,3 +182,22 @@ def synthetic_spec(
     if val_fraction is not None and "val_fraction" in set().union(*SOURCE_KEYS["synthetic"]):
         spec["val_fraction"] = val_fraction
     return spec
+
+
+def make_dataset(out_dir: Path, num_rows: int, num_features: int, test_fraction: float = 0.01) -> Measured:
+    """``shardfuse.prepare`` of a synthetic dataset into ``out_dir`` (measured: wall time, peak RSS)."""
+    spec = json.dumps(synthetic_spec(num_rows, num_features, test_fraction=test_fraction))
+    return measure(
+        python_cmd("-m", "shardfuse.prepare", "--name", "bench", "--spec-json", spec, "--out-dir", out_dir)
+    )
+
+
+def make_shards(dataset: Path, world_size: int, out_dir: Path) -> Path:
+    """``shardfuse.partition`` of ``dataset``/train.parquet into ``world_size`` shards (seed 0)."""
+    measure(
+        python_cmd(
+            "-m", "shardfuse.partition", "--input", Path(dataset) / "train.parquet",
+            "--world-size", world_size, "--seed", 0, "--out-dir", out_dir,
+        )
+    )  # fmt: skip
+    return Path(out_dir)

@@ -31,19 +31,9 @@ def run(rows: int, features: int, epochs: int, batch_size: int, reps: int, work_
 
     gpus = torch.cuda.device_count()
     work_dir.mkdir(parents=True, exist_ok=True)
-    dataset, shards = work_dir / "dataset", work_dir / "shards"
-    spec = common.synthetic_spec(rows, features, test_fraction=0.01)
-    common.measure(
-        common.python_cmd(
-            "-m", "shardfuse.prepare", "--name", "gpu", "--spec-json", json.dumps(spec), "--out-dir", dataset
-        )
-    )
-    common.measure(
-        common.python_cmd(
-            "-m", "shardfuse.partition", "--input", dataset / "train.parquet",
-            "--world-size", gpus, "--seed", 0, "--out-dir", shards,
-        )
-    )  # fmt: skip
+    dataset = work_dir / "dataset"
+    common.make_dataset(dataset, rows, features)
+    shards = common.make_shards(dataset, gpus, work_dir / "shards")
     results: dict[str, list[dict]] = {precision: [] for precision in PRECISIONS}
     for _ in range(reps):
         for precision in PRECISIONS:

@@ -60,25 +60,9 @@ def train_config(epochs: int) -> dict:
 
 
 def prepare_data(work_dir: Path, rows: int, features: int) -> tuple[Path, Path]:
-    dataset, shards = work_dir / "dataset", work_dir / "shards"
-    spec = common.synthetic_spec(rows, features, test_fraction=0.01)
-    prepare = ("-m", "shardfuse.prepare", "--name", "bench", "--spec-json", json.dumps(spec))
-    common.measure(common.python_cmd(*prepare, "--out-dir", dataset))
-    common.measure(
-        common.python_cmd(
-            "-m",
-            "shardfuse.partition",
-            "--input",
-            dataset / "train.parquet",
-            "--world-size",
-            1,
-            "--seed",
-            0,
-            "--out-dir",
-            shards,
-        )
-    )
-    return dataset, shards
+    dataset = work_dir / "dataset"
+    common.make_dataset(dataset, rows, features)
+    return dataset, common.make_shards(dataset, 1, work_dir / "shards")
 
 
 def _timer(method, spent: list[float]):

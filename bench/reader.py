@@ -145,36 +145,8 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
 
 
 def make_shard(work_dir: Path, num_rows: int, num_features: int) -> Path:
-    spec = common.synthetic_spec(num_rows, num_features)
-    dataset = work_dir / "dataset"
-    common.measure(
-        common.python_cmd(
-            "-m",
-            "shardfuse.prepare",
-            "--name",
-            "bench",
-            "--spec-json",
-            json.dumps(spec),
-            "--out-dir",
-            dataset,
-        )
-    )
-    shard_dir = work_dir / "shards"
-    common.measure(
-        common.python_cmd(
-            "-m",
-            "shardfuse.partition",
-            "--input",
-            dataset / "train.parquet",
-            "--world-size",
-            1,
-            "--seed",
-            0,
-            "--out-dir",
-            shard_dir,
-        )
-    )
-    return shard_dir
+    common.make_dataset(work_dir / "dataset", num_rows, num_features)
+    return common.make_shards(work_dir / "dataset", 1, work_dir / "shards")
 
 
 def child(kind: str, path_name: str, shard_dir: Path, args: argparse.Namespace) -> list[object]:

@@ -48,36 +48,8 @@ def run(
     strategies = strategies or list(STRATEGIES)
     work_dir.mkdir(parents=True, exist_ok=True)
     dataset = work_dir / "dataset"
-    spec = common.synthetic_spec(rows, features, test_fraction=0.2)
-    common.measure(
-        common.python_cmd(
-            "-m",
-            "shardfuse.prepare",
-            "--name",
-            "bench",
-            "--spec-json",
-            json.dumps(spec),
-            "--out-dir",
-            dataset,
-        )
-    )
-    shard_dirs = {}
-    for world_size in WORLD_SIZES:
-        shard_dirs[world_size] = work_dir / f"shards-w{world_size}"
-        common.measure(
-            common.python_cmd(
-                "-m",
-                "shardfuse.partition",
-                "--input",
-                dataset / "train.parquet",
-                "--world-size",
-                world_size,
-                "--seed",
-                0,
-                "--out-dir",
-                shard_dirs[world_size],
-            )
-        )
+    common.make_dataset(dataset, rows, features, test_fraction=0.2)
+    shard_dirs = {w: common.make_shards(dataset, w, work_dir / f"shards-w{w}") for w in WORLD_SIZES}
     env = common.child_env(OMP_NUM_THREADS="1")
     throughput: dict[tuple[str, int], list[float]] = {}
     wall: dict[tuple[str, int], list[float]] = {}
