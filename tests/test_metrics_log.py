@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pyarrow.parquet as pq
 
@@ -11,7 +12,7 @@ from shardfuse.metrics_log import RECORD_BYTES, MetricsLog, read_records
 
 def append_steps(log: MetricsLog, steps: range) -> None:
     for step in steps:
-        log.append(step, 0, 1.0 / step, 100.0 + step / 3, 0.1, 1_700_000_000_000 + step)
+        log.append(step, 0, 1.0 / step, 100.0 + step / 3, 0.1, time.perf_counter())
 
 
 def steps_on_disk(log: MetricsLog) -> list[int]:
@@ -19,9 +20,14 @@ def steps_on_disk(log: MetricsLog) -> list[int]:
 
 
 def test_rows_reach_the_file_once_the_flush_interval_has_passed(tmp_path):
+    before_ms = time.time() * 1000
     log = MetricsLog(tmp_path, rank=0, flush_seconds=0.0)
     append_steps(log, range(1, 4))
     assert steps_on_disk(log) == [1, 2, 3]  # every append found the interval over: nothing only in memory
+    # The step clock (perf_counter) is stored as wall-clock milliseconds, for MLflow's timestamps.
+    stamps = read_records(log.path)["timestamp_ms"].to_pylist()
+    assert all(before_ms - 1000 <= stamp <= time.time() * 1000 + 1000 for stamp in stamps)
+    assert stamps == sorted(stamps)
 
 
 def test_rows_wait_in_memory_within_the_interval_and_a_flush_writes_them(tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import array
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -83,11 +82,15 @@ class MetricsLog:
             tmp.write_bytes(_to_records(kept))
         self._file = open(self.path, "ab")  # noqa: SIM115 - open for the whole run, closed by consolidate
         self._next_flush = time.monotonic() + flush_seconds
+        # append() takes time.perf_counter() (cheaper than time.time() each step); flush turns it into
+        # wall-clock milliseconds with this offset.
+        self._wall_offset = time.time() - time.perf_counter()
 
     def append(
-        self, step: int, epoch: int, loss: float, samples_per_second: float, lr: float, timestamp_ms: int
+        self, step: int, epoch: int, loss: float, samples_per_second: float, lr: float, clock: float
     ) -> None:
-        self.buffer.extend((step, epoch, loss, samples_per_second, lr, timestamp_ms))
+        """One step's row; ``clock`` is ``time.perf_counter()`` at the step's end (stored as wall ms)."""
+        self.buffer.extend((step, epoch, loss, samples_per_second, lr, clock))
         if len(self.buffer) >= self.max_values or time.monotonic() >= self._next_flush:
             self.flush()
 
@@ -95,9 +98,9 @@ class MetricsLog:
         """Write the buffered records to the file and hand them to the OS (they survive a kill)."""
         self._next_flush = time.monotonic() + self.flush_seconds
         if self.buffer:
-            if sys.byteorder != "little":
-                self.buffer.byteswap()
-            self._file.write(self.buffer.tobytes())
+            rows = np.frombuffer(self.buffer, dtype=np.float64).reshape(-1, len(COLUMNS)).copy()
+            rows[:, -1] = np.floor((rows[:, -1] + self._wall_offset) * 1000.0)  # perf_counter -> wall ms
+            self._file.write(rows.astype(RECORD, copy=False).tobytes())
             self.buffer = array.array("d")
         self._file.flush()
 

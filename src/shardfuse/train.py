@@ -78,15 +78,15 @@ def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
     return max(1, math.ceil(smallest / batch_size))
 
 
-def _check_finite(loss: torch.Tensor, ctx: DistContext, step: int, policy: str) -> bool:
+def _check_finite(loss_value: float, ctx: DistContext, step: int, policy: str) -> bool:
     """True if the step may proceed. 'error' stops the run; 'skip' skips the batch on every rank."""
     if policy == "skip":
-        finite = torch.isfinite(loss.detach()).to(torch.int32).reshape(1)
+        finite = torch.tensor([int(math.isfinite(loss_value))], dtype=torch.int32, device=ctx.device)
         torch_dist.all_reduce(finite, op=torch_dist.ReduceOp.MIN)
         return bool(finite.item())
-    if not torch.isfinite(loss.detach()):
+    if not math.isfinite(loss_value):
         raise UserError(
-            f"rank {ctx.rank}: loss is {loss.item()} at step {step}; lower lr, check the data for "
+            f"rank {ctx.rank}: loss is {loss_value} at step {step}; lower lr, check the data for "
             "extreme values, or set nonfinite_loss: skip to skip such batches"
         )
     return True
@@ -181,7 +181,7 @@ def train_rank(
     started = time.perf_counter()
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
-    last_loss: torch.Tensor | None = None
+    nonfinite_policy = cfg.get("nonfinite_loss", "error")
     # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
@@ -190,6 +190,7 @@ def train_rank(
     ):
         for epoch in range(position.epoch, cfg["epochs"]):
             first = position.next_batch if epoch == position.epoch else 0
+            lr = optimizer.param_groups[0]["lr"]  # no per-step schedule: read once an epoch
             tick = time.perf_counter()  # samples/s covers the whole step: waiting for data included
             for index, (inputs, targets) in enumerate(reader.epoch(epoch, num_batches, first), start=first):
                 inputs = inputs.to(ctx.device, non_blocking=True)
@@ -198,28 +199,20 @@ def train_rank(
                 with autocast(ctx.device, dtype):
                     loss = F.cross_entropy(net(inputs), targets)
                 step += 1
-                if _check_finite(loss, ctx, step, cfg.get("nonfinite_loss", "error")):
+                loss_value = loss.item()  # one host sync a step: the finite check and metrics share it
+                if _check_finite(loss_value, ctx, step, nonfinite_policy):
                     loss.backward()
                     optimizer.step()
                 if sync_every and step % sync_every == 0:
                     average_parameters(model, ctx.world_size)
                 if metrics is not None:
                     now = time.perf_counter()
-                    loss_value, throughput = loss.item(), len(targets) / max(now - tick, 1e-9)
+                    throughput = len(targets) / max(now - tick, 1e-9)
                     tick = now
-                    metrics.append(
-                        step,
-                        epoch,
-                        loss_value,
-                        throughput,
-                        optimizer.param_groups[0]["lr"],
-                        int(time.time() * 1000),
-                    )
+                    metrics.append(step, epoch, loss_value, throughput, lr, now)
                     progress.update(step, loss=loss_value, samples_per_second=throughput)
                     if live is not None:
                         live.log(step, {"loss": loss_value, "samples_per_second": throughput})
-                else:
-                    last_loss = loss
                 if checkpoint_every and step % checkpoint_every == 0:
                     if metrics is not None:
                         metrics.flush()  # every row up to the checkpoint survives a restart from it
@@ -233,8 +226,6 @@ def train_rank(
                     )
                     torch_dist.barrier()  # every rank saved before the checkpoint counts
                     gate.call(mark_complete, checkpoint_dir, step, cfg.get("keep_checkpoints", 2))
-            if metrics is None and last_loss is not None:
-                loss_value = last_loss.item()
             gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss_value:.4f}")
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
