@@ -20,12 +20,8 @@ if [[ ! -d $STATE_DIR ]]; then
     exit 0
 fi
 
-running() {
-    local st
-    st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    st=${st##*) }
-    [[ -n $st && ${st%% *} != [ZX] ]]
-}
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 # group_alive PGID: some non-zombie process is still in the group.
 group_alive() {

@@ -18,26 +18,8 @@ PURGE=0
 
 log() { printf 'slurm-down: %s\n' "$*" >&2; }
 
-# running PID: exists and is not a zombie. The daemons reparent to PID 1,
-# which on these VMs/containers may not reap promptly; a zombie is stopped.
-running() {
-    local st
-    st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    st=${st##*) }
-    [[ -n $st && ${st%% *} != [ZX] ]]
-}
-
-# pid_of NAME [PIDFILE]: pid from PIDFILE (default $STATE_DIR/NAME.pid) if it
-# is a running process called NAME (guards against recycled pids).
-pid_of() {
-    local name=$1 pidfile=${2:-$STATE_DIR/$1.pid} pid
-    [[ -s $pidfile ]] || return 1
-    pid=$(<"$pidfile")
-    [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$name" ]] || return 1
-    running "$pid" || return 1
-    printf '%s\n' "$pid"
-}
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 if [[ ! -d $STATE_DIR ]]; then
     log "nothing to do ($STATE_DIR does not exist)"
@@ -51,42 +33,18 @@ flock -w 30 9 || log "WARNING: $STATE_DIR/.lock still held after 30s; stopping a
 
 # Cancel jobs first while the controller is still there: a job's slurmstepd
 # is not a child of slurmd and would otherwise keep running, orphaned.
-if pid_of slurmctld >/dev/null && command -v scancel >/dev/null 2>&1; then
-    if [[ -n $(squeue -h -o %i 2>/dev/null) ]]; then
-        log "cancelling remaining jobs"
-        scancel --partition=debug 2>/dev/null || true
-        for _ in $(seq 1 30); do
-            [[ -z $(squeue -h -t running,completing -o %i 2>/dev/null) ]] && break
-            sleep 0.5
-        done
-    fi
+if pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
+    cancel_jobs debug
 fi
 
 # slurmd before slurmctld (so the controller does not log the node dying),
 # munged last (both slurm daemons need it until they exit).
-stop() {
-    local name=$1 pidfile=${2:-$STATE_DIR/$1.pid} pid
-    if pid=$(pid_of "$name" "$pidfile"); then
-        log "stopping $(basename "$pidfile" .pid) (pid $pid)"
-        kill -TERM "$pid" 2>/dev/null || true
-        for _ in $(seq 1 100); do
-            running "$pid" || break
-            sleep 0.1
-        done
-        if running "$pid"; then
-            log "$name did not exit after 10s; sending SIGKILL"
-            kill -KILL "$pid" 2>/dev/null || true
-            sleep 0.5
-        fi
-    fi
-    rm -f "$pidfile"
-}
 # One slurmd per (virtual) node: slurmd-<node>.pid.
 for f in "$STATE_DIR"/slurmd*.pid; do
-    [[ -e $f ]] && stop slurmd "$f"
+    [[ -e $f ]] && stop_daemon slurmd "$f"
 done
-stop slurmctld
-stop munged
+stop_daemon slurmctld "$STATE_DIR/slurmctld.pid"
+stop_daemon munged "$STATE_DIR/munged.pid"
 rm -f "$STATE_DIR/munge/munged.pid" 2>/dev/null || true
 
 # Drop the /etc/hosts lines slurm-up.sh added for virtual node names

@@ -21,19 +21,8 @@ log() { printf 'slurm-netns-down: %s\n' "$*" >&2; }
 
 [[ $(id -u) -eq 0 ]] || { echo "slurm-netns-down: must run as root" >&2; exit 1; }
 
-running() {
-    local st
-    st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    st=${st##*) }
-    [[ -n $st && ${st%% *} != [ZX] ]]
-}
-pid_of() {
-    local pid
-    [[ -s $2 ]] || return 1
-    pid=$(<"$2")
-    [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$1" ]] || return 1
-    running "$pid" && printf '%s\n' "$pid"
-}
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 if [[ -d $STATE_DIR ]]; then
     exec 9>"$STATE_DIR/.lock"
@@ -44,15 +33,8 @@ fi
 mapfile -t NAMESPACES < <(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^sfn-node[0-9]+$' || true)
 
 # 1. Cancel jobs while the controller still answers, so it does not keep them around.
-if [[ -f $SLURM_CONF ]] && pid_of slurmctld "$STATE_DIR/slurmctld.pid" >/dev/null; then
-    if [[ -n $(squeue -h -o %i 2>/dev/null) ]]; then
-        log "cancelling jobs"
-        scancel --partition=netns 2>/dev/null || true
-        for _ in $(seq 1 20); do
-            [[ -z $(squeue -h -t running,completing -o %i 2>/dev/null) ]] && break
-            sleep 0.5
-        done
-    fi
+if [[ -f $SLURM_CONF ]] && pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
+    cancel_jobs netns
 fi
 
 # 2. Every process inside a node namespace was started by the up script (slurmd) or by a job on
@@ -85,18 +67,8 @@ fi
 rm -f "$STATE_DIR"/slurmd-*.pid
 
 # 3. Host-side daemons, by pid file.
-stop() {
-    local pid
-    if pid=$(pid_of "$1" "$2"); then
-        log "stopping $1 (pid $pid)"
-        kill -TERM "$pid" 2>/dev/null || true
-        for _ in $(seq 1 100); do running "$pid" || break; sleep 0.1; done
-        if running "$pid"; then kill -KILL "$pid" 2>/dev/null || true; fi
-    fi
-    rm -f "$2"
-}
-stop slurmctld "$STATE_DIR/slurmctld.pid"
-stop munged "$STATE_DIR/munged.pid"
+stop_daemon slurmctld "$STATE_DIR/slurmctld.pid"
+stop_daemon munged "$STATE_DIR/munged.pid"
 
 # 4. Links and namespaces. Deleting one end of a veth pair deletes both.
 for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' | grep -E '^sfn-h[0-9]+$' || true); do

@@ -63,20 +63,8 @@ node_of() { echo "node$1"; }
 addr_of() { echo "$NET.$((10 + $1))"; }
 CTL_ADDR=$NET.1
 
-# running PID: exists and is not a zombie (PID 1 here does not always reap).
-running() {
-    local st
-    st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    st=${st##*) }
-    [[ -n $st && ${st%% *} != [ZX] ]]
-}
-# pid_alive NAME PIDFILE: PIDFILE names a running process called NAME (guards against reuse).
-pid_alive() {
-    local pid
-    [[ -s $2 ]] || return 1
-    pid=$(<"$2")
-    [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$1" ]] && running "$pid"
-}
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 [[ $(id -u) -eq 0 ]] || { echo "slurm-netns-up: must run as root (namespaces, links)" >&2; exit 1; }
 [[ $NNODES =~ ^[2-8]$ ]] || { echo "slurm-netns-up: SHARDFUSE_NETNS_NODES must be 2..8" >&2; exit 1; }

@@ -41,25 +41,8 @@ dump_logs() {
     done
 }
 
-# running PID: true if PID exists and is not a zombie. The daemons reparent to
-# PID 1, which on these VMs/containers is not always a reaping init, so a dead
-# daemon can linger as a zombie with its /proc entry (and name) intact.
-running() {
-    local st
-    st=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-    st=${st##*) }
-    [[ -n $st && ${st%% *} != [ZX] ]]
-}
-
-# pid_alive NAME PIDFILE: true if PIDFILE names a running process called NAME.
-# Checking the command name guards against a recycled pid.
-pid_alive() {
-    local name=$1 pidfile=$2 pid
-    [[ -s $pidfile ]] || return 1
-    pid=$(<"$pidfile")
-    [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [[ -r /proc/$pid/comm && $(</proc/"$pid"/comm) == "$name" ]] && running "$pid"
-}
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 [[ $(id -u) -eq 0 ]] || { echo "slurm-up: must run as root (installs packages, writes /etc)" >&2; exit 1; }
 
