@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Figures measured by integration tests, printed at the end of the run (CI log).
 MEASUREMENTS: list[str] = []
+# Fast status polling for a SLURM cluster on this machine; the profile's own values suit real clusters.
+SLURM_FAST_STATUS = [
+    "--slurm-init-seconds-before-status-checks",
+    "1",
+    "--seconds-between-status-checks",
+    "2",
+    "--latency-wait",
+    "5",
+]
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -54,6 +65,32 @@ def snakemake_failure(workdir: Path, proc: subprocess.CompletedProcess, tail: in
         text = path.read_text(errors="replace") if path.is_file() else "(no such file)"
         parts.append(f"--- {name} (last {tail} chars) ---\n{text[-tail:]}")
     return "\n".join(parts)
+
+
+def write_train_dir(
+    out: Path, base: dict, ranks: int = 2, rank_tensors: Callable[[int], dict] | None = None
+) -> Path:
+    """A train directory as training writes it (base and rank checkpoints, train.json) from hand-made
+    tensors: ``base`` for the base model, ``rank_tensors(rank)`` (default: ``base``) for each rank."""
+    from shardfuse.checkpoint import save_weights
+
+    spec = {
+        "type": "mlp",
+        "num_features": 4,
+        "num_classes": 3,
+        "hidden_sizes": [],
+        "activation": "relu",
+        "dropout": 0.0,
+    }
+    meta = {"run": "t", "world_size": ranks, "strategy": "localsgd", "model": spec}
+    save_weights(out / "base.safetensors", base, {**meta, "rank": None})
+    for rank in range(ranks):
+        tensors = rank_tensors(rank) if rank_tensors else base
+        save_weights(
+            out / f"rank-{rank}.safetensors", tensors, {**meta, "rank": rank, "rows": 5, "num_steps": 1}
+        )
+    (out / "train.json").write_text(json.dumps({**meta, "num_steps": 1}))
+    return out
 
 
 def run_stage(stage: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -19,8 +19,7 @@ import pytest
 import torch
 import yaml
 
-from shardfuse.checkpoint import save_weights
-from tests.conftest import REPO, run_stage
+from tests.conftest import REPO, run_stage, snakemake_command, write_train_dir
 
 DOCS = REPO / "docs" / "errors.md"
 
@@ -71,24 +70,11 @@ def user_file(tmp: Path, columns: dict, fragment: str, **spec) -> Case:
 
 
 def train_dir(tmp: Path, ranks: int = 2, shapes: dict | None = None) -> Path:
-    """A train directory as training writes it, with hand-made rank checkpoints."""
-    spec = {
-        "type": "mlp",
-        "num_features": 4,
-        "num_classes": 3,
-        "hidden_sizes": [],
-        "activation": "relu",
-        "dropout": 0.0,
-    }
-    meta = {"run": "t", "world_size": ranks, "strategy": "localsgd", "model": spec}
-    out = tmp / "ranks"
+    """A train directory as training writes it, with hand-made rank checkpoints (the last rank's
+    tensors replaced by ``shapes``)."""
     tensors = {"net.0.weight": torch.zeros(3, 4), "net.0.bias": torch.zeros(3)}
-    save_weights(out / "base.safetensors", tensors, {**meta, "rank": None})
-    for rank in range(ranks):
-        own = {**tensors, **(shapes or {})} if rank == ranks - 1 else tensors
-        save_weights(out / f"rank-{rank}.safetensors", own, {**meta, "rank": rank, "rows": 5, "num_steps": 1})
-    (out / "train.json").write_text(json.dumps({**meta, "num_steps": 1}))
-    return out
+    last = {**tensors, **(shapes or {})}
+    return write_train_dir(tmp / "ranks", tensors, ranks, lambda rank: last if rank == ranks - 1 else tensors)
 
 
 def gather_case(tmp: Path, out_dir: Path, fragment: str, world_size: int = 2) -> Case:
@@ -443,7 +429,6 @@ def test_catalogue_is_large_enough_and_documented():
 def test_shell_metacharacters_in_a_dataset_path_reach_no_shell(tmp_path):
     """Config values reach rule shells quoted: a path full of metacharacters is just a path."""
     import subprocess
-    import sys
 
     from tests.conftest import subprocess_env
 
@@ -466,21 +451,9 @@ def test_shell_metacharacters_in_a_dataset_path_reach_no_shell(tmp_path):
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "--configfile",
-            str(tmp_path / "config.yaml"),
-            "--cores",
-            "1",
-            "--until",
-            "partition",
-        ],
+        snakemake_command(
+            tmp_path, "--configfile", tmp_path / "config.yaml", "--cores", 1, "--until", "partition"
+        ),
         capture_output=True,
         text=True,
         env=subprocess_env(),

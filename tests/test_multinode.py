@@ -25,7 +25,14 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import MEASUREMENTS, REPO, snakemake_command, snakemake_failure, subprocess_env
+from tests.conftest import (
+    MEASUREMENTS,
+    REPO,
+    SLURM_FAST_STATUS,
+    snakemake_command,
+    snakemake_failure,
+    subprocess_env,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -34,14 +41,6 @@ SLURM_CONF = STATE_DIR / "slurm.conf"
 UP = REPO / "scripts" / "slurm-netns-up.sh"
 DOWN = REPO / "scripts" / "slurm-netns-down.sh"
 NODES = ("node1", "node2")
-FAST_STATUS = [
-    "--slurm-init-seconds-before-status-checks",
-    "1",
-    "--seconds-between-status-checks",
-    "2",
-    "--latency-wait",
-    "5",
-]
 
 
 def cluster_env() -> dict[str, str]:
@@ -118,7 +117,7 @@ def experiment(path: Path, runs: dict[str, dict], **defaults) -> Path:
 
 
 def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
-    return snakemake_command(workdir, "--profile", REPO / "profiles" / "slurm", *FAST_STATUS, *args)
+    return snakemake_command(workdir, "--profile", REPO / "profiles" / "slurm", *SLURM_FAST_STATUS, *args)
 
 
 # Same world size across two nodes and on one node: (run across nodes, run on one node, ranks per node).

@@ -16,7 +16,7 @@ import yaml
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
-from tests.conftest import run_stage, snakemake_command, snakemake_failure, subprocess_env
+from tests.conftest import run_stage, snakemake_command, snakemake_failure, subprocess_env, write_train_dir
 
 pytestmark = pytest.mark.integration
 
@@ -257,28 +257,8 @@ def test_interrupted_partition_leaves_nothing_that_looks_complete(tmp_path):
 
 
 def test_interrupted_merge_leaves_nothing_that_looks_complete(tmp_path):
-    from shardfuse.checkpoint import save_weights
-    from shardfuse.io import write_json
-
-    spec = {
-        "type": "mlp",
-        "num_features": 4,
-        "num_classes": 3,
-        "hidden_sizes": [],
-        "activation": "relu",
-        "dropout": 0.0,
-    }
-    meta = {"run": "t", "world_size": 2, "strategy": "localsgd", "model": spec}
-    ranks = tmp_path / "ranks"
     big = {f"w{i}": torch.randn(4096, 4096) for i in range(6)}  # ~400 MB per rank: the merge takes a while
-    save_weights(ranks / "base.safetensors", big, {**meta, "rank": None})
-    for rank in (0, 1):
-        save_weights(
-            ranks / f"rank-{rank}.safetensors",
-            {k: v + rank for k, v in big.items()},
-            {**meta, "rank": rank, "rows": 5, "num_steps": 1},
-        )
-    write_json(ranks / "train.json", {**meta, "num_steps": 1})
+    ranks = write_train_dir(tmp_path / "ranks", big, 2, lambda rank: {k: v + rank for k, v in big.items()})
     gathered = run_stage("gather", "--train-dir", ranks, "--world-size", 2, "--out", tmp_path / "gather.json")
     assert gathered.returncode == 0, gathered.stderr
     out_weights, out_json = tmp_path / "run" / "merged.safetensors", tmp_path / "run" / "merge.json"

@@ -18,22 +18,19 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import MEASUREMENTS, REPO, snakemake_command, snakemake_failure, subprocess_env
+from tests.conftest import (
+    MEASUREMENTS,
+    REPO,
+    SLURM_FAST_STATUS,
+    snakemake_command,
+    snakemake_failure,
+    subprocess_env,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
-# Fast status polling for a cluster on this machine; the profile's own values suit real clusters.
 # The test cluster has 2 CPUs: world-size-4 trainings ask for 4 threads, which it could never grant.
-FAST_STATUS = [
-    "--set-threads",
-    "train=2",
-    "--slurm-init-seconds-before-status-checks",
-    "1",
-    "--seconds-between-status-checks",
-    "2",
-    "--latency-wait",
-    "5",
-]
+FAST_STATUS = ["--set-threads", "train=2", *SLURM_FAST_STATUS]
 
 
 def snakemake_cmd(workdir: Path, *args: str, profile: bool = True) -> list[str]:
