@@ -7,6 +7,17 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+# Run on the submit host, never as cluster jobs: track and track_comparison are the one MLflow
+# writer (compute nodes often cannot reach a tracking server, and SQLite locks under many writers);
+# summary, plots and compare_merge_methods are cheap (small CSV/Parquet/JSON files).
+localrules:
+    track,
+    track_comparison,
+    summary,
+    plots,
+    compare_merge_methods,
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/partition.smk"
@@ -21,6 +32,7 @@ include: "workflow/rules/track.smk"
 
 onstart:
     fail_multi_node_runs_without_slurm()
+    fail_train_jobs_larger_than_their_partition()
 
 
 rule all:

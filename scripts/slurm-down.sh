@@ -34,12 +34,11 @@ flock -w 30 9 || log "WARNING: $STATE_DIR/.lock still held after 30s; stopping a
 # Cancel jobs first while the controller is still there: a job's slurmstepd
 # is not a child of slurmd and would otherwise keep running, orphaned.
 if pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
-    cancel_jobs debug
+    cancel_jobs debug,gpu
 fi
 
 # slurmd before slurmctld (so the controller does not log the node dying),
 # munged last (both slurm daemons need it until they exit).
-# One slurmd per (virtual) node: slurmd-<node>.pid.
 for f in "$STATE_DIR"/slurmd*.pid; do
     [[ -e $f ]] && stop_daemon slurmd "$f"
 done
@@ -47,11 +46,14 @@ stop_daemon slurmctld "$STATE_DIR/slurmctld.pid"
 stop_daemon munged "$STATE_DIR/munged.pid"
 rm -f "$STATE_DIR/munge/munged.pid" 2>/dev/null || true
 
-# Drop the /etc/hosts lines slurm-up.sh added for virtual node names
-# (rewritten in place: /etc/hosts may be a bind mount).
-if grep -q '# shardfuse-slurm$' /etc/hosts 2>/dev/null; then
-    hosts=$(grep -v '# shardfuse-slurm$' /etc/hosts || true)
-    printf '%s\n' "$hosts" >/etc/hosts
+# Our gres.conf names fake GPU files in the state dir: put back a foreign one, or remove ours.
+ETC_GRES=$(dirname "$ETC_CONF")/gres.conf
+if [[ $(head -n1 "$ETC_GRES" 2>/dev/null) == "$MARKER" ]]; then
+    if [[ -f $ETC_GRES.pre-shardfuse ]]; then
+        mv -f "$ETC_GRES.pre-shardfuse" "$ETC_GRES"
+    elif ((PURGE)); then
+        rm -f "$ETC_GRES"
+    fi
 fi
 
 # Put back a config that was there before slurm-up.sh replaced it; otherwise

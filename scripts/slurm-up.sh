@@ -3,9 +3,13 @@
 # root, no systemd, no cgroups) for tests and CI.
 #
 #   bash scripts/slurm-up.sh      # install if needed, start, wait for idle
-#   SHARDFUSE_SLURM_NODES=2 bash scripts/slurm-up.sh   # 2 virtual nodes
-#   bash scripts/slurm-check.sh   # smoke test
 #   bash scripts/slurm-down.sh    # stop what this script started
+#
+# Test-only shape (so the repository's own profiles and the README's examples can be exercised on a
+# small machine): the node declares at least SHARDFUSE_SLURM_CPUS (default 4) CPUs even when it has
+# fewer (SlurmdParameters=config_overrides), two partitions (`debug`, the default, and `gpu`), and
+# 8 fake GPUs (gres/gpu backed by empty files: sbatch accepts and records --gres=gpu:N, no job
+# sees a device). Never copy these three settings to a real cluster.
 #
 # All state lives in ${SHARDFUSE_SLURM_DIR:-/tmp/shardfuse-slurm}. The config
 # is also installed as /etc/slurm/slurm.conf because sbatch/squeue/scancel/srun
@@ -19,6 +23,9 @@ set -euo pipefail
 STATE_DIR=${SHARDFUSE_SLURM_DIR:-/tmp/shardfuse-slurm}
 WAIT_S=${SHARDFUSE_SLURM_WAIT_S:-60}
 PARTITION=debug
+GPU_PARTITION=gpu
+NUM_GPUS=8
+MIN_CPUS=${SHARDFUSE_SLURM_CPUS:-4}
 ETC_CONF=/etc/slurm/slurm.conf
 # First line of every config we write; lets us tell our file from a foreign one.
 MARKER="# Managed by shardfuse scripts/slurm-up.sh -- do not edit, rerun the script."
@@ -98,17 +105,7 @@ if ((${#missing[@]})); then
 fi
 
 NODE=$(hostname -s)
-# Optional: several virtual nodes on this one host (Debian's slurmd is built
-# with multiple-slurmd support: one slurmd per node name, each on its own
-# port), so `sbatch -N2` + `srun --ntasks-per-node=1` can be exercised.
-# Default 1 node, named `hostname -s`.
-NNODES=${SHARDFUSE_SLURM_NODES:-1}
-[[ $NNODES =~ ^[1-8]$ ]] || die "SHARDFUSE_SLURM_NODES must be 1..8 (got '$NNODES')"
-if ((NNODES == 1)); then
-    NODES=("$NODE")
-else
-    for ((i = 1; i <= NNODES; i++)); do NODES+=("$NODE-$i"); done
-fi
+NODES=("$NODE")
 
 # --------------------------------------------------------------------------
 # 2. Config. Hardware from `slurmd -C`: slurmd drains the node if the config
@@ -127,9 +124,14 @@ DETECTED_MB=$(get RealMemory)
 reserve=$((DETECTED_MB / 20))
 ((reserve < 512)) && reserve=512
 MEM_MB=$((DETECTED_MB - reserve))
-# Virtual nodes share the RAM (each still gets all CPUs: slurmd rejects a
-# config whose socket/core layout differs from what it detects).
-((NNODES > 1)) && MEM_MB=$((MEM_MB / NNODES))
+# Test-only: declare at least MIN_CPUS CPUs (more cores per socket) so a world-size-4 training's
+# --cpus-per-task=4 is accepted on a 2-core machine; config_overrides stops slurmd from draining a
+# node that claims more than it detects. The ranks then share the real cores.
+[[ $MIN_CPUS =~ ^[1-9][0-9]*$ ]] || die "SHARDFUSE_SLURM_CPUS must be a positive integer (got '$MIN_CPUS')"
+if ((CPUS < MIN_CPUS)); then
+    CORES=$(((MIN_CPUS + BOARDS * SOCKETS * THREADS - 1) / (BOARDS * SOCKETS * THREADS)))
+    CPUS=$((BOARDS * SOCKETS * CORES * THREADS))
+fi
 # Jobs that do not pass --mem would otherwise get the whole node and serialise.
 DEF_MEM_PER_CPU=$((MEM_MB / CPUS))
 ((DEF_MEM_PER_CPU > 1024)) && DEF_MEM_PER_CPU=1024
@@ -183,14 +185,25 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
 Waittime=0
+# Test-only (see the header): the node's declared CPUs win over what slurmd detects, and its
+# GPUs are fake (gres.conf below), so --gres=gpu:N is accepted and recorded.
+SlurmdParameters=config_overrides
+GresTypes=gpu
+NodeName=$NODE NodeAddr=127.0.0.1 NodeHostname=$NODE Port=6818 CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS RealMemory=$MEM_MB Gres=gpu:$NUM_GPUS State=UNKNOWN
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=$GPU_PARTITION Nodes=ALL Default=NO MaxTime=INFINITE State=UP
 EOF
-for i in "${!NODES[@]}"; do
-    echo "NodeName=${NODES[i]} NodeAddr=127.0.0.1 NodeHostname=$NODE Port=$((6818 + i)) CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS RealMemory=$MEM_MB State=UNKNOWN"
-done >>"$new_conf"
-echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$new_conf"
+# Fake GPUs: slurmd drops GPUs without device files, so each is an empty regular file in the state dir
+# (SLURM only checks that it exists; no job can use it as a device). No autodetection.
+mkdir -p "$STATE_DIR/fake-gpus"
+for ((i = 0; i < NUM_GPUS; i++)); do : >"$STATE_DIR/fake-gpus/gpu$i"; done
+new_gres=$(mktemp "$STATE_DIR/gres.conf.XXXXXX")
+printf '%s\nAutoDetect=off\nNodeName=%s Name=gpu File=%s/fake-gpus/gpu[0-%s]\n' \
+    "$MARKER" "$NODE" "$STATE_DIR" "$((NUM_GPUS - 1))" >"$new_gres"
 
+ETC_GRES=$(dirname "$ETC_CONF")/gres.conf
 conf_changed=1
-if [[ -f $ETC_CONF ]] && cmp -s "$new_conf" "$ETC_CONF"; then
+if [[ -f $ETC_CONF ]] && cmp -s "$new_conf" "$ETC_CONF" && [[ -f $ETC_GRES ]] && cmp -s "$new_gres" "$ETC_GRES"; then
     conf_changed=0
 fi
 
@@ -213,7 +226,7 @@ if ((conf_changed == 0)) \
     && all_slurmd_alive \
     && munge -n 2>/dev/null | unmunge >/dev/null 2>&1 \
     && all_usable; then
-    rm -f "$new_conf"
+    rm -f "$new_conf" "$new_gres"
     log "already up: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')"
     exit 0
 fi
@@ -227,8 +240,12 @@ if [[ -f $ETC_CONF ]] && [[ $(head -n1 "$ETC_CONF") != "$MARKER" ]] && [[ ! -e $
     log "backing up existing $ETC_CONF to $ETC_CONF.pre-shardfuse"
     cp -p "$ETC_CONF" "$ETC_CONF.pre-shardfuse"
 fi
-chmod 0644 "$new_conf"
+if [[ -f $ETC_GRES ]] && [[ $(head -n1 "$ETC_GRES") != "$MARKER" ]] && [[ ! -e $ETC_GRES.pre-shardfuse ]]; then
+    cp -p "$ETC_GRES" "$ETC_GRES.pre-shardfuse"
+fi
+chmod 0644 "$new_conf" "$new_gres"
 cp "$new_conf" "$STATE_DIR/slurm.conf"
+mv -f "$new_gres" "$ETC_GRES"
 mv -f "$new_conf" "$ETC_CONF"
 
 # If our daemons run with an old config, restart them (a node definition
@@ -246,19 +263,6 @@ if ((conf_changed)); then
         fi
         rm -f "$pidfile"
     done
-fi
-
-# Virtual node names must resolve for user code (e.g. MASTER_ADDR taken from
-# `scontrol show hostnames`); map them to 127.0.0.1 in /etc/hosts, in marked
-# lines that slurm-down.sh removes. Rewritten in place (not sed -i) because
-# /etc/hosts is often a bind mount that cannot be replaced by rename.
-HOSTS_MARK="# shardfuse-slurm"
-if grep -q "$HOSTS_MARK\$" /etc/hosts 2>/dev/null; then
-    hosts=$(grep -v "$HOSTS_MARK\$" /etc/hosts || true)
-    printf '%s\n' "$hosts" >/etc/hosts
-fi
-if ((NNODES > 1)); then
-    echo "127.0.0.1 ${NODES[*]} $HOSTS_MARK" >>/etc/hosts
 fi
 
 # --------------------------------------------------------------------------
@@ -357,4 +361,4 @@ fi
 pid_alive slurmctld "$STATE_DIR/slurmctld.pid" || die "slurmctld pid file missing or stale"
 all_slurmd_alive || die "a slurmd pid file is missing or stale"
 
-log "up: nodes=${NODES[*]} ($(node_state "${NODES[0]}")) cpus=$CPUS memory=${MEM_MB}MB per node (detected ${DETECTED_MB}MB) partition=$PARTITION(default) state_dir=$STATE_DIR"
+log "up: node=$NODE ($(node_state "$NODE")) cpus=$CPUS (detected $(get CPUs)) gpus=$NUM_GPUS (fake) memory=${MEM_MB}MB (detected ${DETECTED_MB}MB) partitions=$PARTITION(default),$GPU_PARTITION state_dir=$STATE_DIR"

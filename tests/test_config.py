@@ -58,6 +58,22 @@ def test_runs_table_cells_override_defaults_and_empty_cells_keep_them(tmp_path):
     assert experiment.runs["b"]["lr"] == 0.5
 
 
+def test_runs_table_sets_keys_that_may_be_null(tmp_path):
+    """The README's multi-node and merge rows: nproc_per_node, merge_weights, merge_density in cells."""
+    table = tmp_path / "runs.tsv"
+    table.write_text(
+        "run\tstrategy\tworld_size\tnodes\tnproc_per_node\tmerge_method\tmerge_weights\tmerge_density\n"
+        "big\tddp\t32\t4\t8\tconsolidate\t\t\n"
+        "w\tlocalsgd\t2\t1\tnull\tweighted\t0.25,0.75\t\n"
+        "t\tlocalsgd\t2\t\t\tties\t\t0.3\n"
+    )
+    runs = load_experiment(base_config(str(table)), environ={}).runs
+    assert runs["big"]["nproc_per_node"] == 8 and runs["big"]["nodes"] == 4
+    assert runs["w"]["nproc_per_node"] == 2  # null: world_size / nodes
+    assert runs["w"]["merge_weights"] == [0.25, 0.75]
+    assert runs["t"]["merge_density"] == 0.3
+
+
 @pytest.mark.parametrize(
     ("runs", "expected"),
     [

@@ -8,7 +8,15 @@ import pytest
 
 from shardfuse import launch
 from shardfuse.io import UserError
-from shardfuse.launch import Geometry, job_resources, launch_command, node_step_command, rendezvous_port
+from shardfuse.launch import (
+    Geometry,
+    attempt_log,
+    job_resources,
+    launch_command,
+    node_step_command,
+    rendezvous_port,
+)
+from tests.conftest import run_stage
 
 TRAIN = ["--run-name", "r", "--out-dir", "results/runs/r/.train.partial"]
 
@@ -148,3 +156,27 @@ def test_each_rank_gets_its_share_of_the_job_threads():
     assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "2"
     assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "1"
     assert "OMP_NUM_THREADS" not in rank_environ(Geometry(1, 4), {})
+
+
+def test_each_attempt_writes_its_own_log_and_the_declared_log_names_the_latest(tmp_path):
+    log = tmp_path / "logs" / "train" / "t.log"
+    assert attempt_log(log) == (log.with_name("t.attempt-1.log"), 1)
+    log.write_text("attempt 1: killed")
+    log.unlink()  # what Snakemake does to a job's declared log before it runs the job again
+    assert attempt_log(log) == (log.with_name("t.attempt-2.log"), 2)
+    log.write_text("attempt 2: finished")
+    assert log.with_name("t.attempt-1.log").read_text() == "attempt 1: killed"
+    assert log.with_name("t.attempt-2.log").read_text() == "attempt 2: finished"
+
+
+def test_launch_logs_every_attempt_and_names_the_earlier_ones(tmp_path):
+    log = tmp_path / "train.log"
+    for _ in range(2):
+        log.unlink(missing_ok=True)
+        proc = run_stage("launch", "--nproc-per-node", "1", "--max-restarts", "-1", "--log", log)
+        assert proc.returncode == 2 and proc.stderr == ""
+    first = (tmp_path / "train.attempt-1.log").read_text()
+    assert "--max-restarts -1 must be >= 0" in first and "attempt" not in first
+    second = log.read_text()
+    assert "attempt 2; earlier attempts' logs: train.attempt-1.log" in second
+    assert second == (tmp_path / "train.attempt-2.log").read_text()

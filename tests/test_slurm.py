@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,8 +30,7 @@ from tests.conftest import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
-# The test cluster has 2 CPUs: world-size-4 trainings ask for 4 threads, which it could never grant.
-FAST_STATUS = ["--set-threads", "train=2", *SLURM_FAST_STATUS]
+FAST_STATUS = SLURM_FAST_STATUS
 
 
 def snakemake_cmd(workdir: Path, *args: str, profile: bool = True) -> list[str]:
@@ -82,22 +82,50 @@ def slurm_job_ids(workdir: Path, rule: str) -> list[str]:
     return sorted(p.stem for p in (workdir / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))
 
 
+def checkout_copy(dest: Path) -> Path:
+    """A copy of this checkout's files (what `git clone` would give, plus uncommitted work)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def slurm_and_local_runs(slurm_cluster, tmp_path_factory):
-    """The default experiment twice, in the same test run: with the SLURM profile and locally."""
-    slurm_dir = default_experiment(tmp_path_factory.mktemp("slurm") / "work")
-    proc, slurm_seconds = run_snakemake(slurm_dir)
-    assert proc.returncode == 0, snakemake_failure(slurm_dir, proc)
+    """The default experiment exactly as the README runs it on a cluster — the profile linked into
+    ~/.config/snakemake/slurm and a bare `snakemake --profile slurm` in the checkout, nothing else on
+    the command line — and locally only the ddp run the bitwise comparison reads."""
+    checkout = checkout_copy(tmp_path_factory.mktemp("checkout"))
+    home = tmp_path_factory.mktemp("home")
+    (home / ".config" / "snakemake").mkdir(parents=True)
+    (home / ".config" / "snakemake" / "slurm").symlink_to(checkout / "profiles" / "slurm")
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), "--profile", "slurm"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env={**subprocess_env(), "HOME": str(home)},
+        timeout=1500,
+    )
+    slurm_seconds = time.perf_counter() - started
+    assert proc.returncode == 0, snakemake_failure(checkout, proc)
     local_dir = default_experiment(tmp_path_factory.mktemp("local") / "work")
-    local_proc, local_seconds = run_snakemake(local_dir, "--cores", "all", profile=False)
+    local_proc, local_seconds = run_snakemake(
+        local_dir, "--cores", "all", "results/runs/ddp/merged.safetensors", profile=False
+    )
     assert local_proc.returncode == 0, snakemake_failure(local_dir, local_proc)
-    timing = {
-        "local_seconds": round(local_seconds, 1),
-        "slurm_seconds": round(slurm_seconds, 1),
-        "slurm_over_local": round(slurm_seconds / local_seconds, 2),
-    }
-    MEASUREMENTS.append(f"default experiment wall time: {json.dumps(timing)}")
-    return {"slurm": slurm_dir, "local": local_dir, "slurm_log": proc.stderr}
+    timing = {"slurm_seconds": round(slurm_seconds, 1), "local_ddp_merge_seconds": round(local_seconds, 1)}
+    MEASUREMENTS.append(f"default experiment, bare `snakemake --profile slurm`: {json.dumps(timing)}")
+    return {"slurm": checkout, "local": local_dir, "slurm_log": proc.stderr}
 
 
 def test_default_experiment_runs_partition_and_train_as_slurm_jobs(slurm_and_local_runs, slurm_cluster):
@@ -135,6 +163,86 @@ def test_ddp_merged_model_under_slurm_is_bitwise_identical_to_local(slurm_and_lo
     local, _ = load_weights(slurm_and_local_runs["local"] / "results/runs/ddp/merged.safetensors")
     assert slurm.keys() == local.keys()
     assert all(torch.equal(slurm[name], local[name]) for name in slurm)
+
+
+def test_jobs_say_their_rule_and_wildcards_in_squeue(slurm_and_local_runs):
+    """The README's squeue command: every job carries the profile's name prefix and, in its comment,
+    its rule and wildcards (the plugin keeps the job name for its own status checks)."""
+    workdir = slurm_and_local_runs["slurm"]
+    train_ids = slurm_job_ids(workdir, "train")
+    listing = subprocess.run(
+        ["squeue", "--states=all", "-h", "-j", ",".join(train_ids), "-O", "JobID:10,Name:60,Comment:120"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    rows = [line.split() for line in listing if line.strip()]
+    trainings = {path.name for path in (workdir / "results" / "trainings").iterdir()}
+    assert sorted(row[0] for row in rows) == sorted(train_ids)
+    assert all(row[1].startswith("shardfuse_") for row in rows)
+    assert {row[2].removeprefix("rule_train_wildcards_") for row in rows} == trainings
+
+
+def cluster_profile(path: Path, **keys) -> Path:
+    """profiles/slurm with some top-level keys replaced, as a user edits it."""
+    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({**profile, **keys}))
+    return path
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True
+    ).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def test_partition_account_and_gpus_from_the_cluster_profile_reach_sbatch(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work")
+    profile = cluster_profile(
+        tmp_path / "profile",
+        **{
+            "default-resources": {
+                "slurm_partition": "debug",
+                "slurm_account": "shardfuse_test",
+                "mem_mb": 1500,
+                "runtime": 20,
+            },
+            "set-resources": {"train": {"slurm_partition": "gpu", "gres": "gpu:2"}},
+        },
+    )
+    proc = subprocess.run(
+        snakemake_command(workdir, "--profile", profile, *FAST_STATUS, "--until", "train"),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    (partition_job,) = slurm_job_ids(workdir, "partition")
+    (train_job,) = slurm_job_ids(workdir, "train")
+    partition, train = scontrol_job(partition_job), scontrol_job(train_job)
+    assert (partition["Partition"], partition["Account"]) == ("debug", "shardfuse_test")
+    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("1500M", "00:20:00")
+    # The second partition and per-node GPUs for train only; the rule's own memory and time stay.
+    assert (train["Partition"], train["Account"]) == ("gpu", "shardfuse_test")
+    assert train["TresPerNode"] == "gres:gpu:2"
+    assert (train["MinMemoryNode"], train["TimeLimit"]) == ("4000M", "02:00:00")
+
+
+def test_set_resources_on_the_command_line_keeps_the_rules_memory_and_runtime(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work")
+    proc, _ = run_snakemake(workdir, "--until", "train", "--set-resources", "train:gres=gpu:1")
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    (train_job,) = slurm_job_ids(workdir, "train")
+    (partition_job,) = slurm_job_ids(workdir, "partition")
+    train = scontrol_job(train_job)
+    assert train["TresPerNode"] == "gres:gpu:1"
+    assert (train["MinMemoryNode"], train["TimeLimit"]) == ("4000M", "02:00:00")
+    assert train["NumCPUs"] == "2"  # one CPU per rank
+    partition = scontrol_job(partition_job)
+    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("2000M", "00:30:00")
 
 
 def corrupt_keeping_mtime(path: Path) -> None:
@@ -189,10 +297,18 @@ def test_cancelled_train_job_is_reported_as_cancelled_and_the_rerun_resumes(slur
     assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in output
     assert not list(workdir.glob("results/trainings/*/ranks"))
 
+    (cancelled,) = (workdir / "logs" / "train").glob("*.attempt-1.log")
+    cancelled_text = cancelled.read_text()
+    assert "launch: " in cancelled_text  # the command it ran, and the ranks' output up to the kill
+
     rerun, _ = run_snakemake(workdir, "--until", "train")
     assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
-    (log,) = (workdir / "logs" / "train").glob("*.log")
-    assert "resuming from checkpoint step" in log.read_text()
+    # Snakemake deleted the declared log before the re-run; the cancelled attempt's log is kept.
+    assert cancelled.read_text() == cancelled_text
+    log = cancelled.with_name(cancelled.name.replace(".attempt-1.log", ".log"))
+    log_text = log.read_text()
+    assert "resuming from checkpoint step" in log_text
+    assert f"attempt 2; earlier attempts' logs: {cancelled.name}" in log_text
     assert list(workdir.glob("results/trainings/*/ranks/train.json"))
 
 
@@ -226,6 +342,13 @@ def wait_for_running_job(workdir: Path, rule: str, timeout: float) -> str:
             "nodes x nproc_per_node = 2 x 2 = 4 but world_size (the number of shards) is 2",
         ),
         ({"nodes": 2, "world_size": 3}, "world_size 3 (the number of shards) cannot be split evenly over 2"),
+        # 8 ranks on one node of a cluster whose nodes have 4 CPUs: stopped before the first sbatch.
+        (
+            {"world_size": 8},
+            "the train job asks for 8 CPUs per node (threads = nproc_per_node) but the largest node of "
+            "default partition 'debug' has 4; lower it in the SLURM profile (set-resources: train: "
+            "cpus_per_task: 4) or pick a partition with larger nodes (slurm_partition)",
+        ),
     ],
 )
 def test_geometry_errors_fail_before_any_sbatch(slurm_cluster, tmp_path, run, message):

@@ -181,6 +181,10 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
     """Turn one TSV cell into the JSON type the schema expects for ``key``."""
     kind = prop.get("type") or ("string" if "enum" in prop else None)
     text = value.strip()
+    if isinstance(kind, list):  # e.g. [integer, "null"]: a key that may also be null
+        if "null" in kind and text.lower() in {"null", "none"}:
+            return None
+        kind = next((k for k in kind if k != "null"), None)
     try:
         if kind == "integer":
             return int(text)
@@ -196,7 +200,8 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
         if kind == "array":
             if text.startswith("["):
                 return json.loads(text)
-            return [int(part) for part in re.split(r"[,\s]+", text) if part]
+            item = int if prop.get("items", {}).get("type") == "integer" else float
+            return [item(part) for part in re.split(r"[,\s]+", text) if part]
     except (ValueError, json.JSONDecodeError):
         raise ConfigError(
             f"config error at {where}.{key}: {text!r} is not a valid {kind}; "

@@ -2,9 +2,13 @@
 
 The train rule calls::
 
-    python -m shardfuse.launch --nodes 1 --nproc-per-node 2 --out-dir results/runs/ddp/train -- \\
-        --run-name ddp --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \\
-        --config-json '{...}'
+    python -m shardfuse.launch --nodes 1 --nproc-per-node 2 \\
+        --out-dir results/trainings/<training>/ranks --log logs/train/<training>.log -- \\
+        --run-name <training> --shard-dir results/shards/digits/w2-seed0 \\
+        --dataset-dir results/datasets/digits --config-json '{...}'
+
+``--log`` writes each attempt to ``<training>.attempt-N.log`` and links the declared log to it, so the
+log Snakemake deletes before a re-run is only a name: earlier attempts stay readable.
 
 Everything after ``--`` goes to ``shardfuse.train``. Three cases, one code path:
 
@@ -22,8 +26,11 @@ failed run never leaves a directory that looks complete.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -313,6 +320,45 @@ def launch(
     replace_dir(staging, out_dir)
 
 
+def attempt_log(log: Path) -> tuple[Path, int]:
+    """A new, empty log file for this attempt, ``<name>.attempt-<N>.log`` (N counts up from 1), with
+    ``log`` made a hard link to it. Snakemake deletes a job's declared log before every run of the job;
+    the attempt file is not declared, so a re-run (resume after a kill, ``scancel``, a --retries
+    re-submission) keeps the earlier attempts' tracebacks. Returns the attempt file and N."""
+    stem = log.name[: -len(log.suffix)] if log.suffix else log.name
+    pattern = re.compile(rf"{re.escape(stem)}\.attempt-(\d+){re.escape(log.suffix)}")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    taken = [int(m.group(1)) for other in log.parent.iterdir() if (m := pattern.fullmatch(other.name))]
+    number = max(taken, default=0) + 1
+    attempt = log.with_name(f"{stem}.attempt-{number}{log.suffix}")
+    attempt.touch(exist_ok=False)
+    log.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # no hard links here: the declared log is a copy made at exit
+        os.link(attempt, log)
+    return attempt, number
+
+
+def log_to(log: Path) -> None:
+    """Send this process's stdout and stderr (inherited by torchrun and the ranks) to this attempt's
+    log file (see :func:`attempt_log`)."""
+    attempt, number = attempt_log(log)
+    fd = os.open(attempt, os.O_WRONLY | os.O_APPEND)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if not log.exists():
+        atexit.register(shutil.copyfile, attempt, log)
+    if number > 1:
+        earlier = ", ".join(
+            attempt.with_name(attempt.name.replace(f"-{number}.", f"-{n}.")).name for n in range(1, number)
+        )
+        print(
+            f"launch: attempt {number}; earlier attempts' logs: {earlier} (in {log.parent})", file=sys.stderr
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1, help="machines (default: %(default)s)")
@@ -330,8 +376,15 @@ def main(argv: list[str] | None = None) -> None:
         help="torchrun restarts the ranks this often after a failure (they resume from "
         "the newest checkpoint)",
     )
+    parser.add_argument(
+        "--log",
+        type=Path,
+        help="write all output here (a hard link to <name>.attempt-N.log, so every attempt's log is kept)",
+    )
     parser.add_argument("train_args", nargs="*", help="-- then the arguments of shardfuse.train")
     args = parser.parse_args(argv)
+    if args.log is not None:
+        log_to(args.log)
     geometry = Geometry(args.nodes, args.nproc_per_node)
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")

@@ -16,6 +16,12 @@ shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
 )
 
+from shardfuse.cluster import (  # noqa: E402
+    CpuRequest,
+    cpus_per_node,
+    oversized_cpu_requests,
+    partition_cpus,
+)
 from shardfuse.launch import Geometry, job_resources  # noqa: E402
 from shardfuse.config import (  # noqa: E402
     TRAIN_KEYS,
@@ -57,6 +63,32 @@ def fail_multi_node_runs_without_slurm():
             f"run(s) {', '.join(multi_node)} ask for several nodes, which needs a SLURM allocation; "
             "run with --profile profiles/slurm or set nodes to 1"
         )
+
+
+def fail_train_jobs_larger_than_their_partition():
+    """On SLURM: a train job that asks for more CPUs per node than its partition's largest node would
+    be rejected by sbatch only when its turn comes; say so, with the run and the knob, before any job.
+    """
+    if workflow.local_exec or workflow.dryrun:
+        return
+    cluster = partition_cpus()
+    if cluster is None:
+        return
+    requests = []
+    for job in workflow.dag.needrun_jobs():
+        if job.rule.name != "train":
+            continue
+        resources = dict(job.resources.items())
+        found = cpus_per_node(job.threads, resources)
+        if found is None:
+            continue
+        training = job.wildcards.training
+        runs = tuple(run for run in RUNS if EXPERIMENT.training(run) == training)
+        partition = resources.get("slurm_partition") or None
+        requests.append(CpuRequest(training, runs, found[0], partition, found[1]))
+    errors = oversized_cpu_requests(requests, *cluster)
+    if errors:
+        raise WorkflowError("\n".join(errors))
 
 
 def _json(obj):

@@ -1,9 +1,3 @@
-# Plots are cheap (matplotlib on small Parquet files): they run on the submit host.
-localrules:
-    plots,
-    compare_merge_methods,
-
-
 rule plots:
     input:
         ranks=ranks_of_run,

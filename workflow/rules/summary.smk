@@ -1,7 +1,3 @@
-localrules:
-    summary,
-
-
 rule summary:
     input:
         evaluations=expand(rules.evaluate.output.record, run=RUNS),

@@ -1,9 +1,3 @@
-# One writer on the submit host: compute nodes often cannot reach the tracking server, and SQLite
-# locks under many writers (the tracker also serialises sqlite writers with a file lock).
-localrules:
-    track,
-
-
 rule track:
     input:
         ranks=ranks_of_run,
@@ -33,10 +27,6 @@ rule track:
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
         " {params.registered_model}"
         " --plots-dir results/runs/{wildcards.run}/plots --out {output.record} > {log} 2>&1"
-
-
-localrules:
-    track_comparison,
 
 
 rule track_comparison:

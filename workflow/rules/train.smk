@@ -12,8 +12,12 @@ rule train:
         "../../envs/train.yaml"
     threads: nproc_per_node_of
     resources:
+        # Defaults for this rule; a profile's set-resources (train: ...) overrides them key by key.
+        # Partition, account and GPUs (gres) come from the cluster profile.
+        mem_mb=4000,
+        runtime=120,
         # Launch geometry from the run's nodes (shardfuse.launch.job_resources): one SLURM task
-        # per node. Partition, account, memory, runtime and GPUs (gres) come from the profile.
+        # per node.
         nodes=train_job_resource("nodes"),
         tasks=train_job_resource("tasks"),
         tasks_per_gpu=train_job_resource("tasks_per_gpu"),
@@ -27,7 +31,6 @@ rule train:
         live=live_logging_args,
     shell:
         "python -m shardfuse.launch --nodes {params.nodes} --nproc-per-node {params.nproc_per_node}"
-        " --max-restarts {params.max_restarts} --out-dir {output.ranks} --"
+        " --max-restarts {params.max_restarts} --out-dir {output.ranks} --log {log} --"
         " --run-name {wildcards.training} --shard-dir {input.shards}"
         " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.live}"
-        " > {log} 2>&1"
