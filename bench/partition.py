@@ -44,7 +44,8 @@ def bare_copy(source: str, dest: str, use_dictionary_json: str) -> None:
 
 
 def run(base_rows: int, factors: list[int], num_features: int, reps: int, work_dir: Path) -> dict:
-    from shardfuse.partition import dictionary_columns, open_parquet
+    from shardfuse.partition import dictionary_columns
+    from shardfuse.shard_format import open_parquet
 
     work_dir.mkdir(parents=True, exist_ok=True)
     results = []

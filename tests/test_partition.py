@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardfuse.io import UserError, recorded_sha256, sha256_file, write_stamps
-from shardfuse.partition import partition_parquet, prefetched, rank_assignment, shard_sizes
-from tests.conftest import run_stage
+from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
+from shardfuse.shard_format import prefetched
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 
 No command line; used by training and evaluation, e.g.
 
-    python -c "import shardfuse.data as d; print(d.load_shard('results/shards/digits/w4', 0)[0].shape)"
+    python -c "import shardfuse.data as d; print(d.load_shard('results/shards/digits/w2-seed0', 0)[0].shape)"
 
 Every rank reads only its own shard-{rank}.parquet. Feature columns are x0..x{F-1} (float32 tensor [N, F]),
 labels the ``label`` column (int64 tensor [N]), as written by ``shardfuse.prepare``.
@@ -25,13 +25,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from shardfuse.io import UserError, read_json, sha256_file
-from shardfuse.partition import (
+from shardfuse.io import UserError, error_reason, read_json, sha256_file
+from shardfuse.shard_format import (
     LABEL_COLUMN,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     column_values,
-    error_reason,
     open_parquet,
     prefetched,
     read_batches,
@@ -383,9 +382,10 @@ class ShardReader:
         order = torch.from_numpy(np.random.default_rng([self.seed, epoch, 2]).permutation(self.num_rows))
         bounds = [0, *itertools.accumulate(sizes)]
         # The rows of several batches are gathered at once (index_select, not fancy indexing: the same
-        # gather, several times faster on CPU) and handed out as contiguous views: one call per block
-        # instead of two per batch, and the random reads of a block overlap in the memory system. Batch
-        # by batch this was 5-7% of a small model's step; per block it is about a tenth of that.
+        # gather, faster on CPU) and handed out as contiguous views: one call per block instead of two
+        # per batch, and the random reads of a block overlap in the memory system. Batch by batch this
+        # gather was a visible share of a small model's step; the reader's share as it is now (cached
+        # epochs included) is bench/reader.py's "wait share", figures in bench/RESULTS.md.
         per_block = max(1, CACHE_BLOCK_ROWS // max(1, max(sizes)))
         for first in range(start_batch, len(sizes), per_block):
             last = min(first + per_block, len(sizes))

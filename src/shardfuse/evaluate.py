@@ -2,9 +2,9 @@
 
 By hand::
 
-    python -m shardfuse.evaluate --test results/datasets/digits/test.parquet \
-        --gather results/runs/ddp/gather.json --merged results/runs/ddp/merged.safetensors \
-        --out results/runs/ddp/eval.json
+    python -m shardfuse.evaluate --run ddp --test results/datasets/digits/test.parquet \
+        --gather results/trainings/<training>/gather.json --merged results/runs/ddp/merged.safetensors \
+        --out results/runs/ddp/eval.json [--ddp-baseline results/runs/<ddp run>/eval.json]
 """
 
 from __future__ import annotations
@@ -13,38 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.data import load_table
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.models import build_model
-
-
-@torch.no_grad()
-def score_state_dict(
-    tensors: dict[str, torch.Tensor],
-    spec: dict[str, Any],
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    batch_size: int = 4096,
-) -> dict[str, float]:
-    """Mean cross-entropy and accuracy of model ``spec`` with weights ``tensors`` on (features, labels)."""
-    model = build_model(spec)
-    if model.net[0].in_features != features.shape[1]:
-        raise UserError(
-            f"the model expects {model.net[0].in_features} features but the data has "
-            f"{features.shape[1]}; evaluate with a split of the run's dataset"
-        )
-    model.load_state_dict(tensors)
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for start in range(0, features.shape[0], batch_size):
-        logits = model(features[start : start + batch_size])
-        target = labels[start : start + batch_size]
-        loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
-        correct += int((logits.argmax(dim=1) == target).sum())
-    return {"loss": loss_sum / features.shape[0], "accuracy": correct / features.shape[0]}
+from shardfuse.models import score_state_dict
 
 
 def evaluate_weights(

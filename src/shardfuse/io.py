@@ -27,6 +27,12 @@ class UserError(Exception):
     """
 
 
+def error_reason(exc: BaseException) -> str:
+    """First line of an exception's message (Arrow's can span many), for a one-line UserError."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

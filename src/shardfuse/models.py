@@ -1,7 +1,8 @@
 """The model family: a configurable MLP, rebuilt anywhere from a small JSON-able spec.
 
 The spec travels inside every checkpoint's metadata, so gather, merge and evaluate rebuild the exact
-architecture without importing training code or trusting pickles.
+architecture without importing training code or trusting pickles. :func:`score_state_dict` scores such
+a model on a split; evaluate and merge's greedy soup share it, so neither stage imports the other.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardfuse.io import UserError
@@ -71,3 +73,29 @@ def build_model(spec: dict[str, Any]) -> MLP:
         spec["activation"],
         spec["dropout"],
     )
+
+
+@torch.no_grad()
+def score_state_dict(
+    tensors: dict[str, torch.Tensor],
+    spec: dict[str, Any],
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int = 4096,
+) -> dict[str, float]:
+    """Mean cross-entropy and accuracy of model ``spec`` with weights ``tensors`` on (features, labels)."""
+    model = build_model(spec)
+    if model.net[0].in_features != features.shape[1]:
+        raise UserError(
+            f"the model expects {model.net[0].in_features} features but the data has "
+            f"{features.shape[1]}; evaluate with a split of the run's dataset"
+        )
+    model.load_state_dict(tensors)
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, features.shape[0], batch_size):
+        logits = model(features[start : start + batch_size])
+        target = labels[start : start + batch_size]
+        loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
+        correct += int((logits.argmax(dim=1) == target).sum())
+    return {"loss": loss_sum / features.shape[0], "accuracy": correct / features.shape[0]}

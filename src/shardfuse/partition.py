@@ -3,7 +3,7 @@
 Run by hand:
 
     python -m shardfuse.partition --input results/datasets/digits/train.parquet --world-size 4 --seed 0 \
-        --out-dir results/shards/digits/w4
+        --out-dir results/shards/digits/w4-seed0
 
 Writes OUT_DIR/shard-{rank}.parquet for rank 0..W-1 and OUT_DIR/manifest.json; the whole directory
 appears at once or not at all. Which rank gets which row is a seeded random permutation (numpy
@@ -13,13 +13,13 @@ reshuffles every epoch, and keeping order makes the output independent of the re
 
 Memory is flat in the number of rows: the rank assignment is drawn block by block (ASSIGNMENT_BLOCK_ROWS
 rows at a time), plus one read batch and per rank a write buffer sized from the input's row width so all
-buffers together stay near WRITE_BUFFER_BYTES (bench/partition.py measures peak RSS at 1x, 4x and 16x of
-1.25M rows: flat). Output bytes depend only on the input file, W, seed and --drop-remainder (and the
+buffers together stay near WRITE_BUFFER_BYTES (peak RSS at three scales: bench/partition.py, figures in
+bench/RESULTS.md). Output bytes depend only on the input file, W, seed and --drop-remainder (and the
 numpy/pyarrow versions), never on --batch-size.
 
 Shards are written with row groups of at most 64Ki rows (the unit a streaming reader fetches), without
 dictionary encoding for floating-point columns whose values do not repeat (hashing every float into a
-dictionary that is never useful made writing 4x slower and the files a third larger), and with the
+dictionary that is never useful only made writing slower and the files larger), and with the
 count, sum and sum of squares of every numeric column in the manifest, so training can normalise
 features without a pass over the data.
 """
@@ -27,16 +27,13 @@ features without a pass over the data.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import hashlib
 import math
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -52,10 +49,17 @@ from shardfuse.io import (
     sha256_file,
     write_json,
 )
+from shardfuse.shard_format import (
+    LABEL_COLUMN,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    column_values,
+    open_parquet,
+    prefetched,
+    read_batches,
+    shard_name,
+)
 
-MANIFEST_FORMAT = "shardfuse.shards/1"
-MANIFEST_NAME = "manifest.json"
-LABEL_COLUMN = "label"
 WRITE_BUFFER_BYTES = 128 << 20
 MAX_ROW_GROUP_ROWS = 1 << 16
 # The assignment is drawn in blocks of this many rows. A constant, not a knob: it decides the random
@@ -65,10 +69,6 @@ ASSIGNMENT_BLOCK_ROWS = 1 << 20
 # plain size (its values repeat, e.g. pixel intensities); continuous values never do.
 DICTIONARY_MAX_STORED_FRACTION = 0.5
 REMAKE_INPUT = "fix the path or (re-)run the prepare stage"
-
-
-def shard_name(rank: int) -> str:
-    return f"shard-{rank}.parquet"
 
 
 def shard_sizes(num_rows: int, world_size: int, drop_remainder: bool) -> list[int]:
@@ -132,81 +132,6 @@ class _AssignmentReader:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def error_reason(exc: BaseException) -> str:
-    """First line of an exception's message (Arrow's can span many), for a one-line UserError."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def open_parquet(path: Path, what: str, fix: str) -> pq.ParquetFile:
-    """Open a Parquet file; a missing or corrupt one becomes a UserError ``{what} {path} ...; {fix}``."""
-    if not path.is_file():
-        raise UserError(f"{what} {path} does not exist; {fix}")
-    try:
-        # pre_buffer (pyarrow's default) prefetches every row group iter_batches will visit, i.e. the
-        # whole file: memory O(data), which streaming is meant to avoid.
-        return pq.ParquetFile(path, pre_buffer=False)
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(
-            f"{what} {path} is not a readable Parquet file ({error_reason(exc)}); {fix}"
-        ) from None
-
-
-def read_batches(
-    parquet_file: pq.ParquetFile, what: str, fix: str, **iter_batches_kwargs: Any
-) -> Iterator[pa.RecordBatch]:
-    """``parquet_file.iter_batches`` with read errors (a truncated or corrupt body) turned into a UserError.
-
-    Errors raised in the caller's loop body do not pass through here: a failing write stays a real error."""
-    try:
-        yield from parquet_file.iter_batches(**iter_batches_kwargs)
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{what} could not be read to the end ({error_reason(exc)}); {fix}") from None
-
-
-_DONE = object()
-
-
-def prefetched(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
-    """Iterate ``items`` in a background thread, up to ``depth`` items ahead of the consumer.
-
-    Worth it when producing an item releases the GIL (Parquet reads, decoding, large NumPy copies):
-    reading then overlaps with the consumer's work. An exception in ``items`` is re-raised here, at the
-    position it happened; leaving the loop early stops and joins the thread before returning."""
-    slots: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def offer(entry: tuple[Any, BaseException | None]) -> bool:
-        while not stop.is_set():
-            with contextlib.suppress(queue.Full):
-                slots.put(entry, timeout=0.05)
-                return True
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not offer((item, None)):
-                    return
-            offer((_DONE, None))
-        except BaseException as exc:  # handed to the consumer, which raises it where it happened
-            offer((_DONE, exc))
-
-    thread = threading.Thread(target=produce, name="shardfuse-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, exc = slots.get()
-            if exc is not None:
-                raise exc
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join()
-
-
 def _row_group_rows(parquet_file: pq.ParquetFile, world_size: int) -> int:
     """Rows per output row group, from the input's uncompressed row width: a function of the input
     file and W only, so the output layout does not depend on --batch-size."""
@@ -233,33 +158,6 @@ def dictionary_columns(parquet_file: pq.ParquetFile) -> list[str]:
     return columns
 
 
-# Arrow's own to_numpy() imports pandas on first use (0.2-0.3 s per process, before the first batch).
-_NUMPY_DTYPES = {
-    arrow_type: np.dtype(name)
-    for arrow_type, name in [
-        (pa.int8(), "int8"), (pa.int16(), "int16"), (pa.int32(), "int32"), (pa.int64(), "int64"),
-        (pa.uint8(), "uint8"), (pa.uint16(), "uint16"), (pa.uint32(), "uint32"), (pa.uint64(), "uint64"),
-        (pa.float16(), "float16"), (pa.float32(), "float32"), (pa.float64(), "float64"),
-    ]
-}  # fmt: skip
-
-
-def column_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """A numeric column without nulls as NumPy: zero-copy views of Arrow's buffers (one concatenation
-    for several chunks)."""
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    dtype = _NUMPY_DTYPES.get(column.type)
-    if dtype is None:
-        return column.to_numpy()
-    views = [
-        np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
-        for chunk in chunks
-    ]
-    if len(views) == 1:
-        return views[0]
-    return np.concatenate(views) if views else np.empty(0, dtype=dtype)
-
-
 def numeric_moments(table: pa.Table) -> dict[str, list[float]]:
     """[count, sum, sum of squares] of every integer or floating-point column but the label, in float64
     (NumPy loops, no BLAS: the same bits on every CPU)."""
@@ -270,7 +168,7 @@ def numeric_moments(table: pa.Table) -> dict[str, list[float]]:
         ):
             continue
         values = column_values(column.drop_null() if column.null_count else column)
-        # Accumulating in float64 straight from the column's own type: 7x faster than a float64 copy.
+        # Accumulating in float64 straight from the column's own type: no float64 copy of the column.
         moments[field.name] = [
             float(len(values)),
             float(np.add.reduce(values, dtype=np.float64)),
@@ -282,7 +180,7 @@ def numeric_moments(table: pa.Table) -> dict[str, list[float]]:
 class _BackgroundWrites:
     """Runs write jobs one at a time and in order in one thread: writing (encoding, compressing)
     overlaps with reading and grouping the next batches. At most ``depth`` jobs and ``max_bytes`` of
-    row groups wait (measured: a depth of 4 beats 2 by ~25% on 2 cores; 8 gains nothing)."""
+    row groups wait (a shallower queue left the writer idle on 2 cores, a deeper one gained nothing)."""
 
     def __init__(self, depth: int = 4, max_bytes: int = WRITE_BUFFER_BYTES) -> None:
         self.depth = depth
@@ -366,7 +264,7 @@ def _grouped_batches(
         if offset > num_rows:
             raise UserError(f"{what} yielded more rows than its footer says ({num_rows}); {REMAKE_INPUT}")
         order, bounds = _group_by_rank(assignment.take(batch.num_rows), world_size)
-        # From the buffer, not pa.array(order): that one imports pandas (0.3 s) to rule out a Series.
+        # From the buffer, not pa.array(order): that one imports pandas, slow to load, to rule out a Series.
         indices = pa.Array.from_buffers(
             pa.int64(), len(order), [None, pa.py_buffer(order.astype(np.int64, copy=False))]
         )

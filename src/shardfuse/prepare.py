@@ -44,13 +44,13 @@ from shardfuse.io import (
     StageParser,
     UserError,
     atomic_path,
+    error_reason,
     parse_json_arg,
     run_cli,
     sha256_file,
     write_json,
     write_stamps,
 )
-from shardfuse.partition import error_reason
 
 DEFAULTS = {"test_fraction": 0.2, "val_fraction": 0.1, "seed": 0, "class_sep": 1.0}
 SPLITS = ("train", "val", "test")
