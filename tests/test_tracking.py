@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import mlflow
@@ -19,9 +20,10 @@ import pytest
 import torch
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
+from safetensors.torch import save_file
 
-from shardfuse import tracking, tracking_inputs
-from shardfuse.checkpoint import load_weights
+from shardfuse import mlflow_common, tracking, tracking_inputs
+from shardfuse.checkpoint import METADATA_KEY, load_weights, read_metadata
 from shardfuse.io import UserError
 from shardfuse.models import build_model
 from tests.tracking_fixtures import NUM_FEATURES, append_steps, make_run_dir, run_config
@@ -326,6 +328,36 @@ def test_two_concurrent_cli_tracks_into_one_fresh_sqlite_db_both_succeed(tmp_pat
     assert all(p.data.tags["shardfuse.complete"] == "true" for p in parents)
 
 
+def test_cli_track_never_imports_torch_and_reads_the_model_spec_from_the_header(store, tmp_path):
+    # The track job runs once per run on the submit host: torch alone took longer than the whole push.
+    run_dir, manifest = make_run_dir(tmp_path, "torchless")
+    out = run_dir / "mlflow.json"
+    args = _cli_args("torchless", run_dir, manifest, store["uri"], out)
+    args[1:1] = ["-X", "importtime"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=_subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = {
+        line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "mlflow" in imported and "safetensors" not in imported
+    assert not [name for name in imported if name == "torch" or name.startswith("torch.")]
+    written = json.loads(out.read_text())
+    assert written["action"] == "created" and written["model_uri"]
+    spec = tracking_inputs.read_checkpoint_metadata(run_dir / "merged.safetensors")
+    assert spec == read_metadata(run_dir / "merged.safetensors")
+    assert tracking_inputs.CHECKPOINT_METADATA_KEY == METADATA_KEY
+
+
+def test_reading_a_checkpoint_without_shardfuse_metadata_is_a_user_error(tmp_path):
+    path = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(UserError, match=r"foreign\.safetensors has no shardfuse metadata"):
+        tracking_inputs.read_checkpoint_metadata(path)
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(UserError, match=r"not a valid safetensors file"):
+        tracking_inputs.read_checkpoint_metadata(path)
+
+
 def _git(*args) -> str:
     return subprocess.run(
         ["git", "-C", str(SRC), *args], capture_output=True, text=True, check=True
@@ -422,6 +454,13 @@ def test_merged_model_loads_with_pyfunc_predicts_like_the_weights_and_is_registe
         [store["experiment_id"]], f"source_run_id = '{result['parent_run_id']}'"
     )
     assert len(models) == 1
+    # What mlflow.pyfunc.log_model writes, though the model is logged without loading it (no torch);
+    # registered_model_meta is written by the loads from models:/NAME/1 above.
+    location = urllib.parse.urlparse(models[0].artifact_location).path
+    assert {p.name for p in Path(location).iterdir()} - {"registered_model_meta"} == {
+        "MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt", "input_example.json",
+        "serving_input_example.json", "data", "code",
+    }  # fmt: skip
 
 
 def test_plots_dir_pngs_become_artifacts_and_a_missing_dir_is_skipped(store, tmp_path):
@@ -447,6 +486,6 @@ def test_a_password_in_the_tracking_uri_is_refused_before_anything_is_sent(tmp_p
 
 
 def test_redact_uri_hides_user_and_password():
-    assert tracking.redact_uri("http://alice:s3cret@127.0.0.1:5055") == "http://***@127.0.0.1:5055"
-    assert tracking.redact_uri("postgresql://u:p@h/db?x=1") == "postgresql://***@h/db?x=1"
-    assert tracking.redact_uri("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
+    assert mlflow_common.redact_uri("http://alice:s3cret@127.0.0.1:5055") == "http://***@127.0.0.1:5055"
+    assert mlflow_common.redact_uri("postgresql://u:p@h/db?x=1") == "postgresql://***@h/db?x=1"
+    assert mlflow_common.redact_uri("sqlite:///mlflow.db") == "sqlite:///mlflow.db"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.tracking import tracking_errors, writer_lock
+from shardfuse.mlflow_common import exit_now, tracking_client, tracking_errors, writer_lock
 
 ARTIFACT_PATH = "comparison"
 
@@ -22,8 +22,6 @@ ARTIFACT_PATH = "comparison"
 def attach(png: Path, records: list[Path]) -> dict:
     if not png.is_file():
         raise UserError(f"{png} does not exist; run the compare_merge_methods rule first")
-    from mlflow.tracking import MlflowClient
-
     attached: dict[str, str] = {}
     by_uri: dict[str, list[dict]] = {}
     for path in records:
@@ -31,7 +29,7 @@ def attach(png: Path, records: list[Path]) -> dict:
         by_uri.setdefault(record["tracking_uri"], []).append(record)
     for uri, entries in by_uri.items():
         with writer_lock(uri), tracking_errors(uri):
-            client = MlflowClient(tracking_uri=uri)
+            client = tracking_client(uri)
             for record in entries:
                 client.log_artifact(record["parent_run_id"], str(png), artifact_path=ARTIFACT_PATH)
                 attached[record["parent_run_id"]] = uri
@@ -49,3 +47,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     run_cli(main)
+    exit_now()

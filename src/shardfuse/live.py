@@ -25,18 +25,18 @@ name that started before the training finished (restore one with ``mlflow runs r
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from typing import Any
 
-from shardfuse.tracking import (
+from shardfuse.mlflow_common import (
     EXPERIMENT_TAGS,
-    HTTP_DEFAULTS,
     LIVE_RUN_TAG,
     LIVE_TAG,
     MAX_METRICS_PER_BATCH,
     redact_uri,
+    set_http_defaults,
+    tracking_client,
 )
 
 
@@ -73,8 +73,7 @@ class LiveLogger:
         self._thread: threading.Thread | None = None
         if not self.enabled:
             return
-        for key, value in HTTP_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        set_http_defaults()
         self._thread = threading.Thread(target=self._run, name="shardfuse-live", daemon=True)
         self._thread.start()
 
@@ -135,9 +134,8 @@ class LiveLogger:
 
     def _start_run(self):
         from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.tracking_uri)
+        client = tracking_client(self.tracking_uri)
         found = client.get_experiment_by_name(self.experiment)
         if found is None:
             try:

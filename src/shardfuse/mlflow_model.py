@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,29 +130,82 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 
+@contextlib.contextmanager
+def _no_site_packages_scan() -> Iterator[None]:
+    """Spare Model.log its scan of every installed distribution (a share of each track job's time).
+
+    MLflow checks the pinned requirements against the installed packages, and first maps every
+    importable module to its distribution by reading all of site-packages. Our pins are read from the
+    installed versions (:func:`_requirements`), so the check cannot fail; with an empty map (private to
+    MLflow, hence guarded and restored) it reads each pin's version from the package metadata instead.
+    """
+    try:
+        from mlflow.utils import requirements_utils
+    except ImportError:
+        yield
+        return
+    if getattr(requirements_utils, "_MODULES_TO_PACKAGES", "") is not None:
+        yield  # already built in this process (or renamed): nothing to spare
+        return
+    requirements_utils._MODULES_TO_PACKAGES = {}
+    try:
+        yield
+    finally:
+        requirements_utils._MODULES_TO_PACKAGES = None
+        requirements_utils._PACKAGES_TO_MODULES = None
+
+
+def _save_pyfunc(path, mlflow_model, validate_serving_input: bool = True, **kwargs):
+    """``mlflow.pyfunc.save_model``, taking the ``validate_serving_input`` flag that Model.log reads."""
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
+
+
+# The pyfunc flavor as Model.log sees it ("pyfunc" names the logged model's flavor, as log_model does),
+# with a save_model that accepts validate_serving_input (MLflow's transformers flavor does the same).
+_PYFUNC_FLAVOR = types.SimpleNamespace(__name__="pyfunc", save_model=_save_pyfunc)
+
+
 def log_merged_model(tracking_uri: str, run_id: str, weights_path: Path, weights_sha256: str, spec: dict):
-    """Log ``weights_path`` as a pyfunc model named ``model`` under ``run_id``; return its model id."""
+    """Log ``weights_path`` as a pyfunc model named ``model`` under ``run_id``; return its model id.
+
+    Written as ``mlflow.pyfunc.log_model`` would write it, but without MLflow's check that the saved
+    model serves its input example: that check loads the model, i.e. imports torch (bench/tracking.py
+    measures the difference) in a stage that otherwise only reads files. The evaluate stage has already
+    built and scored this model from the same header, and tests/test_tracking.py loads the logged model
+    and compares its predictions with the weights'.
+    """
     import mlflow
     import pandas as pd
+    from mlflow.models import Model
 
-    with tempfile.TemporaryDirectory(prefix="shardfuse-model-") as tmp, _global_tracking_uri(tracking_uri):
+    with (
+        tempfile.TemporaryDirectory(prefix="shardfuse-model-") as tmp,
+        _global_tracking_uri(tracking_uri),
+        _no_site_packages_scan(),
+    ):
         data_dir = Path(tmp) / "data"
         data_dir.mkdir()
         shutil.copy2(weights_path, data_dir / WEIGHTS_FILE)
         package = Path(tmp) / "shardfuse"
         shutil.copytree(Path(__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
-        # log_model only logs into the active run: resume ours (its status is set by the caller).
+        # Model.log puts the model in the active run's experiment: resume our run (the caller sets its
+        # status afterwards).
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
-            info = mlflow.pyfunc.log_model(
+            info = Model.log(
+                artifact_path=None,
                 name=MODEL_NAME,
+                flavor=_PYFUNC_FLAVOR,
+                tags={WEIGHTS_TAG: weights_sha256},
+                validate_serving_input=False,
                 loader_module=__name__,
                 data_path=str(data_dir),
                 code_paths=[str(package)],
                 signature=model_signature(spec),
-                # One row of zeros: shown in the UI, and MLflow checks that the logged model predicts it.
+                # One row of zeros: shown in the UI and as the serving example.
                 input_example=pd.DataFrame([[0.0] * spec["num_features"]], columns=feature_names(spec)),
                 pip_requirements=_requirements(),
-                tags={WEIGHTS_TAG: weights_sha256},
             )
     return info.model_id
 

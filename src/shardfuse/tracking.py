@@ -22,40 +22,58 @@ The files are the source of truth and this is the only writer, so the push is a 
   files are re-uploaded, changed weights logged as a new model (``updated``);
 - another config or a rewritten history (re-trained): the old runs are soft-deleted and everything is
   pushed afresh (``replaced``).
-Histories go in step order, whole rows per log_batch (333 rows = 999 points, MLflow's limit is 1000).
-A finished history gets ``shardfuse.synced = ROWS:SHA256`` (rows pushed, hash of those rows); after a
-push killed midway, the latest point of each key (which MLflow keeps with the run) says where to go on,
-so a re-run neither loses nor doubles a point, and a rewritten history is told apart.
+Histories go in step order, whole rows per log_batch, and a push killed midway goes on where it
+stopped, neither losing nor doubling a point (:mod:`shardfuse.mlflow_sync`).
 Live runs (``shardfuse.live``) of the same run name that started before the pushed training finished
 are soft-deleted once the push is complete.
 
-This module is the MLflow side (connection, writer lock, errors, batching, history sync, run planning);
-what is pushed (the files read and checked, params, headline metrics, provenance tags, the fingerprint)
-comes from :mod:`shardfuse.tracking_inputs`.
+This module is the MLflow side (run planning, parent and rank runs, artifacts, the model), built from
+the paged search, batched writes and history sync of :mod:`shardfuse.mlflow_sync`; the client, writer
+lock and error gate it shares with the comparison stage and the live logger are in
+:mod:`shardfuse.mlflow_common`; what is pushed (the files read and checked, params, headline metrics,
+provenance tags, the fingerprint) comes from :mod:`shardfuse.tracking_inputs`. The stage imports no
+torch: the model spec comes from the merged weights' JSON header, and the model is logged without
+loading it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import gc
 import hashlib
 import os
-import re
 import sys
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from shardfuse import mlflow_model
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli, sha256_file, write_json
+from shardfuse.mlflow_common import (
+    EXPERIMENT_TAGS,
+    LIVE_RUN_TAG,
+    check_no_password,
+    exit_now,
+    redact_uri,
+    tracking_client,
+    tracking_errors,
+    writer_lock,
+)
+from shardfuse.mlflow_sync import ROWS_PER_BATCH as ROWS_PER_BATCH  # re-exported for the tests
+from shardfuse.mlflow_sync import (
+    SYNCED_TAG,
+    changed_metrics,
+    history_rows,
+    log_batches,
+    search_all,
+    sync_history,
+    synced_rows,
+    synced_tag_value,
+)
 from shardfuse.tracking_inputs import (
     CONFIG_HASH_TAG,
-    RESULT_FILES,
-    STEP_METRICS,
+    RankInputs,
+    RunInputs,
     config_hash,
     fingerprint,
     flatten_params,
@@ -67,90 +85,61 @@ RUN_TAG = "shardfuse.run"
 RANK_TAG = "shardfuse.rank"
 FINGERPRINT_TAG = "shardfuse.fingerprint"
 COMPLETE_TAG = "shardfuse.complete"
-SYNCED_TAG = "shardfuse.synced"
 ARTIFACTS_TAG = "shardfuse.artifacts_sha256"
 MODEL_TAG = "shardfuse.model_id"
 REGISTERED_TAG = "shardfuse.registered_model"
-LIVE_TAG = "shardfuse.live"
-LIVE_RUN_TAG = "shardfuse.live_run"
 PARENT_TAG = "mlflow.parentRunId"
-EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI's "model training" kind
-# MLflow's per-request limits (mlflow.utils.validation); a larger batch is rejected outright.
-MAX_PARAMS_PER_BATCH = 100
-MAX_METRICS_PER_BATCH = 1000
-ROWS_PER_BATCH = MAX_METRICS_PER_BATCH // len(STEP_METRICS)  # whole rows: 333 rows = 999 points
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-# MLflow's defaults (7 retries, 120 s timeout) make an unreachable server hang for minutes.
-HTTP_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-}
-RERUN_HINT = "start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`"
+
+# What a sync does with the runs already in MLflow (also the ``action`` that ``--out`` records).
+Action = Literal["created", "replaced", "updated", "unchanged"]
 
 
-def redact_uri(uri: str) -> str:
-    """``scheme://user:secret@host`` -> ``scheme://***@host``: URIs end up in logs and mlflow.json."""
-    return re.sub(r"^([A-Za-z][\w+.-]*://)[^/@]*@", r"\1***@", uri)
+@dataclass(frozen=True)
+class SyncOptions:
+    """What a push is asked for besides the files, fixed for the whole sync."""
+
+    tracking_uri: str
+    registered_model: str | None
+    fingerprint: str  # of the config, the registry name and every input file
+    config_hash: str
 
 
-def check_no_password(tracking_uri: str) -> None:
-    """Credentials come from the environment only: a URI ends up in logs, outputs and MLflow's messages."""
-    if re.match(r"^[A-Za-z][\w+.-]*://[^/@]*:[^/@]*@", tracking_uri):
-        raise UserError(
-            f"tracking URI {redact_uri(tracking_uri)} has a password in it; remove it and set "
-            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or PGPASSFILE for a database) instead"
-        )
+class Plan(NamedTuple):
+    """What to do with the runs already in MLflow, and which of them to keep."""
+
+    action: Action
+    parent: Any  # mlflow Run, None for "created" and "replaced" (everything is pushed afresh)
+    children: dict[int, Any]  # rank -> its mlflow Run (kept runs only)
 
 
-def _sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a sqlite:///PATH URI (relative or, with four slashes, absolute)."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    path = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
-    return None if path in ("", ":memory:") else Path(path)
+class Synced(NamedTuple):
+    """The runs a sync left in MLflow and what it pushed."""
+
+    parent_id: str
+    child_ids: dict[int, str]  # rank -> run id
+    model_id: str | None
+    registered: str | None  # "NAME/VERSION" when registered
+    num_points: int  # metric points written
 
 
-@contextlib.contextmanager
-def writer_lock(tracking_uri: str) -> Iterator[None]:
-    """Serialise writers of one SQLite store: concurrent writers (and migrations) hit 'database is locked'."""
-    db_path = _sqlite_path(tracking_uri)
-    if db_path is None:
-        yield
-        return
-    db_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{db_path}.lock", "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+class TrackResult(TypedDict):
+    """What ``--out`` records (JSON)."""
 
-
-@contextlib.contextmanager
-def tracking_errors(tracking_uri: str) -> Iterator[None]:
-    """A dead server or broken store is one line that says how to finish the job later."""
-    import requests
-    from mlflow.exceptions import MlflowException
-
-    try:
-        yield
-    except (MlflowException, requests.RequestException, ConnectionError) as exc:
-        text = str(getattr(exc, "message", exc)).strip() or type(exc).__name__
-        reason = text.splitlines()[0][:300]
-        raise UserError(
-            f"cannot use tracking URI {redact_uri(tracking_uri)} ({reason}); {RERUN_HINT}: "
-            "the local results are kept and only what is missing in MLflow is uploaded"
-        ) from None
+    tracking_uri: str  # password redacted
+    experiment_name: str
+    experiment_id: str
+    parent_run_id: str
+    child_run_ids: dict[str, str]  # rank (as text, in rank order) -> run id
+    model_uri: str | None
+    registered_model: str | None
+    fingerprint: str
+    action: Action
+    num_points_pushed: int
 
 
 def connect(tracking_uri: str, experiment: str):
-    """Return (client, experiment id), creating the experiment if missing."""
-    from mlflow.tracking import MlflowClient
-
-    for key, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    client = MlflowClient(tracking_uri=tracking_uri)
+    """Return (the process's client for the URI, experiment id), creating the experiment if missing."""
+    client = tracking_client(tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return client, client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
@@ -169,128 +158,25 @@ def _quote(value: str) -> str:
     return f"{quote}{value}{quote}"
 
 
-def search_all(client, experiment_id: str, filter_string: str) -> list:
-    from mlflow.entities import ViewType
-
-    runs, token = [], None
-    while True:
-        page = client.search_runs(
-            [experiment_id],
-            filter_string,
-            run_view_type=ViewType.ACTIVE_ONLY,
-            max_results=1000,
-            page_token=token,
-        )
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
-
-
-def log_batches(client, run_id: str, metrics=(), params=(), tags=()) -> None:
-    """log_batch within MLflow's per-request limits."""
-    metrics, params, tags = list(metrics), list(params), list(tags)
-    for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
-    for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=params[start : start + MAX_PARAMS_PER_BATCH])
-    for start in range(0, len(tags), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, tags=tags[start : start + MAX_PARAMS_PER_BATCH])
-
-
-def _history_rows(steps: dict[str, np.ndarray]) -> np.ndarray:
-    """One float64 row per step (step, timestamp, metrics): its prefix hash identifies what was pushed."""
-    columns = ("step", "timestamp_ms", *STEP_METRICS)
-    return np.ascontiguousarray(np.column_stack([steps[c].astype(np.float64) for c in columns]))
-
-
-def _same(stored: float, value: float) -> bool:
-    return stored == value or (np.isnan(stored) and np.isnan(value))
-
-
-def _synced_rows(child, rows: np.ndarray) -> int | None:
-    """Rows of ``rows`` already in the child run, or None if its history is not a prefix of them.
-
-    The synced tag (set once a history is complete) vouches for a hashed prefix; a push killed midway
-    left its last whole batch as the latest point of each key, which MLflow returns with the run.
-    """
-    count, _, digest = child.data.tags.get(SYNCED_TAG, f"0:{EMPTY_SHA256}").partition(":")
-    if not count.isdigit() or int(count) > len(rows):
-        return None
-    if hashlib.sha256(rows[: int(count)].tobytes()).hexdigest() != digest:
-        return None
-    # RunData keeps the latest Metric objects (with step and timestamp) only privately.
-    latest = {m.key: m for m in getattr(child.data, "_metric_objs", []) if m.key in STEP_METRICS}
-    if len(latest) < len(STEP_METRICS):
-        return int(count)
-    step = min(m.step for m in latest.values())
-    (matches,) = np.nonzero(rows[:, 0] == step)
-    if not len(matches):
-        return None
-    row = rows[matches[0]]
-    for k, key in enumerate(STEP_METRICS):
-        point = latest[key]
-        if point.step == step and (point.timestamp != row[1] or not _same(point.value, row[2 + k])):
-            return None
-    return max(int(count), int(matches[0]) + 1)
-
-
-def _changed_metrics(current: dict[str, float], wanted: dict[str, float], step: int) -> list:
-    from mlflow.entities import Metric
-
-    now_ms = int(time.time() * 1000)
-    return [Metric(k, v, now_ms, step) for k, v in wanted.items() if current.get(k) != v]
-
-
-def sync_history(client, run_id: str, rows: np.ndarray, start: int) -> int:
-    """Append rows[start:] as points, whole rows per log_batch, in step order. Returns points pushed."""
-    from mlflow.entities import Metric
-
-    steps = rows[:, 0].astype(np.int64).tolist()
-    stamps = rows[:, 1].astype(np.int64).tolist()
-    values = [rows[:, 2 + i].tolist() for i in range(len(STEP_METRICS))]
-    pushed = 0
-    with _gc_paused():
-        for begin in range(start, len(rows), ROWS_PER_BATCH):
-            batch = [
-                Metric(key, values[k][i], stamps[i], steps[i])
-                for i in range(begin, min(begin + ROWS_PER_BATCH, len(rows)))
-                for k, key in enumerate(STEP_METRICS)
-            ]
-            client.log_batch(run_id, metrics=batch)
-            pushed += len(batch)
-    return pushed
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Each batch makes thousands of short-lived objects (Metric, ORM rows) and no cycles: the cyclic
-    collector would only rescan them, costing 10-20% of the push."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _sync_rank(client, experiment_id: str, parent_id: str, run_name: str, rank: int, child, inputs) -> tuple:
+def _sync_rank(
+    client, experiment_id: str, parent_id: str, run_name: str, rank: RankInputs, child, train: dict
+) -> tuple[str, int]:
+    """Create or complete one rank's child run; return (its id, metric points pushed)."""
     from mlflow.entities import Param, RunTag
 
-    rows = _history_rows(inputs["steps"][rank])
+    rows = history_rows(rank.history)
     if child is None:
-        tags = {PARENT_TAG: parent_id, RUN_TAG: run_name, RANK_TAG: str(rank)}
-        child = client.create_run(experiment_id, run_name=f"{run_name}/rank-{rank}", tags=tags)
+        tags = {PARENT_TAG: parent_id, RUN_TAG: run_name, RANK_TAG: str(rank.rank)}
+        child = client.create_run(experiment_id, run_name=f"{run_name}/rank-{rank.rank}", tags=tags)
     child_id = child.info.run_id
-    pushed = sync_history(client, child_id, rows, _synced_rows(child, rows) or 0)
+    pushed = sync_history(client, child_id, rows, synced_rows(child, rows) or 0)
     # After the history, in one request: the tag that vouches for it, test metrics, params, host.
-    num_steps = int(inputs["train"].get("num_steps", len(rows)))
-    final = _changed_metrics(child.data.metrics, inputs["rank_results"][rank], num_steps)
-    params = {"rank": str(rank), "shard_rows": str(inputs["shard_rows"][rank])}
-    tags = {SYNCED_TAG: f"{len(rows)}:{hashlib.sha256(rows.tobytes()).hexdigest()}"}
-    if rank in inputs["hosts"]:
-        tags["shardfuse.host"] = inputs["hosts"][rank]
+    num_steps = int(train.get("num_steps", len(rows)))
+    final = changed_metrics(child.data.metrics, rank.test_metrics, num_steps)
+    params = {"rank": str(rank.rank), "shard_rows": str(rank.shard_rows)}
+    tags = {SYNCED_TAG: synced_tag_value(rows)}
+    if rank.host is not None:
+        tags["shardfuse.host"] = rank.host
     params = [Param(k, v) for k, v in params.items() if child.data.params.get(k) != v]
     tags = [RunTag(k, v) for k, v in tags.items() if child.data.tags.get(k) != v]
     if final or params or tags:
@@ -300,31 +186,35 @@ def _sync_rank(client, experiment_id: str, parent_id: str, run_name: str, rank: 
     return child_id, pushed + len(final)
 
 
-def _sync_parent_extras(client, experiment_id: str, parent, inputs: dict, tracking_uri: str, options: dict):
-    """Artifacts, the MLflow model and its registration: each skipped when already there."""
+def _sync_parent_extras(
+    client, experiment_id: str, parent, inputs: RunInputs, options: SyncOptions
+) -> tuple[str, str | None]:
+    """Artifacts, the MLflow model and its registration: each skipped when already there.
+
+    Returns (the model id, "NAME/VERSION" if registered)."""
     parent_id, tags = parent.info.run_id, parent.data.tags
-    files = inputs["files"]
-    uploads = [(files[name], "results") for name in RESULT_FILES]
-    uploads += [(path, "plots") for name, path in files.items() if name.startswith("plot-")]
+    files = inputs.files
+    uploads = [(path, "results") for path in files.results()]
+    uploads += [(path, "plots") for path in files.plots]
     artifacts_sha = hashlib.sha256("".join(f"{d}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode())
     if tags.get(ARTIFACTS_TAG) != artifacts_sha.hexdigest():
         for path, directory in uploads:
             client.log_artifact(parent_id, str(path), artifact_path=directory)
         client.set_tag(parent_id, ARTIFACTS_TAG, artifacts_sha.hexdigest())
-    weights_sha = sha256_file(files["weights"])
+    weights_sha = sha256_file(files.weights)
     model = mlflow_model.find_logged_model(client, experiment_id, parent_id, weights_sha)
     model_id = model.model_id if model is not None else None
     if model_id is None:
         model_id = mlflow_model.log_merged_model(
-            tracking_uri, parent_id, files["weights"], weights_sha, inputs["model_spec"]
+            options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec
         )
     if tags.get(MODEL_TAG) != model_id:
         mlflow_model.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
         client.set_tag(parent_id, MODEL_TAG, model_id)
     registered = None
-    if options.get("registered_model"):
-        version = mlflow_model.register_model(client, options["registered_model"], parent_id, model_id)
-        registered = f"{options['registered_model']}/{version}"
+    if options.registered_model:
+        version = mlflow_model.register_model(client, options.registered_model, parent_id, model_id)
+        registered = f"{options.registered_model}/{version}"
         if tags.get(REGISTERED_TAG) != registered:
             client.set_tag(parent_id, REGISTERED_TAG, registered)
     return model_id, registered
@@ -344,41 +234,49 @@ def _delete_finished_live_runs(client, experiment_id: str, run_name: str, traine
             client.delete_run(run.info.run_id)
 
 
-def _plan(runs: list, run_fingerprint: str, run_config_hash: str, inputs: dict):
-    """Pick what to do with the runs already in MLflow: (action, parent or None, {rank: child})."""
+def _plan(runs: list, options: SyncOptions, inputs: RunInputs) -> Plan:
+    """Pick what to do with the runs already in MLflow."""
     parents = [r for r in runs if PARENT_TAG not in r.data.tags]
     if len(parents) != 1:
-        return ("replaced" if runs else "created"), None, {}
+        return Plan("replaced" if runs else "created", None, {})
     parent = parents[0]
     children: dict[int, Any] = {}
     for run in runs:
         rank = run.data.tags.get(RANK_TAG, "")
         if run.data.tags.get(PARENT_TAG) != parent.info.run_id or not rank.isdigit():
             continue
-        rows = _history_rows(inputs["steps"][int(rank)]) if int(rank) in inputs["steps"] else None
-        if rows is None or _synced_rows(run, rows) is None:
-            return "replaced", None, {}  # a re-trained (rewritten) history or another world size
+        rows = history_rows(inputs.ranks[int(rank)].history) if int(rank) < inputs.world_size else None
+        if rows is None or synced_rows(run, rows) is None:
+            return Plan("replaced", None, {})  # a re-trained (rewritten) history or another world size
         best = children.get(int(rank))  # a lost create_run response may leave two: keep the fuller one
-        if best is None or _synced_rows(run, rows) > _synced_rows(best, rows):
+        if best is None or synced_rows(run, rows) > synced_rows(best, rows):
             children[int(rank)] = run
     tags = parent.data.tags
-    if tags.get(CONFIG_HASH_TAG) != run_config_hash:
-        return "replaced", None, {}
+    if tags.get(CONFIG_HASH_TAG) != options.config_hash:
+        return Plan("replaced", None, {})
     if (
-        tags.get(FINGERPRINT_TAG) == run_fingerprint
+        tags.get(FINGERPRINT_TAG) == options.fingerprint
         and tags.get(COMPLETE_TAG) == "true"
-        and len(children) == inputs["world_size"]
+        and len(children) == inputs.world_size
     ):
-        return "unchanged", parent, children
-    return "updated", parent, children
+        return Plan("unchanged", parent, children)
+    return Plan("updated", parent, children)
 
 
-def _sync(client, experiment_id: str, run_name: str, config: dict, inputs: dict, plan: tuple, options: dict):
+def _sync(
+    client,
+    experiment_id: str,
+    run_name: str,
+    config: dict,
+    inputs: RunInputs,
+    plan: Plan,
+    options: SyncOptions,
+) -> Synced:
     """Create or complete the parent and its children; the complete tag goes on last."""
     from mlflow.entities import Param, RunTag
 
-    _, parent, children = plan
-    tags = {**provenance_tags(inputs, options["config_hash"]), COMPLETE_TAG: "false"}
+    parent, children = plan.parent, plan.children
+    tags = {**provenance_tags(inputs, options.config_hash), COMPLETE_TAG: "false"}
     if parent is None:
         parent = client.create_run(experiment_id, run_name=run_name, tags={RUN_TAG: run_name, **tags})
     else:
@@ -387,27 +285,25 @@ def _sync(client, experiment_id: str, run_name: str, config: dict, inputs: dict,
     parent_id = parent.info.run_id
     try:
         params = [Param(k, v) for k, v in flatten_params(config).items() if k not in parent.data.params]
-        num_steps = int(inputs["train"].get("num_steps", 0))
-        headline = _changed_metrics(parent.data.metrics, inputs["headline"], num_steps)
+        num_steps = int(inputs.train.get("num_steps", 0))
+        headline = changed_metrics(parent.data.metrics, inputs.headline, num_steps)
         log_batches(client, parent_id, metrics=headline, params=params)
         pushed = len(headline)
         child_ids = {}
-        for rank in range(inputs["world_size"]):
-            child_ids[str(rank)], count = _sync_rank(
-                client, experiment_id, parent_id, run_name, rank, children.get(rank), inputs
+        for rank in inputs.ranks:
+            child_ids[rank.rank], count = _sync_rank(
+                client, experiment_id, parent_id, run_name, rank, children.get(rank.rank), inputs.train
             )
             pushed += count
-        model_id, registered = _sync_parent_extras(
-            client, experiment_id, parent, inputs, options["uri"], options
-        )
-        final_tags = [RunTag(FINGERPRINT_TAG, options["fingerprint"]), RunTag(COMPLETE_TAG, "true")]
+        model_id, registered = _sync_parent_extras(client, experiment_id, parent, inputs, options)
+        final_tags = [RunTag(FINGERPRINT_TAG, options.fingerprint), RunTag(COMPLETE_TAG, "true")]
         client.log_batch(parent_id, tags=final_tags)
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:
         with contextlib.suppress(Exception):
             client.set_terminated(parent_id, "FAILED")
         raise
-    return parent_id, child_ids, model_id, registered, pushed
+    return Synced(parent_id, child_ids, model_id, registered, pushed)
 
 
 def track_run(
@@ -421,7 +317,7 @@ def track_run(
     plots_dir: str | os.PathLike | None = None,
     train_dir: str | os.PathLike | None = None,
     gather_path: str | os.PathLike | None = None,
-) -> dict:
+) -> TrackResult:
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
         raise UserError("--config-json must be a JSON object (the run's resolved config)")
@@ -433,41 +329,38 @@ def track_run(
         train_dir=Path(train_dir) if train_dir else None,
         gather_path=Path(gather_path) if gather_path else None,
     )
-    options = {
-        "uri": tracking_uri,
-        "registered_model": registered_model,
-        "fingerprint": fingerprint(config, inputs["files"], registered_model),
-        "config_hash": config_hash(config),
-    }
+    options = SyncOptions(
+        tracking_uri=tracking_uri,
+        registered_model=registered_model,
+        fingerprint=fingerprint(config, inputs.files, registered_model),
+        config_hash=config_hash(config),
+    )
     with writer_lock(tracking_uri), tracking_errors(tracking_uri):
         client, experiment_id = connect(tracking_uri, experiment)
         runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {_quote(run_name)}")
-        plan = _plan(runs, options["fingerprint"], options["config_hash"], inputs)
-        action, parent, children = plan
+        plan = _plan(runs, options, inputs)
+        parent, children = plan.parent, plan.children
         keep = {parent.info.run_id} | {c.info.run_id for c in children.values()} if parent else set()
         _delete_runs(client, experiment_id, [r for r in runs if r.info.run_id not in keep])
-        if action == "unchanged":
-            parent_id, pushed = parent.info.run_id, 0
-            child_ids = {str(rank): child.info.run_id for rank, child in children.items()}
-            model_id, registered = parent.data.tags.get(MODEL_TAG), parent.data.tags.get(REGISTERED_TAG)
+        if plan.action == "unchanged":
+            tags, child_ids = parent.data.tags, {rank: c.info.run_id for rank, c in children.items()}
+            synced = Synced(parent.info.run_id, child_ids, tags.get(MODEL_TAG), tags.get(REGISTERED_TAG), 0)
         else:
-            parent_id, child_ids, model_id, registered, pushed = _sync(
-                client, experiment_id, run_name, config, inputs, plan, options
-            )
-            trained_ms = int(inputs["files"]["train"].stat().st_mtime * 1000)
+            synced = _sync(client, experiment_id, run_name, config, inputs, plan, options)
+            trained_ms = int(inputs.files.train.stat().st_mtime * 1000)
             _delete_finished_live_runs(client, experiment_id, run_name, trained_ms)
-    return {
-        "tracking_uri": redact_uri(tracking_uri),
-        "experiment_name": experiment,
-        "experiment_id": experiment_id,
-        "parent_run_id": parent_id,
-        "child_run_ids": dict(sorted(child_ids.items(), key=lambda kv: int(kv[0]))),
-        "model_uri": f"models:/{model_id}" if model_id else None,
-        "registered_model": registered,
-        "fingerprint": options["fingerprint"],
-        "action": action,
-        "num_points_pushed": pushed,
-    }
+    return TrackResult(
+        tracking_uri=redact_uri(tracking_uri),
+        experiment_name=experiment,
+        experiment_id=experiment_id,
+        parent_run_id=synced.parent_id,
+        child_run_ids={str(rank): run_id for rank, run_id in sorted(synced.child_ids.items())},
+        model_uri=f"models:/{synced.model_id}" if synced.model_id else None,
+        registered_model=synced.registered,
+        fingerprint=options.fingerprint,
+        action=plan.action,
+        num_points_pushed=synced.num_points,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -504,3 +397,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     run_cli(main)
+    exit_now()

@@ -2,7 +2,8 @@
 
 :func:`load_inputs` reads and checks every file the track stage needs (manifest, train.json, gather.json,
 merge.json, the merged weights, eval.json, each rank's ``metrics/rank-{r}.parquet`` and any plots) before
-MLflow is touched, so a missing or malformed file is one error that names it and the stage to re-run.
+MLflow is touched, so a missing or malformed file is one error that names it and the stage to re-run;
+it returns them as a :class:`RunInputs` (the :class:`RunFiles`, one :class:`RankInputs` per rank).
 From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`), the
 headline metrics, the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash) and
 the fingerprint that tells an unchanged run from one to sync again.
@@ -15,18 +16,20 @@ import hashlib
 import importlib.metadata
 import json
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from shardfuse.io import UserError, read_json, sha256_file
+from shardfuse.safetensors_stream import SafetensorsReader
 
 LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
 STEP_METRICS = ("loss", "samples_per_second", "lr")
 PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
-RESULT_FILES = ("manifest", "train", "gather", "merge", "eval")
+CHECKPOINT_METADATA_KEY = "shardfuse"  # shardfuse.checkpoint.METADATA_KEY (that module imports torch)
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected
 
 
@@ -62,14 +65,92 @@ def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
     """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file."""
     import pyarrow.parquet as pq
 
+    # ParquetFile, not read_table: read_table imports pyarrow.dataset, a cost paid by every track job.
     try:
-        table = pq.read_table(path)
+        with pq.ParquetFile(path) as parquet:
+            missing = [c for c in PARQUET_COLUMNS if c not in parquet.schema_arrow.names]
+            table = None if missing else parquet.read(columns=list(PARQUET_COLUMNS))
     except Exception as exc:
         raise UserError(f"{path} is not a readable Parquet file ({exc}); re-run the train stage") from None
-    missing = [c for c in PARQUET_COLUMNS if c not in table.column_names]
     if missing:
         raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
     return {c: table.column(c).to_numpy() for c in PARQUET_COLUMNS}
+
+
+def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
+    """The shardfuse metadata in a safetensors header (JSON after an 8-byte length), read without torch.
+
+    :func:`shardfuse.checkpoint.read_metadata` gives the same dict but imports torch, which took longer
+    than the whole push (bench/tracking.py); the merge engine's header parser needs none.
+    """
+    with SafetensorsReader(path) as reader:
+        raw = reader.metadata.get(CHECKPOINT_METADATA_KEY)
+    if raw is None:
+        raise UserError(
+            f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "
+            "point at a shardfuse checkpoint"
+        )
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"checkpoint {path} has malformed shardfuse metadata ({exc}); re-run the merge stage"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Every file a push reads, checked to exist; their names and hashes make up the fingerprint."""
+
+    manifest: Path
+    train: Path
+    gather: Path
+    merge: Path
+    weights: Path
+    eval: Path
+    metrics: dict[int, Path]  # rank -> metrics/rank-{r}.parquet
+    plots: tuple[Path, ...]  # sorted *.png of the plots dir, if any
+
+    def results(self) -> tuple[Path, ...]:
+        """The JSON results uploaded under ``results/``, in upload order."""
+        return (self.manifest, self.train, self.gather, self.merge, self.eval)
+
+    def by_name(self) -> dict[str, Path]:
+        """Name -> path as the fingerprint hashes them (the names are part of the hashed text)."""
+        named = {"manifest": self.manifest, "train": self.train, "gather": self.gather}
+        named.update(merge=self.merge, weights=self.weights, eval=self.eval)
+        named.update({f"metrics-{rank}": path for rank, path in self.metrics.items()})
+        named.update({f"plot-{path.name}": path for path in self.plots})
+        return named
+
+
+class RankInputs(NamedTuple):
+    """What one rank's child run carries."""
+
+    rank: int
+    shard_rows: int
+    history: dict[str, np.ndarray]  # columns of metrics/rank-{r}.parquet (:func:`read_step_metrics`)
+    test_metrics: dict[str, float]  # test_accuracy, test_loss of the rank's own model
+    host: str | None  # None when neither train.json nor the rank's sidecar names it
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """Everything a push needs, read and checked before MLflow is touched."""
+
+    files: RunFiles
+    train: dict[str, Any]  # train.json as the train stage wrote it (num_steps, provenance)
+    ranks: tuple[RankInputs, ...]  # ranks[r].rank == r
+    model_spec: dict[str, Any]  # the merged weights' model reference and args
+    headline: dict[str, float]  # the parent run's metrics
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def hosts(self) -> dict[int, str]:
+        return {r.rank: r.host for r in self.ranks if r.host is not None}
 
 
 def load_inputs(
@@ -78,65 +159,56 @@ def load_inputs(
     plots_dir: Path | None = None,
     train_dir: Path | None = None,
     gather_path: Path | None = None,
-) -> dict[str, Any]:
+) -> RunInputs:
     """Read and check every file the push needs before MLflow is touched.
 
     ``train_dir`` (train.json, metrics/rank-{r}.parquet; default RUN_DIR/train) and ``gather_path``
     (default RUN_DIR/gather.json) may be shared by runs that differ only in how they merge.
     """
     train_dir = train_dir if train_dir is not None else run_dir / "train"
-    files = {
-        "manifest": _require_file(manifest_path, "partition"),
-        "train": _require_file(train_dir / "train.json", "train"),
-        "gather": _require_file(
-            gather_path if gather_path is not None else run_dir / "gather.json", "gather"
-        ),
-        "merge": _require_file(run_dir / "merge.json", "merge"),
-        "weights": _require_file(run_dir / "merged.safetensors", "merge"),
-        "eval": _require_file(run_dir / "eval.json", "evaluate"),
-    }
-    train, merge, evaluation = (read_json(files[k], k) for k in ("train", "merge", "eval"))
-    read_json(files["gather"], "gather")  # only uploaded, but must be valid JSON
+    manifest = _require_file(manifest_path, "partition")
+    train_path = _require_file(train_dir / "train.json", "train")
+    gather = _require_file(gather_path if gather_path is not None else run_dir / "gather.json", "gather")
+    merge_path = _require_file(run_dir / "merge.json", "merge")
+    weights = _require_file(run_dir / "merged.safetensors", "merge")
+    eval_path = _require_file(run_dir / "eval.json", "evaluate")
+    train, merge, evaluation = (
+        read_json(path, what)
+        for path, what in ((train_path, "train"), (merge_path, "merge"), (eval_path, "eval"))
+    )
+    read_json(gather, "gather")  # only uploaded, but must be valid JSON
     try:
-        world_size = int(_field(train, "world_size", files["train"]))
-        shard_rows = {int(r["rank"]): int(r["rows"]) for r in _field(train, "ranks", files["train"])}
-        eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", files["eval"])}
+        world_size = int(_field(train, "world_size", train_path))
+        shard_rows = {int(r["rank"]): int(r["rows"]) for r in _field(train, "ranks", train_path)}
+        eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", eval_path)}
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(
-            f"malformed 'ranks' entry in {files['train']} or {files['eval']} ({exc!r}); "
+            f"malformed 'ranks' entry in {train_path} or {eval_path} ({exc!r}); "
             "re-run the train and evaluate stages"
         ) from None
+    metrics = {}
     for rank in range(world_size):
         if rank not in shard_rows or rank not in eval_ranks:
             raise UserError(
-                f"rank {rank} of world size {world_size} is missing from {files['train']} "
-                f"or {files['eval']}; re-run the train and evaluate stages"
+                f"rank {rank} of world size {world_size} is missing from {train_path} "
+                f"or {eval_path}; re-run the train and evaluate stages"
             )
-        metrics_path = train_dir / "metrics" / f"rank-{rank}.parquet"
-        files[f"metrics-{rank}"] = _require_file(metrics_path, "train")
+        metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
-    files.update({f"plot-{p.name}": p for p in plots})
-    from shardfuse.checkpoint import read_metadata
-
-    inputs = {
-        "files": files,
-        "train": train,
-        "merge": merge,
-        "eval": evaluation,
-        "world_size": world_size,
-        "shard_rows": shard_rows,
-        "rank_results": {
-            rank: {
-                f"test_{k}": float(_field(eval_ranks[rank], k, files["eval"])) for k in ("accuracy", "loss")
-            }
-            for rank in range(world_size)
-        },
-        "steps": {rank: read_step_metrics(files[f"metrics-{rank}"]) for rank in range(world_size)},
-        "model_spec": _field(read_metadata(files["weights"]), "model", files["weights"]),
-        "hosts": _rank_hosts(train_dir, train, world_size),
+    files = RunFiles(manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots))
+    test_metrics = {
+        rank: {f"test_{k}": float(_field(eval_ranks[rank], k, eval_path)) for k in ("accuracy", "loss")}
+        for rank in range(world_size)
     }
-    inputs["headline"] = headline_metrics(inputs)
-    return inputs
+    histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
+    model_spec = _field(read_checkpoint_metadata(weights), "model", weights)
+    hosts = _rank_hosts(train_dir, train, world_size)
+    ranks = tuple(
+        RankInputs(rank, shard_rows[rank], histories[rank], test_metrics[rank], hosts.get(rank))
+        for rank in range(world_size)
+    )
+    headline = headline_metrics(files, train, merge, evaluation, ranks)
+    return RunInputs(files, train, ranks, model_spec, headline)
 
 
 def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
@@ -153,12 +225,13 @@ def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]
     return found
 
 
-def fingerprint(config: dict, files: dict[str, Path], registered_model: str | None = None) -> str:
+def fingerprint(config: dict, files: RunFiles, registered_model: str | None = None) -> str:
     """sha256 over the layout version, the config (sorted keys), the registry name and every file's sha256."""
     digest = hashlib.sha256(f"{LAYOUT_VERSION}\n{registered_model}\n".encode())
     digest.update(json.dumps(config, sort_keys=True).encode())
-    for name in sorted(files):
-        digest.update(f"\n{name}:{sha256_file(files[name])}".encode())
+    named = files.by_name()
+    for name in sorted(named):
+        digest.update(f"\n{name}:{sha256_file(named[name])}".encode())
     return digest.hexdigest()
 
 
@@ -166,8 +239,10 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
-def headline_metrics(inputs: dict[str, Any]) -> dict[str, float]:
-    evaluation, eval_path = inputs["eval"], inputs["files"]["eval"]
+def headline_metrics(
+    files: RunFiles, train: dict, merge: dict, evaluation: dict, ranks: tuple[RankInputs, ...]
+) -> dict[str, float]:
+    eval_path = files.eval
     merged = _field(evaluation, "merged", eval_path)
     best_rank = float(_field(evaluation, "best_rank_accuracy", eval_path))
     metrics = {
@@ -176,18 +251,16 @@ def headline_metrics(inputs: dict[str, Any]) -> dict[str, float]:
         "test_accuracy_best_rank": best_rank,
         "test_accuracy_mean_rank": float(_field(evaluation, "mean_rank_accuracy", eval_path)),
         "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
-        "train_seconds": float(_field(inputs["train"], "train_seconds", inputs["files"]["train"])),
-        "merge_seconds": float(_field(inputs["merge"], "seconds", inputs["files"]["merge"])),
+        "train_seconds": float(_field(train, "train_seconds", files.train)),
+        "merge_seconds": float(_field(merge, "seconds", files.merge)),
     }
     metrics["fusion_gain"] = metrics["test_accuracy_merged"] - best_rank
     for optional in ("base", "ddp_baseline"):  # written by newer evaluate stages only
         with contextlib.suppress(KeyError, TypeError, ValueError):
             metrics[f"test_accuracy_{optional}"] = float(evaluation[optional]["accuracy"])
-    for rank, result in inputs["rank_results"].items():
-        metrics[f"test_accuracy_rank_{rank}"] = result["test_accuracy"]
-    throughputs = [
-        float(np.mean(s["samples_per_second"])) for s in inputs["steps"].values() if len(s["step"])
-    ]
+    for rank in ranks:
+        metrics[f"test_accuracy_rank_{rank.rank}"] = rank.test_metrics["test_accuracy"]
+    throughputs = [float(np.mean(r.history["samples_per_second"])) for r in ranks if len(r.history["step"])]
     if throughputs:
         metrics["samples_per_second"] = sum(throughputs)  # all ranks together
     return metrics
@@ -214,9 +287,9 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def provenance_tags(inputs: dict[str, Any], run_config_hash: str) -> dict[str, str]:
+def provenance_tags(inputs: RunInputs, run_config_hash: str) -> dict[str, str]:
     """Where the results came from: code, tools, machines, scheduler."""
-    train = inputs["train"]
+    train = inputs.train
     commit, dirty = train.get("git_commit"), train.get("git_dirty")
     if commit is None:  # the code that is pushing is the code that ran, unless train.json says otherwise
         commit, dirty = _git_state(Path(__file__).resolve().parent)
@@ -230,8 +303,8 @@ def provenance_tags(inputs: dict[str, Any], run_config_hash: str) -> dict[str, s
     }
     if commit:
         tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
-    if inputs["hosts"]:
-        tags["shardfuse.hosts"] = ",".join(sorted(set(inputs["hosts"].values())))
+    if hosts := inputs.hosts:
+        tags["shardfuse.hosts"] = ",".join(sorted(set(hosts.values())))
     if train.get("slurm_job_id"):
         tags["shardfuse.slurm_job_id"] = str(train["slurm_job_id"])
     return tags
