@@ -1,10 +1,10 @@
 """Fuse a run's per-rank models into one, streaming block by block through the tensors.
 
-By hand::
+By hand (as the merge rule runs it)::
 
-    python -m shardfuse.merge --gather results/trainings/T/gather.json --method ties \\
-        --params-json '{"density": 0.2}' --val-split results/datasets/digits/val.parquet \\
-        --out-weights results/runs/R/merged.safetensors --out-json results/runs/R/merge.json
+    python -m shardfuse.merge --run <run> --gather results/trainings/<training>/gather.json \\
+        --method ties --params-json '{"density": 0.2}' --val-split results/datasets/digits/val.parquet \\
+        --out-weights results/runs/<run>/merged.safetensors --out-json results/runs/<run>/merge.json
 
 Methods and their parameters: ``shardfuse.merge_methods`` (consolidate, uniform, weighted, greedy_soup,
 task_arithmetic, ties, dare, slerp, model_stock). ``--val-split`` is read by greedy_soup only, and only
@@ -12,13 +12,16 @@ a validation split is accepted (a file whose sha256 is the sibling dataset.json'
 refused). ``--dcp-dir DIR`` (consolidate only) builds the output from a sharded
 torch.distributed.checkpoint saved in DCP's safetensors format instead of the rank files; DCP's
 default format stores its index as a pickle and is refused (see ``ShardedCheckpoint``). ``--run``
-names the run in merge.json when several runs fuse one training.
+names the run in merge.json when several runs fuse one training. The two paths are
+``merge_rank_files`` (every method) and ``merge_from_dcp``; ``merge`` checks the arguments and writes
+merge.json around either.
 
-Memory: every input is read with explicit reads (no mmap, see safetensors_stream) in blocks of at most
-BLOCK_BYTES of float64 across all ranks, and the output is written block by block, so peak memory is a
-few blocks plus the interpreter, whatever the number of ranks or the model size. Exceptions: the TIES
-scan holds one rank's float64 magnitudes of one tensor; greedy soup holds one candidate model (and
-the copy its evaluation makes). Two reader threads read (and hash) a few blocks ahead of the math.
+Memory: the engine (``shardfuse.merge_engine``) reads every input with explicit reads (no mmap, see
+safetensors_stream) in blocks of at most BLOCK_BYTES of float64 across all ranks and writes the output
+block by block, so peak memory is a few blocks plus the interpreter, whatever the number of ranks or
+the model size. Exceptions: the TIES scan holds one rank's float64 magnitudes of one tensor; greedy
+soup holds one candidate model (and the copy its evaluation makes). Two reader threads read (and hash)
+a few blocks ahead of the math.
 
 Checksums: each ingredient's sha256 is computed from the very bytes that are merged and compared with
 gather.json before the output is renamed into place: one read per file, and no window between check
@@ -32,12 +35,8 @@ import json
 import math
 import resource
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,222 +50,12 @@ from shardfuse.io import (
     sha256_file,
     write_json,
 )
-from shardfuse.merge_methods import (
-    METHODS,
-    USES_BASE,
-    USES_VAL,
-    Plan,
-    TensorJob,
-    copy_rule_error,
-    make_plan,
-    merge_block,
-    rank_weights,
-    resolve_params,
-    tensor_stats,
-)
-from shardfuse.safetensors_stream import (
-    SafetensorsReader,
-    SafetensorsWriter,
-    ShardedCheckpoint,
-    TensorInfo,
-    decode_float,
-    encode_float,
-    file_order,
-    to_torch,
-)
+from shardfuse.merge_engine import BLOCK_BYTES, Engine, MemorySink
+from shardfuse.merge_methods import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
+from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: it would import torch)
-BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
-PREFETCH_DEPTH = 2  # blocks read ahead by the worker threads
-READ_LANES = 2  # reader threads: hashing the inputs costs as much CPU as the math (sha256 ~2 GB/s)
 RERUN_GATHER = "re-run gather (snakemake -R gather)"
-
-
-# ---------------------------------------------------------------- the streaming engine
-
-
-@dataclass
-class Job:
-    kind: str  # copy | scan | scan_rank | combine
-    name: str
-    plan: Plan | None
-    start: int
-    count: int
-    reads: list[int]  # indices into Engine.inputs
-    rank_index: int = 0
-    end_rank: bool = False
-    end_scan: bool = False
-    end_tensor: bool = False
-
-
-class MemorySink:
-    """Collects the merged bytes in memory (greedy soup scores candidates without writing them)."""
-
-    def __init__(self, tensors: dict[str, TensorInfo]) -> None:
-        self.tensors = tensors
-        self.buffers = {name: np.empty(info.nbytes, dtype=np.uint8) for name, info in tensors.items()}
-        self.filled = dict.fromkeys(tensors, 0)
-
-    def write(self, name: str, data: np.ndarray) -> None:
-        start = self.filled[name]
-        self.buffers[name][start : start + len(data)] = data
-        self.filled[name] = start + len(data)
-
-    def tensors_for_torch(self) -> dict[str, Any]:
-        return {
-            name: to_torch(self.buffers[name].view(info.dtype.holder).reshape(info.shape), info.dtype)
-            for name, info in self.tensors.items()
-        }
-
-
-class Engine:
-    """Merge ``readers`` (one per rank, in rank order) tensor by tensor, block by block."""
-
-    def __init__(
-        self,
-        readers: list[SafetensorsReader],
-        base: SafetensorsReader | None,
-        method: str,
-        params: dict[str, Any],
-        rank_numbers: list[int],
-        weights: list[float] | None = None,
-        block_bytes: int = BLOCK_BYTES,
-    ) -> None:
-        self.inputs = readers + ([base] if base is not None else [])
-        self.num_ranks = len(readers)
-        self.method, self.params, self.weights = method, params, weights
-        self.rank_numbers = rank_numbers
-        self.block_elems = max(1, block_bytes // (8 * len(self.inputs)))
-
-    def _blocks(self, numel: int) -> Iterator[tuple[int, int, bool]]:
-        if numel == 0:
-            yield 0, 0, True
-        for start in range(0, numel, self.block_elems):
-            count = min(self.block_elems, numel - start)
-            yield start, count, start + count == numel
-
-    def schedule(self, names: list[str]) -> Iterator[Job]:
-        ranks = list(range(self.num_ranks))
-        with_base = ranks + ([self.num_ranks] if len(self.inputs) > self.num_ranks else [])
-        for name in names:
-            info = self.inputs[0].tensors[name]
-            if not info.dtype.is_float:
-                for start, count, last in self._blocks(info.numel):
-                    yield Job("copy", name, None, start, count, ranks, end_tensor=last)
-                continue
-            job = TensorJob(name, info.numel, self.rank_numbers, self.weights)
-            plan = make_plan(self.method, self.params, job)
-            if plan.scan_order == "blocks":
-                for start, count, last in self._blocks(info.numel):
-                    yield Job("scan", name, plan, start, count, with_base, end_scan=last)
-            elif plan.scan_order == "ranks":
-                for index in ranks:
-                    for start, count, last in self._blocks(info.numel):
-                        reads = [index, *with_base[self.num_ranks :]]
-                        end_scan = last and index == ranks[-1]
-                        yield Job("scan_rank", name, plan, start, count, reads, index, last, end_scan)
-            for start, count, last in self._blocks(info.numel):
-                yield Job("combine", name, plan, start, count, with_base, end_tensor=last)
-
-    def _read(self, job: Job, lane: int, buffers: list[np.ndarray]) -> list[tuple[int, np.ndarray]]:
-        """Read the inputs of ``job`` that belong to ``lane``; (position in job.reads, bytes) pairs."""
-        return [
-            (
-                position,
-                self.inputs[index].read_into(
-                    self.inputs[index].tensors[job.name], job.start, job.count, buffers[position]
-                ),
-            )
-            for position, index in enumerate(job.reads)
-            if index % READ_LANES == lane
-        ]
-
-    def _prefetched(self, jobs: Iterator[Job]) -> Iterator[tuple[Job, list[np.ndarray]]]:
-        """Jobs with their raw bytes, read (and hashed) by READ_LANES worker threads, up to PREFETCH_DEPTH
-        jobs ahead of the math.
-
-        Input i always goes to lane i mod READ_LANES, a single thread, so each file is read in order:
-        that is what lets the readers hash as they go. Job k reads into buffer set k mod (depth + 1):
-        when job k + depth is submitted the consumer has finished job k - 1, the last user of that set."""
-        slots = [
-            [np.empty(self.block_elems * 8, dtype=np.uint8) for _ in self.inputs]
-            for _ in range(PREFETCH_DEPTH + 1)
-        ]
-        pending: deque = deque()
-        submitted = 0
-        with contextlib.ExitStack() as stack:
-            lanes = [
-                stack.enter_context(
-                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardfuse-read{i}")
-                )
-                for i in range(READ_LANES)
-            ]
-
-            def submit() -> None:
-                nonlocal submitted
-                job = next(jobs, None)
-                if job is not None:
-                    slot = slots[submitted % len(slots)]
-                    pending.append(
-                        (job, [lane.submit(self._read, job, i, slot) for i, lane in enumerate(lanes)])
-                    )
-                    submitted += 1
-
-            try:
-                for _ in range(PREFETCH_DEPTH):
-                    submit()
-                while pending:
-                    job, futures = pending.popleft()
-                    views: list[np.ndarray] = [None] * len(job.reads)  # type: ignore[list-item]
-                    for future in futures:
-                        for position, view in future.result():
-                            views[position] = view
-                    yield job, views
-                    submit()
-            finally:
-                for _, futures in pending:
-                    for future in futures:
-                        future.cancel()
-
-    def run(self, names: list[str], sink) -> dict[str, dict[str, Any]]:
-        """Merge ``names`` in this order into ``sink`` (anything with ``write(name, bytes)``)."""
-        scratch = [np.empty(self.block_elems) for _ in self.inputs]
-        out = np.empty(self.block_elems * 8, dtype=np.uint8)
-        stats: dict[str, dict[str, Any]] = {}
-        for job, views in self._prefetched(self.schedule(names)):
-            info = self.inputs[0].tensors[job.name]
-            if job.kind == "copy":
-                for index, view in enumerate(views[1:], start=1):
-                    if not np.array_equal(view, views[0]):
-                        raise copy_rule_error(job.name, info.dtype.name, self.rank_numbers[index])
-                sink.write(job.name, views[0])
-                if job.end_tensor:
-                    stats[job.name] = {"max_abs_diff": 0.0, "copied_from_rank": self.rank_numbers[0]}
-                continue
-            values = [
-                decode_float(view, info.dtype, buffer) for view, buffer in zip(views, scratch, strict=False)
-            ]
-            plan = job.plan
-            if job.kind == "scan_rank":
-                plan.scan_rank(job.rank_index, job.start, values[0], values[1] if len(values) > 1 else None)
-                if job.end_rank:
-                    plan.end_rank(job.rank_index)
-            else:
-                blocks, base = (
-                    values[: self.num_ranks],
-                    (values[self.num_ranks] if len(values) > self.num_ranks else None),
-                )
-                if job.kind == "scan":
-                    plan.scan_blocks(job.start, blocks, base)
-                else:
-                    sink.write(
-                        job.name, encode_float(merge_block(plan, job.start, blocks, base), info.dtype, out)
-                    )
-            if job.end_scan:
-                plan.end_scan()
-            if job.end_tensor:
-                stats[job.name] = tensor_stats(plan)
-        return stats
 
 
 # ---------------------------------------------------------------- inputs and checks
@@ -346,7 +135,7 @@ def greedy_soup(
 
     Candidates are merged from the files as the engine would write them, one in memory at a time."""
     from shardfuse.data import load_table  # deferred: these import torch
-    from shardfuse.evaluate import score_state_dict
+    from shardfuse.models import score_state_dict
 
     _refuse_test_split(val_split)
     features, labels = load_table(val_split)
@@ -409,9 +198,89 @@ def _write(out_weights: Path, entries: dict, metadata: dict[str, str], fill) -> 
         return writer.close(), result
 
 
-def _merge_dcp(
-    dcp_dir: Path, info: dict, first: SafetensorsReader, metadata: dict, out_weights: Path
-) -> dict:
+class Fused(NamedTuple):
+    """What one merge path wrote: the output's sha256, per-tensor statistics, and the entries of
+    merge.json that say what went in (ingredients, base, weights, greedy_soup, or dcp)."""
+
+    sha256: str
+    tensor_stats: dict[str, dict[str, Any]]
+    inputs: dict[str, Any]
+
+
+def merge_rank_files(
+    info: dict[str, Any],
+    method: str,
+    params: dict[str, Any],
+    weights: list[float] | None,
+    out_weights: Path,
+    *,
+    val_split: Path | None,
+    batch_size: int,
+    block_bytes: int,
+) -> Fused:
+    """Stream the rank checkpoints gather.json lists (and the base, for task-vector methods) through
+    the engine; every input's sha256 is checked against gather.json before the output is in place."""
+    ranks = info["ranks"]
+    rank_numbers = [int(r["rank"]) for r in ranks]
+    rows = [int(r["rows"]) for r in ranks]
+    what = [f"rank {number}" for number in rank_numbers]
+    inputs: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        readers = [
+            stack.enter_context(_open_checked(Path(r["path"]), r.get("bytes"), label))
+            for r, label in zip(ranks, what, strict=True)
+        ]
+        for reader, label in zip(readers, what, strict=True):
+            _check_header(reader, info["tensors"], label)
+        base = None
+        if method in USES_BASE:
+            base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
+            _check_header(base, info["tensors"], "base")
+        metadata = _merged_metadata(readers[0], method, params)
+        selected = list(range(len(readers)))
+        if method == "greedy_soup":
+            soup = greedy_soup(readers, rank_numbers, info["model"], Path(val_split), batch_size, block_bytes)
+            selected = [rank_numbers.index(number) for number in soup["selected"]]
+            inputs["greedy_soup"] = soup
+            inputs["weights"] = [1 / len(selected) if i in selected else 0.0 for i in range(len(readers))]
+        engine = Engine(
+            [readers[i] for i in selected],
+            base,
+            method,
+            params,
+            [rank_numbers[i] for i in selected],
+            weights,
+            block_bytes,
+        )
+        entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
+
+        def fill(writer: SafetensorsWriter) -> tuple[dict, list[str]]:
+            stats = engine.run(writer.names, writer)
+            digests = [reader.sha256() for reader in readers]
+            for r, digest, label in zip(ranks, digests, what, strict=True):
+                if digest != r["sha256"]:
+                    raise UserError(
+                        f"{label}: {r['path']} is missing or changed since gather; {RERUN_GATHER}"
+                    )
+            if base is not None:
+                inputs["base"] = {"path": str(base.path), "sha256": _base_sha256(base)}
+            return stats, digests
+
+        digest, (stats, digests) = _write(out_weights, entries, metadata, fill)
+    inputs["ingredients"] = [
+        {"rank": number, "path": r["path"], "sha256": d, "rows": n}
+        for number, r, d, n in zip(rank_numbers, ranks, digests, rows, strict=True)
+    ]
+    return Fused(digest, stats, inputs)
+
+
+def merge_from_dcp(
+    dcp_dir: Path, info: dict[str, Any], method: str, params: dict[str, Any], out_weights: Path
+) -> Fused:
+    """Consolidate a sharded torch.distributed.checkpoint (safetensors format) into one file; the
+    rank files only lend the metadata. DCP entries that are not model tensors are skipped."""
+    with SafetensorsReader(Path(info["ranks"][0]["path"])) as first:
+        metadata = _merged_metadata(first, method, params)
     with ShardedCheckpoint(dcp_dir) as checkpoint:
         wanted = info["tensors"]
         for name, expected in wanted.items():
@@ -431,7 +300,8 @@ def _merge_dcp(
         digest, _ = _write(out_weights, entries, metadata, fill)
         files = [{"path": str(r.path), "sha256": r.sha256(), "bytes": r.size} for r in checkpoint.readers]
         skipped = sorted(set(checkpoint.shapes) - set(wanted))
-    return {"digest": digest, "dcp": {"dir": str(dcp_dir), "files": files, "skipped_tensors": skipped}}
+    dcp = {"dir": str(dcp_dir), "files": files, "skipped_tensors": skipped}
+    return Fused(digest, {}, {"ingredients": [], "dcp": dcp, "weights": None})
 
 
 def merge(
@@ -450,9 +320,7 @@ def merge(
     """Merge the ranks listed in gather.json with ``method``; write the weights and merge.json."""
     started = time.perf_counter()
     info = read_json(gather_path, "gather record")
-    ranks = info["ranks"]
-    rank_numbers = [int(r["rank"]) for r in ranks]
-    rows = [int(r["rows"]) for r in ranks]
+    rows = [int(r["rows"]) for r in info["ranks"]]
     resolved = resolve_params(method, params, rows)
     if dcp_dir is not None and method != "consolidate":
         raise UserError(
@@ -465,72 +333,30 @@ def merge(
         )
     weights = rank_weights(method, resolved, rows)
     record: dict[str, Any] = {"run": run or info["run"], "training": info["run"], "method": method}
-    record.update(params=resolved, num_ranks=len(ranks), base=None, weights=weights, greedy_soup=None)
-    with contextlib.ExitStack() as stack:
-        what = [f"rank {number}" for number in rank_numbers]
-        bytes_expected = [r.get("bytes") for r in ranks]
-        if dcp_dir is not None:  # the rank files only lend the metadata
-            first = stack.enter_context(SafetensorsReader(Path(ranks[0]["path"])))
-            result = _merge_dcp(dcp_dir, info, first, _merged_metadata(first, method, resolved), out_weights)
-            digest, stats = result["digest"], {}
-            record.update(ingredients=[], dcp=result["dcp"], weights=None)
-        else:
-            readers = [
-                stack.enter_context(_open_checked(Path(r["path"]), size, label))
-                for r, size, label in zip(ranks, bytes_expected, what, strict=True)
-            ]
-            for reader, label in zip(readers, what, strict=True):
-                _check_header(reader, info["tensors"], label)
-            base = None
-            if method in USES_BASE:
-                base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
-                _check_header(base, info["tensors"], "base")
-            metadata = _merged_metadata(readers[0], method, resolved)
-            inputs = list(range(len(readers)))
-            if method == "greedy_soup":
-                soup = greedy_soup(
-                    readers, rank_numbers, info["model"], Path(val_split), batch_size, block_bytes
-                )
-                inputs = [rank_numbers.index(number) for number in soup["selected"]]
-                record["greedy_soup"] = soup
-                record["weights"] = [1 / len(inputs) if i in inputs else 0.0 for i in range(len(readers))]
-            engine = Engine(
-                [readers[i] for i in inputs],
-                base,
-                method,
-                resolved,
-                [rank_numbers[i] for i in inputs],
-                weights,
-                block_bytes,
-            )
-            entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
-
-            def fill(writer: SafetensorsWriter) -> tuple[dict, list[str]]:
-                stats = engine.run(writer.names, writer)
-                digests = [reader.sha256() for reader in readers]
-                for r, digest, label in zip(ranks, digests, what, strict=True):
-                    if digest != r["sha256"]:
-                        raise UserError(
-                            f"{label}: {r['path']} is missing or changed since gather; {RERUN_GATHER}"
-                        )
-                if base is not None:
-                    record["base"] = {"path": str(base.path), "sha256": _base_sha256(base)}
-                return stats, digests
-
-            digest, (stats, digests) = _write(out_weights, entries, metadata, fill)
-            record["ingredients"] = [
-                {"rank": number, "path": r["path"], "sha256": d, "rows": n}
-                for number, r, d, n in zip(rank_numbers, ranks, digests, rows, strict=True)
-            ]
-    tensor_stats_clean = {name: {k: _finite(v) for k, v in s.items()} for name, s in stats.items()}
+    record.update(params=resolved, num_ranks=len(rows), base=None, weights=weights, greedy_soup=None)
+    if dcp_dir is not None:
+        fused = merge_from_dcp(dcp_dir, info, method, resolved, out_weights)
+    else:
+        fused = merge_rank_files(
+            info,
+            method,
+            resolved,
+            weights,
+            out_weights,
+            val_split=val_split,
+            batch_size=batch_size,
+            block_bytes=block_bytes,
+        )
+    record.update(fused.inputs)
+    stats = fused.tensor_stats
     spreads = [s["max_abs_diff"] for s in stats.values()]
     record.update(
-        tensor_stats=tensor_stats_clean,
+        tensor_stats={name: {k: _finite(v) for k, v in s.items()} for name, s in stats.items()},
         max_abs_diff_between_ranks=_finite(max(spreads, default=0.0)) if dcp_dir is None else None,
         seconds=time.perf_counter() - started,
         peak_rss_mb=peak_rss_mb(),
         output=out_weights.name,
-        sha256=digest,
+        sha256=fused.sha256,
         num_tensors=len(info["tensors"]),
         num_parameters=sum(math.prod(t["shape"]) for t in info["tensors"].values()),
     )

@@ -1,16 +1,19 @@
 """One rank of a training run; started by torchrun, one process per shard.
 
 Not launched by hand with plain python: use the launcher, which wraps torchrun (locally
-``--standalone``; under SLURM see ``shardfuse.launch``)::
+``--standalone``; under SLURM see ``shardfuse.launch``), as the train rule does::
 
-    python -m shardfuse.launch --nproc-per-node 2 --out-dir results/trainings/demo/ranks -- \
-        --run-name demo --shard-dir results/shards/digits/w2-seed0 --dataset-dir results/datasets/digits \
-        --config-json '{"strategy": "ddp", ...}'
+    python -m shardfuse.launch --nproc-per-node 2 --out-dir results/trainings/<training>/ranks -- \\
+        --run-name <training> --shard-dir results/shards/digits/w2-seed0 \\
+        --dataset-dir results/datasets/digits --config-json '{"strategy": "ddp", ...}'
 
 Every rank reads only its own shard (streamed by :class:`shardfuse.data.ShardReader`: training starts
 after one row group, the sha256 is checked alongside), starts from the same initial weights (rank 0's,
 saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``) and
 ``metrics/rank-{rank}.parquet`` (one row per optimiser step). Rank 0 writes ``train.json`` last.
+
+``train_rank`` runs the phases in order: ``set_up`` (model, optimiser, seeds), ``resume_or_start``,
+``plan_steps`` (precision, DDP), ``train_loop`` (which calls ``save_checkpoint``), ``publish``.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import math
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as torch_dist
@@ -30,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoint import save_weights
 from shardfuse.data import ShardReader, feature_stats, read_dataset_info, read_manifest
-from shardfuse.dist import DistContext, autocast, distributed, gate_for, step_dtype
+from shardfuse.dist import DistContext, RankGate, autocast, distributed, gate_for, step_dtype
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.live import LiveLogger
 from shardfuse.metrics_log import MetricsLog
@@ -92,19 +96,49 @@ def _check_finite(loss_value: float, ctx: DistContext, step: int, policy: str) -
     return True
 
 
-def train_rank(
-    ctx: DistContext,
-    run: str,
-    shard_dir: Path,
-    dataset_dir: Path,
-    cfg: dict[str, Any],
-    out_dir: Path,
-    live: LiveLogger | None = None,
-    step_metrics: bool = True,
-) -> None:
-    """Train this rank. ``step_metrics=False`` records no per-step metrics, progress or live points
-    (the logging-overhead benchmark's baseline; the track stage then has no curves to log)."""
-    gate = gate_for(ctx.rank)
+@dataclass
+class RankSetup:
+    """What setup builds for one rank, read by every later phase."""
+
+    ctx: DistContext
+    run: str
+    cfg: dict[str, Any]
+    gate: RankGate
+    shard_dir: Path
+    dataset_dir: Path
+    out_dir: Path
+    manifest: dict[str, Any]
+    spec: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    meta: dict[str, Any]  # recorded in every weights file this rank writes
+    rank_seed: int  # dropout and data order: differ per rank
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """Written into every checkpoint; a resume refuses a checkpoint of another run or world size."""
+        return {"world_size": self.ctx.world_size, "run": self.run}
+
+
+class StepPlan(NamedTuple):
+    """How every step runs, fixed after resume-or-start (DDP wraps the model as it was loaded)."""
+
+    net: torch.nn.Module  # the model, or its DDP wrapper (strategy ddp)
+    dtype: torch.dtype | None  # autocast dtype; None: fp32
+    num_batches: int  # steps per epoch, the same on every rank
+    sync_every: int  # localsgd averages the parameters every this many steps; 0: never
+    checkpoint_every: int  # 0: no checkpoints
+    nonfinite_policy: str  # error | skip
+
+
+def set_up(
+    ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, cfg: dict[str, Any], out_dir: Path
+) -> RankSetup:
+    """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
     manifest = read_manifest(shard_dir)
     if manifest["world_size"] != ctx.world_size:
         raise UserError(
@@ -126,66 +160,93 @@ def train_rank(
     model = build_model(spec).to(ctx.device)
     model.set_input_stats(*stats)
     broadcast_from_rank0(model)
-    host = socket.gethostname()
     meta = {
         "run": run,
         "world_size": ctx.world_size,
         "strategy": cfg["strategy"],
         "model": spec,
         "init_sha256": state_digest(model),
-        "host": host,
+        "host": socket.gethostname(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_dir = out_dir / "checkpoints"
     optimizer = make_optimizer(model, cfg)
     # Dropout and data order differ per rank; the initial weights above do not.
     rank_seed = cfg["seed"] * 1_000_003 + ctx.rank + 1
     torch.manual_seed(rank_seed)
-
-    resumable = complete_steps(checkpoint_dir)
-    if resumable:
-        position = load_rank_state(
-            checkpoint_dir,
-            resumable[-1],
-            ctx.rank,
-            model,
-            optimizer,
-            expect={"world_size": ctx.world_size, "run": run},
-        )
-        gate.log(
-            f"[{run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
-            f"batch {position.next_batch})"
-        )
-    else:
-        position = Position()
-        gate.call(save_weights, out_dir / "base.safetensors", model.state_dict(), {**meta, "rank": None})
-    # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
-    metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
-
-    cuda = ctx.device.type == "cuda"
-    dtype = step_dtype(cfg.get("precision", "auto"), ctx.device, cuda and torch.cuda.is_bf16_supported())
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    device_ids = [ctx.device.index] if cuda else None
-    net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
-    sync_every = cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0
-    checkpoint_every = cfg.get("checkpoint_every", 0)
-    num_batches = steps_per_epoch(manifest, cfg["batch_size"])
-    num_rows = manifest["shards"][ctx.rank]["rows"]
-    gate.log(
-        f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}, "
-        f"{'fp32' if dtype is None else 'bf16 autocast'}): {cfg['epochs']} epochs x {num_batches} steps"
+    return RankSetup(
+        ctx=ctx,
+        run=run,
+        cfg=cfg,
+        gate=gate_for(ctx.rank),
+        shard_dir=shard_dir,
+        dataset_dir=dataset_dir,
+        out_dir=out_dir,
+        manifest=manifest,
+        spec=spec,
+        model=model,
+        optimizer=optimizer,
+        meta=meta,
+        rank_seed=rank_seed,
     )
 
+
+def resume_or_start(setup: RankSetup) -> Position:
+    """Continue from the newest complete checkpoint (model, optimiser, RNG, data position), or start
+    at step 0 and save the shared initial weights as ``base.safetensors``."""
+    model, checkpoint_dir = setup.model, setup.checkpoint_dir
+    resumable = complete_steps(checkpoint_dir)
+    if not resumable:
+        base_meta = {**setup.meta, "rank": None}
+        setup.gate.call(save_weights, setup.out_dir / "base.safetensors", model.state_dict(), base_meta)
+        return Position()
+    position = load_rank_state(
+        checkpoint_dir, resumable[-1], setup.ctx.rank, model, setup.optimizer, expect=setup.identity
+    )
+    setup.gate.log(
+        f"[{setup.run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
+        f"batch {position.next_batch})"
+    )
+    return position
+
+
+def plan_steps(setup: RankSetup) -> StepPlan:
+    """Precision, the DDP wrapper and the step counts; peak GPU memory is counted from here on."""
+    device, cfg, model = setup.ctx.device, setup.cfg, setup.model
+    cuda = device.type == "cuda"
+    dtype = step_dtype(cfg.get("precision", "auto"), device, cuda and torch.cuda.is_bf16_supported())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    device_ids = [device.index] if cuda else None
+    net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
+    return StepPlan(
+        net=net,
+        dtype=dtype,
+        num_batches=steps_per_epoch(setup.manifest, cfg["batch_size"]),
+        sync_every=cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0,
+        checkpoint_every=cfg.get("checkpoint_every", 0),
+        nonfinite_policy=cfg.get("nonfinite_loss", "error"),
+    )
+
+
+def train_loop(
+    setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None, live: LiveLogger | None
+) -> tuple[int, float]:
+    """Run the remaining steps; the number of the last step and this rank's seconds in the loop."""
+    ctx, cfg, run, gate = setup.ctx, setup.cfg, setup.run, setup.gate
+    model, optimizer, num_batches = setup.model, setup.optimizer, plan.num_batches
+    gate.log(
+        f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}, "
+        f"{'fp32' if plan.dtype is None else 'bf16 autocast'}): {cfg['epochs']} epochs x "
+        f"{num_batches} steps"
+    )
     model.train()
     started = time.perf_counter()
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
-    nonfinite_policy = cfg.get("nonfinite_loss", "error")
     # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
-        ShardReader(shard_dir, ctx.rank, seed=rank_seed, cache=True, verify=True) as reader,
+        ShardReader(setup.shard_dir, ctx.rank, seed=setup.rank_seed, cache=True, verify=True) as reader,
         gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress,
     ):
         for epoch in range(position.epoch, cfg["epochs"]):
@@ -196,14 +257,14 @@ def train_rank(
                 inputs = inputs.to(ctx.device, non_blocking=True)
                 targets = targets.to(ctx.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
-                with autocast(ctx.device, dtype):
-                    loss = F.cross_entropy(net(inputs), targets)
+                with autocast(ctx.device, plan.dtype):
+                    loss = F.cross_entropy(plan.net(inputs), targets)
                 step += 1
                 loss_value = loss.item()  # one host sync a step: the finite check and metrics share it
-                if _check_finite(loss_value, ctx, step, nonfinite_policy):
+                if _check_finite(loss_value, ctx, step, plan.nonfinite_policy):
                     loss.backward()
                     optimizer.step()
-                if sync_every and step % sync_every == 0:
+                if plan.sync_every and step % plan.sync_every == 0:
                     average_parameters(model, ctx.world_size)
                 if metrics is not None:
                     now = time.perf_counter()
@@ -213,55 +274,65 @@ def train_rank(
                     progress.update(step, loss=loss_value, samples_per_second=throughput)
                     if live is not None:
                         live.log(step, {"loss": loss_value, "samples_per_second": throughput})
-                if checkpoint_every and step % checkpoint_every == 0:
-                    if metrics is not None:
-                        metrics.flush()  # every row up to the checkpoint survives a restart from it
-                    save_rank_state(
-                        checkpoint_dir,
-                        ctx.rank,
-                        model,
-                        optimizer,
-                        Position(step, epoch, index + 1),
-                        {"world_size": ctx.world_size, "run": run},
-                    )
-                    torch_dist.barrier()  # every rank saved before the checkpoint counts
-                    gate.call(mark_complete, checkpoint_dir, step, cfg.get("keep_checkpoints", 2))
+                if plan.checkpoint_every and step % plan.checkpoint_every == 0:
+                    save_checkpoint(setup, Position(step, epoch, index + 1), metrics)
             gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss_value:.4f}")
-    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-    torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
+    return step, time.perf_counter() - started
 
+
+def save_checkpoint(setup: RankSetup, position: Position, metrics: MetricsLog | None) -> None:
+    """Every rank saves its state; the checkpoint counts (rank 0 marks it complete) once all have."""
+    if metrics is not None:
+        metrics.flush()  # every row up to the checkpoint survives a restart from it
+    save_rank_state(
+        setup.checkpoint_dir, setup.ctx.rank, setup.model, setup.optimizer, position, setup.identity
+    )
+    torch_dist.barrier()  # every rank saved before the checkpoint counts
+    setup.gate.call(mark_complete, setup.checkpoint_dir, position.step, setup.cfg.get("keep_checkpoints", 2))
+
+
+def publish(
+    setup: RankSetup, plan: StepPlan, num_steps: int, loop_seconds: float, metrics: MetricsLog | None
+) -> None:
+    """Write this rank's weights and metrics; rank 0 writes train.json once every rank's files exist."""
+    ctx, cfg, manifest = setup.ctx, setup.cfg, setup.manifest
+    seconds = torch.tensor([loop_seconds], dtype=torch.float64)
+    torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
+
+    num_rows = manifest["shards"][ctx.rank]["rows"]
     save_weights(
-        out_dir / f"rank-{ctx.rank}.safetensors",
-        model.state_dict(),
-        {**meta, "rank": ctx.rank, "rows": num_rows, "num_steps": step},
+        setup.out_dir / f"rank-{ctx.rank}.safetensors",
+        setup.model.state_dict(),
+        {**setup.meta, "rank": ctx.rank, "rows": num_rows, "num_steps": num_steps},
     )
     if metrics is not None:
         metrics.consolidate()
+    cuda = ctx.device.type == "cuda"
     peak_memory = int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else None
     hosts: list[str | None] = [None] * ctx.world_size
-    torch_dist.all_gather_object(hosts, host)  # also the barrier: every rank's files exist now
-    gate.write_json(
-        out_dir / "train.json",
+    torch_dist.all_gather_object(hosts, setup.meta["host"])  # also the barrier: every rank's files exist now
+    setup.gate.write_json(
+        setup.out_dir / "train.json",
         {
-            "run": run,
+            "run": setup.run,
             "world_size": ctx.world_size,
             "strategy": cfg["strategy"],
-            "sync_every": sync_every,
-            "num_steps": step,
+            "sync_every": plan.sync_every,
+            "num_steps": num_steps,
             "epochs": cfg["epochs"],
-            "steps_per_epoch": num_batches,
+            "steps_per_epoch": plan.num_batches,
             "train_seconds": float(seconds.item()),
             "backend": ctx.backend,
             "device": str(ctx.device),
-            "precision": "fp32" if dtype is None else "bf16",
+            "precision": "fp32" if plan.dtype is None else "bf16",
             "peak_gpu_memory_bytes": peak_memory,
-            "step_metrics": step_metrics,
+            "step_metrics": metrics is not None,
             "hosts": hosts,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "torch_version": torch.__version__,
-            "shard_dir": str(shard_dir),
-            "dataset_dir": str(dataset_dir),
-            "model": spec,
+            "shard_dir": str(setup.shard_dir),
+            "dataset_dir": str(setup.dataset_dir),
+            "model": setup.spec,
             "ranks": [
                 {
                     "rank": s["rank"],
@@ -273,6 +344,27 @@ def train_rank(
             ],
         },
     )
+
+
+def train_rank(
+    ctx: DistContext,
+    run: str,
+    shard_dir: Path,
+    dataset_dir: Path,
+    cfg: dict[str, Any],
+    out_dir: Path,
+    live: LiveLogger | None = None,
+    step_metrics: bool = True,
+) -> None:
+    """Train this rank. ``step_metrics=False`` records no per-step metrics, progress or live points
+    (the logging-overhead benchmark's baseline; the track stage then has no curves to log)."""
+    setup = set_up(ctx, run, shard_dir, dataset_dir, cfg, out_dir)
+    position = resume_or_start(setup)
+    # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
+    metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
+    plan = plan_steps(setup)
+    num_steps, loop_seconds = train_loop(setup, plan, position, metrics, live)
+    publish(setup, plan, num_steps, loop_seconds, metrics)
 
 
 def main(argv: list[str] | None = None) -> None:
