@@ -43,8 +43,9 @@ class Measured:
 
 
 # A child's ru_maxrss starts at its parent's RSS when it forks (Linux keeps the pre-exec high-water
-# mark), so a benchmark process holding torch would lend every child ~300 MB. A bare interpreter (-I -S:
-# ~10 MB) forks the measured command instead and reports wall time and the command's rusage.
+# mark), so a benchmark process holding torch would lend every child its own RSS. A bare interpreter
+# (-I -S: next to nothing to lend) forks the measured command instead and reports wall time and the
+# command's rusage.
 _WRAPPER = """
 import json, os, subprocess, sys, time
 started = time.perf_counter()

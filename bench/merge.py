@@ -13,8 +13,9 @@ then runs, each in a fresh child process, interleaved and repeated:
             touched file pages inflate RSS with N (they do: the reason stream uses explicit reads)
   nohash    the stream engine with the input sha256 checks switched off: what verification costs
 Seconds are the merge itself, measured inside the child (interpreter start and imports excluded: the
-baseline's `import torch` alone takes ~1.5 s); peak RSS is the child's VmHWM, imports included (not
-ru_maxrss: a forked child's ru_maxrss includes the parent's RSS from before its exec).
+baseline's `import torch` alone would dominate; its time is in bench/RESULTS.md); peak RSS is the
+child's VmHWM, imports included (not ru_maxrss: a forked child's ru_maxrss includes the parent's RSS
+from before its exec).
 Targets: stream peak RSS <= 1.5 x model + 64 MB at every N, and stream >= 3x faster than baseline at N = 8.
 Sizes and RSS are in MiB (2**20 bytes): "100 MB" models hold at least 100 MiB.
 """

@@ -1,6 +1,6 @@
 """Run the benchmarks and write bench/RESULTS.md (machine info, one table each, PASS/FAIL).
 
-    .venv/bin/python bench/run_all.py                 # full sizes, ~8 min on 2 cores
+    .venv/bin/python bench/run_all.py                 # full sizes (minutes: see RESULTS.md's first line)
     .venv/bin/python bench/run_all.py --smoke --out /tmp/RESULTS.md   # tiny sizes (CI): checks they run
 
 Each benchmark can also run alone (bench/partition.py, reader.py, scaling.py, pipeline.py,

@@ -38,6 +38,9 @@ die() {
     exit 1
 }
 
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
+
 [[ $PORT =~ ^[0-9]+$ ]] || die "SHARDFUSE_MLFLOW_PORT must be a port number (got '$PORT')"
 
 MLFLOW=${SHARDFUSE_MLFLOW_BIN:-}
@@ -62,10 +65,7 @@ server_alive() {
     pid=$(<"$PIDFILE")
     [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/cmdline ]] || return 1
     tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q 'mlflow.* server' || return 1
-    local st
-    st=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
-    st=${st##*) }
-    [[ ${st%% *} != [ZX] ]]
+    running "$pid"
 }
 
 mkdir -p "$STATE_DIR/artifacts" "$STATE_DIR/log"
@@ -95,10 +95,6 @@ PGPASSFILE=$PG_DIR/pgpass MLFLOW_BACKEND_STORE_URI=$BACKEND \
     >>"$LOG" 2>&1 </dev/null 9>&- &
 echo $! >"$PIDFILE"
 
-deadline=$((SECONDS + WAIT_S))
-until health; do
-    server_alive || die "mlflow server exited during startup"
-    ((SECONDS < deadline)) || die "mlflow server does not answer $URL/health after ${WAIT_S}s"
-    sleep 0.5
-done
+wait_until "$WAIT_S" 0.5 health "mlflow server does not answer $URL/health after ${WAIT_S}s" \
+    "mlflow server exited during startup" server_alive
 log "up: $URL (pid $(<"$PIDFILE"), log $LOG)"

@@ -34,6 +34,9 @@ die() {
     exit 1
 }
 
+# shellcheck source=scripts/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
+
 [[ $PORT =~ ^[0-9]+$ ]] || die "SHARDFUSE_PG_PORT must be a port number (got '$PORT')"
 
 pg_bindir() {
@@ -44,25 +47,14 @@ pg_bindir() {
 
 # --------------------------------------------------------------------------
 # 1. Packages. postgresql's maintainer scripts would create and start a
-#    system cluster; a temporary policy-rc.d forbids starting anything.
+#    system cluster; apt_install forbids starting anything.
 # --------------------------------------------------------------------------
 if ! BIN=$(pg_bindir); then
     [[ $(id -u) -eq 0 ]] || die "PostgreSQL is not installed; run this script as root once (it installs Debian's postgresql)"
     mkdir -p "$STATE_DIR/log"
     log "installing postgresql"
-    policy=/usr/sbin/policy-rc.d
-    if [[ ! -e $policy ]]; then
-        printf '#!/bin/sh\n# temporary, from shardfuse postgres-up.sh\nexit 101\n' >"$policy"
-        chmod 0755 "$policy"
-        trap 'rm -f "$policy"' EXIT
-    fi
-    apt_install() {
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql
-    }
-    if ! apt_install >"$STATE_DIR/log/apt.log" 2>&1; then
-        apt-get update -q >>"$STATE_DIR/log/apt.log" 2>&1 || true
-        apt_install >>"$STATE_DIR/log/apt.log" 2>&1 || die "apt-get install postgresql failed (see $STATE_DIR/log/apt.log)"
-    fi
+    apt_install "$STATE_DIR/log/apt.log" postgresql \
+        || die "apt-get install postgresql failed (see $STATE_DIR/log/apt.log)"
     BIN=$(pg_bindir) || die "postgresql installed but no /usr/lib/postgresql/*/bin/pg_ctl found"
 fi
 
@@ -130,11 +122,7 @@ if ! pg_running; then
         -o "-c listen_addresses=127.0.0.1 -p $PORT -k $SOCKET_DIR -c log_min_error_statement=panic" \
         start >/dev/null 9>&- || die "pg_ctl start failed"
 fi
-deadline=$((SECONDS + WAIT_S))
-until ready; do
-    ((SECONDS < deadline)) || die "PostgreSQL not ready on 127.0.0.1:$PORT after ${WAIT_S}s"
-    sleep 0.3
-done
+wait_until "$WAIT_S" 0.3 ready "PostgreSQL not ready on 127.0.0.1:$PORT after ${WAIT_S}s"
 
 # --------------------------------------------------------------------------
 # 4. Role and database, idempotently. The password goes through stdin, and

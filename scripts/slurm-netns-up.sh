@@ -77,8 +77,7 @@ exec 9>"$STATE_DIR/.lock"
 flock -w 300 9 || die "could not take $STATE_DIR/.lock"
 
 # --------------------------------------------------------------------------------------------
-# 1. Packages, only if a command is missing. A temporary policy-rc.d keeps the maintainer
-#    scripts from starting daemons (we start ours by hand).
+# 1. Packages, only if a command is missing (apt_install: no daemon starts during the install).
 # --------------------------------------------------------------------------------------------
 missing=()
 for cmd in ip unshare nsenter flock munged munge unmunge slurmctld slurmd sbatch srun squeue scontrol sinfo; do
@@ -87,20 +86,7 @@ done
 if ((${#missing[@]})); then
     PKGS=(iproute2 util-linux munge slurmctld slurmd slurm-client)
     log "installing ${PKGS[*]} (missing: ${missing[*]})"
-    policy=/usr/sbin/policy-rc.d
-    if [[ ! -e $policy ]]; then
-        printf '#!/bin/sh\n# temporary, from shardfuse slurm-netns-up.sh\nexit 101\n' >"$policy"
-        chmod 0755 "$policy"
-        trap 'rm -f "$policy"' EXIT
-    fi
-    apt_install() {
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-            -o Dpkg::Options::=--force-confold "${PKGS[@]}"
-    }
-    if ! apt_install >"$STATE_DIR/log/apt.log" 2>&1; then
-        apt-get update -q >>"$STATE_DIR/log/apt.log" 2>&1 || true
-        apt_install >>"$STATE_DIR/log/apt.log" 2>&1 || die "apt-get install ${PKGS[*]} failed ($STATE_DIR/log/apt.log)"
-    fi
+    apt_install "$STATE_DIR/log/apt.log" "${PKGS[@]}" || die "apt-get install ${PKGS[*]} failed ($STATE_DIR/log/apt.log)"
 fi
 
 # --------------------------------------------------------------------------------------------
@@ -266,17 +252,7 @@ mv -f "$new_conf" "$CONF"
 for ((i = 1; i <= NNODES; i++)); do cp "$CONF" "$STATE_DIR/nodes/$(node_of "$i")/slurm/slurm.conf"; done
 
 if ((conf_changed)); then
-    for pidfile in "$STATE_DIR"/slurmd-*.pid "$STATE_DIR/slurmctld.pid"; do
-        [[ -e $pidfile ]] || continue
-        d=$(basename "$pidfile" .pid)
-        d=${d%%-*}
-        if pid_alive "$d" "$pidfile"; then
-            log "config changed: stopping $(basename "$pidfile" .pid)"
-            kill -TERM "$(<"$pidfile")" || true
-            for _ in $(seq 1 50); do pid_alive "$d" "$pidfile" || break; sleep 0.2; done
-        fi
-        rm -f "$pidfile"
-    done
+    stop_for_new_config "$STATE_DIR"/slurmd-*.pid "$STATE_DIR/slurmctld.pid"
 fi
 
 # --------------------------------------------------------------------------------------------
@@ -287,14 +263,7 @@ if ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
     log "starting slurmctld ($CTL_ADDR:$CTLD_PORT)"
     slurmctld -f "$CONF" 2>>"$STATE_DIR/log/slurmctld.stderr" 9>&- || die "slurmctld failed to start"
 fi
-deadline=$((SECONDS + 30))
-until scontrol ping 2>/dev/null | grep -q ' is UP'; do
-    if [[ -s $STATE_DIR/slurmctld.pid ]] && ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
-        die "slurmctld exited during startup (port $CTLD_PORT in use?)"
-    fi
-    ((SECONDS < deadline)) || die "slurmctld does not answer 'scontrol ping' after 30s"
-    sleep 0.3
-done
+wait_for_slurmctld "$STATE_DIR/slurmctld.pid" "port $CTLD_PORT in use?"
 
 for ((i = 1; i <= NNODES; i++)); do
     node=$(node_of "$i")
@@ -315,28 +284,7 @@ done
 # --------------------------------------------------------------------------------------------
 # 6. Wait until every node is schedulable; resume nodes left down/drained by an earlier run.
 # --------------------------------------------------------------------------------------------
-node_state() { sinfo -h -n "$1" -o %T 2>/dev/null | head -n1; }
-all_usable() {
-    local i
-    for ((i = 1; i <= NNODES; i++)); do
-        [[ $(node_state "$(node_of "$i")") =~ ^(idle|mixed|allocated|completing)$ ]] || return 1
-    done
-}
-deadline=$((SECONDS + WAIT_S))
-until all_usable; do
-    ((SECONDS < deadline)) || break
-    for ((i = 1; i <= NNODES; i++)); do
-        case $(node_state "$(node_of "$i")") in
-            down* | drain* | fail*)
-                scontrol update nodename="$(node_of "$i")" state=resume >/dev/null 2>&1 || true ;;
-        esac
-    done
-    sleep 1
-done
-if ! all_usable; then
-    for ((i = 1; i <= NNODES; i++)); do
-        log "node $(node_of "$i"): '$(node_state "$(node_of "$i")")' $(scontrol show node "$(node_of "$i")" 2>/dev/null | grep -o 'Reason=.*' || true)"
-    done
-    die "nodes not usable after ${WAIT_S}s"
-fi
+nodes=()
+for ((i = 1; i <= NNODES; i++)); do nodes+=("$(node_of "$i")"); done
+wait_for_nodes "$WAIT_S" "${nodes[@]}"
 log "up: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')cpus=$CPUS (detected $DETECTED_CPUS) mem=${MEM_MB}MB per node; export SLURM_CONF=$CONF"

@@ -63,9 +63,8 @@ exec 9>"$STATE_DIR/.lock"
 flock -w 300 9 || die "could not take $STATE_DIR/.lock"
 
 # --------------------------------------------------------------------------
-# 1. Packages. The daemon packages' maintainer scripts would try to start the
-#    services; a policy-rc.d that exits 101 forbids that (we start them by
-#    hand below). slurm-wlm is a metapackage that drags in ~40 plugin
+# 1. Packages, only if a command is missing (apt_install: no daemon starts
+#    during the install). slurm-wlm is a metapackage that drags in ~40 plugin
 #    packages (hdf5, rrd, influxdb, ...); the four below are all we need.
 # --------------------------------------------------------------------------
 PKGS=(munge slurmctld slurmd slurm-client)
@@ -75,33 +74,10 @@ for cmd in munged munge unmunge slurmctld slurmd sbatch srun squeue scancel sinf
 done
 if ((${#missing[@]})); then
     log "installing ${PKGS[*]} (missing: ${missing[*]})"
-    policy=/usr/sbin/policy-rc.d
-    our_policy=0
-    if [[ ! -e $policy ]]; then
-        printf '#!/bin/sh\n# temporary, from shardfuse slurm-up.sh\nexit 101\n' >"$policy"
-        chmod 0755 "$policy"
-        our_policy=1
-        # Removed on every exit path, including a failed or interrupted install.
-        trap 'rm -f "$policy"' EXIT
-    fi
-    apt_install() {
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-            -o Dpkg::Options::=--force-confold "${PKGS[@]}"
+    apt_install "$STATE_DIR/log/apt.log" "${PKGS[@]}" || {
+        APT_FAILED=1
+        die "apt-get install ${PKGS[*]} failed (see $STATE_DIR/log/apt.log)"
     }
-    # Only refresh the package lists when the install cannot proceed without
-    # it (fresh image with empty lists, or stale lists pointing at gone .debs).
-    if ! apt_install >"$STATE_DIR/log/apt.log" 2>&1; then
-        log "install failed with current package lists; running apt-get update"
-        apt-get update -q >>"$STATE_DIR/log/apt.log" 2>&1 || true
-        apt_install >>"$STATE_DIR/log/apt.log" 2>&1 || {
-            APT_FAILED=1
-            die "apt-get install ${PKGS[*]} failed (see $STATE_DIR/log/apt.log)"
-        }
-    fi
-    if ((our_policy)); then
-        rm -f "$policy"
-        trap - EXIT
-    fi
 fi
 
 NODE=$(hostname -s)
@@ -210,13 +186,6 @@ fi
 # --------------------------------------------------------------------------
 # 3. Fast path: everything we started is up and the config is current.
 # --------------------------------------------------------------------------
-usable() { [[ $1 =~ ^(idle|mixed|allocated|completing)$ ]]; }
-node_state() { sinfo -h -n "$1" -o %T 2>/dev/null | head -n1; }
-# all_usable: every configured node is schedulable (running jobs are fine).
-all_usable() {
-    local n
-    for n in "${NODES[@]}"; do usable "$(node_state "$n")" || return 1; done
-}
 all_slurmd_alive() {
     local n
     for n in "${NODES[@]}"; do pid_alive slurmd "$STATE_DIR/slurmd-$n.pid" || return 1; done
@@ -225,7 +194,7 @@ if ((conf_changed == 0)) \
     && pid_alive slurmctld "$STATE_DIR/slurmctld.pid" \
     && all_slurmd_alive \
     && munge -n 2>/dev/null | unmunge >/dev/null 2>&1 \
-    && all_usable; then
+    && nodes_usable "${NODES[@]}"; then
     rm -f "$new_conf" "$new_gres"
     log "already up: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')"
     exit 0
@@ -248,21 +217,10 @@ cp "$new_conf" "$STATE_DIR/slurm.conf"
 mv -f "$new_gres" "$ETC_GRES"
 mv -f "$new_conf" "$ETC_CONF"
 
-# If our daemons run with an old config, restart them (a node definition
-# change needs a restart; `scontrol reconfigure` is not enough).
-# The glob also catches slurmds of nodes no longer in the config.
+# If our daemons run with an old config, restart them. The glob also catches
+# slurmds of nodes no longer in the config.
 if ((conf_changed)); then
-    for pidfile in "$STATE_DIR"/slurmd*.pid "$STATE_DIR/slurmctld.pid"; do
-        [[ -e $pidfile ]] || continue
-        d=$(basename "$pidfile" .pid)
-        d=${d%%-*}
-        if pid_alive "$d" "$pidfile"; then
-            log "config changed: stopping $(basename "$pidfile" .pid)"
-            kill -TERM "$(<"$pidfile")" || true
-            for _ in $(seq 1 50); do pid_alive "$d" "$pidfile" || break; sleep 0.2; done
-        fi
-        rm -f "$pidfile"
-    done
+    stop_for_new_config "$STATE_DIR"/slurmd*.pid "$STATE_DIR/slurmctld.pid"
 fi
 
 # --------------------------------------------------------------------------
@@ -316,16 +274,7 @@ if ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
     log "starting slurmctld"
     slurmctld -f "$ETC_CONF" 2>>"$STATE_DIR/log/slurmctld.stderr" 9>&- || die "slurmctld failed to start"
 fi
-# Bounded by wall time (a ping to a port that accepts but never answers takes
-# MessageTimeout=10s); stop early if the daemon already died (e.g. port in use).
-deadline=$((SECONDS + 30))
-until scontrol ping 2>/dev/null | grep -q ' is UP'; do
-    if [[ -s $STATE_DIR/slurmctld.pid ]] && ! pid_alive slurmctld "$STATE_DIR/slurmctld.pid"; then
-        die "slurmctld exited during startup"
-    fi
-    ((SECONDS < deadline)) || die "slurmctld does not answer 'scontrol ping' after 30s"
-    sleep 0.3
-done
+wait_for_slurmctld "$STATE_DIR/slurmctld.pid"
 
 for n in "${NODES[@]}"; do
     if ! pid_alive slurmd "$STATE_DIR/slurmd-$n.pid"; then
@@ -340,23 +289,7 @@ done
 # 7. Wait until every node is schedulable; resume nodes that come up down or
 #    drained (e.g. left so in the saved state of an earlier run).
 # --------------------------------------------------------------------------
-deadline=$((SECONDS + WAIT_S))
-until all_usable; do
-    ((SECONDS < deadline)) || break
-    for n in "${NODES[@]}"; do
-        case $(node_state "$n") in
-            down* | drain* | fail*)
-                scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true ;;
-        esac
-    done
-    sleep 1
-done
-if ! all_usable; then
-    for n in "${NODES[@]}"; do
-        log "node $n: state '$(node_state "$n")' $(scontrol show node "$n" 2>/dev/null | grep -o 'Reason=.*' || true)"
-    done
-    die "nodes not usable after ${WAIT_S}s"
-fi
+wait_for_nodes "$WAIT_S" "${NODES[@]}"
 
 pid_alive slurmctld "$STATE_DIR/slurmctld.pid" || die "slurmctld pid file missing or stale"
 all_slurmd_alive || die "a slurmd pid file is missing or stale"

@@ -73,8 +73,3 @@ def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     with _open(path) as fh:
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
     return tensors, read_metadata(path)
-
-
-def open_weights(path: str | os.PathLike):
-    """A safetensors handle for streaming one tensor at a time (use as a context manager)."""
-    return _open(Path(path))

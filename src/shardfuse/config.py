@@ -90,10 +90,6 @@ class Experiment:
     registered_model: str | None = None
     live: bool = False
 
-    def shard_dir(self, run: str) -> str:
-        cfg = self.runs[run]
-        return f"results/shards/{cfg['dataset']}/{shardset_name(cfg)}"
-
     def training(self, run: str) -> str:
         return training_name(self.runs[run])
 

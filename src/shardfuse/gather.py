@@ -1,9 +1,9 @@
-"""Gather a run's per-rank checkpoints and verify they belong together.
+"""Gather a training's per-rank checkpoints and verify they belong together.
 
-By hand::
+By hand (``<training>`` is a directory of ``results/trainings/``, named by ``config.training_name``)::
 
-    python -m shardfuse.gather --train-dir results/runs/ddp/train --world-size 2 \
-        --out results/runs/ddp/gather.json
+    python -m shardfuse.gather --train-dir results/trainings/<training>/ranks --world-size 2 \
+        --out results/trainings/<training>/gather.json
 
 Checks that every rank 0..world_size-1 wrote a checkpoint, that each is readable safetensors with
 shardfuse metadata for that rank, that all ranks have the keys, shapes and dtypes of the run's base

@@ -4,9 +4,10 @@ Each rank appends one fixed-size record per optimiser step to ``metrics/rank-{ra
 columns of :data:`SCHEMA` as little-endian float64 (steps, epochs and millisecond timestamps are exact
 in float64 up to 2**53). Records are buffered in memory and written and flushed to the file every
 ``flush_seconds``, at every checkpoint and whenever ``max_rows`` are buffered, so a killed job keeps
-everything up to its last flush. Appending a record is one ``array.extend`` (~0.2 us) and a flush is one
-``write``: the log costs a step a few microseconds at most (a Parquet part file per flush costs about a
-millisecond; text formatting of every value, ~5 us per step inside a training loop).
+everything up to its last flush. Appending a record is one ``array.extend`` and a flush is one
+``write``, the cheapest step-time cost we found (a Parquet part file per flush, or text formatting of
+every value, cost a step far more). bench/logging_overhead.py measures the cost against no logging;
+figures in bench/RESULTS.md.
 
 A kill can cut the file mid-record; readers keep only whole records, so what is read back is bitwise what
 was logged. When training ends the rows are consolidated into ``metrics/rank-{rank}.parquet`` (the file

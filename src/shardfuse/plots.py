@@ -2,11 +2,11 @@
 
 By hand::
 
-    python -m shardfuse.plots --run-dir results/runs/ddp --out-dir results/runs/ddp/plots \\
-        [--train-dir results/trainings/T/ranks]
+    python -m shardfuse.plots --run-dir results/runs/ddp --train-dir results/trainings/<training>/ranks \\
+        --out-dir results/runs/ddp/plots
     python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
 
-The run plots read the training's ``metrics/rank-*.parquet`` (default RUN_DIR/train) and the run's
+The run plots read the training's ``metrics/rank-*.parquet`` (under TRAIN_DIR) and the run's
 ``eval.json``; ``compare`` groups the rows of ``summary.csv`` that share their training (a ``training``
 column if there is one, else dataset, world size and strategy) and shows each group's merged accuracy
 per run/merge method. Matplotlib's Agg backend, no display needed; every PNG is written atomically.
@@ -136,8 +136,8 @@ def plot_fusion(evaluation: dict[str, Any], title: str, out: Path) -> Path:
     return save_figure(fig, out)
 
 
-def plot_run(run_dir: Path, out_dir: Path, train_dir: Path | None = None) -> list[Path]:
-    metrics = rank_metrics(train_dir if train_dir is not None else run_dir / "train")
+def plot_run(run_dir: Path, out_dir: Path, train_dir: Path) -> list[Path]:
+    metrics = rank_metrics(train_dir)
     evaluation = read_json(run_dir / "eval.json", "evaluation")
     name = run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         parser = StageParser(prog="python -m shardfuse.plots", description=__doc__.splitlines()[0])
         parser.add_argument("--run-dir", type=Path, required=True, help="results/runs/{run} (eval.json)")
-        parser.add_argument("--train-dir", type=Path, help="its training's metrics/ (default: RUN_DIR/train)")
+        parser.add_argument(
+            "--train-dir",
+            type=Path,
+            required=True,
+            help="its training's ranks/ (results/trainings/{training}/ranks)",
+        )
         parser.add_argument("--out-dir", type=Path, required=True, help="where loss/throughput/fusion.png go")
         args = parser.parse_args(argv)
         written = plot_run(args.run_dir, args.out_dir, args.train_dir)

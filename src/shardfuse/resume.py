@@ -1,6 +1,7 @@
 """Training checkpoints for exact resume: model, optimiser, RNG states and data position.
 
-Layout (inside the run's staging directory, so it survives a failed or killed job)::
+Layout (inside the training's staging directory, ``results/trainings/<training>/.ranks.partial/``, so it
+survives a failed or killed job)::
 
     checkpoints/step-{N}/rank-{r}.safetensors   tensors: model.*, optim.<param>.<key>, rng.*
     checkpoints/step-{N}/rank-{r}.json          step, epoch, next batch, optimiser param groups, ...

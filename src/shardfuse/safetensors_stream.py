@@ -7,10 +7,10 @@ No command line; used by shardfuse.merge, e.g.
 
 Why not ``safetensors.safe_open``: it memory-maps the file, and every page a merge touches stays mapped,
 and is counted in the process's RSS, until the handle closes. A merge of N ranks touches N models, so
-a safe_open-based merge shows an RSS that grows with N (bench/merge.py measures it: ~N x model size).
+a safe_open-based merge shows an RSS that grows with N (bench/merge.py measures it, its "mmap" column).
 Explicit ``os.preadv`` reads into a few reused buffers keep RSS flat, and cost nothing extra: safe_open
-copies out of the mapping anyway. Not importing torch matters too: ``import torch`` alone is ~200 MB
-of RSS, more than the whole merge engine needs for a 100 MB model.
+copies out of the mapping anyway. Not importing torch matters too: ``import torch`` alone takes more
+RSS than the whole merge engine needs for a model of a hundred megabytes.
 
 The reader hashes the bytes it reads (sha256) while they stream past in file order, so a merge checks
 its inputs against their recorded checksums without a second pass over the files.
@@ -340,7 +340,7 @@ def encode_float(values: np.ndarray, dtype: DType, out: np.ndarray) -> np.ndarra
 
 def to_torch(array: np.ndarray, dtype: DType):
     """A numpy array of ``dtype``'s holder type as a torch tensor of ``dtype`` (shares memory)."""
-    import torch  # deferred: only greedy soup scores models, and torch costs ~200 MB of RSS to import
+    import torch  # deferred: only greedy soup scores models, and importing torch costs much RSS
 
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     target = getattr(torch, TORCH_NAMES[dtype.name])

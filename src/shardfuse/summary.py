@@ -2,7 +2,7 @@
 
 By hand::
 
-    python -m shardfuse.summary --runs-json '{"ddp": {"dataset": "digits", ...}}' \
+    python -m shardfuse.summary --runs-json '{"ddp": {"dataset": "digits", ..., "training": "<training>"}}' \
         --results-dir results/runs --out results/summary.csv
 """
 
