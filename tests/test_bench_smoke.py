@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, subprocess_env
+from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.integration
 

@@ -147,8 +147,9 @@ def test_shards_are_shared_by_runs_that_differ_only_in_training():
         ),
         environ={},
     )
-    assert experiment.shard_dir("a") == experiment.shard_dir("b") == "results/shards/digits/w2-seed0"
-    assert experiment.shard_dir("c") != experiment.shard_dir("a")
+    shardsets = {run: shardset_name(cfg) for run, cfg in experiment.runs.items()}
+    assert shardsets["a"] == shardsets["b"] == "w2-seed0"
+    assert shardsets["c"] != shardsets["a"]
     assert shardset_name({"world_size": 4, "shard_seed": 3, "drop_remainder": True}) == "w4-seed3-drop"
 
 

@@ -266,8 +266,11 @@ def test_shard_reader_checks_the_sha256_by_the_end_of_the_first_epoch(streamed, 
         batches = reader.epoch(0, 4)
         for _ in range(4):
             next(batches)
-        with pytest.raises(UserError, match=r"shard of rank 1 .* does not match its sha256"):
+        with pytest.raises(UserError, match=r"shard of rank 1 .* does not match its sha256") as error:
             next(batches)
+    assert str(error.value).endswith(
+        "does not match its sha256 in the manifest; re-run the partition stage (snakemake -R partition)"
+    )
     with ShardReader(shard_dir, 0) as reader:  # rank 0 is intact
         assert len(epoch_batches(reader, 0, 4)) == 4
 

@@ -48,8 +48,9 @@ def test_step_dtype_follows_the_precision_setting_and_the_device(precision, devi
 def test_bf16_where_unsupported_is_one_clear_error(device, where):
     with pytest.raises(
         UserError, match=rf"precision bf16 needs a GPU with bf16 support, this rank runs {where}"
-    ):
+    ) as error:
         step_dtype("bf16", device, bf16_supported=False)
+    assert str(error.value).endswith("; set precision: auto or fp32")
 
 
 def test_unknown_precision_is_rejected():

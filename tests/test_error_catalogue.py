@@ -6,8 +6,10 @@ docs table shows, so the table cannot drift from what users see.
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,8 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, run_stage, snakemake_command, write_train_dir
+from shardfuse.io import run_cli
+from tests.helpers import REPO, run_stage, snakemake_command, write_train_dir
 
 DOCS = REPO / "docs" / "errors.md"
 
@@ -404,13 +407,36 @@ def case_tracking_inputs_missing(tmp):
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
+# Cases that also run as a real `python -m shardfuse.<stage>` process (the exit status and stderr a user
+# sees, one per kind of input); the others call the stage's main through run_cli in this process.
+SUBPROCESS_CASES = {
+    "unknown_config_key",
+    "corrupt_parquet",
+    "pickle_as_checkpoint",
+    "unknown_merge_method_cli",
+}
+
+
+def run_in_process(stage: str, args: list, capsys) -> tuple[int, str]:
+    """The stage's ``main`` under ``run_cli``, as ``python -m shardfuse.<stage>`` runs it."""
+    module = importlib.import_module(f"shardfuse.{stage}")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_cli(module.main, [str(arg) for arg in args])
+    return exited.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_is_one_clear_line(name, tmp_path):
+def test_bad_input_is_one_clear_line(name, tmp_path, capsys):
     case = CASES[name](tmp_path)
-    proc = run_stage(case.stage, *case.args)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-2000:]
+    if name in SUBPROCESS_CASES:
+        proc = run_stage(case.stage, *case.args)
+        returncode, stderr = proc.returncode, proc.stderr
+    else:
+        returncode, stderr = run_in_process(case.stage, case.args, capsys)
+    assert returncode == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr[-2000:]
     assert lines[0].startswith(f"shardfuse.{case.stage}: error: ")
     assert case.fragment in lines[0]
     if case.out is not None:
@@ -421,16 +447,48 @@ def test_bad_input_is_one_clear_line(name, tmp_path):
 
 def test_catalogue_is_large_enough_and_documented():
     assert len(CASES) >= 25
+    assert set(CASES) >= SUBPROCESS_CASES
     docs = DOCS.read_text()
     missing = [name for name in CASES if f"`{name}`" not in docs]
     assert not missing, f"docs/errors.md lacks {missing}"
+
+
+def documented_elsewhere() -> list[tuple[str, list[str], list[str]]]:
+    """(input, message pieces, test files) of each row of docs/errors.md's second table."""
+    text = DOCS.read_text().split("Elsewhere, in the tests of the stage concerned:", 1)[1]
+    rows = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in {"input", ""} or set(cells[0]) <= {"-"}:
+            continue
+        messages = re.findall(r"`([^`]+)`", cells[1])
+        files = re.findall(r"`(tests/[\w/]+\.py)`", cells[2])
+        pieces = [piece.strip(" ;:,()") for message in messages for piece in message.split("…")]
+        rows.append((cells[0], [piece for piece in pieces if len(piece) >= 8], files))
+    return rows
+
+
+def test_every_message_of_the_second_table_is_asserted_by_its_tests():
+    """The second table quotes messages checked elsewhere; each quoted piece must be what those tests
+    assert (they run the real code), so the table cannot drift from what users see."""
+    rows = documented_elsewhere()
+    assert len(rows) >= 6
+    drifted = []
+    for what, pieces, files in rows:
+        assert files, f"docs/errors.md row {what!r} names no test file"
+        # Adjacent string literals across lines read as one (black splits long messages).
+        sources = re.sub(r'"\s*\n\s*f?"', "", "\n".join((REPO / name).read_text() for name in files))
+        missing = [piece for piece in pieces if piece not in sources]
+        if missing:
+            drifted.append(f"row {what!r}: {missing} not asserted in {files}")
+    assert not drifted, "docs/errors.md drifted from the tests: " + "; ".join(drifted)
 
 
 def test_shell_metacharacters_in_a_dataset_path_reach_no_shell(tmp_path):
     """Config values reach rule shells quoted: a path full of metacharacters is just a path."""
     import subprocess
 
-    from tests.conftest import subprocess_env
+    from tests.helpers import subprocess_env
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()

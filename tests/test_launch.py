@@ -16,9 +16,9 @@ from shardfuse.launch import (
     node_step_command,
     rendezvous_port,
 )
-from tests.conftest import run_stage
+from tests.helpers import run_stage
 
-TRAIN = ["--run-name", "r", "--out-dir", "results/runs/r/.train.partial"]
+TRAIN = ["--run-name", "t", "--out-dir", "results/trainings/t/.ranks.partial"]
 
 
 def test_local_run_is_standalone_torchrun():

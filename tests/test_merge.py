@@ -21,7 +21,7 @@ from shardfuse.gather import gather
 from shardfuse.io import UserError, sha256_file, write_json
 from shardfuse.merge import merge
 from shardfuse.merge_methods import merge_arrays, rank_weights, resolve_params
-from tests.conftest import run_stage, subprocess_env
+from tests.helpers import run_stage, subprocess_env
 
 SPEC = {
     "type": "mlp",

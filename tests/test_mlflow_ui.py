@@ -19,7 +19,7 @@ import pytest
 from shardfuse import tracking
 from tests.tracking_fixtures import make_run_dir, mlflow_service, run_config, service_unavailable
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
 CHROMIUM = os.environ.get("SHARDFUSE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import (
+from tests.helpers import (
     MEASUREMENTS,
     REPO,
     SLURM_FAST_STATUS,
@@ -140,7 +140,7 @@ def training_dir(workdir: Path, run: str) -> Path:
     found = [
         workdir / "results" / "trainings" / log.stem
         for log in (workdir / "logs" / "train").glob("*.log")
-        if launch in log.read_text().split("\n", 1)[0]
+        if ".attempt-" not in log.name and launch in log.read_text().split("\n", 1)[0]
     ]
     assert len(found) == 1, (run, found)
     return found[0]
@@ -296,7 +296,9 @@ def test_losing_a_node_fails_the_job_and_the_retry_resumes_from_its_checkpoint(n
         -4000:
     ]
     assert snakemake.returncode == 0, text[-4000:]
-    (log,) = (workdir / "logs" / "train").glob("*.log")
+    (log,) = [log for log in (workdir / "logs" / "train").glob("*.log") if ".attempt-" not in log.name]
     assert "resuming from checkpoint step" in log.read_text()
+    # The attempt the node loss killed keeps its own log.
+    assert "resuming from checkpoint step" not in log.with_suffix(".attempt-1.log").read_text()
     (train_json,) = workdir.glob("results/trainings/*/ranks/train.json")
     assert sorted(json.loads(train_json.read_text())["hosts"]) == list(NODES)

@@ -12,7 +12,7 @@ import pytest
 
 from shardfuse import plots
 from shardfuse.io import UserError
-from tests.conftest import subprocess_env
+from tests.helpers import subprocess_env
 from tests.tracking_fixtures import make_run_dir
 
 SUMMARY_FIELDS = ("run", "dataset", "world_size", "strategy", "merge_method", "test_accuracy_merged",
@@ -111,4 +111,4 @@ def test_run_plots_without_metrics_are_a_one_line_user_error(tmp_path):
     for path in (run_dir / "train" / "metrics").glob("*.parquet"):
         path.unlink()
     with pytest.raises(UserError, match=r"train/metrics has no rank-\*\.parquet; re-run the train stage"):
-        plots.plot_run(run_dir, run_dir / "plots")
+        plots.plot_run(run_dir, run_dir / "plots", run_dir / "train")

@@ -16,7 +16,7 @@ import pytest
 from shardfuse import prepare as prepare_module
 from shardfuse.io import UserError, sha256_file
 from shardfuse.prepare import prepare
-from tests.conftest import run_stage
+from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = {"source": "synthetic", "num_rows": 3000, "num_features": 5, "num_classes": 4, "seed": 3}

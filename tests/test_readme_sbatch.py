@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from tests.conftest import REPO, snakemake_command, snakemake_failure, subprocess_env
+from tests.helpers import REPO, snakemake_command, snakemake_failure, subprocess_env
 
 README = REPO / "README.md"
 

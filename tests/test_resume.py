@@ -16,7 +16,7 @@ import yaml
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
-from tests.conftest import run_stage, snakemake_command, snakemake_failure, subprocess_env, write_train_dir
+from tests.helpers import run_stage, snakemake_command, snakemake_failure, subprocess_env, write_train_dir
 
 pytestmark = pytest.mark.integration
 
@@ -166,8 +166,11 @@ def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, digits_data
     subprocess.run([*command, "--unlock"], check=True, capture_output=True, env=subprocess_env())
     rerun = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=600)
     assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
-    (log,) = (workdir / "logs" / "train").glob("*.log")
+    (log,) = [log for log in (workdir / "logs" / "train").glob("*.log") if ".attempt-" not in log.name]
     assert "resuming from checkpoint step" in log.read_text()
+    # The killed attempt's log is kept beside it (Snakemake deleted the declared log before the rerun).
+    killed = log.with_suffix(".attempt-1.log").read_text()
+    assert "launch: " in killed and "resuming from checkpoint step" not in killed
     (ranks,) = (workdir / "results" / "trainings").glob("*/ranks")
     assert_same_ranks(reference, ranks)
     assert not (ranks / "checkpoints").exists()
@@ -195,7 +198,10 @@ def test_nonfinite_loss_stops_training_naming_rank_and_step(tmp_path, digits_dat
     proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
     assert proc.returncode == 2
     assert "loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
-    assert "set nonfinite_loss: skip" in proc.stderr
+    assert (
+        "; lower lr, check the data for extreme values, or set nonfinite_loss: skip to skip such batches"
+        in proc.stderr
+    )
     assert not (tmp_path / "out").exists()
 
 

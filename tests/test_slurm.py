@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from shardfuse.checkpoint import load_weights
-from tests.conftest import (
+from tests.helpers import (
     MEASUREMENTS,
     REPO,
     SLURM_FAST_STATUS,

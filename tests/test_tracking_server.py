@@ -22,7 +22,7 @@ from shardfuse import plots, tracking, tracking_inputs
 from shardfuse.io import UserError
 from tests.tracking_fixtures import NUM_FEATURES, make_run_dir, mlflow_service, run_config, run_script
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.server]
 EXPERIMENT = "shardfuse-server"
 # What must never leak: the database password and the tracking credentials from MLflow's variables.
 PG_PASSWORD = f"pg-{secrets.token_hex(12)}"
@@ -111,6 +111,8 @@ def test_server_down_fails_fast_with_rerun_hint_and_rerun_after_restart_loses_an
         assert proc.returncode == 2
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"shardfuse.tracking: error: cannot use tracking URI {server['uri']} (")
+        hint = "; start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`: the local "
+        assert hint in line
         assert "re-run `snakemake -R track`" in line
         assert not (run_dir / "mlflow.json").exists()
     finally:
@@ -162,7 +164,7 @@ def _pg_dump(server) -> str:
 
 def test_passwords_never_reach_params_tags_metrics_artifacts_or_logs(server, tmp_path):
     run_dir, manifest = make_run_dir(tmp_path, "audited")
-    plots.plot_run(run_dir, run_dir / "plots")
+    plots.plot_run(run_dir, run_dir / "plots", run_dir / "train")
     proc = _track_cli(server, run_dir, manifest, "audited", "--plots-dir", str(run_dir / "plots"))
     assert proc.returncode == 0, proc.stderr
     dump = _pg_dump(server)

@@ -9,7 +9,7 @@ import torch
 
 from shardfuse.checkpoint import load_weights, read_metadata
 from shardfuse.launch import staging_dir
-from tests.conftest import run_stage
+from tests.helpers import run_stage
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, snakemake_failure, subprocess_env
+from tests.helpers import REPO, snakemake_failure, subprocess_env
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,11 @@ def test_full_run_writes_summary_row_per_run(workdir):
 def test_runs_differing_only_in_merge_method_share_one_training(workdir):
     assert ranks_dir(workdir, "independent") == ranks_dir(workdir, "independent_ties")
     assert ranks_dir(workdir, "independent") != ranks_dir(workdir, "ddp")
-    assert len(list((workdir / "logs" / "train").glob("*.log"))) == 2
+    logs = sorted(log.name for log in (workdir / "logs" / "train").glob("*.log"))
+    trainings = sorted(log.removesuffix(".log") for log in logs if ".attempt-" not in log)
+    attempts = [f"{name}.attempt-1.log" for name in trainings]
+    assert logs == sorted([f"{name}.log" for name in trainings] + attempts)
+    assert len(trainings) == 2
     merges = [
         json.loads((workdir / f"results/runs/{r}/merge.json").read_text())
         for r in ("independent", "independent_ties")
@@ -227,5 +231,8 @@ def test_several_nodes_with_the_local_executor_fail_before_any_job(tmp_path):
     path.write_text(yaml.safe_dump(config))
     proc = snakemake(tmp_path, check=False)
     assert proc.returncode != 0
-    assert "run(s) ddp ask for several nodes, which needs a SLURM allocation" in proc.stderr
+    assert (
+        "run(s) ddp ask for several nodes, which needs a SLURM allocation; run with --profile "
+        "profiles/slurm or set nodes to 1" in proc.stderr
+    )
     assert not (tmp_path / "results").exists()

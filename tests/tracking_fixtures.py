@@ -58,7 +58,7 @@ def run_script(
 
 def service_env(state: Path, **extra: str) -> dict[str, str]:
     """Environment for the scripts: a private state dir and free ports, this checkout's mlflow."""
-    from tests.conftest import subprocess_env
+    from tests.helpers import subprocess_env
 
     mlflow_bin = Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "mlflow"
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("MLFLOW_")}
