@@ -8,7 +8,10 @@ CORES ?= all
 export PATH := $(BIN):$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: venv run test lint format ui clean
+# Tests that need a root daemon, a cluster, a server or a browser: `make test-all` (CI) runs them.
+SERVICE_TESTS := slurm or server or browser
+
+.PHONY: venv run test test-services test-all lint format ui clean
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -20,8 +23,17 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 
+# The fast tier, for every change: lint + every test that needs no root daemon, cluster, server or browser.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS))" $(PYTEST_ARGS)
+
+# The service tier: SLURM clusters, the PostgreSQL-backed tracking server, the browser (.ci/run starts
+# the single-node cluster first; the others are started by their tests).
+test-services: $(STAMP)
+	$(BIN)/python -m pytest -m "$(SERVICE_TESTS)" $(PYTEST_ARGS)
+
+# Everything (CI): the fast tier, then the service tier.
+test-all: test test-services
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
