@@ -8,8 +8,9 @@ CORES ?= all
 export PATH := $(BIN):$(PATH)
 STAMP := $(VENV)/.installed
 
-# Tests that need a root daemon, a cluster, a server or a browser: `make test-all` (CI) runs them.
-SERVICE_TESTS := slurm or server or browser
+# Tests that need a root daemon, a cluster, a server or a browser, and the benchmark smoke run:
+# `make test-all` (CI) runs them.
+SERVICE_TESTS := slurm or server or browser or bench
 
 .PHONY: venv run test test-services test-all lint format ui clean
 venv: $(STAMP)
@@ -24,11 +25,13 @@ run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 
 # The fast tier, for every change: lint + every test that needs no root daemon, cluster, server or browser.
+# Two workers (pytest-xdist), one test file per worker at a time (module fixtures are built once).
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS))" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS))" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The service tier: SLURM clusters, the PostgreSQL-backed tracking server, the browser (.ci/run starts
-# the single-node cluster first; the others are started by their tests).
+# the single-node cluster first; the others are started by their tests), and the benchmark smoke run.
 test-services: $(STAMP)
 	$(BIN)/python -m pytest -m "$(SERVICE_TESTS)" $(PYTEST_ARGS)
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import REPO, subprocess_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.bench]
 
 SECTIONS = (
     "## Machine",

@@ -20,10 +20,10 @@ from shardfuse.data import (
     load_table,
     num_features,
     read_dataset_info,
-    read_manifest,
     verify_shard,
 )
 from shardfuse.io import UserError
+from shardfuse.manifest import read_manifest
 from shardfuse.partition import partition_parquet
 from shardfuse.prepare import prepare
 

@@ -3,6 +3,9 @@
 The metadata (model spec, run, rank, ...) is stored twice on purpose: inside the safetensors header
 (so a weights file is self-describing) and as a sidecar ``.json`` (so humans and tools can read it
 without a safetensors reader).
+
+Reading headers and metadata needs no torch (gather, track and the launcher stay light); torch is
+imported only to save or load tensors.
 """
 
 from __future__ import annotations
@@ -10,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from shardfuse.io import UserError, atomic_path, sha256_file, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 METADATA_KEY = "shardfuse"
 
@@ -25,6 +29,8 @@ def save_weights(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], sidecar: bool = True
 ) -> str:
     """Write ``tensors`` (contiguous CPU copies) atomically; returns the file's sha256."""
+    from safetensors.torch import save_file
+
     path = Path(path)
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     with atomic_path(path) as tmp:
@@ -35,11 +41,12 @@ def save_weights(
     return digest
 
 
-def _open(path: Path):
+def _open(path: Path, framework: str = "numpy"):
+    """A safetensors handle; "numpy" (headers, metadata) needs no torch, "pt" loads torch tensors."""
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist; re-run the stage that writes it")
     try:
-        return safe_open(str(path), framework="pt", device="cpu")
+        return safe_open(str(path), framework=framework, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(
             f"checkpoint {path} is not a readable safetensors file ({exc}); delete it and "
@@ -70,6 +77,6 @@ def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 def load_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     path = Path(path)
-    with _open(path) as fh:
+    with _open(path, framework="pt") as fh:
         tensors = {name: fh.get_tensor(name) for name in fh.keys()}
     return tensors, read_metadata(path)

@@ -26,10 +26,9 @@ import pyarrow as pa
 import torch
 
 from shardfuse.io import UserError, error_reason, read_json, sha256_file
+from shardfuse.manifest import RERUN_PARTITION, read_manifest
 from shardfuse.shard_format import (
     LABEL_COLUMN,
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
     column_values,
     open_parquet,
     prefetched,
@@ -39,19 +38,6 @@ from shardfuse.shard_format import (
 
 FEATURE_COLUMN = re.compile(r"x(0|[1-9][0-9]*)")  # no leading zeros: x01 is not feature 1
 REMAKE = "re-create it with the prepare (or partition) stage"
-RERUN_PARTITION = "re-run the partition stage (snakemake -R partition)"
-MANIFEST_KEYS = (
-    "format",
-    "world_size",
-    "seed",
-    "drop_remainder",
-    "source",
-    "total_rows",
-    "dropped_rows",
-    "schema",
-    "shards",
-)
-SHARD_KEYS = ("rank", "path", "rows", "sha256", "bytes")
 DATASET_KEYS = (
     "name",
     "source",
@@ -64,36 +50,6 @@ DATASET_KEYS = (
     "seed",
     "sha256",
 )
-
-
-def read_manifest(shard_dir: str | Path) -> dict:
-    """Read and check shard_dir/manifest.json (format tag, keys, one entry per rank in rank order)."""
-    path = Path(shard_dir) / MANIFEST_NAME
-    manifest = read_json(path, "shard manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise UserError(
-            f"shard manifest {path} has format {found!r}, expected {MANIFEST_FORMAT!r}; {RERUN_PARTITION}"
-        )
-    missing = [key for key in MANIFEST_KEYS if key not in manifest]
-    shards = manifest.get("shards")
-    if not missing and isinstance(shards, list):
-        missing = [
-            f"shards[{i}].{key}"
-            for i, shard in enumerate(shards)
-            for key in SHARD_KEYS
-            if not isinstance(shard, dict) or key not in shard
-        ]
-    if missing:
-        raise UserError(f"shard manifest {path} lacks {', '.join(missing[:5])}; {RERUN_PARTITION}")
-    world_size = manifest["world_size"]
-    if not isinstance(world_size, int) or world_size < 1:
-        raise UserError(f"shard manifest {path} has world_size {world_size!r}; {RERUN_PARTITION}")
-    if not isinstance(shards, list) or [shard["rank"] for shard in shards] != list(range(world_size)):
-        raise UserError(
-            f"shard manifest {path} does not list ranks 0..{world_size - 1} in order; {RERUN_PARTITION}"
-        )
-    return manifest
 
 
 def verify_shard(shard_dir: str | Path, rank: int, manifest: dict, checksum: bool = True) -> Path:

@@ -264,7 +264,7 @@ def run_and_forward_signals(cmd: list[str], env: Mapping[str, str] | None = None
 def _shard_world_size(train_args: list[str]) -> int | None:
     if "--shard-dir" not in train_args:
         return None
-    from shardfuse.data import read_manifest
+    from shardfuse.manifest import read_manifest  # JSON only: the launcher never imports torch
 
     return int(read_manifest(train_args[train_args.index("--shard-dir") + 1])["world_size"])
 

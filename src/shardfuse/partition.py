@@ -49,10 +49,9 @@ from shardfuse.io import (
     sha256_file,
     write_json,
 )
+from shardfuse.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from shardfuse.shard_format import (
     LABEL_COLUMN,
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
     column_values,
     open_parquet,
     prefetched,

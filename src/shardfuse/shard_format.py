@@ -1,6 +1,6 @@
 """The shard format and the Parquet helpers shared by its writer (the partition stage) and its reader
-(``shardfuse.data``): names of the files and columns, the manifest's format tag, and streaming,
-error-checked Parquet reads.
+(``shardfuse.data``): names of the files and columns, and streaming, error-checked Parquet reads (the
+manifest is ``shardfuse.manifest``).
 
 No command line; a library module, so the training-time reader does not import the partition stage.
 """
@@ -20,8 +20,6 @@ import pyarrow.parquet as pq
 
 from shardfuse.io import UserError, error_reason
 
-MANIFEST_FORMAT = "shardfuse.shards/1"
-MANIFEST_NAME = "manifest.json"
 LABEL_COLUMN = "label"
 
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardfuse.checkpoint import METADATA_KEY
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.safetensors_stream import SafetensorsReader
 
@@ -29,7 +30,6 @@ LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run
 CONFIG_HASH_TAG = "shardfuse.config_hash"
 STEP_METRICS = ("loss", "samples_per_second", "lr")
 PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
-CHECKPOINT_METADATA_KEY = "shardfuse"  # shardfuse.checkpoint.METADATA_KEY (that module imports torch)
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected
 
 
@@ -84,7 +84,7 @@ def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
     than the whole push (bench/tracking.py); the merge engine's header parser needs none.
     """
     with SafetensorsReader(path) as reader:
-        raw = reader.metadata.get(CHECKPOINT_METADATA_KEY)
+        raw = reader.metadata.get(METADATA_KEY)
     if raw is None:
         raise UserError(
             f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "

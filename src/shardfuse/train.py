@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoint import save_weights
-from shardfuse.data import ShardReader, feature_stats, read_dataset_info, read_manifest
+from shardfuse.data import ShardReader, feature_stats, read_dataset_info
 from shardfuse.dist import DistContext, RankGate, autocast, distributed, gate_for, step_dtype
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.live import LiveLogger
+from shardfuse.manifest import read_manifest
 from shardfuse.metrics_log import MetricsLog
 from shardfuse.models import build_model, mlp_spec
 from shardfuse.resume import Position, complete_steps, load_rank_state, mark_complete, save_rank_state
@@ -240,6 +241,11 @@ def train_loop(
         f"{num_batches} steps"
     )
     model.train()
+    # The ranks start the timed loop together. Without this, the start-up that one rank finishes
+    # later than another (imports, rank 0's base.safetensors) lands in the other's loop time at their
+    # first collective (a checkpoint's barrier, a sync), and train_seconds (the slowest rank's loop)
+    # charges the loop with it: bench/scaling.py, figures in bench/RESULTS.md.
+    torch_dist.barrier()
     started = time.perf_counter()
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
