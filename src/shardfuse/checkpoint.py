@@ -62,7 +62,13 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "
             "point at a shardfuse checkpoint"
         )
-    return json.loads(raw)
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"checkpoint {path} has malformed shardfuse metadata ({exc}); delete it and re-run the "
+            "stage that writes it"
+        ) from None
 
 
 def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:

@@ -22,9 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardfuse.checkpoint import METADATA_KEY
+from shardfuse.checkpoint import read_metadata
 from shardfuse.io import UserError, read_json, sha256_file
-from shardfuse.safetensors_stream import SafetensorsReader
 
 LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
@@ -75,27 +74,6 @@ def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
     if missing:
         raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
     return {c: table.column(c).to_numpy() for c in PARQUET_COLUMNS}
-
-
-def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
-    """The shardfuse metadata in a safetensors header (JSON after an 8-byte length), read without torch.
-
-    :func:`shardfuse.checkpoint.read_metadata` gives the same dict but imports torch, which took longer
-    than the whole push (bench/tracking.py); the merge engine's header parser needs none.
-    """
-    with SafetensorsReader(path) as reader:
-        raw = reader.metadata.get(METADATA_KEY)
-    if raw is None:
-        raise UserError(
-            f"checkpoint {path} has no shardfuse metadata; it was not written by shardfuse — "
-            "point at a shardfuse checkpoint"
-        )
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise UserError(
-            f"checkpoint {path} has malformed shardfuse metadata ({exc}); re-run the merge stage"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -201,7 +179,7 @@ def load_inputs(
         for rank in range(world_size)
     }
     histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
-    model_spec = _field(read_checkpoint_metadata(weights), "model", weights)
+    model_spec = _field(read_metadata(weights), "model", weights)
     hosts = _rank_hosts(train_dir, train, world_size)
     ranks = tuple(
         RankInputs(rank, shard_rows[rank], histories[rank], test_metrics[rank], hosts.get(rank))
