@@ -80,6 +80,62 @@ def measure(
     return Measured(result["seconds"], result["maxrss_kb"] / 1024, output, result["returncode"])
 
 
+READY = "ready"
+
+
+def run_together(cmds: Sequence[Sequence[object]], env: dict[str, str] | None = None) -> list[str]:
+    """Run ``cmds`` at the same time, each in its own process, and return each one's stdout after
+    its ``READY`` line. Every command prints a line ``READY`` once its start-up is done (interpreter,
+    imports, warm-up) and then waits for a line on stdin; all are released together, so the work
+    after READY overlaps in full. Started one after the other they would overlap only partly: a
+    start-up takes longer than the short work measured after it."""
+    procs = [
+        subprocess.Popen(
+            list(map(str, cmd)),
+            env=env or child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cmd in cmds
+    ]
+    try:
+        for proc in procs:
+            line = proc.stdout.readline()
+            if line.strip() != READY:
+                raise RuntimeError(
+                    f"{_short(proc.args)} did not get ready: {line!r} {proc.stderr.read()[-3000:]}"
+                )
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outputs = [proc.communicate() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{_short(proc.args)} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    return [stdout for stdout, _ in outputs]
+
+
+def _short(args: Sequence[object]) -> str:
+    """A command line cut to fit an error message (``python -c`` scripts are long)."""
+    text = " ".join(map(str, args))
+    return text if len(text) <= 200 else text[:200] + " ..."
+
+
+def load_average() -> str:
+    """The 1-minute load average now, for a note beside figures that two busy cores would skew."""
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "n/a"
+
+
 def python_cmd(*args: object) -> list[object]:
     return [PYTHON, *args]
 

@@ -9,6 +9,10 @@ fresh directory, and compares its wall time with the sum of the ``s`` column of 
 timed from Snakemake's log (1 s resolution). The fixed start-up costs are measured on their own,
 each a median of repetitions: Snakemake building the DAG (``--dry-run``), a bare Python start,
 imports of the stage modules, and a torchrun start with two no-op ranks.
+
+Then the default experiment as `make run` runs it (the repository's config, `--cores all`): wall time
+against the 60 s target, seconds by rule, and each train job's fixed cost (its wall time minus the
+training loop), against 3 s at W=2. ``--no-default`` skips it (the smoke run does).
 """
 
 from __future__ import annotations
@@ -89,7 +93,81 @@ def unbenchmarked_jobs(log: str) -> dict[str, float]:
     return seconds
 
 
-def run(epochs: int, reps: int, work_dir: Path, runs: list[str] | None = None) -> dict:
+DEFAULT_TARGET_S = 60.0
+TRAIN_FIXED_TARGET_S = 3.0
+
+
+def rule_totals(dag_dir: Path) -> dict[str, list[float]]:
+    """Seconds of every benchmarked job, by rule."""
+    totals: dict[str, list[float]] = {}
+    for tsv in sorted((dag_dir / "benchmarks").rglob("*.tsv")):
+        lines = tsv.read_text().splitlines()
+        header, values = lines[0].split("\t"), lines[-1].split("\t")
+        rule = tsv.relative_to(dag_dir / "benchmarks").parts[0]
+        totals.setdefault(rule, []).append(float(values[header.index("s")]))
+    return totals
+
+
+def train_fixed_costs(dag_dir: Path) -> dict[str, float]:
+    """Per training: the train job's wall time (its benchmark) minus its training loop (train.json's
+    train_seconds, the slowest rank): process starts, imports, rendezvous, data and publishing."""
+    import json
+
+    costs = {}
+    for tsv in sorted((dag_dir / "benchmarks" / "train").glob("*.tsv")):
+        lines = tsv.read_text().splitlines()
+        wall = float(lines[-1].split("\t")[lines[0].split("\t").index("s")])
+        info = json.loads((dag_dir / "results" / "trainings" / tsv.stem / "ranks" / "train.json").read_text())
+        costs[f"{tsv.stem} (W={info['world_size']})"] = wall - info["train_seconds"]
+    return costs
+
+
+def default_experiment(work_dir: Path) -> dict:
+    """The README's `make run`: the repository's config/config.yaml and runs.tsv, `snakemake --cores
+    all` in a fresh directory (MLflow store included), timed whole and by rule."""
+    import shutil
+
+    dag_dir = work_dir / "default"
+    dag_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(common.REPO / "config", dag_dir / "config")
+    cmd = [
+        Path(common.PYTHON).parent / "snakemake",
+        "--snakefile", common.REPO / "Snakefile",
+        "--directory", dag_dir,
+        "--cores", "all",
+    ]  # fmt: skip
+    dag = common.measure(cmd, check=False)
+    totals = rule_totals(dag_dir)
+    untimed = unbenchmarked_jobs(dag.stdout)
+    fixed = train_fixed_costs(dag_dir) if dag.returncode == 0 else {}
+    w2 = [cost for name, cost in fixed.items() if name.endswith("(W=2)")]
+    rows = [[rule, len(times), sum(times), common.median(times)] for rule, times in totals.items()]
+    rows += [[rule, "-", seconds, "-"] for rule, seconds in untimed.items()]
+    markdown = common.table(["rule", "jobs", "seconds, all jobs", "median per job"], rows)
+    markdown += "\n\n" + common.table(
+        ["train job", "fixed cost s (job wall - training loop)"], [[k, v] for k, v in fixed.items()]
+    )
+    markdown += (
+        f"\n\n`make run` equivalent (`snakemake --cores all`, the repository's default experiment, "
+        f"fresh directory): **{dag.seconds:.1f} s** wall, exit {dag.returncode}. Rules without a "
+        "benchmark are timed from Snakemake's log (1 s resolution); jobs run two at a time on 2 cores."
+    )
+    checks = [
+        (
+            f"default experiment (make run) <= {DEFAULT_TARGET_S:.0f} s on this machine",
+            f"{dag.seconds:.1f} s",
+            dag.returncode == 0 and dag.seconds <= DEFAULT_TARGET_S,
+        ),
+        (
+            f"train job fixed cost at W=2 <= {TRAIN_FIXED_TARGET_S:.0f} s (median of the W=2 trainings)",
+            f"{common.median(w2):.2f} s" if w2 else "not measured",
+            bool(w2) and common.median(w2) <= TRAIN_FIXED_TARGET_S,
+        ),
+    ]
+    return {"markdown": markdown, "checks": checks, "wall": dag.seconds, "fixed": fixed}
+
+
+def run(epochs: int, reps: int, work_dir: Path, runs: list[str] | None = None, default: bool = True) -> dict:
     runs = runs or list(RUNS)
     startup: dict[str, float] = {}
     dry_dir = work_dir / "dry"
@@ -121,12 +199,7 @@ def run(epochs: int, reps: int, work_dir: Path, runs: list[str] | None = None) -
     if dag.returncode != 0:  # report what ran: another stage may be mid-change
         failed = sorted(set(re.findall(r"Error in rule (\w+):", log)))
         failure = f"the DAG failed (exit {dag.returncode}) in rule(s) {', '.join(failed) or '?'}"
-    per_rule: dict[str, float] = {}
-    for tsv in sorted((dag_dir / "benchmarks").rglob("*.tsv")):
-        lines = tsv.read_text().splitlines()
-        header, values = lines[0].split("\t"), lines[-1].split("\t")
-        rule = tsv.relative_to(dag_dir / "benchmarks").parts[0]
-        per_rule[rule] = per_rule.get(rule, 0.0) + float(values[header.index("s")])
+    per_rule = {rule: sum(times) for rule, times in rule_totals(dag_dir).items()}
     stage_sum = sum(per_rule.values())
     untimed = unbenchmarked_jobs(log)
     fixed = startup["snakemake start + DAG (--dry-run)"]
@@ -159,6 +232,10 @@ def run(epochs: int, reps: int, work_dir: Path, runs: list[str] | None = None) -
         f"\n\nConfig: config/config.yaml with runs {', '.join(runs)} (digits, world size 2, "
         f"{epochs} epochs), MLflow in a local SQLite file, 2 cores." + (f" **{failure}**." if failure else "")
     )
+    if default:
+        section = default_experiment(work_dir)
+        markdown += "\n\n### The default experiment\n\n" + section["markdown"]
+        checks += section["checks"]
     return {
         "title": "4. Pipeline overhead",
         "markdown": markdown,
@@ -173,9 +250,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfuse-bench/pipeline"))
+    parser.add_argument(
+        "--no-default", action="store_true", help="skip the default experiment (make run) measurement"
+    )
     args = parser.parse_args()
     try:
-        section = run(args.epochs, args.reps, args.work_dir, args.runs)
+        section = run(args.epochs, args.reps, args.work_dir, args.runs, default=not args.no_default)
     finally:
         common.remove(args.work_dir)
     print(section["markdown"])

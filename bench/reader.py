@@ -50,7 +50,8 @@ def batches_of(path_name: str, shard_dir: Path, batch_size: int, seed: int = 0, 
     """An iterator over (features, labels) batches of ``epochs`` epochs of rank 0's shard, started now."""
     import torch
 
-    from shardfuse.data import ShardReader, load_shard, read_manifest
+    from shardfuse.data import ShardReader, load_shard
+    from shardfuse.manifest import read_manifest
 
     num_rows = read_manifest(shard_dir)["shards"][0]["rows"]
     num_batches = max(1, -(-num_rows // batch_size))
@@ -100,7 +101,8 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardfuse.data import read_dataset_info, read_manifest
+    from shardfuse.data import read_dataset_info
+    from shardfuse.manifest import read_manifest
     from shardfuse.models import build_model, mlp_spec
 
     torch.set_num_threads(1)

@@ -52,8 +52,8 @@ FULL = {
 SMOKE = {
     "partition": {"base_rows": 5_000, "factors": [1, 4, 16], "num_features": 4, "reps": 1},
     "reader": {"rows": 20_000, "features": 8, "batch_size": 32, "batches": 100, "steps": 100, "reps": 1},
-    "scaling": {"rows": 2_000, "features": 8, "epochs": 1, "reps": 1, "strategies": ["ddp"]},
-    "pipeline": {"epochs": 1, "reps": 1, "runs": ["ddp"]},
+    "scaling": {"rows": 2_000, "features": 8, "epochs": 1, "reps": 1, "strategies": ["localsgd-nosync"]},
+    "pipeline": {"epochs": 1, "reps": 1, "runs": ["ddp"], "default": False},
     "logging": {"rows": 4_000, "features": 8, "epochs": 1, "reps": 1},
     "gpu": {"rows": 50_000, "features": 8, "epochs": 1, "batch_size": 512, "reps": 1},
 }

@@ -210,6 +210,16 @@ def resume_or_start(setup: RankSetup) -> Position:
     return position
 
 
+def forward_updates_buffers(model: torch.nn.Module) -> bool:
+    """Whether training changes the model's buffers (normalisation running statistics), so DDP must
+    broadcast rank 0's before every forward to keep the ranks equal.
+
+    That broadcast is a collective per step, as costly as the gradients' all_reduce on CPU (gloo
+    figures: bench/RESULTS.md, bench/scaling.py). Buffers set once before training, such as the MLP's
+    input statistics, are already equal on every rank after set-up's broadcast and stay so."""
+    return any(getattr(module, "track_running_stats", False) for module in model.modules())
+
+
 def plan_steps(setup: RankSetup) -> StepPlan:
     """Precision, the DDP wrapper and the step counts; peak GPU memory is counted from here on."""
     device, cfg, model = setup.ctx.device, setup.cfg, setup.model
@@ -218,7 +228,13 @@ def plan_steps(setup: RankSetup) -> StepPlan:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     device_ids = [device.index] if cuda else None
-    net = DistributedDataParallel(model, device_ids=device_ids) if cfg["strategy"] == "ddp" else model
+    net = (
+        DistributedDataParallel(
+            model, device_ids=device_ids, broadcast_buffers=forward_updates_buffers(model)
+        )
+        if cfg["strategy"] == "ddp"
+        else model
+    )
     return StepPlan(
         net=net,
         dtype=dtype,
