@@ -25,9 +25,9 @@ run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 
 # The fast tier, for every change: lint + every test that needs no root daemon, cluster, server or browser.
-# Three pytest-xdist workers on 2 cores (the tests wait on process start-ups as much as they compute),
-# one test file per worker at a time (module fixtures are built once).
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers (a third on 2 cores was no faster and starves timing-sensitive tests), one
+# test file per worker at a time (module fixtures are built once).
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS))" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 

@@ -113,7 +113,9 @@ def test_live_logger_never_blocks_the_step_when_the_server_hangs_and_counts_drop
             tick = time.perf_counter()
             live.log(step, {"loss": 0.5})
             worst = max(worst, time.perf_counter() - tick)
-        assert worst < 0.01  # nothing waits for the server (a GIL switch is the worst case)
+        # Nothing waits for the server: a call that did would take the 1 s request timeout. (The bound
+        # leaves room for the OS descheduling this process on a loaded machine, not for a request.)
+        assert worst < 0.2
         started = time.monotonic()
         assert live.close(timeout=0.5) is False
         assert time.monotonic() - started < 1.5
