@@ -82,7 +82,7 @@ def test_load_table_gives_the_same_tensors_for_any_batch_size(prepared):
 @pytest.mark.parametrize(
     ("columns", "message"),
     [
-        ({"x0": [1.0], "x1": [2.0]}, "has no 'label' column"),
+        ({"x0": [1.0], "y0": ["high"]}, "column 'y0' .* has type string, expected a number"),
         ({"x0": [1.0], "x2": [2.0], "label": [0]}, "lacks feature column.* x1"),
         ({"a": [1.0], "label": [0]}, r"has no feature columns x0, x1, \.\.\. \(columns found: a, label\)"),
         ({"x0": [1.0], "label": ["cat"]}, "column 'label' .* has type string, expected an integer"),
@@ -93,6 +93,15 @@ def test_load_table_rejects_files_not_made_by_prepare(tmp_path, columns, message
     pq.write_table(pa.table(columns), tmp_path / "odd.parquet")
     with pytest.raises(UserError, match=message):
         load_table(tmp_path / "odd.parquet")
+
+
+def test_load_table_reads_regression_targets_and_token_blocks(tmp_path):
+    pq.write_table(pa.table({"x0": [1.0, 2.0], "y1": [3.0, 4.0], "y0": [5.0, 6.0]}), tmp_path / "r.parquet")
+    features, targets = load_table(tmp_path / "r.parquet")
+    assert (targets.dtype, targets.tolist()) == (torch.float32, [[5.0, 3.0], [6.0, 4.0]])
+    pq.write_table(pa.table({"x0": [1.0, 2.0], "x1": [7.0, 8.0]}), tmp_path / "t.parquet")
+    features, targets = load_table(tmp_path / "t.parquet")
+    assert (features.tolist(), tuple(targets.shape)) == ([[1.0, 7.0], [2.0, 8.0]], (2, 0))
 
 
 def test_load_table_on_a_missing_or_corrupt_file_is_a_user_error(tmp_path):

@@ -390,7 +390,7 @@ def test_greedy_soup_refuses_the_test_split_and_needs_a_validation_split(greedy_
     ):
         merge(gather_path, "greedy_soup", *out, val_split=dataset / "test.parquet")
     with pytest.raises(
-        UserError, match=r"greedy_soup ranks the ranks by held-out accuracy and needs --val-split"
+        UserError, match=r"greedy_soup ranks the ranks by their held-out score and needs --val-split"
     ):
         merge(gather_path, "greedy_soup", *out)
     write_split(dataset / "empty.parquet", np.zeros((0, 2), np.float32), np.zeros(0, int))
@@ -477,7 +477,7 @@ def test_a_dcp_checkpoint_with_a_pickled_index_is_refused(tmp_path):
     [
         (
             ["--method", "greedy_soup"],
-            "greedy_soup ranks the ranks by held-out accuracy and needs --val-split",
+            "greedy_soup ranks the ranks by their held-out score and needs --val-split",
         ),
         (
             ["--method", "ties", "--params-json", '{"density": 2}'],

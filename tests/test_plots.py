@@ -13,7 +13,7 @@ import pytest
 from shardfuse import plots
 from shardfuse.io import UserError
 from tests.helpers import subprocess_env
-from tests.tracking_fixtures import make_run_dir
+from tests.tracking_fixtures import make_run_dir, regression_evaluation
 
 SUMMARY_FIELDS = ("run", "dataset", "world_size", "strategy", "merge_method", "test_accuracy_merged",
                   "test_accuracy_best_rank")  # fmt: skip
@@ -112,3 +112,62 @@ def test_run_plots_without_metrics_are_a_one_line_user_error(tmp_path):
         path.unlink()
     with pytest.raises(UserError, match=r"train/metrics has no rank-\*\.parquet; re-run the train stage"):
         plots.plot_run(run_dir, run_dir / "plots", run_dir / "train")
+
+
+def test_fusion_plot_of_a_regression_run_shows_mse_lower_is_better_and_a_positive_gain():
+    fig = plots.fusion_figure(regression_evaluation("reg", ddp_baseline=True), "reg")
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "test mse (lower is better)"
+    assert ax.get_title() == "reg: merged vs ranks (fusion gain +0.050)"  # merged mse 0.25, best rank 0.30
+    labels = [label for label, _, _ in plots.fusion_bars(regression_evaluation("reg"))]
+    assert labels == ["merged", "rank 0", "rank 1", "best rank", "mean rank", "initial model"]
+    without_best = regression_evaluation("reg")
+    del without_best["best_rank_mse"]  # then the task picks it: the lowest mse, not the highest
+    bars = {label: value for label, value, _ in plots.fusion_bars(without_best)}
+    assert bars["best rank"] == pytest.approx(0.3)
+    plots._pyplot().close(fig)
+
+
+def test_fusion_plot_of_a_classification_run_says_higher_is_better_on_a_range_from_the_data(tmp_path):
+    run_dir, _ = make_run_dir(tmp_path, "cls", ddp_baseline=True)
+    fig = plots.fusion_figure(plots.read_json(run_dir / "eval.json"), "cls")
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "test accuracy (higher is better)"
+    assert ax.get_title() == "cls: merged vs ranks (fusion gain +0.080)"
+    low, high = ax.get_ylim()
+    assert low == 0 and 0.83 < high < 0.95  # not forced up to 1
+    plots._pyplot().close(fig)
+
+
+def test_merge_methods_plot_puts_each_score_in_its_own_panels_with_its_direction(tmp_path):
+    rows = [
+        _row("a", "independent", "uniform", 0.8, training="t1"),
+        _row("b", "independent", "ties", 0.82, training="t1"),
+        {"run": "r", "training": "t2", "merge_method": "uniform", "test_accuracy_merged": "",
+         "test_accuracy_best_rank": "", "test_mse_merged": 0.25, "test_mse_best_rank": 0.3},
+        {"run": "s", "training": "t2", "merge_method": "ties", "test_accuracy_merged": "",
+         "test_accuracy_best_rank": "", "test_mse_merged": 0.35, "test_mse_best_rank": 0.3},
+    ]  # fmt: skip
+    extra = ("training", "test_mse_merged", "test_mse_best_rank")
+    rows = plots.read_summary(_summary(tmp_path / "summary.csv", rows, extra))
+    assert [(task.score, [r["run"] for r in members]) for task, members in plots.score_panels(rows)] == [
+        ("accuracy", ["a", "b"]),
+        ("mse", ["r", "s"]),
+    ]
+    fig = plots.merge_methods_figure(rows)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_ylabel() for ax in shown] == [
+        "merged test accuracy (higher is better)",
+        "merged test mse (lower is better)",
+    ]
+    assert shown[1].get_ylim()[1] > 0.35 and shown[0].get_ylim()[1] < 1.0
+    plots._pyplot().close(fig)
+
+
+def test_a_summary_row_with_no_score_is_a_user_error(tmp_path):
+    row = {"run": "x", "test_accuracy_best_rank": "", "test_mse_best_rank": ""}
+    with pytest.raises(UserError, match="summary row 'x' has no best-rank score; re-run the summary stage"):
+        plots.row_task(row)
+    assert plots.row_task({**row, "task": "regression"}).score == "mse"
+    assert plots.row_task({**row, "test_mse_best_rank": "0.3"}).lower_is_better
+    assert list(plots.TASK_OF_SCORE) == ["accuracy", "mse", "loss"]  # old summaries: accuracy first

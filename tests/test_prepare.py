@@ -1,5 +1,5 @@
 """Prepare: schema, stratified seeded train/val/test split, byte-identical outputs, chunked synthetic data,
-user files."""
+user files, and the regression and causal_lm tasks (diabetes, synthetic regression, text)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_digits_split_is_stratified_within_one_row_per_class(digits_dir):
 
 def test_dataset_json_describes_the_split_and_its_checksums(digits_dir):
     info = json.loads((digits_dir / "dataset.json").read_text())
-    assert info["name"] == "digits" and info["source"] == "digits"
+    assert info["name"] == "digits" and info["source"] == "digits" and info["task"] == "classification"
     assert (info["num_features"], info["num_classes"]) == (64, 10)
     assert info["feature_names"][:2] == ["pixel_0_0", "pixel_0_1"] and len(info["feature_names"]) == 64
     assert info["label_names"] == [str(d) for d in range(10)]
@@ -241,7 +241,7 @@ BASE_CSV = "a,b,kind,y\n1,2,red,p\n3,4,blue,q\n5,6,red,p\n7,8,blue,q\n9,10,red,p
         (
             BASE_CSV,
             {"source": "hdf5"},
-            r"unknown dataset source 'hdf5'; use one of csv, digits, parquet, synthetic",
+            r"unknown dataset source 'hdf5'; use one of csv, diabetes, digits, parquet, synthetic, text",
         ),
         (BASE_CSV, {"colour": 1}, r"unknown key\(s\) 'colour' in the 'csv' dataset spec; valid keys are"),
         (BASE_CSV, {"test_fraction": 1.5}, r"'test_fraction' must be a number strictly between 0 and 1"),
@@ -363,3 +363,330 @@ def test_a_class_too_small_for_a_val_row_keeps_its_training_row(tmp_path):
     prepare("tiny", spec, tmp_path / "out")
     train, val = (class_counts(read_split(tmp_path / "out", split), 2) for split in ("train", "val"))
     assert train.tolist() == [1, 2] and val.tolist() == [0, 1]
+
+
+# ---------------------------------------------------------------- tasks: regression and causal_lm
+
+
+SYNTHETIC_REGRESSION = {"source": "synthetic", "task": "regression", "num_rows": 3000, "num_features": 6,
+                        "num_outputs": 2, "seed": 5}  # fmt: skip
+
+
+def columns(table: pa.Table, prefix: str) -> np.ndarray:
+    names = [name for name in table.column_names if name[0] == prefix and name[1:].isdigit()]
+    return np.column_stack([table[name].to_numpy() for name in names])
+
+
+def expected_regression_schema(num_features: int, num_targets: int) -> pa.Schema:
+    return pa.schema(
+        [pa.field(f"x{j}", pa.float32()) for j in range(num_features)]
+        + [pa.field(f"y{k}", pa.float32()) for k in range(num_targets)]
+    )
+
+
+@pytest.fixture(scope="module")
+def diabetes_dir(tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("diabetes")
+    prepare("diabetes", {"source": "diabetes"}, out_dir)
+    return out_dir
+
+
+def test_diabetes_is_a_regression_dataset_with_float_targets(diabetes_dir):
+    from sklearn.datasets import load_diabetes
+
+    info = json.loads((diabetes_dir / "dataset.json").read_text())
+    assert (info["task"], info["num_classes"], info["label_names"]) == ("regression", 0, [])
+    assert info["target_names"] == ["target"] and info["num_features"] == 10
+    assert info["feature_names"] == list(load_diabetes().feature_names)
+    assert sum(info["rows"].values()) == 442 and info["rows"]["test"] == 88  # round(442 * 0.2)
+    table = all_splits(diabetes_dir)
+    assert all(
+        read_split(diabetes_dir, split).schema.equals(expected_regression_schema(10, 1)) for split in SPLITS
+    )
+    expected = load_diabetes()
+    rows = np.column_stack([columns(table, "x"), columns(table, "y")])
+    expected_rows = np.column_stack([expected.data, expected.target]).astype(np.float32)
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, expected_rows.tolist()))
+
+
+@pytest.mark.parametrize(
+    "spec", [{"source": "diabetes"}, SYNTHETIC_REGRESSION], ids=["diabetes", "synthetic_regression"]
+)
+def test_regression_val_split_comes_from_the_training_rows_and_leaves_the_test_split_unchanged(
+    tmp_path, spec
+):
+    prepare("d", {**spec, "val_fraction": 0.0}, tmp_path / "none")
+    info = prepare("d", {**spec, "val_fraction": 0.15}, tmp_path / "some")
+    assert (tmp_path / "some" / "test.parquet").read_bytes() == (
+        tmp_path / "none" / "test.parquet"
+    ).read_bytes()
+    some_train, some_val = (row_set(read_split(tmp_path / "some", split)) for split in ("train", "val"))
+    assert some_train | some_val == row_set(read_split(tmp_path / "none", "train"))
+    assert not some_train & some_val
+    total = sum(info["rows"].values())
+    assert abs(info["rows"]["val"] - 0.15 * total) <= 1 and abs(info["rows"]["test"] - 0.2 * total) <= 1
+
+
+def test_synthetic_regression_targets_depend_on_the_features(tmp_path):
+    info = prepare("reg", SYNTHETIC_REGRESSION, tmp_path)
+    assert info["target_names"] == ["y0", "y1"] and info["feature_names"] == [f"x{j}" for j in range(6)]
+    assert read_split(tmp_path, "train").schema.equals(expected_regression_schema(6, 2))
+    table = all_splits(tmp_path)
+    features, targets = columns(table, "x"), columns(table, "y")
+    assert np.all(np.abs(targets.std(axis=0) - 1) < 0.15)  # the function's std is about 1, noise adds 0.1
+    # The known function explains all but the noise (default 0.1) ...
+    function = prepare_module.synthetic_regression_function(
+        prepare_module.validate_spec(SYNTHETIC_REGRESSION)
+    )
+    residual = targets - function(features)
+    assert np.all(np.abs(residual.std(axis=0) - 0.1) < 0.01)
+    # ... and a plain linear fit already explains most of the variance; shuffled targets it does not.
+    design = np.column_stack([features, np.ones(len(features))])
+
+    def explained(y: np.ndarray) -> np.ndarray:
+        fitted = design @ np.linalg.lstsq(design, y, rcond=None)[0]
+        return 1 - ((y - fitted) ** 2).sum(axis=0) / ((y - y.mean(axis=0)) ** 2).sum(axis=0)
+
+    assert np.all(explained(targets) > 0.5)
+    assert np.all(explained(np.random.default_rng(0).permutation(targets)) < 0.02)
+
+
+def test_synthetic_regression_noise_zero_gives_the_function_itself(tmp_path):
+    spec = {**SYNTHETIC_REGRESSION, "num_rows": 500, "noise": 0}
+    prepare("reg", spec, tmp_path)
+    table = all_splits(tmp_path)
+    function = prepare_module.synthetic_regression_function(prepare_module.validate_spec(spec))
+    expected = function(columns(table, "x")).astype(np.float32)
+    assert np.array_equal(columns(table, "y"), expected)
+
+
+def test_synthetic_regression_across_many_chunks_splits_the_exact_fractions(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 400)  # 10-row chunks
+    info = prepare("reg", {**SYNTHETIC_REGRESSION, "num_rows": 1001, "test_fraction": 0.3}, tmp_path / "a")
+    assert info["rows"] == {"train": 601, "val": 100, "test": 300}
+    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 1 << 22)
+    prepare("reg", {**SYNTHETIC_REGRESSION, "num_rows": 1001, "test_fraction": 0.3}, tmp_path / "b")
+    assert read_split(tmp_path / "b", "train").num_rows == 601  # chunking changes the draws, not the split
+
+
+def write_regression_csv(path: Path) -> None:
+    rows = ["id,speed,kind,dist,time"]
+    rows += [f"{i},{i * 2},{'ab'[i % 2]},{i * 3.5},{i / 4}" for i in range(20)]
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_regression_from_csv_keeps_user_column_names(tmp_path):
+    write_regression_csv(tmp_path / "trips.csv")
+    spec = {"source": "csv", "task": "regression", "path": str(tmp_path / "trips.csv"),
+            "feature_columns": ["speed", "id"], "label_columns": ["time", "dist"]}  # fmt: skip
+    info = prepare("trips", spec, tmp_path / "out")
+    assert info["feature_names"] == ["speed", "id"] and info["target_names"] == ["time", "dist"]
+    assert (info["num_classes"], info["label_names"]) == (0, [])
+    table = all_splits(tmp_path / "out")
+    assert table.column_names == ["x0", "x1", "y0", "y1"] and table.num_rows == 20
+    for speed, row_id, time, dist in zip(*(table[c].to_pylist() for c in table.column_names), strict=True):
+        assert (speed, time, dist) == (row_id * 2, row_id / 4, row_id * 3.5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SYNTHETIC_REGRESSION,
+        {"source": "diabetes", "seed": 2},
+        {"source": "text", "paths": ["corpus/*.txt"], "block_size": 8},
+    ],
+    ids=["synthetic_regression", "diabetes", "text"],
+)
+def test_same_spec_gives_identical_files_for_regression_and_text(tmp_path, monkeypatch, spec):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_bytes(np.random.default_rng(0).bytes(300))
+    prepare("d", spec, tmp_path / "a")
+    prepare("d", spec, tmp_path / "b", row_group_rows=5)
+    for split in SPLITS:
+        assert read_split(tmp_path / "b", split).equals(read_split(tmp_path / "a", split))
+    prepare("d", spec, tmp_path / "c")
+    assert directory_bytes(tmp_path / "c") == directory_bytes(tmp_path / "a")
+    prepare("d", {**spec, "seed": spec.get("seed", 0) + 1}, tmp_path / "other")
+    assert read_split(tmp_path / "other", "train") != read_split(tmp_path / "a", "train")
+
+
+def test_integral_float_labels_are_classes(tmp_path):
+    labels = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+    pq.write_table(pa.table({"f": np.arange(6.0), "y": labels}), tmp_path / "in.parquet")
+    spec = {"source": "parquet", "path": str(tmp_path / "in.parquet"), "feature_columns": ["f"],
+            "label_column": "y", "classes": [2]}  # fmt: skip
+    info = prepare("floats", spec, tmp_path / "out")
+    assert info["label_names"] == ["1.0", "2.0"]
+    assert set(all_splits(tmp_path / "out")["label"].to_pylist()) == {1}
+
+
+def test_classes_keep_the_full_label_space(digits_dir, tmp_path):
+    info = prepare("digits", {"source": "digits", "classes": [0, "3", 7]}, tmp_path / "digits")
+    full = json.loads((digits_dir / "dataset.json").read_text())
+    assert (info["num_classes"], info["label_names"]) == (10, full["label_names"])
+    counts = sum(class_counts(read_split(tmp_path / "digits", split), 10) for split in SPLITS)
+    full_counts = sum(class_counts(read_split(digits_dir, split), 10) for split in SPLITS)
+    assert np.array_equal(counts, np.where(np.isin(np.arange(10), [0, 3, 7]), full_counts, 0))
+    train, test = (class_counts(read_split(tmp_path / "digits", split), 10) for split in ("train", "test"))
+    assert np.all(test[[0, 3, 7]] >= 1) and np.all(train[[0, 3, 7]] >= 1)  # still stratified
+
+    info = prepare("syn", {**SYNTHETIC, "classes": ["1", "2"]}, tmp_path / "syn")
+    assert info["num_classes"] == 4 and info["label_names"] == ["0", "1", "2", "3"]
+    assert set(all_splits(tmp_path / "syn")["label"].to_pylist()) == {1, 2}
+    assert 1300 < sum(info["rows"].values()) < 1700  # half of 3000 rows
+
+
+TEXT_FILES = {"b/two.txt": 400, "a.txt": 250, "b/deeper/three.txt": 120, "b/notes.skip.txt": 90}
+
+
+def write_text_files(root: Path) -> bytes:
+    """Random bytes (so every block is unique) in TEXT_FILES; returns what the text source should read
+    from root/**/*.txt excluding *.skip.*: the kept files sorted by path, joined by a newline."""
+    rng = np.random.default_rng(7)
+    contents = {}
+    for name, size in TEXT_FILES.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        contents[name] = rng.bytes(size)
+        (root / name).write_bytes(contents[name])
+    kept = sorted((str(root / name), data) for name, data in contents.items() if ".skip." not in name)
+    return b"\n".join(data for _, data in kept)
+
+
+def blocks_of(out_dir: Path) -> list[bytes]:
+    table = all_splits(out_dir)
+    assert all(field.type == pa.float32() for field in table.schema)
+    return [bytes(row) for row in columns(table, "x").astype(np.uint8).tolist()]
+
+
+def test_text_blocks_hold_the_files_bytes(tmp_path):
+    joined = write_text_files(tmp_path / "corpus")
+    spec = {"source": "text", "paths": [str(tmp_path / "corpus" / "**" / "*.txt")], "exclude": ["*.skip.*"],
+            "block_size": 15}  # fmt: skip
+    info = prepare("text", spec, tmp_path / "out")
+    num_blocks = len(joined) // 16
+    assert (info["task"], info["num_classes"], info["label_names"]) == ("causal_lm", 0, [])
+    assert (info["vocab_size"], info["block_size"], info["num_tokens"]) == (256, 15, len(joined))
+    assert info["num_features"] == 16 and info["feature_names"] == [f"t{j}" for j in range(16)]
+    assert read_split(tmp_path / "out", "train").column_names == [f"x{j}" for j in range(16)]
+    assert sum(info["rows"].values()) == num_blocks and info["rows"]["test"] == round(num_blocks * 0.2)
+    # Rows are shuffled: every block of the joined bytes appears exactly once, the tail is dropped.
+    expected = [joined[i * 16 : (i + 1) * 16] for i in range(num_blocks)]
+    assert sorted(blocks_of(tmp_path / "out")) == sorted(expected)
+
+
+def test_text_paths_are_relative_to_the_working_directory_and_max_tokens_stops_reading(tmp_path, monkeypatch):
+    joined = write_text_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    spec = {
+        "source": "text",
+        "paths": ["**/*.txt"],
+        "exclude": ["*.skip.*"],
+        "block_size": 9,
+        "max_tokens": 333,
+    }
+    info = prepare("text", spec, tmp_path / "out")
+    assert info["num_tokens"] == 333 and sum(info["rows"].values()) == 33
+    assert sorted(blocks_of(tmp_path / "out")) == sorted(joined[i * 10 : (i + 1) * 10] for i in range(33))
+
+
+def test_text_without_matching_files_is_an_error(tmp_path):
+    spec = {"source": "text", "paths": [str(tmp_path / "nowhere" / "*.txt")], "block_size": 8}
+    with pytest.raises(UserError, match=r"no file matches the text dataset's paths \[.*nowhere/\*\.txt'\]"):
+        prepare("text", spec, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_text_too_short_for_three_blocks_is_an_error(tmp_path):
+    (tmp_path / "short.txt").write_bytes(b"x" * 20)
+    spec = {"source": "text", "paths": [str(tmp_path / "short.txt")], "block_size": 7}
+    with pytest.raises(UserError, match=r"20 tokens, 2 block\(s\) .*: add text or lower block_size"):
+        prepare("text", spec, tmp_path / "out")
+
+
+def test_each_source_defaults_to_its_task():
+    tasks = {
+        source: prepare_module.validate_spec({"source": source, **keys})["task"]
+        for source, keys in {
+            "digits": {},
+            "diabetes": {},
+            "synthetic": {"num_rows": 10, "num_features": 1, "num_classes": 2},
+            "csv": {"path": "x.csv", "feature_columns": ["a"], "label_column": "y"},
+            "text": {"paths": ["*.txt"], "block_size": 4},
+        }.items()
+    }
+    assert tasks == {"digits": "classification", "diabetes": "regression", "synthetic": "classification",
+                     "csv": "classification", "text": "causal_lm"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("table_columns", "spec_changes", "message"),
+    [
+        (
+            {"a": [1.0, 2, 3, 4], "b": ["x", "y", "z", "w"]},
+            {"task": "regression", "label_columns": ["b"]},
+            r"regression target column 'b' in .*in\.parquet has type string; regression needs numeric "
+            r"targets — use task: classification or pick numeric columns",
+        ),
+        (
+            {"a": [1.0, 2, 3, 4], "b": [0.37, 1.5, 0.37, 1.5]},
+            {"label_column": "b"},
+            r"label column 'b' in .*in\.parquet holds non-integer floats \(e\.g\. 0\.37\); a classification "
+            r"label must be a class — use task: regression with label_columns: \[b\]",
+        ),
+        (
+            {"a": [1.0, 2, 3, 4], "b": [0, 1, 0, 1]},
+            {"classes": [5]},
+            r"class 5 in spec key 'classes' is not a label of this dataset; valid labels: 0, 1$",
+        ),
+        (
+            {},
+            {"task": "causal_lm"},
+            r"source 'parquet' cannot do task 'causal_lm'; use task: classification or",
+        ),
+        ({}, {"task": "ranking"}, r"spec key 'task' must be one of classification, regression, causal_lm"),
+        ({}, {"task": "regression"}, r"the 'parquet' dataset spec \(task regression\) lacks 'label_columns'"),
+        (
+            {},
+            {"task": "regression", "label_columns": ["b"], "classes": [1]},
+            r"spec key\(s\) 'classes', 'label_column' only apply to task 'classification'",
+        ),
+        ({}, {"label_columns": ["b"]}, r"spec key\(s\) 'label_columns' only apply to task 'regression'"),
+        ({}, {"classes": []}, r"spec key 'classes' must be a non-empty list"),
+    ],
+)
+def test_bad_task_input_is_a_one_line_user_error_with_no_output(
+    tmp_path, table_columns, spec_changes, message
+):
+    pq.write_table(pa.table(table_columns or {"a": [1.0, 2.0]}), tmp_path / "in.parquet")
+    spec = {"source": "parquet", "path": str(tmp_path / "in.parquet"), "feature_columns": ["a"],
+            "label_column": "b", **spec_changes}  # fmt: skip
+    if spec_changes.get("task") == "regression" and "classes" not in spec_changes:
+        del spec["label_column"]
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"source": "digits", "task": "regression"}, r"source 'digits' cannot do task 'regression'"),
+        (
+            {"source": "diabetes", "classes": [1]},
+            r"unknown key\(s\) 'classes' in the 'diabetes' dataset spec",
+        ),
+        ({**SYNTHETIC, "task": "regression"}, r"'num_classes' only apply to task 'classification'"),
+        ({**SYNTHETIC_REGRESSION, "num_outputs": 0}, r"'num_outputs' must be an integer >= 1"),
+        ({**SYNTHETIC_REGRESSION, "noise": -1}, r"'noise' must be a number >= 0"),
+        ({**SYNTHETIC_REGRESSION, "num_rows": 2}, r"num_rows=2 is too small for a regression split.*>= 3$"),
+        ({"source": "text", "paths": "*.txt", "block_size": 8}, r"'paths' must be a non-empty list of glob"),
+        ({"source": "text", "paths": ["*.txt"], "block_size": 1}, r"'block_size' must be an integer >= 2"),
+        ({"source": "text", "paths": ["*.txt"], "block_size": 4, "max_tokens": 0}, r"'max_tokens' must be"),
+    ],
+)
+def test_bad_task_specs_are_one_line_user_errors(tmp_path, spec, message):
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value)

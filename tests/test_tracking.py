@@ -26,7 +26,13 @@ from shardfuse import mlflow_common, tracking, tracking_inputs
 from shardfuse.checkpoint import load_weights, read_metadata
 from shardfuse.io import UserError
 from shardfuse.models import build_model
-from tests.tracking_fixtures import NUM_FEATURES, append_steps, make_run_dir, run_config
+from tests.tracking_fixtures import (
+    NUM_FEATURES,
+    append_steps,
+    make_run_dir,
+    regression_evaluation,
+    run_config,
+)
 
 pytestmark = pytest.mark.integration
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -166,6 +172,25 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
         [store["experiment_id"]], f"source_run_id = '{parent.info.run_id}'"
     )
     assert result["model_uri"] == f"models:/{model.model_id}" and model.name == "model"
+
+
+def test_regression_run_carries_its_mse_r2_and_rank_scores_and_no_accuracy(store, tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "regressed", ddp_baseline=True)
+    (run_dir / "eval.json").write_text(json.dumps(regression_evaluation("regressed", ddp_baseline=True)))
+    result = tracking.track_run(
+        "regressed", run_dir, manifest, run_config("regressed"), store["uri"], EXPERIMENT
+    )
+    metrics = store["client"].get_run(result["parent_run_id"]).data.metrics
+    assert not [name for name in metrics if "accuracy" in name]
+    assert metrics["test_mse_merged"] == pytest.approx(0.25)
+    assert metrics["test_r2_merged"] == pytest.approx(0.75)
+    assert metrics["test_mse_best_rank"] == pytest.approx(0.30)
+    assert metrics["test_mse_ddp_baseline"] == pytest.approx(0.22)
+    assert metrics["fusion_gain"] == pytest.approx(0.05)  # lower mse than the best rank: positive
+    for rank, child_id in result["child_run_ids"].items():
+        child = store["client"].get_run(child_id).data.metrics
+        assert metrics[f"test_mse_rank_{rank}"] == pytest.approx(child["test_mse"])
+        assert {"test_loss", "test_mse", "test_mae", "test_r2"} <= set(child)
 
 
 def test_second_track_with_identical_inputs_keeps_run_and_does_not_duplicate_history(store, tmp_path):

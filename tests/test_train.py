@@ -173,10 +173,11 @@ def test_geometry_that_disagrees_with_the_shards_fails_before_starting_ranks(
 
 
 def test_ddp_broadcasts_buffers_only_for_models_whose_forward_updates_them():
-    from shardfuse.models import build_model, mlp_spec
+    from shardfuse.models import build_model
     from shardfuse.train import forward_updates_buffers
 
-    assert not forward_updates_buffers(build_model(mlp_spec(8, 3, TRAIN_CFG)))  # input stats: set once
+    spec = {"type": "mlp", "num_features": 8, "num_classes": 3, "hidden_sizes": [4], "activation": "relu"}
+    assert not forward_updates_buffers(build_model({**spec, "dropout": 0.0}))  # input stats: set once
     batch_norm = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
     assert forward_updates_buffers(batch_norm)  # running statistics change every forward
 

@@ -267,3 +267,39 @@ def make_run_dir(
         evaluation["ddp_baseline"] = {"run": "ddp", "accuracy": 0.83, "loss": 0.45}
     (run_dir / "eval.json").write_text(json.dumps(evaluation, indent=2))
     return run_dir, manifest_path
+
+
+def regression_evaluation(run_name: str, world_size: int = 2, ddp_baseline: bool = False) -> dict:
+    """eval.json as the evaluate stage writes it for a regression run whose merged model has a lower
+    test mse (0.25) than every rank (0.30, 0.32, ...): a positive fusion gain of 0.05."""
+    ranks = [
+        {
+            "rank": r,
+            "loss": 0.31 + 0.02 * r,
+            "mse": 0.30 + 0.02 * r,
+            "mae": 0.40 + 0.01 * r,
+            "r2": 0.7 - 0.02 * r,
+        }
+        for r in range(world_size)
+    ]
+    merged = {"loss": 0.26, "mse": 0.25, "mae": 0.38, "r2": 0.75}
+    best = min(r["mse"] for r in ranks)
+    return {
+        "run": run_name,
+        "training": "shared",
+        "test_rows": 300,
+        "task": "regression",
+        "score": "mse",
+        "lower_is_better": True,
+        "metrics": ["loss", "mse", "mae", "r2"],
+        "merged": merged,
+        "base": {"loss": 1.02, "mse": 1.0, "mae": 0.8, "r2": -0.01},
+        "ranks": ranks,
+        "best_rank_mse": best,
+        "mean_rank_mse": float(np.mean([r["mse"] for r in ranks])),
+        "mean_rank_loss": float(np.mean([r["loss"] for r in ranks])),
+        "fusion_gain": best - merged["mse"],
+        "ddp_baseline": {"run": "ddp", "loss": 0.23, "mse": 0.22, "mae": 0.36, "r2": 0.78}
+        if ddp_baseline
+        else None,
+    }

@@ -25,10 +25,15 @@ import jsonschema
 import yaml
 
 from shardfuse.io import StageParser, UserError, run_cli
+from shardfuse.usercode import code_fingerprint, is_builtin, load_factory
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# A dataset's task when its spec does not say; and the tasks each source can give (default: both
+# classification and regression).
+DEFAULT_TASKS = {"diabetes": "regression", "text": "causal_lm"}
+SOURCE_TASKS = {"digits": ("classification",), "diabetes": ("regression",), "text": ("causal_lm",)}
 # The run keys each stage sees: a stage's command (hence Snakemake's params trigger) changes only
 # when one of its own keys changes, so a new merge method never re-runs training.
 TRAIN_KEYS = (
@@ -64,6 +69,13 @@ MERGE_PARAMS = {
     },
     "slerp": {"merge_t": "t"},
 }
+# Train keys added with the model registry. They join a training's identity (and its command) only
+# when set to something other than their default, so trainings configured before they existed keep
+# their names and are not re-run.
+OPTIONAL_TRAIN_KEYS = {"model": "mlp", "model_args": {}, "code_paths": [], "loss": "mse", "init_from": None}
+# Resolved while loading the config (not keys a user writes): the sha256 of the user model's code
+# files, and what init_from points at (a file, or the training and merge of another run).
+DERIVED_TRAIN_KEYS = ("code_digest", "init_source")
 # Everything that determines a training's outputs. Runs that agree on all of these (e.g. a sweep over
 # merge methods) share one training: its ranks are trained once and fused several ways.
 TRAINING_KEYS = (
@@ -104,9 +116,13 @@ class Experiment:
     def ddp_baseline(self, run: str) -> str | None:
         """The ddp run trained like ``run`` in every other respect, if the experiment has one."""
         cfg = self.runs[run]
-        same = [k for k in TRAINING_KEYS if k not in ("strategy", "sync_every")]
+
+        def rest(run_cfg: dict[str, Any]) -> dict[str, Any]:
+            identity = training_identity(run_cfg)
+            return {k: v for k, v in identity.items() if k not in ("strategy", "sync_every")}
+
         for other, other_cfg in self.runs.items():
-            if other_cfg["strategy"] == "ddp" and all(other_cfg[k] == cfg[k] for k in same):
+            if other_cfg["strategy"] == "ddp" and rest(other_cfg) == rest(cfg):
                 return other
         return None
 
@@ -117,9 +133,29 @@ def merge_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
     return {param: run_cfg[key] for key, param in mapping.items() if run_cfg[key] is not None}
 
 
+def _set_train_keys(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The optional and derived train keys a run sets (those not at their defaults)."""
+    found = {
+        key: run_cfg[key]
+        for key, default in OPTIONAL_TRAIN_KEYS.items()
+        if key in run_cfg and run_cfg[key] != default
+    }
+    found.update({key: run_cfg[key] for key in DERIVED_TRAIN_KEYS if run_cfg.get(key) is not None})
+    return found
+
+
+def train_config(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """What the train stage reads of a run (its command line, hence Snakemake's params trigger)."""
+    return {**{key: run_cfg[key] for key in TRAIN_KEYS}, **_set_train_keys(run_cfg)}
+
+
+def training_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**{key: run_cfg[key] for key in TRAINING_KEYS}, **_set_train_keys(run_cfg)}
+
+
 def training_name(run_cfg: dict[str, Any]) -> str:
     """A readable, content-addressed name: results/trainings/<name>/ holds the trained ranks."""
-    identity = json.dumps({key: run_cfg[key] for key in TRAINING_KEYS}, sort_keys=True)
+    identity = json.dumps(training_identity(run_cfg), sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     return f"{run_cfg['dataset']}-w{run_cfg['world_size']}-{run_cfg['strategy']}-{digest}"
 
@@ -193,10 +229,15 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
             if lowered in {"false", "no", "0"}:
                 return False
             raise ValueError(text)
+        if kind == "object":
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
         if kind == "array":
             if text.startswith("["):
                 return json.loads(text)
-            item = int if prop.get("items", {}).get("type") == "integer" else float
+            item = {"integer": int, "string": str}.get(prop.get("items", {}).get("type"), float)
             return [item(part) for part in re.split(r"[,\s]+", text) if part]
     except (ValueError, json.JSONDecodeError):
         raise ConfigError(
@@ -207,7 +248,14 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
 
 
 def _example(kind: str | None) -> str:
-    return {"integer": "2", "number": "0.05", "boolean": "true", "array": "64,32"}.get(kind or "", "a word")
+    examples = {
+        "integer": "2",
+        "number": "0.05",
+        "boolean": "true",
+        "array": "64,32",
+        "object": '{"width": 32}',
+    }
+    return examples.get(kind or "", "a word")
 
 
 def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -297,7 +345,9 @@ def load_experiment(
         resolved = {**defaults, **row}
         _validate(resolved, run_schema, f"runs[{name}]", fix)
         _check_run(name, resolved, datasets, fix)
+        _check_model(name, resolved, datasets)
         runs[name] = resolved
+    _resolve_init_sources(runs)
 
     mlflow_cfg = _with_defaults(config["mlflow"], schema["properties"]["mlflow"])
     tracking_uri = mlflow_cfg["tracking_uri"] or environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
@@ -314,8 +364,12 @@ def load_experiment(
 def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """Fill defaults only for keys the dataset's source uses (class_sep is synthetic's alone)."""
     filled = _with_defaults(spec, schema)
-    if filled["source"] != "synthetic" and "class_sep" not in spec:
+    task = filled.get("task") or DEFAULT_TASKS.get(filled["source"], "classification")
+    if task != "classification":
+        filled["task"] = task  # classification stays implicit: older dataset specs keep their params
+    if (filled["source"] != "synthetic" or task != "classification") and "class_sep" not in spec:
         del filled["class_sep"]
+    _check_dataset_task(name, filled, task)
     if filled["test_fraction"] + filled["val_fraction"] >= 1:
         raise ConfigError(
             f"config error at datasets.{name}: test_fraction + val_fraction = "
@@ -323,6 +377,105 @@ def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, An
             "make their sum < 1"
         )
     return filled
+
+
+def dataset_task(dataset: dict[str, Any]) -> str:
+    return dataset.get("task", "classification")
+
+
+def _check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
+    """Which keys a source needs for its task (the schema cannot say it clearly)."""
+    where = f"config error at datasets.{name}"
+    source = spec["source"]
+    tasks = SOURCE_TASKS.get(source, ("classification", "regression"))
+    if task not in tasks:
+        raise ConfigError(
+            f"{where}.task: source {source} gives {' or '.join(tasks)} data, not {task}; "
+            f"set task: {tasks[0]} or use another source"
+        )
+    needs: dict[tuple[str, str], tuple[str, ...]] = {
+        ("synthetic", "classification"): ("num_classes",),
+        ("synthetic", "regression"): ("num_outputs",),
+        ("parquet", "classification"): ("label_column",),
+        ("parquet", "regression"): ("label_columns",),
+        ("csv", "classification"): ("label_column",),
+        ("csv", "regression"): ("label_columns",),
+    }
+    missing = [key for key in needs.get((source, task), ()) if key not in spec]
+    if missing:
+        raise ConfigError(f"{where}: a {task} dataset from {source} needs `{missing[0]}`; add it")
+    other_task = {"classification": "regression", "regression": "classification"}.get(task)
+    stray = [key for key in needs.get((source, other_task), ()) if key in spec and other_task]
+    stray += ["classes"] if "classes" in spec and task != "classification" else []
+    if stray:
+        raise ConfigError(
+            f"{where}.{stray[0]}: only {other_task or 'classification'} datasets use it but task is "
+            f"{task}; remove it or set task: {other_task or 'classification'}"
+        )
+
+
+def _check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
+    """The model reference imports, its code is fingerprinted, the loss fits the task; sets code_digest."""
+    where = f"config error at runs[{name}]"
+    task = dataset_task(datasets[run["dataset"]])
+    if run["loss"] != "mse" and task != "regression":
+        raise ConfigError(
+            f"{where}.loss: {run['loss']} is a regression loss but dataset {run['dataset']!r} is "
+            f"{task}; remove loss or use a regression dataset"
+        )
+    try:
+        fingerprint = code_fingerprint(run["model"], run["code_paths"])
+        if not is_builtin(run["model"]):
+            load_factory(run["model"], run["code_paths"])
+    except UserError as exc:
+        raise ConfigError(f"{where}.model: {exc}") from None
+    if fingerprint is not None:
+        run["code_digest"] = fingerprint["digest"]
+    init_from = run["init_from"]
+    if init_from is not None and not init_from.startswith("run:"):
+        if not Path(init_from).is_file():
+            raise ConfigError(
+                f"{where}.init_from: {init_from} is not a file; give a safetensors checkpoint or "
+                "run:NAME (the merged model of run NAME)"
+            )
+        run["init_source"] = {"file": init_from}
+
+
+def _resolve_init_sources(runs: dict[str, dict[str, Any]]) -> None:
+    """``init_from: run:NAME``: NAME must exist and the chain must end; the run's training identity
+    then includes NAME's training and merge (a changed pretraining gives a new fine-tuning)."""
+
+    def source_of(name: str, chain: tuple[str, ...]) -> dict[str, Any] | None:
+        init_from = runs[name]["init_from"]
+        if init_from is None or not init_from.startswith("run:"):
+            return runs[name].get("init_source")
+        parent = init_from[len("run:") :]
+        if parent not in runs:
+            close = difflib.get_close_matches(parent, list(runs), n=1)
+            hint = f" (did you mean run:{close[0]}?)" if close else ""
+            raise ConfigError(
+                f"config error at runs[{name}].init_from: no run named {parent!r}{hint}; name a run of "
+                "this experiment or a safetensors file"
+            )
+        if parent in chain:
+            cycle = " -> ".join([*chain[chain.index(parent) :], parent])
+            raise ConfigError(
+                f"config error at runs[{name}].init_from: runs initialise each other in a cycle "
+                f"({cycle}); one of them must start from scratch or from a file"
+            )
+        source_of(parent, (*chain, parent))
+        parent_cfg = runs[parent]
+        source = {
+            "run": parent,
+            "training": training_name(parent_cfg),
+            "merge_method": parent_cfg["merge_method"],
+            "merge_params": merge_params(parent_cfg),
+        }
+        runs[name]["init_source"] = source
+        return source
+
+    for name in runs:
+        source_of(name, (name,))
 
 
 def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str) -> None:

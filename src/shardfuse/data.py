@@ -19,6 +19,7 @@ import itertools
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -102,53 +103,89 @@ def num_features(path: str | Path) -> int:
         return len(feature_columns(parquet_file.schema_arrow, path))
 
 
-def _table_columns(schema: pa.Schema, path: Path) -> list[str]:
-    """Feature column names in order, after checking that they and the label have usable types."""
+TARGET_COLUMN = re.compile(r"y(0|[1-9][0-9]*)")
+
+
+@dataclass(frozen=True)
+class TargetColumns:
+    """The columns a split's targets come from, by task: ``label`` (classification: int64 [N]),
+    ``y0..y{K-1}`` (regression: float32 [N, K]) or none (causal_lm: the targets are the next tokens of
+    the inputs; an empty float32 [N, 0] stands in, so every batch is still an (inputs, targets) pair)."""
+
+    names: tuple[str, ...]
+
+    @property
+    def is_label(self) -> bool:
+        return self.names == (LABEL_COLUMN,)
+
+    def empty(self, num_rows: int) -> np.ndarray:
+        if self.is_label:
+            return np.empty(num_rows, dtype=np.int64)
+        return np.empty((num_rows, len(self.names)), dtype=np.float32)
+
+
+def target_columns(schema: pa.Schema) -> TargetColumns:
+    if LABEL_COLUMN in schema.names:
+        return TargetColumns((LABEL_COLUMN,))
+    indices = sorted(int(match.group(1)) for name in schema.names if (match := TARGET_COLUMN.fullmatch(name)))
+    return TargetColumns(tuple(f"y{i}" for i in indices))
+
+
+def _table_columns(schema: pa.Schema, path: Path) -> tuple[list[str], TargetColumns]:
+    """Feature column names in order and the target columns, after checking their types."""
     names = feature_columns(schema, path)
-    if LABEL_COLUMN not in schema.names:
-        raise UserError(f"{path} has no {LABEL_COLUMN!r} column; {REMAKE}")
-    for name in [*names, LABEL_COLUMN]:
+    targets = target_columns(schema)
+    for name in [*names, *targets.names]:
         kind = schema.field(name).type
         if not (pa.types.is_integer(kind) or (name != LABEL_COLUMN and pa.types.is_floating(kind))):
             expected = "an integer" if name == LABEL_COLUMN else "a number"
             raise UserError(f"column {name!r} of {path} has type {kind}, expected {expected}; {REMAKE}")
-    return names
+    return names, targets
 
 
 def _fill_rows(
-    features: np.ndarray, labels: np.ndarray, data: pa.Table | pa.RecordBatch, names: list[str], path: Path
+    features: np.ndarray,
+    labels: np.ndarray,
+    data: pa.Table | pa.RecordBatch,
+    names: list[str],
+    targets: TargetColumns,
+    path: Path,
 ) -> None:
-    """Copy one Arrow chunk into row-major ``features`` [n, F] (float32) and ``labels`` [n] (int64).
+    """Copy one Arrow chunk into row-major ``features`` [n, F] (float32) and ``labels`` (int64 [n] or
+    float32 [n, K], see :class:`TargetColumns`).
 
     Arrow stores columns and a model wants rows, so this one copy per value is unavoidable; NumPy
     does it column by column without a Python loop over rows."""
-    for j, name in enumerate([*names, LABEL_COLUMN]):
+    for j, name in enumerate([*names, *targets.names]):
         column = data.column(name)
         if column.null_count:
             raise UserError(f"column {name!r} of {path} has {column.null_count} missing value(s); {REMAKE}")
-        if name == LABEL_COLUMN:
+        if targets.is_label and name == LABEL_COLUMN:
             labels[:] = column_values(column)
+        elif j >= len(names):
+            labels[:, j - len(names)] = column_values(column)
         else:
             features[:, j] = column_values(column)
 
 
 def load_table(path: str | Path, batch_size: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read a prepared Parquet file as (features float32 [N, F], labels int64 [N]).
+    """Read a prepared Parquet file as (features float32 [N, F], targets: int64 [N] class indices,
+    float32 [N, K] regression targets, or float32 [N, 0] for token blocks).
 
     Reading batch by batch into preallocated arrays keeps peak memory at those arrays plus one batch;
     torch.from_numpy then shares the arrays' memory."""
     path = Path(path)
     with open_parquet(path, "data file", REMAKE) as parquet_file:
-        names = _table_columns(parquet_file.schema_arrow, path)
+        names, targets = _table_columns(parquet_file.schema_arrow, path)
         num_rows = parquet_file.metadata.num_rows
         features = np.empty((num_rows, len(names)), dtype=np.float32)
-        labels = np.empty(num_rows, dtype=np.int64)
+        labels = targets.empty(num_rows)
         offset = 0
         for batch in read_batches(
-            parquet_file, f"data file {path}", REMAKE, batch_size=batch_size, columns=[*names, LABEL_COLUMN]
+            parquet_file, f"data file {path}", REMAKE, batch_size=batch_size, columns=[*names, *targets.names]
         ):
             end = offset + batch.num_rows
-            _fill_rows(features[offset:end], labels[offset:end], batch, names, path)
+            _fill_rows(features[offset:end], labels[offset:end], batch, names, targets, path)
             offset = end
     return torch.from_numpy(features), torch.from_numpy(labels)
 
@@ -205,13 +242,19 @@ def feature_stats(manifest: dict, num_features: int) -> tuple[torch.Tensor, torc
 
     None when the manifest has no moments (made by an older partition) or a sum is not finite; the
     caller then computes the statistics from the data."""
-    count, total, squares = np.zeros(num_features), np.zeros(num_features), np.zeros(num_features)
+    return column_stats(manifest, [f"x{j}" for j in range(num_features)])
+
+
+def column_stats(manifest: dict, names: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Mean and (population) std of the numeric columns ``names`` from the manifest's moments (see
+    :func:`feature_stats`); regression targets use it for their scale."""
+    count, total, squares = np.zeros(len(names)), np.zeros(len(names)), np.zeros(len(names))
     for shard in manifest["shards"]:
         moments = shard.get("column_moments")
         if not isinstance(moments, dict):
             return None
-        for j in range(num_features):
-            entry = moments.get(f"x{j}")
+        for j, name in enumerate(names):
+            entry = moments.get(name)
             if not isinstance(entry, dict) or entry.get("sum") is None or entry.get("sum_squares") is None:
                 return None
             count[j] += entry["count"]
@@ -274,7 +317,7 @@ class ShardReader:
         self.manifest, self.path, self._verification = _open_shard(shard_dir, rank, verify)
         self.seed, self.window_row_groups, self.prefetch = seed, max(1, window_row_groups), max(1, prefetch)
         self._file = open_parquet(self.path, "shard", RERUN_PARTITION)
-        self.names = _table_columns(self._file.schema_arrow, self.path)
+        self.names, self.targets = _table_columns(self._file.schema_arrow, self.path)
         metadata = self._file.metadata
         self.num_rows = metadata.num_rows
         self.num_features = len(self.names)
@@ -284,7 +327,7 @@ class ShardReader:
         if cache:
             self._cache = (
                 np.empty((self.num_rows, self.num_features), dtype=np.float32),
-                np.empty(self.num_rows, dtype=np.int64),
+                self.targets.empty(self.num_rows),
             )
         self._cache_complete = False
 
@@ -372,8 +415,8 @@ class ShardReader:
 
     def _read_window(self, groups: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
         features = np.empty((size, self.num_features), dtype=np.float32)
-        labels = np.empty(size, dtype=np.int64)
-        columns = [*self.names, LABEL_COLUMN]
+        labels = self.targets.empty(size)
+        columns = [*self.names, *self.targets.names]
         offset = 0
         for group in groups:
             try:
@@ -390,7 +433,7 @@ class ShardReader:
                     f"row group {group} of the shard of rank {self.rank} ({self.path}) has "
                     f"{table.num_rows} rows, its footer says {expected}; {RERUN_PARTITION}"
                 )
-            _fill_rows(features[offset:end], labels[offset:end], table, self.names, self.path)
+            _fill_rows(features[offset:end], labels[offset:end], table, self.names, self.targets, self.path)
             if self._cache is not None:
                 start = self._group_offsets[group]
                 self._cache[0][start : start + table.num_rows] = features[offset:end]

@@ -17,13 +17,16 @@ import torch
 from shardfuse.checkpoint import load_weights
 from shardfuse.data import load_table
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.models import score_state_dict
+from shardfuse.models import normalized_spec, score_state_dict
+from shardfuse.tasks import task_for
+from shardfuse.usercode import check_code_unchanged
 
 
 def evaluate_weights(
     path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
 ) -> dict[str, float]:
     tensors, metadata = load_weights(path)
+    check_code_unchanged(metadata["model"].get("model", "mlp"), metadata["model"].get("code"), "evaluate")
     return score_state_dict(tensors, metadata["model"], features, labels, batch_size)
 
 
@@ -39,24 +42,30 @@ def evaluate(
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")
     info = read_json(gather_path, "gather record")
+    task = task_for(normalized_spec(info["model"])["task"])
+    score = task.score
     ranks = [
         {"rank": r["rank"], **evaluate_weights(Path(r["path"]), features, labels, batch_size)}
         for r in info["ranks"]
     ]
-    accuracies = [r["accuracy"] for r in ranks]
+    scores = [r[score] for r in ranks]
     merged = evaluate_weights(merged_path, features, labels, batch_size)
-    best = max(accuracies)
+    best = task.best(scores)
     result = {
         "run": run,
         "training": info["run"],
         "test_rows": int(features.shape[0]),
+        "task": task.name,
+        "score": score,
+        "lower_is_better": task.lower_is_better,
+        "metrics": list(task.metrics),
         "merged": merged,
         "base": evaluate_weights(Path(info["base"]), features, labels, batch_size),
         "ranks": ranks,
-        "best_rank_accuracy": best,
-        "mean_rank_accuracy": sum(accuracies) / len(accuracies),
+        f"best_rank_{score}": best,
+        f"mean_rank_{score}": sum(scores) / len(scores),
         "mean_rank_loss": sum(r["loss"] for r in ranks) / len(ranks),
-        "fusion_gain": merged["accuracy"] - best,
+        "fusion_gain": task.gain(merged[score], best),
         "ddp_baseline": None,
     }
     if info.get("strategy") == "ddp":
@@ -84,9 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
     result = evaluate(args.run, args.test, args.gather, args.merged, args.batch_size, baseline)
     write_json(args.out, result)
+    score = result["score"]
     print(
-        f"{result['run']}: merged accuracy {result['merged']['accuracy']:.4f}, best rank "
-        f"{result['best_rank_accuracy']:.4f}, mean rank {result['mean_rank_accuracy']:.4f}"
+        f"{result['run']}: merged {score} {result['merged'][score]:.4f}, best rank "
+        f"{result[f'best_rank_{score}']:.4f}, mean rank {result[f'mean_rank_{score}']:.4f}"
     )
 
 

@@ -53,6 +53,7 @@ from shardfuse.io import (
 from shardfuse.merge_engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.merge_methods import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
 from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
+from shardfuse.usercode import check_code_unchanged
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: it would import torch)
 RERUN_GATHER = "re-run gather (snakemake -R gather)"
@@ -130,12 +131,14 @@ def greedy_soup(
     batch_size: int,
     block_bytes: int = BLOCK_BYTES,
 ) -> dict[str, Any]:
-    """Wortsman et al. 2022, Algorithm 1: sort ranks by their own validation accuracy, then add each to
-    the soup (a uniform mean) if the soup's validation accuracy does not drop (>=, as in the paper).
+    """Wortsman et al. 2022, Algorithm 1: sort ranks by their own validation score (the task's: accuracy,
+    or mse / loss where lower is better), then add each to the soup (a uniform mean) if the soup's
+    validation score does not get worse (ties accepted, as in the paper).
 
     Candidates are merged from the files as the engine would write them, one in memory at a time."""
     from shardfuse.data import load_table  # deferred: these import torch
-    from shardfuse.models import score_state_dict
+    from shardfuse.models import normalized_spec, score_state_dict
+    from shardfuse.tasks import task_for
 
     _refuse_test_split(val_split)
     features, labels = load_table(val_split)
@@ -144,10 +147,11 @@ def greedy_soup(
             f"validation split {val_split} has no rows; greedy_soup needs one — set the dataset's "
             "val_fraction > 0 (e.g. 0.1)"
         )
+    task = task_for(normalized_spec(spec)["task"])
     tensors = readers[0].tensors
     names = file_order({name: (t.dtype.name, list(t.shape)) for name, t in tensors.items()})
 
-    def accuracy(indices: list[int]) -> float:
+    def score(indices: list[int]) -> float:
         sink = MemorySink(tensors)
         engine = Engine(
             [readers[i] for i in indices],
@@ -158,27 +162,30 @@ def greedy_soup(
             block_bytes=block_bytes,
         )
         engine.run(names, sink)
-        return score_state_dict(sink.tensors_for_torch(), spec, features, labels, batch_size)["accuracy"]
+        return score_state_dict(sink.tensors_for_torch(), spec, features, labels, batch_size)[task.score]
 
-    alone = [accuracy([index]) for index in range(len(readers))]
-    order = sorted(range(len(readers)), key=lambda index: (-alone[index], index))
+    alone = [score([index]) for index in range(len(readers))]
+    order = sorted(range(len(readers)), key=lambda index: (task.sort_key(alone[index]), index))
     soup, best = [order[0]], alone[order[0]]
-    steps = [{"rank": rank_numbers[order[0]], "soup_val_accuracy": best, "accepted": True}]
+    key = f"soup_val_{task.score}"
+    steps = [{"rank": rank_numbers[order[0]], key: best, "accepted": True}]
     for index in order[1:]:
-        candidate = accuracy(sorted([*soup, index]))
-        accepted = candidate >= best
-        steps.append({"rank": rank_numbers[index], "soup_val_accuracy": candidate, "accepted": accepted})
+        candidate = score(sorted([*soup, index]))
+        accepted = task.better(candidate, best)
+        steps.append({"rank": rank_numbers[index], key: candidate, "accepted": accepted})
         if accepted:
             soup.append(index)
             best = candidate
     return {
         "val_split": str(val_split),
         "val_rows": int(labels.shape[0]),
-        "val_accuracy": alone,
+        "score": task.score,
+        "lower_is_better": task.lower_is_better,
+        f"val_{task.score}": alone,
         "order": [rank_numbers[index] for index in order],
         "steps": steps,
         "selected": sorted(rank_numbers[index] for index in soup),
-        "soup_val_accuracy": best,
+        key: best,
     }
 
 
@@ -320,6 +327,10 @@ def merge(
     """Merge the ranks listed in gather.json with ``method``; write the weights and merge.json."""
     started = time.perf_counter()
     info = read_json(gather_path, "gather record")
+    spec = info.get("model") if isinstance(info.get("model"), dict) else {}
+    # The tensors are merged by name, whatever network they belong to; but a merged file whose model
+    # code changed since training would be rebuilt as another network by every later stage.
+    check_code_unchanged(spec.get("model", "mlp"), spec.get("code"), "merge")
     rows = [int(r["rows"]) for r in info["ranks"]]
     resolved = resolve_params(method, params, rows)
     if dcp_dir is not None and method != "consolidate":
@@ -328,7 +339,7 @@ def merge(
         )
     if method in USES_VAL and val_split is None:
         raise UserError(
-            f"{method} ranks the ranks by held-out accuracy and needs --val-split PATH (the dataset's "
+            f"{method} ranks the ranks by their held-out score and needs --val-split PATH (the dataset's "
             "val.parquet; never the test split)"
         )
     weights = rank_weights(method, resolved, rows)

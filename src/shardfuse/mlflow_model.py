@@ -1,95 +1,312 @@
 """The merged model as an MLflow pyfunc model: logged by the track rule, loadable anywhere, never pickled.
 
-The model directory holds ``merged.safetensors`` (weights, with the model spec in its header) and this
-package's source; MLflow imports this module (``loader_module``) and calls :func:`_load_pyfunc`::
+The model directory holds ``data/merged.safetensors`` (weights, with the model spec in its header) and
+``code/``: this package and, for a user model, the user's modules and packages, each under its own
+name. MLflow puts ``code/`` on sys.path, imports this module (``loader_module``) and calls
+:func:`_load_pyfunc`, so the model loads in any process with the pinned requirements::
 
     import mlflow, pandas as pd
     model = mlflow.pyfunc.load_model("runs:/<parent run id>/model")   # or models:/<name>/<version>
-    model.predict(pd.DataFrame({"x0": [...], ..., "x63": [...]}))
-    # -> DataFrame: prediction (class index), probability_0 .. probability_{C-1}
+    model.predict(pd.DataFrame({"pixel_0_0": [...], ..., "pixel_7_7": [...]}))  # the data's own names
+
+Columns, by task (the logged signature says the same):
+
+- classification: input the features; output ``prediction`` (the label as the data spelled it) and
+  ``probability_<label>`` per class
+- regression: input the features; output one column per target, named after it, in its units
+- causal_lm: input ``tokens``, one token id sequence per row (the last block_size count); output
+  ``probability_0`` .. ``probability_{V-1}``, the distribution of the next token (no generation)
+
+Features are named as in the dataset (x0..x{F-1} when it names none). A checkpoint from before the
+model registry knows no names: it takes x0..x{F-1} and predicts the class index.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import os
 import shutil
+import sysconfig
 import tempfile
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shardfuse.io import UserError
+from shardfuse.usercode import check_code_unchanged
 
 WEIGHTS_FILE = "merged.safetensors"
 MODEL_NAME = "model"
 WEIGHTS_TAG = "shardfuse.weights_sha256"
 REQUIREMENTS = ("torch", "safetensors", "numpy", "pandas")
+TOKENS = "tokens"  # causal_lm's input column
+PACKAGE = Path(__file__).parent
+BATCH_ROWS = 1024  # causal_lm rows per forward pass: logits are [rows, T, vocab]
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The columns a logged model takes and returns, read from its spec without torch (the track job
+    logs models without importing it, so this does not go through shardfuse.models)."""
+
+    task: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    labels: tuple[str, ...] | None  # classification: what ``prediction`` says per class (None: its index)
+    block_size: int | None
+
+
+def _description(spec: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise UserError("checkpoint metadata has no model spec; re-run the stage that wrote it")
+    if spec.get("type") == "mlp":  # written before the model registry
+        return {
+            "task": "classification",
+            "num_features": spec["num_features"],
+            "num_outputs": spec["num_classes"],
+        }
+    if "description" not in spec:
+        raise UserError(
+            f"unknown model spec {sorted(spec)} in checkpoint metadata; it was written by another "
+            "version of shardfuse — re-train with this one"
+        )
+    return spec["description"]
+
+
+def _names(given: list[str] | None, count: int, prefix: str) -> tuple[str, ...]:
+    names = tuple(str(name) for name in given or ())
+    return names if len(names) == count else tuple(f"{prefix}{i}" for i in range(count))
+
+
+def interface(spec: dict[str, Any]) -> Interface:
+    """The model's columns; names the data lacks are numbered (x0.., target_0.., probability_0..)."""
+    description = _description(spec)
+    task, num_outputs = description.get("task", "classification"), int(description["num_outputs"])
+    inputs = _names(description.get("feature_names"), int(description["num_features"]), "x")
+    names = description.get("label_names") or []
+    labels = tuple(str(name) for name in names) if len(names) == num_outputs else None
+    if task == "classification":
+        outputs = ("prediction", *(f"probability_{name}" for name in labels or range(num_outputs)))
+    elif task == "regression":
+        outputs = _names(names, num_outputs, "target_")
+    elif task == "causal_lm":
+        inputs, outputs = (TOKENS,), tuple(f"probability_{token}" for token in range(num_outputs))
+    else:
+        raise UserError(f"unknown task {task!r} in the checkpoint's model spec; re-train with this shardfuse")
+    # causal_lm: the tokens a row sees (num_features holds the same for a token block)
+    block_size = int(description.get("block_size") or description["num_features"])
+    return Interface(
+        task,
+        inputs,
+        outputs,
+        labels if task == "classification" else None,
+        block_size if task == "causal_lm" else None,
+    )
 
 
 def feature_names(spec: dict[str, Any]) -> list[str]:
-    return [f"x{i}" for i in range(spec["num_features"])]
+    """The input columns ``predict`` reads."""
+    return list(interface(spec).inputs)
+
+
+def _columns(frame, names: tuple[str, ...]):
+    missing = [name for name in names if name not in frame.columns]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        expected = ", ".join(names) if len(names) <= 8 else f"{', '.join(names[:4])}, …, {names[-1]}"
+        raise UserError(
+            f"input lacks column(s) {', '.join(missing[:5])}{more}; the model takes {len(names)} "
+            f"column(s): {expected}"
+        )
+    return frame[list(names)]
+
+
+def _token_ids(cell: Any, row: int, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(cell)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise UserError(f"row {row} of column {TOKENS!r} is not a non-empty sequence of int token ids")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise UserError(f"row {row} holds token id {outside[0]}, outside the vocabulary 0..{vocab_size - 1}")
+    return ids.astype(np.int64)
 
 
 class MergedModel:
-    """A shardfuse MLP on CPU; ``predict`` takes the feature columns x0..x{F-1} of a DataFrame."""
+    """A shardfuse model on CPU; ``predict`` takes and returns the columns of :class:`Interface`.
 
-    def __init__(self, weights_path: str | Path) -> None:
+    ``code_dir`` replaces the user code paths recorded in the spec (relative to the workflow's
+    directory): there the logged model keeps its copy of that code, the code that now counts."""
+
+    def __init__(self, weights_path: str | Path, code_dir: str | Path | None = None) -> None:
         from shardfuse.checkpoint import load_weights
-        from shardfuse.models import build_model
+        from shardfuse.models import build_model, normalized_spec
 
         tensors, metadata = load_weights(weights_path)
         self.spec = metadata["model"]
-        self.model = build_model(self.spec)
+        self.interface = interface(self.spec)
+        spec = normalized_spec(self.spec)
+        if spec.get("code") and code_dir is not None:
+            spec = {**spec, "code": {**spec["code"], "paths": [str(code_dir)]}}
+        self.model = build_model(spec)
         self.model.load_state_dict(tensors)
         self.model.eval()
-        self.columns = feature_names(self.spec)
+        self.columns = list(self.interface.inputs)
 
     def predict(self, model_input: Any, params: dict[str, Any] | None = None):
         import pandas as pd
         import torch
 
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
-        missing = [c for c in self.columns if c not in frame.columns]
-        if missing:
-            raise UserError(
-                f"input lacks feature column(s) {', '.join(missing[:5])}; pass x0..x{len(self.columns) - 1}"
-            )
-        features = torch.from_numpy(frame[self.columns].to_numpy(dtype=np.float32, copy=True))
+        if self.interface.task == "causal_lm":
+            return self._next_token(frame)
+        values = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
         with torch.no_grad():
-            probabilities = torch.softmax(self.model(features), dim=1).numpy()
-        out = pd.DataFrame(probabilities, columns=[f"probability_{c}" for c in range(probabilities.shape[1])])
-        out.insert(0, "prediction", probabilities.argmax(axis=1).astype(np.int64))
+            outputs = self.model(torch.from_numpy(values)).float()
+        if self.interface.task == "regression":
+            return pd.DataFrame(outputs.numpy(), columns=list(self.interface.outputs))
+        probabilities = torch.softmax(outputs, dim=1).numpy()
+        out = pd.DataFrame(probabilities, columns=list(self.interface.outputs[1:]))
+        classes = probabilities.argmax(axis=1).astype(np.int64)
+        labels = self.interface.labels
+        out.insert(0, "prediction", np.asarray(labels, dtype=object)[classes] if labels else classes)
         return out
+
+    def _next_token(self, frame):
+        import pandas as pd
+        import torch
+
+        vocab_size, block_size = len(self.interface.outputs), self.interface.block_size
+        cells = _columns(frame, (TOKENS,))[TOKENS]
+        sequences = [_token_ids(cell, row, vocab_size)[-block_size:] for row, cell in enumerate(cells)]
+        probabilities = np.empty((len(sequences), vocab_size), dtype=np.float32)
+        by_length: dict[int, list[int]] = {}
+        for row, ids in enumerate(sequences):
+            by_length.setdefault(len(ids), []).append(row)
+        # Rows of one length form a batch: no padding, which a model with positions would misread.
+        with torch.no_grad():
+            for rows in by_length.values():
+                for start in range(0, len(rows), BATCH_ROWS):
+                    chunk = rows[start : start + BATCH_ROWS]
+                    tokens = torch.from_numpy(np.stack([sequences[row] for row in chunk]))
+                    logits = self.model(tokens)[:, -1].float()
+                    probabilities[chunk] = torch.softmax(logits, dim=-1).numpy()
+        return pd.DataFrame(probabilities, columns=list(self.interface.outputs))
 
 
 def _load_pyfunc(data_path: str) -> MergedModel:
     """MLflow's entry point: ``data_path`` is the logged data directory (or the weights file itself)."""
-    path = Path(data_path)
-    return MergedModel(path / WEIGHTS_FILE if path.is_dir() else path)
+    path = Path(data_path).resolve()
+    # The model's code/ (MLflow has put it on sys.path) is beside MLmodel, data_path is <model>/data/data.
+    code_dir = next((p / "code" for p in path.parents if (p / "MLmodel").is_file()), None)
+    weights = path / WEIGHTS_FILE if path.is_dir() else path
+    return MergedModel(weights, code_dir if code_dir is not None and code_dir.is_dir() else None)
 
 
 def model_signature(spec: dict[str, Any]):
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema
+    from mlflow.types.schema import Array
 
-    # "double" inputs: MLflow rejects float64 columns for a float32 schema; predict casts to float32.
-    inputs = Schema([ColSpec("double", name) for name in feature_names(spec)])
-    outputs = Schema(
-        [ColSpec("long", "prediction")]
-        + [ColSpec("float", f"probability_{c}") for c in range(spec["num_classes"])]
+    shape = interface(spec)
+    if shape.task == "causal_lm":
+        inputs = Schema([ColSpec(Array("long"), TOKENS)])
+    else:
+        # "double" inputs: MLflow rejects float64 columns for a float32 schema; predict casts to float32.
+        inputs = Schema([ColSpec("double", name) for name in shape.inputs])
+    outputs = [ColSpec("float", name) for name in shape.outputs]
+    if shape.task == "classification":
+        outputs[0] = ColSpec("string" if shape.labels else "long", "prediction")
+    return ModelSignature(inputs=inputs, outputs=Schema(outputs))
+
+
+def input_example(spec: dict[str, Any]):
+    """One row of zeros (for causal_lm, one block of token 0): shown in the UI and as the serving example."""
+    import pandas as pd
+
+    shape = interface(spec)
+    if shape.task == "causal_lm":
+        return pd.DataFrame({TOKENS: [[0] * int(shape.block_size or 1)]})
+    return pd.DataFrame([[0.0] * len(shape.inputs)], columns=list(shape.inputs))
+
+
+# ---------------------------------------------------------------- user code
+
+
+def _not_python(directory: str, names: list[str]) -> set[str]:
+    """copytree's ignore: all but .py files and the directories that may hold them."""
+    keep = {n for n in names if n.endswith(".py") or Path(directory, n).is_dir()}
+    return {n for n in names if n not in keep or n.startswith(".") or n == "__pycache__"}
+
+
+def _stage(source: Path, staging: Path) -> Path:
+    target = staging / source.name
+    if source.is_dir():
+        shutil.copytree(source, target, ignore=_not_python)
+    else:
+        shutil.copy2(source, target)
+    return target
+
+
+def _installed(origin: Path) -> bool:
+    roots = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    return any(root in origin.resolve().parents for root in roots)
+
+
+def _code_paths(spec: dict[str, Any], staging: Path) -> tuple[list[str], list[str]]:
+    """(code_paths, extra requirements): this package and, for a user model, its code.
+
+    MLflow copies each entry into ``code/`` under its own name and puts ``code/`` on sys.path, so a
+    code path ``X/models`` itself would import as ``models.*``: the entries are the modules and packages
+    *inside* each code path (their .py files), and the first code path holding a name wins, as on the
+    sys.path training used. A factory module outside the code paths is copied too, unless it is an
+    installed distribution: that one is pinned instead."""
+    entries = {PACKAGE.name: staging / PACKAGE.name}
+    shutil.copytree(PACKAGE, entries[PACKAGE.name], ignore=shutil.ignore_patterns("__pycache__"))
+    code = spec.get("code")
+    if not code:
+        return [str(path) for path in entries.values()], []
+    # Only the trained code may go into the model (a user package's __init__ is imported to find it).
+    check_code_unchanged(spec["model"], code, "the logged model")
+    for entry in code["paths"]:
+        for source in sorted(Path(entry).iterdir()):
+            is_code = source.suffix == ".py" if source.is_file() else any(source.rglob("*.py"))
+            name = source.stem if source.is_file() else source.name
+            if is_code and not name.startswith(".") and name not in entries:
+                entries[name] = _stage(source, staging)
+    top = spec["model"].partition(":")[0].split(".")[0]
+    extra: list[str] = []
+    if top not in entries:
+        origin = _origin(spec["model"], top)
+        if _installed(origin):
+            extra = importlib.metadata.packages_distributions().get(top, [])[:1]
+        else:
+            entries[top] = _stage(origin.parent if origin.name == "__init__.py" else origin, staging)
+    return [str(path) for path in entries.values()], extra
+
+
+def _origin(ref: str, top: str) -> Path:
+    """Where top-level module ``top`` comes from (finding it imports nothing)."""
+    found = importlib.util.find_spec(top)
+    if found is not None and found.origin and found.origin not in ("built-in", "frozen"):
+        return Path(found.origin)
+    if found is not None and found.submodule_search_locations:  # a namespace package
+        return Path(next(iter(found.submodule_search_locations)), "__init__.py")
+    raise UserError(
+        f"model {ref!r}: module {top!r} is neither in the run's code paths nor importable here, so the "
+        "logged model could not import it; add its directory to `code_paths`"
     )
-    return ModelSignature(inputs=inputs, outputs=outputs)
 
 
-def _requirements() -> list[str]:
+def _requirements(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Pinned explicitly: MLflow would otherwise load the model in a subprocess to infer them (slow)."""
     pins = []
-    for name in ("mlflow", *REQUIREMENTS):
+    for name in ("mlflow", *REQUIREMENTS, *extra):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             pins.append(f"{name}=={importlib.metadata.version(name).split('+')[0]}")
     return pins
@@ -177,19 +394,19 @@ def log_merged_model(tracking_uri: str, run_id: str, weights_path: Path, weights
     and compares its predictions with the weights'.
     """
     import mlflow
-    import pandas as pd
     from mlflow.models import Model
 
+    signature = model_signature(spec)  # first: a malformed spec fails before anything is written
     with (
         tempfile.TemporaryDirectory(prefix="shardfuse-model-") as tmp,
         _global_tracking_uri(tracking_uri),
         _no_site_packages_scan(),
     ):
-        data_dir = Path(tmp) / "data"
+        staging, data_dir = Path(tmp) / "code", Path(tmp) / "data"
+        staging.mkdir()
+        code_paths, extra_requirements = _code_paths(spec, staging)
         data_dir.mkdir()
         shutil.copy2(weights_path, data_dir / WEIGHTS_FILE)
-        package = Path(tmp) / "shardfuse"
-        shutil.copytree(Path(__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__"))
         # Model.log puts the model in the active run's experiment: resume our run (the caller sets its
         # status afterwards).
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
@@ -201,11 +418,10 @@ def log_merged_model(tracking_uri: str, run_id: str, weights_path: Path, weights
                 validate_serving_input=False,
                 loader_module=__name__,
                 data_path=str(data_dir),
-                code_paths=[str(package)],
-                signature=model_signature(spec),
-                # One row of zeros: shown in the UI and as the serving example.
-                input_example=pd.DataFrame([[0.0] * spec["num_features"]], columns=feature_names(spec)),
-                pip_requirements=_requirements(),
+                code_paths=code_paths,
+                signature=signature,
+                input_example=input_example(spec),
+                pip_requirements=_requirements(extra_requirements),
             )
     return info.model_id
 

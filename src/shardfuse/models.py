@@ -1,37 +1,101 @@
-"""The model family: a configurable MLP, rebuilt anywhere from a small JSON-able spec.
+"""The model registry: a run names its model, every stage rebuilds it from a small JSON-able spec.
 
-The spec travels inside every checkpoint's metadata, so gather, merge and evaluate rebuild the exact
-architecture without importing training code or trusting pickles. :func:`score_state_dict` scores such
-a model on a split; evaluate and merge's greedy soup share it, so neither stage imports the other.
+A run's ``model`` is a built-in name (``mlp``) or an import path ``package.module:function`` (the
+function is called as ``function(description, **model_args)`` with the dataset's
+:class:`DataDescription` and must return an ``nn.Module`` mapping a float batch ``[N, F]`` to
+``[N, num_outputs]``, or for causal_lm a token batch ``[N, T]`` to logits ``[N, T, vocab_size]``).
+User code lives in the run's ``code_paths`` (directories put on ``sys.path`` in every job) or in an
+installed package. By hand::
+
+    python -c "import json, shardfuse.models as m
+    info = json.load(open('results/datasets/digits/dataset.json'))
+    print(m.build_model(m.model_spec('mlp', {}, [], info)))"
+
+The spec travels inside every checkpoint's metadata: the reference, its args, the task, the dataset
+description and the sha256 of every user code file, so gather, merge, evaluate and MLflow rebuild the
+exact architecture without trusting pickles, and a code change between training and a later stage is
+an error naming the file rather than weights silently loaded into another network.
+
+The framework owns input standardisation (the features' training-split mean and std, as buffers saved
+with the weights) and, for regression, the targets' scale: a user model sees standardised features
+and its outputs are mapped back to the targets' units, so a user's ``build`` stays plain PyTorch.
+:func:`score_state_dict` scores a model on a split with its task; evaluate and merge's greedy soup
+share it, so neither stage imports the other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardfuse.io import UserError
+from shardfuse.tasks import Task, Totals, task_for
+from shardfuse.usercode import check_code_unchanged, code_fingerprint, load_factory
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+# The run keys the built-in MLP reads (model_args may override them).
+MLP_KEYS = ("hidden_sizes", "activation", "dropout")
 
 
-def mlp_spec(num_features: int, num_classes: int, run_cfg: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "mlp",
-        "num_features": int(num_features),
-        "num_classes": int(num_classes),
-        "hidden_sizes": [int(h) for h in run_cfg["hidden_sizes"]],
-        "activation": run_cfg["activation"],
-        "dropout": float(run_cfg["dropout"]),
-    }
+@dataclass(frozen=True)
+class DataDescription:
+    """What a model factory learns about the data (from dataset.json)."""
+
+    task: str
+    num_features: int  # input values per row (tokens per block for causal_lm)
+    num_outputs: int  # classes, regression targets, or the vocabulary size
+    feature_names: tuple[str, ...]
+    label_names: tuple[str, ...]  # class names (classification) or target names (regression)
+    num_classes: int | None = None
+    vocab_size: int | None = None
+    block_size: int | None = None  # causal_lm: tokens a model sees per row
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> DataDescription:
+        task = info.get("task", "classification")
+        labels = tuple(str(name) for name in info.get("label_names", []))
+        if task == "classification":
+            num_outputs = int(info["num_classes"])
+        elif task == "regression":
+            num_outputs = len(info["target_names"])
+            labels = tuple(info["target_names"])
+        else:
+            num_outputs = int(info["vocab_size"])
+        return cls(
+            task=task,
+            num_features=int(info["num_features"]),
+            num_outputs=num_outputs,
+            feature_names=tuple(info.get("feature_names", [])),
+            label_names=labels,
+            num_classes=int(info["num_classes"]) if task == "classification" else None,
+            vocab_size=int(info["vocab_size"]) if task == "causal_lm" else None,
+            block_size=int(info["block_size"]) if task == "causal_lm" else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()
+        }
+
+
+# ---------------------------------------------------------------- built-ins
 
 
 class MLP(nn.Module):
+    """The built-in ``mlp``: Linear layers with an activation (and dropout) between them."""
+
     def __init__(
-        self, num_features: int, num_classes: int, hidden_sizes: list[int], activation: str, dropout: float
+        self,
+        num_features: int,
+        num_classes: int,
+        hidden_sizes: list[int],
+        activation: str,
+        dropout: float,
+        scale_targets: bool = False,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -47,32 +111,220 @@ class MLP(nn.Module):
         # consumer of a checkpoint sees the same features the ranks trained on.
         self.register_buffer("input_mean", torch.zeros(num_features))
         self.register_buffer("input_scale", torch.ones(num_features))
+        self.scale_targets = scale_targets
+        if scale_targets:
+            _register_target_buffers(self, num_classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net((features - self.input_mean) * self.input_scale)
-
-    @torch.no_grad()
-    def set_input_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
-        self.input_mean.copy_(mean)
-        # Constant features (std 0) are left unscaled rather than divided by zero.
-        self.input_scale.copy_(torch.where(std > 1e-8, 1.0 / std.clamp_min(1e-8), torch.ones_like(std)))
+        outputs = self.net((features - self.input_mean) * self.input_scale)
+        return _unscale(self, outputs) if self.scale_targets else outputs
 
 
-def build_model(spec: dict[str, Any]) -> MLP:
-    if spec.get("type") != "mlp":
+class Standardized(nn.Module):
+    """A user model behind the framework's input standardisation (and regression target scale).
+
+    Its state dict holds ``input_mean``, ``input_scale`` (and ``target_mean``, ``target_scale``) beside
+    the user model's own tensors under ``model.``."""
+
+    def __init__(self, model: nn.Module, num_features: int, num_outputs: int, scale_targets: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("input_mean", torch.zeros(num_features))
+        self.register_buffer("input_scale", torch.ones(num_features))
+        self.scale_targets = scale_targets
+        if scale_targets:
+            _register_target_buffers(self, num_outputs)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        outputs = self.model((features - self.input_mean) * self.input_scale)
+        return _unscale(self, outputs) if self.scale_targets else outputs
+
+
+def _register_target_buffers(module: nn.Module, num_outputs: int) -> None:
+    module.register_buffer("target_mean", torch.zeros(num_outputs))
+    module.register_buffer("target_scale", torch.ones(num_outputs))
+
+
+def _unscale(module: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    # The network predicts standardised targets; the model's outputs are in the targets' units.
+    return outputs * module.target_scale + module.target_mean
+
+
+def build_mlp(
+    description: DataDescription,
+    hidden_sizes: list[int] = (64,),
+    activation: str = "relu",
+    dropout: float = 0.0,
+) -> nn.Module:
+    if description.task == "causal_lm":
         raise UserError(
-            f"unknown model type {spec.get('type')!r} in checkpoint metadata; this version of "
-            "shardfuse builds 'mlp' only — re-train with it"
+            "the built-in mlp takes numeric features, not token blocks; name a model for causal_lm"
         )
-    if spec["activation"] not in ACTIVATIONS:
-        raise UserError(f"unknown activation {spec['activation']!r}; use one of {', '.join(ACTIVATIONS)}")
+    if activation not in ACTIVATIONS:
+        raise UserError(f"unknown activation {activation!r}; use one of {', '.join(ACTIVATIONS)}")
     return MLP(
-        spec["num_features"],
-        spec["num_classes"],
-        list(spec["hidden_sizes"]),
-        spec["activation"],
-        spec["dropout"],
+        description.num_features,
+        description.num_outputs,
+        [int(h) for h in hidden_sizes],
+        activation,
+        float(dropout),
+        scale_targets=description.task == "regression",
     )
+
+
+# Built-ins standardise their inputs themselves; other factories get the Standardized wrapper.
+# shardfuse.usercode.BUILTIN_MODELS lists the same names for the torch-free config check.
+BUILTINS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp}
+
+
+# ---------------------------------------------------------------- specs
+
+
+def model_spec(
+    ref: str,
+    model_args: dict[str, Any],
+    code_paths: list[str],
+    info: dict[str, Any],
+    run_cfg: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The spec of a run's model on a prepared dataset (``info`` is its dataset.json)."""
+    args = dict(model_args)
+    if ref == "mlp" and run_cfg is not None:
+        args = {**{key: run_cfg[key] for key in MLP_KEYS if key in run_cfg}, **args}
+    return {
+        "model": ref,
+        "args": args,
+        "task": info.get("task", "classification"),
+        "description": DataDescription.from_info(info).to_dict(),
+        "code": code_fingerprint(ref, code_paths),
+    }
+
+
+def _legacy_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before the registry: {"type": "mlp", num_features, num_classes, ...}."""
+    return {
+        "model": "mlp",
+        "args": {key: spec[key] for key in MLP_KEYS},
+        "task": "classification",
+        "description": DataDescription(
+            task="classification",
+            num_features=int(spec["num_features"]),
+            num_outputs=int(spec["num_classes"]),
+            feature_names=(),
+            label_names=(),
+            num_classes=int(spec["num_classes"]),
+        ).to_dict(),
+        "code": None,
+    }
+
+
+def normalized_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise UserError("checkpoint metadata has no model spec; re-run the stage that wrote it")
+    if spec.get("type") == "mlp":
+        return _legacy_spec(spec)
+    if "model" not in spec or "description" not in spec:
+        raise UserError(
+            f"unknown model spec {sorted(spec)} in checkpoint metadata; it was written by another "
+            "version of shardfuse — re-train with this one"
+        )
+    return spec
+
+
+def description_of(spec: dict[str, Any]) -> DataDescription:
+    fields = normalized_spec(spec)["description"]
+    return DataDescription(
+        **{key: tuple(value) if isinstance(value, list) else value for key, value in fields.items()}
+    )
+
+
+def build_model(spec: dict[str, Any], verify_code: bool = False) -> nn.Module:
+    """The model a spec describes, freshly initialised (with torch's current RNG).
+
+    ``verify_code`` first checks the user code files against the digests recorded at training."""
+    spec = normalized_spec(spec)
+    if verify_code:
+        check_code_unchanged(spec["model"], spec.get("code"), "this stage")
+    description = description_of(spec)
+    code_paths = spec["code"]["paths"] if spec.get("code") else []
+    factory = BUILTINS.get(spec["model"]) or load_factory(spec["model"], code_paths)
+    try:
+        model = factory(description, **spec["args"])
+    except TypeError as exc:
+        raise UserError(
+            f"model {spec['model']!r} rejected its arguments ({exc}); fix `model_args` in the run"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise UserError(
+            f"model {spec['model']!r} returned {type(model).__name__}, not a torch.nn.Module; make the "
+            "factory return the network"
+        )
+    if spec["model"] in BUILTINS or description.task == "causal_lm":
+        return model
+    return Standardized(
+        model, description.num_features, description.num_outputs, description.task == "regression"
+    )
+
+
+@torch.no_grad()
+def set_data_stats(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, torch.Tensor] | None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Store the training split's (mean, std) of the inputs and (regression) the targets in the model.
+
+    Constant columns (std 0) are left unscaled rather than divided by zero."""
+    if inputs is not None and hasattr(model, "input_mean"):
+        mean, std = inputs
+        model.input_mean.copy_(mean)
+        model.input_scale.copy_(torch.where(std > 1e-8, 1.0 / std.clamp_min(1e-8), torch.ones_like(std)))
+    if targets is not None and hasattr(model, "target_mean"):
+        mean, std = targets
+        model.target_mean.copy_(mean)
+        model.target_scale.copy_(torch.where(std > 1e-8, std, torch.ones_like(std)))
+
+
+def task_of(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None, loss: str = "mse") -> Task:
+    """The spec's task; for regression the loss is measured in units of the targets' std (from the
+    model's ``target_scale``)."""
+    spec = normalized_spec(spec)
+    scale = None if tensors is None else tensors.get("target_scale")
+    return task_for(spec["task"], loss=loss, target_scale=scale)
+
+
+def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.device) -> None:
+    """One forward pass on a dummy batch: a model whose outputs do not fit the task fails here, before
+    training starts, with the shapes named. Runs in eval mode without gradients, so it changes no
+    state and draws no random numbers."""
+    description = description_of(spec)
+    task = task_for(description.task)
+    rows = 2
+    if description.task == "causal_lm":
+        dummy = torch.zeros(rows, int(description.block_size or 1), dtype=torch.long, device=device)
+    else:
+        dummy = torch.zeros(rows, description.num_features, device=device)
+    expected = task.expected_output_shape(rows, description.num_outputs, description.block_size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(dummy)
+    except Exception as exc:
+        raise UserError(
+            f"model {spec['model']!r} fails on a batch shaped {list(dummy.shape)} "
+            f"({type(exc).__name__}: {exc}); make it accept the dataset's inputs"
+        ) from None
+    finally:
+        model.train(was_training)
+    shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None
+    if shape != expected:
+        got = f"shape {list(shape)}" if shape is not None else type(outputs).__name__
+        raise UserError(
+            f"model {spec['model']!r} returns {got} for {rows} rows but task {description.task} needs "
+            f"{list(expected)} "
+            f"({description.num_outputs} outputs); make its last layer produce num_outputs values"
+        )
 
 
 @torch.no_grad()
@@ -83,19 +335,19 @@ def score_state_dict(
     labels: torch.Tensor,
     batch_size: int = 4096,
 ) -> dict[str, float]:
-    """Mean cross-entropy and accuracy of model ``spec`` with weights ``tensors`` on (features, labels)."""
-    model = build_model(spec)
-    if model.net[0].in_features != features.shape[1]:
+    """The task's metrics of model ``spec`` with weights ``tensors`` on (features, labels)."""
+    description = description_of(spec)
+    if features.shape[1] != description.num_features:
         raise UserError(
-            f"the model expects {model.net[0].in_features} features but the data has "
+            f"the model expects {description.num_features} features but the data has "
             f"{features.shape[1]}; evaluate with a split of the run's dataset"
         )
+    model = build_model(spec)
     model.load_state_dict(tensors)
     model.eval()
-    loss_sum, correct = 0.0, 0
+    task = task_of(spec, tensors)
+    totals = Totals()
     for start in range(0, features.shape[0], batch_size):
-        logits = model(features[start : start + batch_size])
-        target = labels[start : start + batch_size]
-        loss_sum += F.cross_entropy(logits, target, reduction="sum").item()
-        correct += int((logits.argmax(dim=1) == target).sum())
-    return {"loss": loss_sum / features.shape[0], "accuracy": correct / features.shape[0]}
+        inputs, targets = task.batch(features[start : start + batch_size], labels[start : start + batch_size])
+        task.accumulate(totals, model(inputs), targets)
+    return task.finish(totals)

@@ -8,8 +8,10 @@ By hand::
 
 The run plots read the training's ``metrics/rank-*.parquet`` (under TRAIN_DIR) and the run's
 ``eval.json``; ``compare`` groups the rows of ``summary.csv`` that share their training (a ``training``
-column if there is one, else dataset, world size and strategy) and shows each group's merged accuracy
-per run/merge method. Matplotlib's Agg backend, no display needed; every PNG is written atomically.
+column if there is one, else dataset, world size and strategy) and shows each group's merged score per
+run/merge method. The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`); runs ranked
+by different scores never share a panel, and every axis says which way is better. Matplotlib's Agg
+backend, no display needed; every PNG is written atomically.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from typing import Any
 import numpy as np
 
 from shardfuse.io import StageParser, UserError, atomic_path, read_json, run_cli
-from shardfuse.tracking_inputs import read_step_metrics
+from shardfuse.tasks import TASKS, Task, task_for
+from shardfuse.tracking_inputs import evaluation_task, read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
 GROUP_COLUMNS = ("dataset", "world_size", "strategy")
 MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
+# Score -> task, for summary rows (scores differ between tasks); accuracy first: old summaries have no other.
+TASK_OF_SCORE: dict[str, Task] = {task.score: task for task in map(task_for, TASKS)}
 
 
 def _pyplot():
@@ -97,43 +102,76 @@ def plot_curves(
     return save_figure(fig, out)
 
 
+def score_label(task: Task) -> str:
+    return f"test {task.score} ({'lower' if task.lower_is_better else 'higher'} is better)"
+
+
 def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
-    """(label, test accuracy, color) for the merged model, each rank, best/mean rank and baselines."""
+    """(label, test score, color) for the merged model, each rank, best/mean rank and baselines."""
+    task = evaluation_task(evaluation)
+    score = task.score
     try:
-        bars = [("merged", float(evaluation["merged"]["accuracy"]), MERGED_COLOR)]
+        bars = [("merged", float(evaluation["merged"][score]), MERGED_COLOR)]
         ranks = sorted(evaluation["ranks"], key=lambda r: int(r["rank"]))
-        bars += [(f"rank {int(r['rank'])}", float(r["accuracy"]), RANK_COLOR) for r in ranks]
-        bars.append(("best rank", float(evaluation["best_rank_accuracy"]), SUMMARY_COLOR))
-        bars.append(("mean rank", float(evaluation["mean_rank_accuracy"]), SUMMARY_COLOR))
+        if not ranks:
+            raise KeyError("ranks")
+        values = [float(r[score]) for r in ranks]
+        bars += [(f"rank {int(r['rank'])}", v, RANK_COLOR) for r, v in zip(ranks, values, strict=True)]
+        # eval.json's figures where it has them; the task's best and the plain mean where it does not.
+        best = evaluation.get(f"best_rank_{score}", task.best(values))
+        mean = evaluation.get(f"mean_rank_{score}", sum(values) / len(values))
+        bars += [("best rank", float(best), SUMMARY_COLOR), ("mean rank", float(mean), SUMMARY_COLOR)]
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"eval.json lacks {exc}; re-run the evaluate stage") from None
     for key, label in (("ddp_baseline", "ddp baseline"), ("base", "initial model")):
         with_value = evaluation.get(key)
-        if isinstance(with_value, dict) and isinstance(with_value.get("accuracy"), (int, float)):
+        if isinstance(with_value, dict) and isinstance(with_value.get(score), (int, float)):
             run = f"\n({with_value['run']})" if with_value.get("run") else ""
-            bars.append((label + run, float(with_value["accuracy"]), BASELINE_COLOR))
+            bars.append((label + run, float(with_value[score]), BASELINE_COLOR))
     return bars
 
 
-def _bar_chart(ax, bars: list[tuple[str, float, str]]) -> None:
+def _number(value: float, sign: str = "") -> str:
+    """Three decimals (accuracies, losses); significant digits for what they would hide (mse in
+    large units, a tiny gain)."""
+    if value == 0 or 1e-3 <= abs(value) < 1e4 or not math.isfinite(value):
+        return f"{value:{sign}.3f}"
+    return f"{value:{sign}.3g}"
+
+
+def _value_limits(values: Iterable[float]) -> tuple[float, float]:
+    """y range from the data, always holding 0 (bars start there) and room for the value labels."""
+    finite = [v for v in values if math.isfinite(v)]
+    low, high = min([0.0, *finite]), max([0.0, *finite])
+    span = (high - low) or 1.0
+    return (low - 0.08 * span if low < 0 else 0.0), high + 0.08 * span
+
+
+def _bar_chart(ax, bars: list[tuple[str, float, str]], limits: tuple[float, float] | None = None) -> None:
     positions = np.arange(len(bars))
     ax.bar(positions, [b[1] for b in bars], color=[b[2] for b in bars])
     for x, (_, value, _) in zip(positions, bars, strict=True):
-        ax.annotate(f"{value:.3f}", (x, value), ha="center", va="bottom", fontsize="small",
+        ax.annotate(_number(value), (x, value), ha="center", va="bottom", fontsize="small",
                     xytext=(0, 2), textcoords="offset points")  # fmt: skip
     ax.set_xticks(positions, [b[0] for b in bars], rotation=30 if len(bars) > 6 else 0, ha="right")
-    ax.set_ylim(0, 1.08)
+    ax.set_ylim(*(limits or _value_limits(b[1] for b in bars)))
     ax.grid(axis="y", alpha=0.3)
 
 
-def plot_fusion(evaluation: dict[str, Any], title: str, out: Path) -> Path:
+def fusion_figure(evaluation: dict[str, Any], title: str):
+    """The merged model against each rank, best/mean rank and baselines, in the run's score."""
+    task = evaluation_task(evaluation)
     bars = fusion_bars(evaluation)
     fig, ax = _pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
     _bar_chart(ax, bars)
-    gain = bars[0][1] - next(value for label, value, _ in bars if label == "best rank")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"{title}: merged vs ranks (fusion gain {gain:+.3f})")
-    return save_figure(fig, out)
+    gain = task.gain(bars[0][1], next(value for label, value, _ in bars if label == "best rank"))
+    ax.set_ylabel(score_label(task))
+    ax.set_title(f"{title}: merged vs ranks (fusion gain {_number(gain, '+')})")
+    return fig
+
+
+def plot_fusion(evaluation: dict[str, Any], title: str, out: Path) -> Path:
+    return save_figure(fusion_figure(evaluation, title), out)
 
 
 def plot_run(run_dir: Path, out_dir: Path, train_dir: Path) -> list[Path]:
@@ -154,13 +192,27 @@ def plot_run(run_dir: Path, out_dir: Path, train_dir: Path) -> list[Path]:
     ]
 
 
+def row_task(row: dict[str, str]) -> Task:
+    """The task a summary row was scored for: its ``task`` cell, else the score whose best-rank cell
+    it fills (summaries of one task have no task column)."""
+    if row.get("task"):
+        return task_for(row["task"])
+    for score, task in TASK_OF_SCORE.items():
+        if row.get(f"test_{score}_best_rank") not in (None, ""):
+            return task
+    raise UserError(f"summary row {row.get('run')!r} has no best-rank score; re-run the summary stage")
+
+
 def read_summary(path: Path) -> list[dict[str, str]]:
     if not path.is_file():
         raise UserError(f"{path} does not exist; run the summary stage first")
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
-    needed = {"run", "merge_method", "test_accuracy_merged", "test_accuracy_best_rank"}
-    missing = needed - set(rows[0] if rows else needed)
+    header = set(rows[0]) if rows else set()
+    needed = {"run", "merge_method"}
+    if not any({f"test_{score}_merged", f"test_{score}_best_rank"} <= header for score in TASK_OF_SCORE):
+        needed |= {"test_accuracy_merged", "test_accuracy_best_rank"}
+    missing = needed - header
     if not rows or missing:
         raise UserError(f"{path} has no rows or lacks {', '.join(sorted(missing))}; re-run the summary stage")
     return rows
@@ -178,24 +230,43 @@ def training_groups(rows: Iterable[dict[str, str]]) -> dict[str, list[dict[str, 
     return groups
 
 
-def plot_merge_methods(summary: Path, out: Path) -> Path:
-    groups = training_groups(read_summary(summary))
-    columns = min(3, len(groups))
-    rows = math.ceil(len(groups) / columns)
-    widest = max(len(g) for g in groups.values())
+def score_panels(rows: Iterable[dict[str, str]]) -> list[tuple[Task, list[dict[str, str]]]]:
+    """One panel per training group and score (a group's runs share their data, so normally one
+    score), panels of one score side by side in the order their scores' tasks are listed."""
+    panels = []
+    for members in training_groups(rows).values():
+        by_task: dict[str, tuple[Task, list[dict[str, str]]]] = {}
+        for row in members:
+            task = row_task(row)
+            by_task.setdefault(task.name, (task, []))[1].append(row)
+        panels += by_task.values()
+    return sorted(panels, key=lambda panel: TASKS.index(panel[0].name))  # stable: group order kept
+
+
+def merge_methods_figure(rows: list[dict[str, str]]):
+    """Merged score per merge method, a panel per training, the best rank marked in each."""
+    panels = score_panels(rows)
+    columns = min(3, len(panels))
+    num_rows = math.ceil(len(panels) / columns)
+    widest = max(len(members) for _, members in panels)
     fig, axes = _pyplot().subplots(
-        rows,
-        columns,
-        figsize=(columns * max(3.5, 0.9 * widest + 1.5), rows * 3.8),
-        squeeze=False,
-        sharey=True,
+        num_rows, columns, figsize=(columns * max(3.5, 0.9 * widest + 1.5), num_rows * 3.8), squeeze=False
     )
-    for ax, members in zip(axes.flat, groups.values(), strict=False):
-        bars = [(r["merge_method"], float(r["test_accuracy_merged"]), MERGED_COLOR) for r in members]
-        _bar_chart(ax, bars)
+    # Panels of one score share a y range, so their bars compare at a glance.
+    values: dict[str, list[float]] = {}
+    for task, members in panels:
+        for row in members:
+            values.setdefault(task.score, []).extend(
+                float(row[f"test_{task.score}_{kind}"]) for kind in ("merged", "best_rank")
+            )
+    previous = ""
+    for index, (ax, (task, members)) in enumerate(zip(axes.flat, panels, strict=False)):
+        score = task.score
+        bars = [(r["merge_method"], float(r[f"test_{score}_merged"]), MERGED_COLOR) for r in members]
+        _bar_chart(ax, bars, _value_limits(values[score]))
         ax.tick_params(axis="x", labelrotation=30)
         ax.set_xlim(-0.6, max(len(bars), 3) - 0.4)  # a lone bar stays bar-sized
-        best = [float(r["test_accuracy_best_rank"]) for r in members]
+        best = [float(r[f"test_{score}_best_rank"]) for r in members]
         ax.scatter(
             range(len(bars)), best, marker="_", s=600, color=SUMMARY_COLOR, zorder=3, label="best rank"
         )
@@ -206,10 +277,19 @@ def plot_merge_methods(summary: Path, out: Path) -> Path:
             title += f" (sync_every {first['sync_every']})"
         ax.set_title(title, fontsize="medium")
         ax.legend(fontsize="small", loc="lower right")
-    for ax in list(axes.flat)[len(groups) :]:
+        if index % columns == 0 or score != previous:
+            ax.set_ylabel("merged " + score_label(task))
+            if index % columns:  # a label between panels needs the room
+                fig.subplots_adjust(wspace=0.4)
+        previous = score
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    axes[0][0].set_ylabel("merged test accuracy")
     fig.suptitle("Merge methods side by side (runs that share their training)")
+    return fig
+
+
+def plot_merge_methods(summary: Path, out: Path) -> Path:
+    fig = merge_methods_figure(read_summary(summary))
     out.parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, out)
 

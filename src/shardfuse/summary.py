@@ -4,16 +4,28 @@ By hand::
 
     python -m shardfuse.summary --runs-json '{"ddp": {"dataset": "digits", ..., "training": "<training>"}}' \
         --results-dir results/runs --out results/summary.csv
+
+The header depends on the tasks of the runs listed. Runs that all classify get exactly
+:data:`COLUMNS`. Other tasks insert, after ``test_accuracy_ddp_baseline``, the five
+:data:`SCORE_COLUMNS` of their score (``test_mse_merged``, ``test_mse_best_rank``, ...; one that already
+exists, such as causal_lm's ``test_loss_merged``, is not repeated), then ``test_<metric>_merged`` for their
+other metrics (regression: mae, r2), all preceded by a ``task`` column when the runs mix tasks. A run
+leaves the cells of other tasks' columns empty; ``fusion_gain`` is eval.json's, positive when merging
+helped whatever the direction of the score.
 """
 
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from shardfuse.io import StageParser, atomic_path, parse_json_arg, read_json, run_cli
+from shardfuse.tasks import TASKS, task_for
+from shardfuse.tracking_inputs import evaluation_task, score_first
 
+# The header when every run classifies: the one summary.csv has always had, kept byte for byte.
 COLUMNS = (
     "run",
     "training",
@@ -33,28 +45,52 @@ COLUMNS = (
     "num_steps",
     "train_seconds",
 )
+# What each score (bar accuracy, already above) adds: test_<score>_<kind>.
+SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
+_INSERT_AFTER = "test_accuracy_ddp_baseline"
+
+
+def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
+    """The header for runs of these tasks (see the module docstring for the rule)."""
+    names = set(task_names)
+    present = [task_for(name) for name in TASKS if name in names]
+    extra = ["task"] if len(present) > 1 else []
+    for task in present:
+        extra += [f"test_{task.score}_{kind}" for kind in SCORE_COLUMNS]
+        extra += [f"test_{metric}_merged" for metric in task.metrics if metric not in (task.score, "loss")]
+    extra = [column for column in dict.fromkeys(extra) if column not in COLUMNS]
+    at = COLUMNS.index(_INSERT_AFTER) + 1
+    return (*COLUMNS[:at], *extra, *COLUMNS[at:])
 
 
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
-    evaluation = read_json(run_dir / "eval.json", "evaluation")
+    """The run's cells by column name, plus ``task`` (a column only when tasks mix)."""
+    eval_path = run_dir / "eval.json"
+    evaluation = read_json(eval_path, "evaluation")
+    task = evaluation_task(evaluation, eval_path)
+    score = task.score
     training = read_json(trainings_dir / cfg["training"] / "ranks" / "train.json", "training summary")
     baseline = evaluation.get("ddp_baseline") or {}
     merging = read_json(run_dir / "merge.json", "merge record")
+    merged = evaluation["merged"]
+    gain = evaluation.get("fusion_gain")
+    if gain is None:  # eval.json from before the evaluate stage wrote it
+        gain = task.gain(merged[score], evaluation[f"best_rank_{score}"])
     return {
         "run": run,
+        "task": task.name,
         "training": cfg["training"],
         "dataset": cfg["dataset"],
         "world_size": cfg["world_size"],
         "strategy": cfg["strategy"],
         "sync_every": cfg["sync_every"],
         "merge_method": merging["method"],
-        "test_accuracy_merged": evaluation["merged"]["accuracy"],
-        "test_loss_merged": evaluation["merged"]["loss"],
-        "test_accuracy_best_rank": evaluation["best_rank_accuracy"],
-        "test_accuracy_mean_rank": evaluation["mean_rank_accuracy"],
-        "test_accuracy_base": evaluation["base"]["accuracy"],
-        "test_accuracy_ddp_baseline": baseline.get("accuracy", ""),
-        "fusion_gain": evaluation["fusion_gain"],
+        **{f"test_{metric}_merged": merged[metric] for metric in score_first(task)},
+        f"test_{score}_best_rank": evaluation[f"best_rank_{score}"],
+        f"test_{score}_mean_rank": evaluation[f"mean_rank_{score}"],
+        f"test_{score}_base": evaluation["base"][score],
+        f"test_{score}_ddp_baseline": baseline.get(score, ""),
+        "fusion_gain": gain,
         "max_abs_diff_between_ranks": merging["max_abs_diff_between_ranks"],
         "num_steps": training["num_steps"],
         "train_seconds": round(training["train_seconds"], 3),
@@ -65,8 +101,10 @@ def write_summary(
     runs: dict[str, dict[str, Any]], results_dir: Path, trainings_dir: Path, out: Path
 ) -> list[dict[str, Any]]:
     rows = [summary_row(run, cfg, results_dir / run, trainings_dir) for run, cfg in runs.items()]
+    columns = summary_columns(row["task"] for row in rows)
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        # restval: a run leaves other tasks' columns empty; ignore: "task" when it is no column.
+        writer = csv.DictWriter(fh, fieldnames=columns, restval="", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     return rows
@@ -84,9 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     runs = parse_json_arg(args.runs_json, "--runs-json")
     rows = write_summary(runs, args.results_dir, args.trainings_dir, args.out)
     for row in rows:
+        score = task_for(row["task"]).score
         print(
-            f"{row['run']:>20}  merged {row['test_accuracy_merged']:.4f}  best rank "
-            f"{row['test_accuracy_best_rank']:.4f}  ({row['strategy']}, {row['merge_method']})"
+            f"{row['run']:>20}  merged {score} {row[f'test_{score}_merged']:.4f}  best rank "
+            f"{row[f'test_{score}_best_rank']:.4f}  ({row['strategy']}, {row['merge_method']})"
         )
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from shardfuse.checkpoint import read_metadata
 from shardfuse.io import UserError, read_json, sha256_file
+from shardfuse.tasks import Task, task_for
 
 LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
@@ -58,6 +59,28 @@ def _field(obj: dict, key: str, path: Path) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it")
     return obj[key]
+
+
+def evaluation_task(evaluation: dict, path: Path | str = "eval.json") -> Task:
+    """The task an eval.json was scored for. Files written before tasks existed are classification
+    ranked by accuracy; a score other than the task's would make every "best" and "gain" wrong."""
+    name = evaluation.get("task", "classification") if isinstance(evaluation, dict) else None
+    try:
+        task = task_for(str(name))
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}; re-run the evaluate stage") from None
+    score = evaluation.get("score", task.score)
+    if score != task.score:
+        raise UserError(
+            f"{path} ranks {name} by {score!r}, but shardfuse ranks it by {task.score!r}; "
+            "re-run the evaluate stage"
+        )
+    return task
+
+
+def score_first(task: Task) -> tuple[str, ...]:
+    """The task's metrics with its score first (classification: accuracy, loss, as always logged)."""
+    return (task.score, *(m for m in task.metrics if m != task.score))
 
 
 def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
@@ -108,7 +131,7 @@ class RankInputs(NamedTuple):
     rank: int
     shard_rows: int
     history: dict[str, np.ndarray]  # columns of metrics/rank-{r}.parquet (:func:`read_step_metrics`)
-    test_metrics: dict[str, float]  # test_accuracy, test_loss of the rank's own model
+    test_metrics: dict[str, float]  # test_<metric> of the rank's own model, for every task metric
     host: str | None  # None when neither train.json nor the rank's sidecar names it
 
 
@@ -174,8 +197,9 @@ def load_inputs(
         metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
     files = RunFiles(manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots))
+    metric_names = score_first(evaluation_task(evaluation, eval_path))
     test_metrics = {
-        rank: {f"test_{k}": float(_field(eval_ranks[rank], k, eval_path)) for k in ("accuracy", "loss")}
+        rank: {f"test_{k}": float(_field(eval_ranks[rank], k, eval_path)) for k in metric_names}
         for rank in range(world_size)
     }
     histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
@@ -220,24 +244,33 @@ def config_hash(config: dict) -> str:
 def headline_metrics(
     files: RunFiles, train: dict, merge: dict, evaluation: dict, ranks: tuple[RankInputs, ...]
 ) -> dict[str, float]:
+    """The parent run's metrics, named after the task's metrics and score (classification: the
+    test_accuracy_* names runs have always carried)."""
     eval_path = files.eval
+    task = evaluation_task(evaluation, eval_path)
+    score = task.score
     merged = _field(evaluation, "merged", eval_path)
-    best_rank = float(_field(evaluation, "best_rank_accuracy", eval_path))
-    metrics = {
-        "test_accuracy_merged": float(_field(merged, "accuracy", eval_path)),
-        "test_loss_merged": float(_field(merged, "loss", eval_path)),
-        "test_accuracy_best_rank": best_rank,
-        "test_accuracy_mean_rank": float(_field(evaluation, "mean_rank_accuracy", eval_path)),
-        "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
-        "train_seconds": float(_field(train, "train_seconds", files.train)),
-        "merge_seconds": float(_field(merge, "seconds", files.merge)),
-    }
-    metrics["fusion_gain"] = metrics["test_accuracy_merged"] - best_rank
+    metrics = {f"test_{m}_merged": float(_field(merged, m, eval_path)) for m in score_first(task)}
+    best_rank = float(_field(evaluation, f"best_rank_{score}", eval_path))
+    metrics.update(
+        {
+            f"test_{score}_best_rank": best_rank,
+            f"test_{score}_mean_rank": float(_field(evaluation, f"mean_rank_{score}", eval_path)),
+            "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
+            "train_seconds": float(_field(train, "train_seconds", files.train)),
+            "merge_seconds": float(_field(merge, "seconds", files.merge)),
+        }
+    )
+    # eval.json's gain is already signed by the task; files without one get the same formula here.
+    gain = evaluation.get("fusion_gain")
+    if not isinstance(gain, (int, float)):
+        gain = task.gain(metrics[f"test_{score}_merged"], best_rank)
+    metrics["fusion_gain"] = float(gain)
     for optional in ("base", "ddp_baseline"):  # written by newer evaluate stages only
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            metrics[f"test_accuracy_{optional}"] = float(evaluation[optional]["accuracy"])
+            metrics[f"test_{score}_{optional}"] = float(evaluation[optional][score])
     for rank in ranks:
-        metrics[f"test_accuracy_rank_{rank.rank}"] = rank.test_metrics["test_accuracy"]
+        metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
     throughputs = [float(np.mean(r.history["samples_per_second"])) for r in ranks if len(r.history["step"])]
     if throughputs:
         metrics["samples_per_second"] = sum(throughputs)  # all ranks together

@@ -29,18 +29,18 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as torch_dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoint import save_weights
-from shardfuse.data import ShardReader, feature_stats, read_dataset_info
+from shardfuse.data import ShardReader, column_stats, feature_stats, read_dataset_info
 from shardfuse.dist import DistContext, RankGate, autocast, distributed, gate_for, step_dtype
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.live import LiveLogger
 from shardfuse.manifest import read_manifest
 from shardfuse.metrics_log import MetricsLog
-from shardfuse.models import build_model, mlp_spec
+from shardfuse.models import build_model, check_output_shape, model_spec, set_data_stats, task_of
 from shardfuse.resume import Position, complete_steps, load_rank_state, mark_complete, save_rank_state
+from shardfuse.tasks import Task
 
 
 def make_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
@@ -110,6 +110,7 @@ class RankSetup:
     out_dir: Path
     manifest: dict[str, Any]
     spec: dict[str, Any]
+    task: Task
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     meta: dict[str, Any]  # recorded in every weights file this rank writes
@@ -136,8 +137,61 @@ class StepPlan(NamedTuple):
     nonfinite_policy: str  # error | skip
 
 
+def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) -> tuple[Any, Any]:
+    """(mean, std) of the inputs (not for token blocks) and of regression targets over the whole
+    training split, from the moments partition recorded: the same on every rank, with no pass over
+    the data before the first step."""
+    task = info.get("task", "classification")
+    if task == "causal_lm":
+        return None, None
+    input_stats = feature_stats(manifest, info["num_features"])
+    target_stats = None
+    if task == "regression":
+        target_stats = column_stats(manifest, [f"y{j}" for j in range(len(info["target_names"]))])
+    if input_stats is None or (task == "regression" and target_stats is None):
+        raise UserError(
+            f"shard manifest in {shard_dir} has no finite column moments (made by an older partition, "
+            "or a value overflows float64); re-run partition (snakemake -R partition)"
+        )
+    return input_stats, target_stats
+
+
+def load_init_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load ``init_from`` weights into ``model``; the first key, shape or dtype that differs is a
+    one-line error (nothing is loaded by name guessing or partially)."""
+    from shardfuse.checkpoint import load_weights
+
+    tensors, _ = load_weights(path)
+    expected = model.state_dict()
+    for name, tensor in expected.items():
+        if name not in tensors:
+            raise UserError(
+                f"init_from {path} has no tensor {name!r} that the model needs; start from a checkpoint "
+                "of the same model (same model, model_args and dataset shape)"
+            )
+        found = tensors[name]
+        if tuple(found.shape) != tuple(tensor.shape) or found.dtype != tensor.dtype:
+            raise UserError(
+                f"init_from {path}: tensor {name!r} is {found.dtype} {list(found.shape)} but the model "
+                f"needs {tensor.dtype} {list(tensor.shape)}; start from a checkpoint of the same model"
+            )
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise UserError(
+            f"init_from {path} has tensor {extra[0]!r} the model does not have; start from a checkpoint "
+            "of the same model"
+        )
+    model.load_state_dict(tensors)
+
+
 def set_up(
-    ctx: DistContext, run: str, shard_dir: Path, dataset_dir: Path, cfg: dict[str, Any], out_dir: Path
+    ctx: DistContext,
+    run: str,
+    shard_dir: Path,
+    dataset_dir: Path,
+    cfg: dict[str, Any],
+    out_dir: Path,
+    init_weights: Path | None = None,
 ) -> RankSetup:
     """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
     manifest = read_manifest(shard_dir)
@@ -147,25 +201,28 @@ def set_up(
             f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
     info = read_dataset_info(dataset_dir)
-    # Input normalisation over the whole training split, from the moments partition recorded: the
-    # same on every rank, with no pass over the data before the first step.
-    stats = feature_stats(manifest, info["num_features"])
-    if stats is None:
+    spec = model_spec(
+        cfg.get("model", "mlp"), cfg.get("model_args", {}), cfg.get("code_paths", []), info, run_cfg=cfg
+    )
+    if cfg.get("code_digest") and spec["code"]["digest"] != cfg["code_digest"]:
         raise UserError(
-            f"shard manifest in {shard_dir} has no finite feature moments (made by an older partition, "
-            "or a feature overflows float64); re-run partition (snakemake -R partition)"
+            f"the model code in {', '.join(spec['code']['paths']) or spec['model']} changed after the "
+            "workflow started; run snakemake again (the training name follows the code)"
         )
-
-    spec = mlp_spec(info["num_features"], info["num_classes"], cfg)
+    input_stats, target_stats = _data_stats(manifest, info, shard_dir)
     torch.manual_seed(cfg["seed"])
     model = build_model(spec).to(ctx.device)
-    model.set_input_stats(*stats)
+    set_data_stats(model, input_stats, target_stats)
+    if init_weights is not None:
+        load_init_weights(model, init_weights)
+    check_output_shape(model, spec, ctx.device)
     broadcast_from_rank0(model)
     meta = {
         "run": run,
         "world_size": ctx.world_size,
         "strategy": cfg["strategy"],
         "model": spec,
+        "init_from": str(init_weights) if init_weights is not None else None,
         "init_sha256": state_digest(model),
         "host": socket.gethostname(),
     }
@@ -184,6 +241,7 @@ def set_up(
         out_dir=out_dir,
         manifest=manifest,
         spec=spec,
+        task=task_of(spec, model.state_dict(), loss=cfg.get("loss", "mse")),
         model=model,
         optimizer=optimizer,
         meta=meta,
@@ -279,8 +337,9 @@ def train_loop(
                 inputs = inputs.to(ctx.device, non_blocking=True)
                 targets = targets.to(ctx.device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
+                inputs, targets = setup.task.batch(inputs, targets)
                 with autocast(ctx.device, plan.dtype):
-                    loss = F.cross_entropy(plan.net(inputs), targets)
+                    loss = setup.task.loss(plan.net(inputs), targets)
                 step += 1
                 loss_value = loss.item()  # one host sync a step: the finite check and metrics share it
                 if _check_finite(loss_value, ctx, step, plan.nonfinite_policy):
@@ -354,7 +413,9 @@ def publish(
             "torch_version": torch.__version__,
             "shard_dir": str(setup.shard_dir),
             "dataset_dir": str(setup.dataset_dir),
+            "task": setup.task.name,
             "model": setup.spec,
+            "init_from": setup.meta["init_from"],
             "ranks": [
                 {
                     "rank": s["rank"],
@@ -377,10 +438,11 @@ def train_rank(
     out_dir: Path,
     live: LiveLogger | None = None,
     step_metrics: bool = True,
+    init_weights: Path | None = None,
 ) -> None:
     """Train this rank. ``step_metrics=False`` records no per-step metrics, progress or live points
     (the logging-overhead benchmark's baseline; the track stage then has no curves to log)."""
-    setup = set_up(ctx, run, shard_dir, dataset_dir, cfg, out_dir)
+    setup = set_up(ctx, run, shard_dir, dataset_dir, cfg, out_dir, init_weights)
     position = resume_or_start(setup)
     # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
     metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
@@ -396,6 +458,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset-dir", required=True, type=Path, help="prepared dataset (dataset.json)")
     parser.add_argument("--config-json", required=True, help="the run's resolved config as JSON")
     parser.add_argument("--out-dir", required=True, type=Path, help="where this run's rank files go")
+    parser.add_argument(
+        "--init-from", type=Path, help="start every rank from these weights (the run's init_from, resolved)"
+    )
     parser.add_argument("--live-tracking-uri", help="rank 0 also logs to MLflow while training (optional)")
     parser.add_argument("--live-experiment", default="shardfuse", help="MLflow experiment for live logging")
     parser.add_argument(
@@ -412,7 +477,15 @@ def main(argv: list[str] | None = None) -> None:
         gate_for(ctx.rank).live_logger(args.live_tracking_uri, args.live_experiment, args.run_name) as live,
     ):
         train_rank(
-            ctx, args.run_name, args.shard_dir, args.dataset_dir, cfg, args.out_dir, live, args.step_metrics
+            ctx,
+            args.run_name,
+            args.shard_dir,
+            args.dataset_dir,
+            cfg,
+            args.out_dir,
+            live,
+            args.step_metrics,
+            args.init_from,
         )
 
 

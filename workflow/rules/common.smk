@@ -24,12 +24,12 @@ from shardfuse.cluster import (  # noqa: E402
 )
 from shardfuse.launch import Geometry, job_resources  # noqa: E402
 from shardfuse.config import (  # noqa: E402
-    TRAIN_KEYS,
     ConfigError,
     load_experiment,
     merge_params,
     run_config_for_tracking,
     shardset_name,
+    train_config,
 )
 
 try:
@@ -149,7 +149,23 @@ def max_restarts_of(wildcards):
 
 
 def train_config_json(wildcards):
-    return _json({key: _cfg(wildcards)[key] for key in TRAIN_KEYS})
+    return _json(train_config(_cfg(wildcards)))
+
+
+def init_weights_of(wildcards):
+    """init_from's weights: a file, or another run's merged model (a DAG edge: that run's merge
+    runs first, and re-running it re-trains this one)."""
+    source = _cfg(wildcards).get("init_source")
+    if source is None:
+        return []
+    if "file" in source:
+        return [source["file"]]
+    return [f"results/runs/{source['run']}/merged.safetensors"]
+
+
+def init_from_args(wildcards):
+    weights = init_weights_of(wildcards)
+    return f"--init-from {shlex.quote(weights[0])}" if weights else ""
 
 
 def train_job_resource(name):

@@ -2,6 +2,7 @@ rule train:
     input:
         shards=shard_dir_of,
         info=dataset_info_of,
+        init=init_weights_of,
     output:
         ranks=directory("results/trainings/{training}/ranks"),
     log:
@@ -29,8 +30,9 @@ rule train:
         dataset_dir=dataset_dir_of,
         config=train_config_json,
         live=live_logging_args,
+        init=init_from_args,
     shell:
         "python -m shardfuse.launch --nodes {params.nodes} --nproc-per-node {params.nproc_per_node}"
         " --max-restarts {params.max_restarts} --out-dir {output.ranks} --log {log} --"
         " --run-name {wildcards.training} --shard-dir {input.shards}"
-        " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.live}"
+        " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.init} {params.live}"
