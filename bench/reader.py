@@ -103,12 +103,12 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
 
     from shardfuse.data import read_dataset_info
     from shardfuse.manifest import read_manifest
-    from shardfuse.models import build_model, mlp_spec
+    from shardfuse.models import build_model, model_spec
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     info = read_dataset_info(shard_dir.parent / "dataset")
-    model = build_model(mlp_spec(info["num_features"], info["num_classes"], DEFAULT_RUN))
+    model = build_model(model_spec("mlp", {}, [], info, run_cfg=DEFAULT_RUN))
     optimizer = torch.optim.SGD(model.parameters(), lr=DEFAULT_RUN["lr"], momentum=DEFAULT_RUN["momentum"])
     rows = read_manifest(shard_dir)["shards"][0]["rows"]
     num_batches = -(-rows // DEFAULT_RUN["batch_size"])

@@ -66,6 +66,34 @@ def digits_shards(digits_dataset, tmp_path_factory) -> Path:
     return out
 
 
+def prepare_and_partition(out_root: Path, name: str, spec: str, world_size: int = 2) -> tuple[Path, Path]:
+    """(dataset dir, shard dir) made by the prepare and partition stages."""
+    dataset, shards = out_root / name, out_root / f"{name}-shards" / f"w{world_size}-seed0"
+    for stage, *args in (
+        ("prepare", "--name", name, "--spec-json", spec, "--out-dir", dataset),
+        (
+            "partition",
+            "--input",
+            dataset / "train.parquet",
+            "--world-size",
+            world_size,
+            "--seed",
+            0,
+            "--out-dir",
+            shards,
+        ),
+    ):
+        command = [sys.executable, "-m", f"shardfuse.{stage}", *map(str, args)]
+        subprocess.run(command, check=True, env=subprocess_env(), capture_output=True)
+    return dataset, shards
+
+
+@pytest.fixture(scope="session")
+def diabetes_data(tmp_path_factory) -> tuple[Path, Path]:
+    """scikit-learn's diabetes data (regression, 10 features, one float target), prepared and in 2 shards."""
+    return prepare_and_partition(tmp_path_factory.mktemp("datasets"), "diabetes", '{"source": "diabetes"}')
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Path:
     """The single-node cluster of scripts/slurm-up.sh. CI must have it: there a missing cluster fails."""

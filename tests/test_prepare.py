@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardfuse import prepare as prepare_module
+from shardfuse import synthetic as synthetic_module
 from shardfuse.io import UserError, sha256_file
 from shardfuse.prepare import prepare
 from tests.helpers import run_stage
@@ -110,7 +111,7 @@ def test_synthetic_rows_do_not_depend_on_the_writer_row_group_size(tmp_path):
 
 def test_synthetic_generation_across_many_chunks_is_stratified_and_balanced(tmp_path, monkeypatch):
     monkeypatch.setattr(
-        prepare_module, "SYNTHETIC_CHUNK_VALUES", 64 * SYNTHETIC["num_features"]
+        synthetic_module, "SYNTHETIC_CHUNK_VALUES", 64 * SYNTHETIC["num_features"]
     )  # 64-row chunks
     spec = {**SYNTHETIC, "num_rows": 1001, "test_fraction": 0.3}
     info = prepare("syn", spec, tmp_path)
@@ -123,7 +124,7 @@ def test_synthetic_generation_across_many_chunks_is_stratified_and_balanced(tmp_
 def test_synthetic_chunks_do_not_depend_on_the_total_row_count(tmp_path, monkeypatch):
     # Each chunk has its own random stream keyed by (seed, chunk index): growing the dataset by whole
     # chunks appends rows and leaves the earlier ones untouched.
-    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 100 * SYNTHETIC["num_features"])
+    monkeypatch.setattr(synthetic_module, "SYNTHETIC_CHUNK_VALUES", 100 * SYNTHETIC["num_features"])
     prepare("syn", {**SYNTHETIC, "num_rows": 400}, tmp_path / "small")
     prepare("syn", {**SYNTHETIC, "num_rows": 700}, tmp_path / "large")
     for split in SPLITS:
@@ -348,7 +349,7 @@ def test_val_fraction_zero_writes_an_empty_val_split_with_the_schema(tmp_path):
 
 
 def test_synthetic_val_split_is_stratified_across_many_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 50 * SYNTHETIC["num_features"])
+    monkeypatch.setattr(synthetic_module, "SYNTHETIC_CHUNK_VALUES", 50 * SYNTHETIC["num_features"])
     info = prepare(
         "syn", {**SYNTHETIC, "num_rows": 2003, "test_fraction": 0.25, "val_fraction": 0.2}, tmp_path
     )
@@ -435,7 +436,7 @@ def test_synthetic_regression_targets_depend_on_the_features(tmp_path):
     features, targets = columns(table, "x"), columns(table, "y")
     assert np.all(np.abs(targets.std(axis=0) - 1) < 0.15)  # the function's std is about 1, noise adds 0.1
     # The known function explains all but the noise (default 0.1) ...
-    function = prepare_module.synthetic_regression_function(
+    function = synthetic_module.synthetic_regression_function(
         prepare_module.validate_spec(SYNTHETIC_REGRESSION)
     )
     residual = targets - function(features)
@@ -455,16 +456,16 @@ def test_synthetic_regression_noise_zero_gives_the_function_itself(tmp_path):
     spec = {**SYNTHETIC_REGRESSION, "num_rows": 500, "noise": 0}
     prepare("reg", spec, tmp_path)
     table = all_splits(tmp_path)
-    function = prepare_module.synthetic_regression_function(prepare_module.validate_spec(spec))
+    function = synthetic_module.synthetic_regression_function(prepare_module.validate_spec(spec))
     expected = function(columns(table, "x")).astype(np.float32)
     assert np.array_equal(columns(table, "y"), expected)
 
 
 def test_synthetic_regression_across_many_chunks_splits_the_exact_fractions(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 400)  # 10-row chunks
+    monkeypatch.setattr(synthetic_module, "SYNTHETIC_CHUNK_VALUES", 400)  # 10-row chunks
     info = prepare("reg", {**SYNTHETIC_REGRESSION, "num_rows": 1001, "test_fraction": 0.3}, tmp_path / "a")
     assert info["rows"] == {"train": 601, "val": 100, "test": 300}
-    monkeypatch.setattr(prepare_module, "SYNTHETIC_CHUNK_VALUES", 1 << 22)
+    monkeypatch.setattr(synthetic_module, "SYNTHETIC_CHUNK_VALUES", 1 << 22)
     prepare("reg", {**SYNTHETIC_REGRESSION, "num_rows": 1001, "test_fraction": 0.3}, tmp_path / "b")
     assert read_split(tmp_path / "b", "train").num_rows == 601  # chunking changes the draws, not the split
 

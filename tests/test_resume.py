@@ -15,7 +15,7 @@ import torch
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
-from tests.helpers import run_stage, subprocess_env, write_train_dir
+from tests.helpers import REPO, run_stage, subprocess_env, write_train_dir
 
 pytestmark = pytest.mark.integration
 
@@ -95,13 +95,31 @@ def rank_pids(marker: str, rank: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "localsgd"])
+# A user model (config/examples/models/resmlp.py, imported from its code path in every rank) and a
+# regression task resume as bitwise as the built-in classifier.
+USER_MODEL = {"model": "resmlp:build", "code_paths": [str(REPO / "config/examples/models")]}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "data", "extra"),
+    [
+        ("ddp", "digits", {}),
+        ("localsgd", "digits", {}),
+        ("localsgd", "digits", {**USER_MODEL, "model_args": {"width": 16, "blocks": 1}, "epochs": 6}),
+        ("ddp", "diabetes", {"loss": "huber", "epochs": 16, "checkpoint_every": 20}),
+    ],
+    ids=["ddp", "localsgd", "user-model", "regression"],
+)
 def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
-    tmp_path, digits_dataset, digits_shards, strategy
+    tmp_path, request, strategy, data, extra
 ):
-    cfg = {**TRAIN_CFG, "strategy": strategy, "sync_every": 7 if strategy == "localsgd" else 0}
+    if data == "digits":
+        dataset, shards = request.getfixturevalue("digits_dataset"), request.getfixturevalue("digits_shards")
+    else:
+        dataset, shards = request.getfixturevalue("diabetes_data")
+    cfg = {**TRAIN_CFG, "strategy": strategy, "sync_every": 7 if strategy == "localsgd" else 0, **extra}
     reference = tmp_path / "reference"
-    proc = run_stage("launch", *launch_args(reference, digits_dataset, digits_shards, cfg))
+    proc = run_stage("launch", *launch_args(reference, dataset, shards, cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     killed = tmp_path / "killed"
@@ -110,7 +128,7 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
             sys.executable,
             "-m",
             "shardfuse.launch",
-            *map(str, launch_args(killed, digits_dataset, digits_shards, cfg, max_restarts=1)),
+            *map(str, launch_args(killed, dataset, shards, cfg, max_restarts=1)),
         ],
         stderr=subprocess.PIPE,
         text=True,

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import importlib.util
 import os
 import shutil
-import sysconfig
 import tempfile
 import types
 from collections.abc import Iterator
@@ -39,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from shardfuse.io import UserError
-from shardfuse.usercode import check_code_unchanged
+from shardfuse.specs import description_of, normalized_spec
+from shardfuse.usercode import stage_code
 
 WEIGHTS_FILE = "merged.safetensors"
 MODEL_NAME = "model"
@@ -53,7 +52,7 @@ BATCH_ROWS = 1024  # causal_lm rows per forward pass: logits are [rows, T, vocab
 @dataclass(frozen=True)
 class Interface:
     """The columns a logged model takes and returns, read from its spec without torch (the track job
-    logs models without importing it, so this does not go through shardfuse.models)."""
+    logs models without importing it, so this reads shardfuse.specs, not shardfuse.models)."""
 
     task: str
     inputs: tuple[str, ...]
@@ -62,34 +61,17 @@ class Interface:
     block_size: int | None
 
 
-def _description(spec: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(spec, dict):
-        raise UserError("checkpoint metadata has no model spec; re-run the stage that wrote it")
-    if spec.get("type") == "mlp":  # written before the model registry
-        return {
-            "task": "classification",
-            "num_features": spec["num_features"],
-            "num_outputs": spec["num_classes"],
-        }
-    if "description" not in spec:
-        raise UserError(
-            f"unknown model spec {sorted(spec)} in checkpoint metadata; it was written by another "
-            "version of shardfuse — re-train with this one"
-        )
-    return spec["description"]
-
-
-def _names(given: list[str] | None, count: int, prefix: str) -> tuple[str, ...]:
-    names = tuple(str(name) for name in given or ())
+def _names(given: tuple[str, ...], count: int, prefix: str) -> tuple[str, ...]:
+    names = tuple(str(name) for name in given)
     return names if len(names) == count else tuple(f"{prefix}{i}" for i in range(count))
 
 
 def interface(spec: dict[str, Any]) -> Interface:
     """The model's columns; names the data lacks are numbered (x0.., target_0.., probability_0..)."""
-    description = _description(spec)
-    task, num_outputs = description.get("task", "classification"), int(description["num_outputs"])
-    inputs = _names(description.get("feature_names"), int(description["num_features"]), "x")
-    names = description.get("label_names") or []
+    description = description_of(spec)
+    task, num_outputs = description.task, int(description.num_outputs)
+    inputs = _names(description.feature_names, int(description.num_features), "x")
+    names = description.label_names
     labels = tuple(str(name) for name in names) if len(names) == num_outputs else None
     if task == "classification":
         outputs = ("prediction", *(f"probability_{name}" for name in labels or range(num_outputs)))
@@ -100,7 +82,7 @@ def interface(spec: dict[str, Any]) -> Interface:
     else:
         raise UserError(f"unknown task {task!r} in the checkpoint's model spec; re-train with this shardfuse")
     # causal_lm: the tokens a row sees (num_features holds the same for a token block)
-    block_size = int(description.get("block_size") or description["num_features"])
+    block_size = int(description.block_size or description.num_features)
     return Interface(
         task,
         inputs,
@@ -145,7 +127,7 @@ class MergedModel:
 
     def __init__(self, weights_path: str | Path, code_dir: str | Path | None = None) -> None:
         from shardfuse.checkpoint import load_weights
-        from shardfuse.models import build_model, normalized_spec
+        from shardfuse.models import build_model
 
         tensors, metadata = load_weights(weights_path)
         self.spec = metadata["model"]
@@ -235,72 +217,13 @@ def input_example(spec: dict[str, Any]):
     return pd.DataFrame([[0.0] * len(shape.inputs)], columns=list(shape.inputs))
 
 
-# ---------------------------------------------------------------- user code
-
-
-def _not_python(directory: str, names: list[str]) -> set[str]:
-    """copytree's ignore: all but .py files and the directories that may hold them."""
-    keep = {n for n in names if n.endswith(".py") or Path(directory, n).is_dir()}
-    return {n for n in names if n not in keep or n.startswith(".") or n == "__pycache__"}
-
-
-def _stage(source: Path, staging: Path) -> Path:
-    target = staging / source.name
-    if source.is_dir():
-        shutil.copytree(source, target, ignore=_not_python)
-    else:
-        shutil.copy2(source, target)
-    return target
-
-
-def _installed(origin: Path) -> bool:
-    roots = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
-    return any(root in origin.resolve().parents for root in roots)
-
-
 def _code_paths(spec: dict[str, Any], staging: Path) -> tuple[list[str], list[str]]:
-    """(code_paths, extra requirements): this package and, for a user model, its code.
-
-    MLflow copies each entry into ``code/`` under its own name and puts ``code/`` on sys.path, so a
-    code path ``X/models`` itself would import as ``models.*``: the entries are the modules and packages
-    *inside* each code path (their .py files), and the first code path holding a name wins, as on the
-    sys.path training used. A factory module outside the code paths is copied too, unless it is an
-    installed distribution: that one is pinned instead."""
-    entries = {PACKAGE.name: staging / PACKAGE.name}
-    shutil.copytree(PACKAGE, entries[PACKAGE.name], ignore=shutil.ignore_patterns("__pycache__"))
-    code = spec.get("code")
-    if not code:
-        return [str(path) for path in entries.values()], []
-    # Only the trained code may go into the model (a user package's __init__ is imported to find it).
-    check_code_unchanged(spec["model"], code, "the logged model")
-    for entry in code["paths"]:
-        for source in sorted(Path(entry).iterdir()):
-            is_code = source.suffix == ".py" if source.is_file() else any(source.rglob("*.py"))
-            name = source.stem if source.is_file() else source.name
-            if is_code and not name.startswith(".") and name not in entries:
-                entries[name] = _stage(source, staging)
-    top = spec["model"].partition(":")[0].split(".")[0]
-    extra: list[str] = []
-    if top not in entries:
-        origin = _origin(spec["model"], top)
-        if _installed(origin):
-            extra = importlib.metadata.packages_distributions().get(top, [])[:1]
-        else:
-            entries[top] = _stage(origin.parent if origin.name == "__init__.py" else origin, staging)
-    return [str(path) for path in entries.values()], extra
-
-
-def _origin(ref: str, top: str) -> Path:
-    """Where top-level module ``top`` comes from (finding it imports nothing)."""
-    found = importlib.util.find_spec(top)
-    if found is not None and found.origin and found.origin not in ("built-in", "frozen"):
-        return Path(found.origin)
-    if found is not None and found.submodule_search_locations:  # a namespace package
-        return Path(next(iter(found.submodule_search_locations)), "__init__.py")
-    raise UserError(
-        f"model {ref!r}: module {top!r} is neither in the run's code paths nor importable here, so the "
-        "logged model could not import it; add its directory to `code_paths`"
-    )
+    """(code_paths, extra requirements): this package and, for a user model, its code
+    (:func:`shardfuse.usercode.stage_code` says which entries and why)."""
+    package = staging / PACKAGE.name
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    user_paths, extra = stage_code(spec, staging, reserved={PACKAGE.name})
+    return [str(package), *user_paths], extra
 
 
 def _requirements(extra: list[str] | tuple[str, ...] = ()) -> list[str]:

@@ -11,16 +11,20 @@ builds the model, so the same files are imported locally and inside SLURM jobs. 
 sha256 of every .py file under the code paths and of the package the factory's module comes from
 (an installed package counts too): the training name and every checkpoint carry it, so editing a user
 model re-trains instead of silently mixing networks, and a later stage finds the changed file by name.
+:func:`stage_code` copies that code for a logged MLflow model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import json
+import shutil
 import sys
-from collections.abc import Callable
+import sysconfig
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +157,75 @@ def load_factory(ref: str, code_paths: list[str] | tuple[str, ...] = ()) -> Call
             "returns an nn.Module"
         )
     return factory
+
+
+# ---------------------------------------------------------------- staging (for the logged MLflow model)
+
+
+def _not_python(directory: str, names: list[str]) -> set[str]:
+    """copytree's ignore: all but .py files and the directories that may hold them."""
+    keep = {n for n in names if n.endswith(".py") or Path(directory, n).is_dir()}
+    return {n for n in names if n not in keep or n.startswith(".") or n == "__pycache__"}
+
+
+def _stage(source: Path, staging: Path) -> Path:
+    target = staging / source.name
+    if source.is_dir():
+        shutil.copytree(source, target, ignore=_not_python)
+    else:
+        shutil.copy2(source, target)
+    return target
+
+
+def _installed(origin: Path) -> bool:
+    roots = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    return any(root in origin.resolve().parents for root in roots)
+
+
+def _origin(ref: str, top: str) -> Path:
+    """Where top-level module ``top`` comes from (finding it imports nothing)."""
+    found = importlib.util.find_spec(top)
+    if found is not None and found.origin and found.origin not in ("built-in", "frozen"):
+        return Path(found.origin)
+    if found is not None and found.submodule_search_locations:  # a namespace package
+        return Path(next(iter(found.submodule_search_locations)), "__init__.py")
+    raise UserError(
+        f"model {ref!r}: module {top!r} is neither in the run's code paths nor importable here, so the "
+        "logged model could not import it; add its directory to `code_paths`"
+    )
+
+
+def stage_code(
+    spec: dict[str, Any], staging: Path, reserved: Collection[str] = ()
+) -> tuple[list[str], list[str]]:
+    """(paths, extra requirements): copies of a user model's code in ``staging``, for MLflow's code_paths.
+
+    MLflow copies each entry into ``code/`` under its own name and puts ``code/`` on sys.path, so a
+    code path ``X/models`` itself would import as ``models.*``: the entries are the modules and packages
+    *inside* each code path (their .py files), and the first code path holding a name wins, as on the
+    sys.path training used. A factory module outside the code paths is copied too, unless it is an
+    installed distribution: that one is pinned instead. Names in ``reserved`` (staged by the caller)
+    are never copied. A built-in model without code paths stages nothing."""
+    code = spec.get("code")
+    if not code:
+        return [], []
+    # Only the trained code may go into the model (a user package's __init__ is imported to find it).
+    check_code_unchanged(spec["model"], code, "the logged model")
+    staging.mkdir(parents=True, exist_ok=True)
+    taken, staged = set(reserved), []
+    for entry in code["paths"]:
+        for source in sorted(Path(entry).iterdir()):
+            is_code = source.suffix == ".py" if source.is_file() else any(source.rglob("*.py"))
+            name = source.stem if source.is_file() else source.name
+            if is_code and not name.startswith(".") and name not in taken:
+                taken.add(name)
+                staged.append(_stage(source, staging))
+    top = spec["model"].partition(":")[0].split(".")[0]
+    extra: list[str] = []
+    if top not in taken:
+        origin = _origin(spec["model"], top)
+        if _installed(origin):
+            extra = importlib.metadata.packages_distributions().get(top, [])[:1]
+        else:
+            staged.append(_stage(origin.parent if origin.name == "__init__.py" else origin, staging))
+    return [str(path) for path in staged], extra
