@@ -128,6 +128,31 @@ def slurm_and_local_runs(slurm_cluster, tmp_path_factory):
     return {"slurm": checkout, "local": local_dir, "slurm_log": proc.stderr}
 
 
+def test_user_model_from_a_code_path_trains_inside_slurm_jobs(slurm_cluster, tmp_path):
+    """The README's user-model example on the cluster: the factory is imported from its code path by
+    the ranks inside the SLURM job, and the checkpoint records that file's digest."""
+    checkout = checkout_copy(tmp_path / "checkout")
+    (checkout / "one_epoch.yaml").write_text("run_defaults: {epochs: 1}\n")
+    target = "results/runs/resmlp_soup/eval.json"
+    # As the README runs an example: in the checkout, config files relative to it.
+    configs = ["--configfile", "config/examples/user_model.yaml", "one_epoch.yaml"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", *FAST_STATUS, target, *configs],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, snakemake_failure(checkout, proc)
+    assert slurm_job_ids(checkout, "train"), "the training did not run as a SLURM job"
+    evaluation = json.loads((checkout / target).read_text())
+    gather = json.loads((checkout / "results/trainings" / evaluation["training"] / "gather.json").read_text())
+    assert gather["model"]["model"] == "resmlp:build"
+    assert list(gather["model"]["code"]["files"]) == ["config/examples/models/resmlp.py"]
+    assert evaluation["merged"]["accuracy"] > 0.5
+
+
 def test_default_experiment_runs_partition_and_train_as_slurm_jobs(slurm_and_local_runs, slurm_cluster):
     workdir = slurm_and_local_runs["slurm"]
     records = job_records(slurm_cluster)
