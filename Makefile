@@ -8,11 +8,13 @@ CORES ?= all
 export PATH := $(BIN):$(PATH)
 STAMP := $(VENV)/.installed
 
-# Tests that need a root daemon, a cluster, a server or a browser, and the benchmark smoke run:
-# `make test-all` (CI) runs them.
+# Tests that need a root daemon, a cluster, a server or a browser, and the benchmark smoke run; and the
+# end-to-end experiments that take minutes (slow: the README's examples, every task through the
+# workflow). `make test-all` (CI) runs them.
 SERVICE_TESTS := slurm or server or browser or bench
+SLOW_TESTS := slow
 
-.PHONY: venv run test test-services test-all lint format ui clean
+.PHONY: venv run test test-slow test-services test-all lint format ui clean
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -29,15 +31,19 @@ run: $(STAMP)
 # test file per worker at a time (module fixtures are built once).
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS))" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS) or $(SLOW_TESTS))" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The slow tier: whole experiments, no service; two workers, one test file each.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m "$(SLOW_TESTS)" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The service tier: SLURM clusters, the PostgreSQL-backed tracking server, the browser (.ci/run starts
 # the single-node cluster first; the others are started by their tests), and the benchmark smoke run.
 test-services: $(STAMP)
 	$(BIN)/python -m pytest -m "$(SERVICE_TESTS)" $(PYTEST_ARGS)
 
-# Everything (CI): the fast tier, then the service tier.
-test-all: test test-services
+# Everything (CI): the fast tier, the slow tier, then the service tier.
+test-all: test test-slow test-services
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

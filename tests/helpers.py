@@ -47,6 +47,19 @@ def snakemake_command(workdir: Path, *args: object) -> list[str]:
     ]
 
 
+def run_in(cwd: Path, command: list, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``command`` (``python -m`` it when it starts with a module name such as snakemake) as a user
+    runs it in ``cwd``: this checkout's environment, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, command)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+
+
 def snakemake_failure(workdir: Path, proc: subprocess.CompletedProcess, tail: int = 4000) -> str:
     """Assertion message for a failed snakemake run: its stderr tail, then the end of the log of
     every job it reports as failed (the job's own error is there, not in snakemake's output)."""

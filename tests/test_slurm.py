@@ -23,6 +23,7 @@ from tests.helpers import (
     MEASUREMENTS,
     REPO,
     SLURM_FAST_STATUS,
+    run_in,
     snakemake_command,
     snakemake_failure,
     subprocess_env,
@@ -136,14 +137,7 @@ def test_user_model_from_a_code_path_trains_inside_slurm_jobs(slurm_cluster, tmp
     target = "results/runs/resmlp_soup/eval.json"
     # As the README runs an example: in the checkout, config files relative to it.
     configs = ["--configfile", "config/examples/user_model.yaml", "one_epoch.yaml"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", *FAST_STATUS, target, *configs],
-        cwd=checkout,
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=600,
-    )
+    proc = run_in(checkout, ["snakemake", "--profile", "profiles/slurm", *FAST_STATUS, target, *configs])
     assert proc.returncode == 0, snakemake_failure(checkout, proc)
     assert slurm_job_ids(checkout, "train"), "the training did not run as a SLURM job"
     evaluation = json.loads((checkout / target).read_text())

@@ -17,7 +17,7 @@ import yaml
 from shardfuse.checkpoint import load_weights
 from tests.test_workflow import planned_jobs, snakemake
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # A user module, as a researcher would write one: a classifier/regressor and a tiny causal LM.
 USER_MODELS = '''

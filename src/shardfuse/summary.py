@@ -10,8 +10,9 @@ The header depends on the tasks of the runs listed. Runs that all classify get e
 :data:`SCORE_COLUMNS` of their score (``test_mse_merged``, ``test_mse_best_rank``, ...; one that already
 exists, such as causal_lm's ``test_loss_merged``, is not repeated), then ``test_<metric>_merged`` for their
 other metrics (regression: mae, r2), all preceded by a ``task`` column when the runs mix tasks. A run
-leaves the cells of other tasks' columns empty; ``fusion_gain`` is eval.json's, positive when merging
-helped whatever the direction of the score.
+leaves the cells of other tasks' columns empty, and without a classification run the accuracy
+columns are left out; ``fusion_gain`` is eval.json's, positive when merging helped whatever the
+direction of the score.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
         extra += [f"test_{metric}_merged" for metric in task.metrics if metric not in (task.score, "loss")]
     extra = [column for column in dict.fromkeys(extra) if column not in COLUMNS]
     at = COLUMNS.index(_INSERT_AFTER) + 1
-    return (*COLUMNS[:at], *extra, *COLUMNS[at:])
+    columns = (*COLUMNS[:at], *extra, *COLUMNS[at:])
+    if "classification" not in names:  # no run has an accuracy: no columns that are empty in every row
+        columns = tuple(column for column in columns if not column.startswith("test_accuracy_"))
+    return columns
 
 
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
