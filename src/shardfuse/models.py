@@ -87,17 +87,28 @@ class Standardized(nn.Module):
     Its state dict holds ``input_mean``, ``input_scale`` (and ``target_mean``, ``target_scale``) beside
     the user model's own tensors under ``model.``."""
 
-    def __init__(self, model: nn.Module, num_features: int, num_outputs: int, scale_targets: bool) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_features: int,
+        num_outputs: int,
+        scale_targets: bool,
+        standardize_inputs: bool = True,
+    ) -> None:
         super().__init__()
         self.model = model
-        self.register_buffer("input_mean", torch.zeros(num_features))
-        self.register_buffer("input_scale", torch.ones(num_features))
+        self.standardize_inputs = standardize_inputs  # numeric columns only, not images or tokens
+        if standardize_inputs:
+            self.register_buffer("input_mean", torch.zeros(num_features))
+            self.register_buffer("input_scale", torch.ones(num_features))
         self.scale_targets = scale_targets
         if scale_targets:
             _register_target_buffers(self, num_outputs)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        outputs = self.model((features - self.input_mean) * self.input_scale)
+        if self.standardize_inputs:
+            features = (features - self.input_mean) * self.input_scale
+        outputs = self.model(features)
         return _unscale(self, outputs) if self.scale_targets else outputs
 
 
@@ -159,10 +170,12 @@ def build_model(spec: dict[str, Any], verify_code: bool = False) -> nn.Module:
             f"model {spec['model']!r} returned {type(model).__name__}, not a torch.nn.Module; make the "
             "factory return the network"
         )
-    if spec["model"] in BUILTINS or description.task == "causal_lm":
+    scale_targets = description.task == "regression"
+    numeric = description.input_kind == "numeric"
+    if spec["model"] in BUILTINS or description.task == "causal_lm" or not (numeric or scale_targets):
         return model
     return Standardized(
-        model, description.num_features, description.num_outputs, description.task == "regression"
+        model, description.num_features, description.num_outputs, scale_targets, standardize_inputs=numeric
     )
 
 
@@ -201,9 +214,9 @@ def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.dev
     task = task_for(description.task)
     rows = 2
     if description.task == "causal_lm":
-        dummy = torch.zeros(rows, int(description.block_size or 1), dtype=torch.long, device=device)
+        dummy = torch.zeros(rows, *description.input_shape, dtype=torch.long, device=device)
     else:
-        dummy = torch.zeros(rows, description.num_features, device=device)
+        dummy = torch.zeros(rows, *description.input_shape, device=device)
     expected = task.expected_output_shape(rows, description.num_outputs, description.block_size)
     was_training = model.training
     model.eval()
@@ -237,10 +250,11 @@ def score_state_dict(
 ) -> dict[str, float]:
     """The task's metrics of model ``spec`` with weights ``tensors`` on (features, labels)."""
     description = description_of(spec)
-    if features.shape[1] != description.num_features:
+    expected = tuple(description.feature_shape) or (description.num_features,)
+    if tuple(features.shape[1:]) != expected:
         raise UserError(
-            f"the model expects {description.num_features} features but the data has "
-            f"{features.shape[1]}; evaluate with a split of the run's dataset"
+            f"the model expects inputs shaped {list(expected)} per row but the data has "
+            f"{list(features.shape[1:])}; evaluate with a split of the run's dataset"
         )
     model = build_model(spec)
     model.load_state_dict(tensors)

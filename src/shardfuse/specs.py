@@ -38,6 +38,17 @@ class DataDescription:
     num_classes: int | None = None
     vocab_size: int | None = None
     block_size: int | None = None  # causal_lm: tokens a model sees per row
+    # How a row's input is stored (shardfuse.shard_format): "numeric" columns x0..x{F-1}, a "tensor"
+    # column (e.g. images [1, 8, 8]) or a "tokens" block of block_size + 1 token ids.
+    input_kind: str = "numeric"
+    feature_shape: tuple[int, ...] = ()  # one row's input: (F,), (C, H, W), (block_size + 1,)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One row's input as a model sees it (tokens: block_size, the last one being a target)."""
+        if self.input_kind == "tokens":
+            return (int(self.block_size or 0),)
+        return tuple(self.feature_shape) or (self.num_features,)
 
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> DataDescription:
@@ -59,6 +70,8 @@ class DataDescription:
             num_classes=int(info["num_classes"]) if task == "classification" else None,
             vocab_size=int(info["vocab_size"]) if task == "causal_lm" else None,
             block_size=int(info["block_size"]) if task == "causal_lm" else None,
+            input_kind=str(info.get("input", {}).get("kind", "tokens" if task == "causal_lm" else "numeric")),
+            feature_shape=tuple(int(n) for n in info.get("input", {}).get("shape", [info["num_features"]])),
         )
 
     def to_dict(self) -> dict[str, Any]:

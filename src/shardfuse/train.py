@@ -144,11 +144,12 @@ def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path)
     task = info.get("task", "classification")
     if task == "causal_lm":
         return None, None
-    input_stats = feature_stats(manifest, info["num_features"])
+    numeric = info.get("input", {}).get("kind", "numeric") == "numeric"  # not images: no moments
+    input_stats = feature_stats(manifest, info["num_features"]) if numeric else None
     target_stats = None
     if task == "regression":
         target_stats = column_stats(manifest, [f"y{j}" for j in range(len(info["target_names"]))])
-    if input_stats is None or (task == "regression" and target_stats is None):
+    if (numeric and input_stats is None) or (task == "regression" and target_stats is None):
         raise UserError(
             f"shard manifest in {shard_dir} has no finite column moments (made by an older partition, "
             "or a value overflows float64); re-run partition (snakemake -R partition)"
