@@ -136,9 +136,10 @@ def test_regression_runs_fill_test_mse_columns_and_a_positive_gain_when_merged_m
 
 def test_mixed_tasks_get_a_task_column_and_leave_other_tasks_cells_empty(tmp_path):
     causal = regression_evaluation("lm")  # the same shape, ranked by loss
-    causal.update(task="causal_lm", score="loss", metrics=["loss", "perplexity", "bits_per_token"])
+    metrics = ["loss", "perplexity", "bits_per_token", "bits_per_byte"]
+    causal.update(task="causal_lm", score="loss", metrics=metrics)
     for entry in (causal["merged"], causal["base"], *causal["ranks"]):
-        entry.update(perplexity=2.0, bits_per_token=1.0)
+        entry.update(perplexity=2.0, bits_per_token=1.0, bits_per_byte=1.0)
     causal.update(best_rank_loss=0.31, fusion_gain=0.31 - 0.26)
     evaluations = {
         "cls": classification_evaluation("cls", 0.8),
@@ -150,7 +151,7 @@ def test_mixed_tasks_get_a_task_column_and_leave_other_tasks_cells_empty(tmp_pat
     assert header[after : header.index("fusion_gain")] == [
         "task", *MSE_COLUMNS, "test_mae_merged", "test_r2_merged", "test_loss_best_rank",
         "test_loss_mean_rank", "test_loss_base", "test_loss_ddp_baseline", "test_perplexity_merged",
-        "test_bits_per_token_merged",
+        "test_bits_per_token_merged", "test_bits_per_byte_merged",
     ]  # fmt: skip
     assert len(header) == len(set(header))  # causal_lm's test_loss_merged is the existing column
     by_run = {row["run"]: row for row in rows}

@@ -45,6 +45,7 @@ MODEL_NAME = "model"
 WEIGHTS_TAG = "shardfuse.weights_sha256"
 REQUIREMENTS = ("torch", "safetensors", "numpy", "pandas")
 TOKENS = "tokens"  # causal_lm's input column
+TENSOR = "x"  # a tensor-input model's input (images): an array [N, *shape], or a column of arrays
 PACKAGE = Path(__file__).parent
 BATCH_ROWS = 1024  # causal_lm rows per forward pass: logits are [rows, T, vocab]
 
@@ -59,6 +60,7 @@ class Interface:
     outputs: tuple[str, ...]
     labels: tuple[str, ...] | None  # classification: what ``prediction`` says per class (None: its index)
     block_size: int | None
+    tensor_shape: tuple[int, ...] | None = None  # tensor inputs (images): one row's shape, e.g. (1, 8, 8)
 
 
 def _names(given: tuple[str, ...], count: int, prefix: str) -> tuple[str, ...]:
@@ -83,12 +85,16 @@ def interface(spec: dict[str, Any]) -> Interface:
         raise UserError(f"unknown task {task!r} in the checkpoint's model spec; re-train with this shardfuse")
     # causal_lm: the tokens a row sees (num_features holds the same for a token block)
     block_size = int(description.block_size or description.num_features)
+    tensor_shape = None
+    if description.input_kind == "tensor":
+        inputs, tensor_shape = (TENSOR,), tuple(int(n) for n in description.feature_shape)
     return Interface(
         task,
         inputs,
         outputs,
         labels if task == "classification" else None,
         block_size if task == "causal_lm" else None,
+        tensor_shape,
     )
 
 
@@ -107,6 +113,21 @@ def _columns(frame, names: tuple[str, ...]):
             f"column(s): {expected}"
         )
     return frame[list(names)]
+
+
+def _tensor_rows(model_input: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 [N, *shape] from an array, or from a DataFrame column ``x`` holding one array per row."""
+    if isinstance(model_input, np.ndarray):
+        values = model_input
+    else:
+        cells = _columns(model_input, (TENSOR,))[TENSOR]
+        values = np.stack([np.asarray(cell, dtype=np.float32) for cell in cells]) if len(cells) else None
+    if values is None or values.size % int(np.prod(shape)) or values.shape[0] == 0:
+        raise UserError(
+            f"the model takes inputs shaped [N, {', '.join(map(str, shape))}]; pass such an array"
+        )
+    values = np.asarray(values, dtype=np.float32).reshape(-1, *shape)
+    return np.ascontiguousarray(values)
 
 
 def _token_ids(cell: Any, row: int, vocab_size: int) -> np.ndarray:
@@ -144,10 +165,15 @@ class MergedModel:
         import pandas as pd
         import torch
 
-        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+        frame = model_input
+        if not isinstance(model_input, (pd.DataFrame, np.ndarray)):
+            frame = pd.DataFrame(model_input)
         if self.interface.task == "causal_lm":
             return self._next_token(frame)
-        values = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
+        if self.interface.tensor_shape is not None:
+            values = _tensor_rows(model_input, self.interface.tensor_shape)
+        else:
+            values = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
         with torch.no_grad():
             outputs = self.model(torch.from_numpy(values)).float()
         if self.interface.task == "regression":
@@ -192,11 +218,13 @@ def _load_pyfunc(data_path: str) -> MergedModel:
 
 def model_signature(spec: dict[str, Any]):
     from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema
+    from mlflow.types import ColSpec, Schema, TensorSpec
     from mlflow.types.schema import Array
 
     shape = interface(spec)
-    if shape.task == "causal_lm":
+    if shape.tensor_shape is not None:
+        inputs = Schema([TensorSpec(np.dtype(np.float32), (-1, *shape.tensor_shape))])
+    elif shape.task == "causal_lm":
         inputs = Schema([ColSpec(Array("long"), TOKENS)])
     else:
         # "double" inputs: MLflow rejects float64 columns for a float32 schema; predict casts to float32.
@@ -212,6 +240,8 @@ def input_example(spec: dict[str, Any]):
     import pandas as pd
 
     shape = interface(spec)
+    if shape.tensor_shape is not None:
+        return np.zeros((1, *shape.tensor_shape), dtype=np.float32)
     if shape.task == "causal_lm":
         return pd.DataFrame({TOKENS: [[0] * int(shape.block_size or 1)]})
     return pd.DataFrame([[0.0] * len(shape.inputs)], columns=list(shape.inputs))

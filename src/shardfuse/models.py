@@ -203,7 +203,8 @@ def task_of(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
     model's ``target_scale``)."""
     spec = normalized_spec(spec)
     scale = None if tensors is None else tensors.get("target_scale")
-    return task_for(spec["task"], loss=loss, target_scale=scale)
+    bytes_per_token = description_of(spec).bytes_per_token
+    return task_for(spec["task"], loss=loss, target_scale=scale, bytes_per_token=bytes_per_token)
 
 
 def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.device) -> None:

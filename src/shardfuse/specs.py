@@ -42,6 +42,7 @@ class DataDescription:
     # column (e.g. images [1, 8, 8]) or a "tokens" block of block_size + 1 token ids.
     input_kind: str = "numeric"
     feature_shape: tuple[int, ...] = ()  # one row's input: (F,), (C, H, W), (block_size + 1,)
+    bytes_per_token: float = 1.0  # causal_lm: the corpus's bytes per token (1 for byte-level tokens)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -70,6 +71,7 @@ class DataDescription:
             num_classes=int(info["num_classes"]) if task == "classification" else None,
             vocab_size=int(info["vocab_size"]) if task == "causal_lm" else None,
             block_size=int(info["block_size"]) if task == "causal_lm" else None,
+            bytes_per_token=float(info.get("bytes_per_token", 1.0)),
             input_kind=str(info.get("input", {}).get("kind", "tokens" if task == "causal_lm" else "numeric")),
             feature_shape=tuple(int(n) for n in info.get("input", {}).get("shape", [info["num_features"]])),
         )

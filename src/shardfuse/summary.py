@@ -89,7 +89,8 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         "strategy": cfg["strategy"],
         "sync_every": cfg["sync_every"],
         "merge_method": merging["method"],
-        **{f"test_{metric}_merged": merged[metric] for metric in score_first(task)},
+        # .get: an eval.json written before a task gained a metric lacks it (an empty cell, not an error).
+        **{f"test_{metric}_merged": merged.get(metric, "") for metric in score_first(task)},
         f"test_{score}_best_rank": evaluation[f"best_rank_{score}"],
         f"test_{score}_mean_rank": evaluation[f"mean_rank_{score}"],
         f"test_{score}_base": evaluation["base"][score],

@@ -13,8 +13,9 @@ task; none of them names a metric on its own. No command line; a library module:
   depend on the targets' units; metrics ``loss`` (that loss), ``mse``, ``mae`` (in the targets' units)
   and ``r2`` (per target, averaged, as scikit-learn's r2_score); ranked by mse, lower is better.
 - ``causal_lm``: next-token cross-entropy on blocks of block_size + 1 tokens (inputs are the first
-  block_size, targets the last block_size); metrics ``loss`` (nats per token), ``perplexity`` and
-  ``bits_per_token``; ranked by loss, lower is better.
+  block_size, targets the last block_size); metrics ``loss`` (nats per token), ``perplexity``,
+  ``bits_per_token`` and ``bits_per_byte`` (bits per token / the corpus's bytes per token: equal for
+  byte-level tokens, comparable across tokenizers); ranked by loss, lower is better.
 
 Metrics are accumulated as float64 sums batch by batch, so a split of any size is scored in bounded
 memory and the result does not depend on the batch size beyond float rounding. Importing this module
@@ -174,7 +175,11 @@ class CausalLM(Task):
     name = "causal_lm"
     score = "loss"
     lower_is_better = True
-    metrics = ("loss", "perplexity", "bits_per_token")
+    metrics = ("loss", "perplexity", "bits_per_token", "bits_per_byte")
+
+    def __init__(self, bytes_per_token: float = 1.0) -> None:
+        # Bits per byte compares models across tokenizers (a byte-level one has 1 byte per token).
+        self.bytes_per_token = float(bytes_per_token)
 
     def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = inputs.long()
@@ -191,18 +196,27 @@ class CausalLM(Task):
 
     def finish(self, totals: Totals) -> dict[str, float]:
         loss = totals.sums["loss"] / totals.rows
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2)}
+        bits = loss / math.log(2)
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_token": bits,
+            "bits_per_byte": bits / self.bytes_per_token,
+        }
 
     def expected_output_shape(self, rows: int, num_outputs: int, block_size: int | None) -> tuple[int, ...]:
         return (rows, int(block_size or 0), num_outputs)
 
 
-def task_for(name: str, loss: str = "mse", target_scale: torch.Tensor | None = None) -> Task:
-    """The task object for ``name``; ``loss`` and ``target_scale`` concern regression only."""
+def task_for(
+    name: str, loss: str = "mse", target_scale: torch.Tensor | None = None, bytes_per_token: float = 1.0
+) -> Task:
+    """The task object for ``name``; ``loss`` and ``target_scale`` concern regression only,
+    ``bytes_per_token`` (of the corpus, for bits per byte) causal_lm only."""
     if name == "classification":
         return Classification()
     if name == "regression":
         return Regression(loss, target_scale)
     if name == "causal_lm":
-        return CausalLM()
+        return CausalLM(bytes_per_token)
     raise UserError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")

@@ -197,9 +197,13 @@ def load_inputs(
         metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
     files = RunFiles(manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots))
-    metric_names = score_first(evaluation_task(evaluation, eval_path))
+    task = evaluation_task(evaluation, eval_path)
     test_metrics = {
-        rank: {f"test_{k}": float(_field(eval_ranks[rank], k, eval_path)) for k in metric_names}
+        rank: {
+            f"test_{k}": float(_field(eval_ranks[rank], k, eval_path))
+            for k in score_first(task)
+            if k == task.score or k in eval_ranks[rank]
+        }
         for rank in range(world_size)
     }
     histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
@@ -250,7 +254,9 @@ def headline_metrics(
     task = evaluation_task(evaluation, eval_path)
     score = task.score
     merged = _field(evaluation, "merged", eval_path)
-    metrics = {f"test_{m}_merged": float(_field(merged, m, eval_path)) for m in score_first(task)}
+    # An eval.json from before a task gained a metric lacks it: the score is required, the rest optional.
+    names = [m for m in score_first(task) if m == score or m in merged]
+    metrics = {f"test_{m}_merged": float(_field(merged, m, eval_path)) for m in names}
     best_rank = float(_field(evaluation, f"best_rank_{score}", eval_path))
     metrics.update(
         {
