@@ -258,3 +258,26 @@ def make_shards(dataset: Path, world_size: int, out_dir: Path) -> Path:
         )
     )  # fmt: skip
     return Path(out_dir)
+
+
+TOKEN_VOCAB_SIZE = 50_257  # GPT-2's: ids need uint16, as prepare stores them under 65536
+TOKEN_BLOCK_ROWS = 65_536  # blocks per row group of a written corpus
+
+
+def write_token_corpus(path: Path, num_blocks: int, block_size: int = 256, seed: int = 0) -> Path:
+    """A causal-LM split as prepare writes it: one ``tokens`` column, fixed_size_list<uint16>[block_size
+    + 1], uniformly random ids (no repeats to exploit: the worst case for size). Written a row group at
+    a time, so a ~1 GB corpus needs ~35 MB here."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    width = block_size + 1
+    schema = pa.schema([pa.field("tokens", pa.list_(pa.uint16(), width))])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, num_blocks, TOKEN_BLOCK_ROWS):
+            count = min(TOKEN_BLOCK_ROWS, num_blocks - start)
+            ids = pa.array(rng.integers(0, TOKEN_VOCAB_SIZE, count * width, dtype=np.uint16))
+            writer.write_table(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(ids, width)}))
+    return Path(path)

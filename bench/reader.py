@@ -2,6 +2,8 @@
 
     python bench/reader.py                          # a 4M-row x 32-feature shard
     python bench/reader.py --rows 50000 --reps 1    # smoke size
+    python bench/reader.py --rows 20000 --batches 3000 --token-blocks 62500 --images 10000 --reps 1
+                                                    # token and image figures at full size, quickly
 
 Paths, each in its own process (peak RSS per process), interleaved and repeated:
 
@@ -18,11 +20,22 @@ default batch size). Then the default MLP trains ``--steps`` steps on each in-pr
 (one torch thread, as a rank gets under torchrun with two ranks on two cores), in epoch 0 and again in
 epoch 1 (ShardReader's streamed and cached halves), and the time spent waiting for the next batch is
 reported as a share of the step time (the larger of the two epochs).
+
+Two more sample kinds (``shardfuse.shard_format``):
+
+* token blocks: a causal-LM shard (``tokens``, uint16, block size 256; ``--token-blocks`` blocks,
+  default ``--rows`` / 64), read in batches of 32 blocks as int64 from ShardReader's cache (epoch 1;
+  epoch 0 fills it), against a naive loader: pandas.read_parquet -> Python lists -> torch.tensor per
+  batch. Each in its own process; tokens/s per rank and time to first batch.
+* images: decoding a tensor column (``x``, [1, 28, 28] float32; ``--images`` rows, default ``--rows``
+  / 400) into a float32 array with the zero-copy view the reader uses, against a per-row
+  ``np.array(row)`` loop over the same in-memory Arrow column, in this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -34,6 +47,11 @@ import common
 
 TARGET_TTFB_SPEEDUP = 5.0
 TARGET_WAIT_SHARE = 0.05
+TARGET_TOKENS_PER_S = 5e6
+TARGET_IMAGE_SPEEDUP = 10.0
+TOKEN_BLOCK_SIZE = 256
+IMAGE_SHAPE = (1, 28, 28)
+TOKEN_PATHS = ("naive", "ShardReader")
 # The config's run_defaults: the default model and optimiser.
 DEFAULT_RUN = {
     "hidden_sizes": [64],
@@ -146,6 +164,89 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
     }
 
 
+def token_batches(path_name: str, shard_dir: Path, batch_size: int, seed: int = 0):
+    """An endless iterator over int64 [batch_size, block_size + 1] token batches of rank 0's shard,
+    started now: epochs 0, 1, ... (ShardReader: epoch 0 streams and fills the cache)."""
+    import torch
+
+    from shardfuse.data import ShardReader
+    from shardfuse.manifest import read_manifest
+
+    num_rows = read_manifest(shard_dir)["shards"][0]["rows"]
+    num_batches = max(1, num_rows // batch_size)
+    if path_name == "naive":
+        import pandas as pd
+
+        rows = [row.tolist() for row in pd.read_parquet(shard_dir / "shard-0.parquet")["tokens"]]
+        generator = torch.Generator().manual_seed(seed)
+
+        def naive():
+            while True:
+                order = torch.randperm(num_rows, generator=generator).tolist()
+                for start in range(0, num_batches * batch_size, batch_size):
+                    yield torch.tensor(
+                        [rows[i] for i in order[start : start + batch_size]], dtype=torch.int64
+                    )
+
+        return naive()
+    reader = ShardReader(shard_dir, 0, seed=seed, cache=True)
+    return (features for epoch in itertools.count() for features, _ in reader.epoch(epoch, num_batches))
+
+
+def measure_tokens(path_name: str, shard_dir: Path, batch_size: int, max_batches: int) -> dict:
+    """Runs in a child process: time to first batch, then tokens/s over an epoch (at most
+    ``max_batches`` batches) of the cached shard (ShardReader's epoch 1; naive: its second epoch)."""
+    import torch
+
+    from shardfuse.manifest import read_manifest
+
+    torch.set_num_threads(1)
+    num_batches = max(1, read_manifest(shard_dir)["shards"][0]["rows"] // batch_size)
+    started = time.perf_counter()
+    batches = token_batches(path_name, shard_dir, batch_size)
+    first = next(batches)
+    ttfb = time.perf_counter() - started
+    assert first.dtype == torch.int64 and first.shape[1] == TOKEN_BLOCK_SIZE + 1
+    for _ in range(num_batches - 1):  # the rest of epoch 0: ShardReader fills its cache
+        next(batches)
+    count = min(num_batches, max_batches)
+    started = time.perf_counter()
+    tokens = sum(next(batches).numel() for _ in range(count))
+    return {"ttfb_s": ttfb, "tokens_per_s": tokens / (time.perf_counter() - started)}
+
+
+def measure_images(num_images: int, reps: int, work_dir: Path) -> dict:
+    """Decoding a tensor column: the reader's zero-copy view (+ one copy into a float32 array, as into
+    a shuffle window) against a per-row np.array loop, interleaved ``reps`` times in this process."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardfuse.shard_format import SHAPE_KEY, list_values, recognise_layout
+
+    size = int(np.prod(IMAGE_SHAPE))
+    pixels = np.random.default_rng(0).integers(0, 256, num_images * size).astype(np.float32)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(pixels), size)
+    field = pa.field("x", column.type, metadata={SHAPE_KEY: json.dumps(list(IMAGE_SHAPE)).encode()})
+    labels = pa.array(np.zeros(num_images, np.int64))
+    path = work_dir / "images.parquet"
+    table = pa.Table.from_arrays([column, labels], schema=pa.schema([field, pa.field("label", pa.int64())]))
+    pq.write_table(table, path, row_group_size=4096)
+    table = pq.read_table(path)  # both decode the same in-memory column (several chunks)
+    spec = recognise_layout(table.schema, path).features[0]
+    seconds: dict[str, list[float]] = {"per-row loop": [], "tensor column": []}
+    for _ in range(reps):
+        started = time.perf_counter()
+        rows = table["x"].to_pylist()
+        loop = np.stack([np.array(row, dtype=np.float32).reshape(IMAGE_SHAPE) for row in rows])
+        seconds["per-row loop"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        decoded = np.array(list_values(table["x"], spec, path), dtype=np.float32)
+        seconds["tensor column"].append(time.perf_counter() - started)
+        assert np.array_equal(loop, decoded)
+    return seconds
+
+
 def make_shard(work_dir: Path, num_rows: int, num_features: int) -> Path:
     common.make_dataset(work_dir / "dataset", num_rows, num_features)
     return common.make_shards(work_dir / "dataset", 1, work_dir / "shards")
@@ -216,6 +317,7 @@ def run(args: argparse.Namespace) -> dict:
                 else "-",
             ]
         )
+    kinds_markdown, kinds_checks, kinds_results = sample_kinds(args)
     ttfb_speedup = paired("ShardReader", "ttfb_s", invert=True)
     throughput_ratio = paired("ShardReader", "samples_per_s", invert=False)
     wait_share = med("ShardReader", "wait_share", training)
@@ -255,10 +357,92 @@ def run(args: argparse.Namespace) -> dict:
     )
     return {
         "title": "2. Shard reader",
-        "markdown": markdown,
-        "checks": checks,
-        "results": {"samples": samples, "training": training, "shard_mb": shard_mb},
+        "markdown": markdown + "\n\n" + kinds_markdown,
+        "checks": checks + kinds_checks,
+        "results": {"samples": samples, "training": training, "shard_mb": shard_mb, **kinds_results},
     }
+
+
+def sample_kinds(args: argparse.Namespace) -> tuple[str, list, dict]:
+    """The token-block and image benchmarks: Markdown, checks and raw results."""
+    # run_all passes only the numeric sizes: the others follow --rows unless given.
+    num_blocks = getattr(args, "token_blocks", None) or max(256, args.rows // 64)
+    num_images = getattr(args, "images", None) or max(50, args.rows // 400)
+    corpus_dir = args.work_dir / "tokens"
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    common.write_token_corpus(corpus_dir / "train.parquet", num_blocks, TOKEN_BLOCK_SIZE)
+    shard_dir = common.make_shards(corpus_dir, 1, args.work_dir / "token-shards")
+    corpus_mb = (shard_dir / "shard-0.parquet").stat().st_size / 1e6
+    tokens: dict[str, list[dict]] = {name: [] for name in TOKEN_PATHS}
+    for _ in range(args.reps):
+        for name in TOKEN_PATHS:
+            measured = common.measure(child("tokens", name, shard_dir, args))
+            tokens[name].append(
+                {**json.loads(measured.stdout.strip().splitlines()[-1]), "rss": measured.peak_rss_mb}
+            )
+    images = measure_images(num_images, args.reps, args.work_dir)
+
+    def med(name: str, key: str) -> float:
+        return common.median([sample[key] for sample in tokens[name]])
+
+    token_ratio = common.median(
+        [
+            o["tokens_per_s"] / n["tokens_per_s"]
+            for n, o in zip(tokens["naive"], tokens["ShardReader"], strict=True)
+        ]
+    )
+    token_rows = [
+        [
+            name,
+            med(name, "ttfb_s"),
+            med(name, "tokens_per_s"),
+            "1x" if name == "naive" else f"{token_ratio:.1f}x",
+            f"{med(name, 'rss'):.0f}",
+        ]
+        for name in TOKEN_PATHS
+    ]
+    image_speedup = common.median(
+        [loop / view for loop, view in zip(images["per-row loop"], images["tensor column"], strict=True)]
+    )
+    image_rows = [
+        [
+            name,
+            common.median(times),
+            num_images / common.median(times),
+            "1x" if name == "per-row loop" else f"{image_speedup:.1f}x",
+        ]
+        for name, times in images.items()
+    ]
+    reader_tokens = med("ShardReader", "tokens_per_s")
+    markdown = (
+        "Token blocks (causal LM):\n\n"
+        + common.table(
+            ["path", "time to first batch s", "tokens/s per rank", "tokens/s vs naive", "peak RSS MB"],
+            token_rows,
+        )
+        + f"\n\n{num_blocks:,} blocks of {TOKEN_BLOCK_SIZE} + 1 uint16 tokens, {corpus_mb:,.0f} MB of "
+        f"Parquet (one rank); batches of {args.batch_size} blocks as int64, tokens/s over one epoch (at most "
+        f"{args.batches} batches) after the first (ShardReader: from its cache), 1 torch thread.\n\n"
+        "Images (tensor column):\n\n"
+        + common.table(["decode", "seconds", "images/s", "vs per-row loop"], image_rows)
+        + f"\n\n{num_images:,} images {list(IMAGE_SHAPE)} float32 in memory (Arrow, several chunks) -> one "
+        "float32 array; the per-row loop is to_pylist + np.array(row) per image. Median of "
+        f"{args.reps} interleaved repetitions; ratios paired per repetition."
+    )
+    checks = [
+        (
+            f"ShardReader token blocks >= {TARGET_TOKENS_PER_S / 1e6:g} M tokens/s per rank (cached, block "
+            f"{TOKEN_BLOCK_SIZE}, batch {args.batch_size})",
+            f"{reader_tokens / 1e6:.1f} M/s ({token_ratio:.1f}x naive)",
+            reader_tokens >= TARGET_TOKENS_PER_S,
+        ),
+        (
+            f"tensor column decode >= {TARGET_IMAGE_SPEEDUP:g}x a per-row np.array loop",
+            f"{image_speedup:.1f}x",
+            image_speedup >= TARGET_IMAGE_SPEEDUP,
+        ),
+    ]
+    return markdown, checks, {"tokens": tokens, "images": images}
 
 
 def main() -> None:
@@ -269,6 +453,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10_000)
     parser.add_argument("--steps", type=int, default=3_000)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--token-blocks", type=int, help="token blocks of the causal-LM shard (--rows / 64)")
+    parser.add_argument("--images", type=int, help="images of the tensor decode (--rows / 400)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfuse-bench/reader"))
     parser.add_argument("--shard-dir", type=Path, help="internal")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help="internal")
@@ -277,6 +463,8 @@ def main() -> None:
         kind, path_name = args.child
         if kind == "read":
             result = measure_path(path_name, args.shard_dir, args.batch_size, args.batches)
+        elif kind == "tokens":
+            result = measure_tokens(path_name, args.shard_dir, args.batch_size, args.batches)
         else:
             result = measure_training(path_name, args.shard_dir, args.steps)
         print(json.dumps(result))

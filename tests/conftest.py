@@ -95,6 +95,20 @@ def diabetes_data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def digits_images_data(tmp_path_factory) -> tuple[Path, Path]:
+    """scikit-learn's digits as 1x8x8 images (a tensor column), prepared and in 2 shards."""
+    spec = '{"source": "digits_images"}'
+    return prepare_and_partition(tmp_path_factory.mktemp("datasets"), "digits_images", spec)
+
+
+@pytest.fixture(scope="session")
+def stdlib_tokens_data(tmp_path_factory) -> tuple[Path, Path]:
+    """The Python standard library's json package as byte tokens in blocks of 33, in 2 shards."""
+    spec = '{"source": "text", "paths": ["{stdlib}/json/*.py"], "block_size": 32, "max_tokens": 40000}'
+    return prepare_and_partition(tmp_path_factory.mktemp("datasets"), "stdlib", spec)
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster() -> Path:
     """The single-node cluster of scripts/slurm-up.sh. CI must have it: there a missing cluster fails."""
     try:

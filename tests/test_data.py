@@ -26,6 +26,8 @@ from shardfuse.io import UserError
 from shardfuse.manifest import read_manifest
 from shardfuse.partition import partition_parquet
 from shardfuse.prepare import prepare
+from shardfuse.shard_format import SHAPE_KEY, ColumnSpec, list_values, recognise_layout
+from tests.test_partition import write_tensor_split, write_token_split
 
 NUM_FEATURES = 12  # > 10, so a string sort of x0..x11 would put x10 before x2
 SPEC = {"source": "synthetic", "num_rows": 500, "num_features": NUM_FEATURES, "num_classes": 3, "seed": 1}
@@ -318,3 +320,186 @@ def test_feature_stats_without_moments_in_the_manifest_is_none(streamed):
     for shard in manifest["shards"]:
         del shard["column_moments"]
     assert feature_stats(manifest, 5) is None
+
+
+def test_read_manifest_accepts_a_manifest_without_columns_and_rejects_malformed_ones(shard_copy):
+    manifest = json.loads((shard_copy / "manifest.json").read_text())
+    assert manifest["columns"][0] == {"name": "x0", "kind": "numeric", "dtype": "float32", "shape": []}
+    del manifest["columns"]  # as partition wrote it before it recorded columns
+    (shard_copy / "manifest.json").write_text(json.dumps(manifest))
+    assert "columns" not in read_manifest(shard_copy)
+    manifest["columns"] = [{"name": "x", "kind": "picture", "dtype": "float32", "shape": [8]}]
+    (shard_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="has a malformed 'columns' list"):
+        read_manifest(shard_copy)
+
+
+# ---------------------------------------------------------------- tensor and token layouts
+
+LAYOUT_ROWS = 301  # odd, so shards and batches differ in size
+LAYOUTS = ("tensor", "tensor_regression", "tokens_uint16", "tokens_int32")
+
+
+def write_layout(path: Path, layout: str) -> pa.Table:
+    """A prepared split of ``layout`` in 3 row groups."""
+    if layout.startswith("tensor"):
+        targets = "label" if layout == "tensor" else "y"
+        return write_tensor_split(path, LAYOUT_ROWS, shape=(1, 8, 8), row_group_size=120, targets=targets)
+    dtype = np.uint16 if layout == "tokens_uint16" else np.int32
+    return write_token_split(path, LAYOUT_ROWS, block_size=16, dtype=dtype, row_group_size=120)
+
+
+@pytest.fixture(scope="module")
+def layout_shards(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Per layout: (input split, 2-shard dir whose shards have row groups of 16 rows)."""
+    root = tmp_path_factory.mktemp("layouts")
+    made = {}
+    for layout in LAYOUTS:
+        write_layout(root / f"{layout}.parquet", layout)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(partition, "MAX_ROW_GROUP_ROWS", 16)
+            partition_parquet(root / f"{layout}.parquet", root / layout, world_size=2, seed=3)
+        made[layout] = (root / f"{layout}.parquet", root / layout)
+    return made
+
+
+def flat_rows(features: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
+    return rows_as_sorted_array(features.reshape(len(features), -1), labels.reshape(len(labels), -1))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_load_table_reads_tensor_and_token_columns_in_their_row_shape(layout_shards, layout):
+    path = layout_shards[layout][0]
+    table = pq.read_table(path)
+    features, targets = load_table(path, batch_size=50)  # batches cut across row groups
+    name = table.schema.names[0]
+    values = table[name].combine_chunks().flatten().to_numpy()
+    if layout.startswith("tensor"):
+        assert (features.dtype, tuple(features.shape)) == (torch.float32, (LAYOUT_ROWS, 1, 8, 8))
+        assert np.array_equal(features.numpy().ravel(), values)
+    else:
+        assert (features.dtype, tuple(features.shape)) == (torch.int64, (LAYOUT_ROWS, 17))
+        assert np.array_equal(features.numpy().ravel(), values.astype(np.int64))
+        assert (targets.dtype, tuple(targets.shape)) == (torch.float32, (LAYOUT_ROWS, 0))
+    if layout == "tensor":
+        assert targets.dtype == torch.int64 and np.array_equal(targets.numpy(), table["label"].to_numpy())
+    if layout == "tensor_regression":
+        assert targets.dtype == torch.float32 and tuple(targets.shape) == (LAYOUT_ROWS, 2)
+        assert np.array_equal(targets[:, 1].numpy(), table["y1"].to_numpy())
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shard_reader_yields_every_row_of_tensor_and_token_shards_once_per_epoch(
+    layout_shards, layout, cache
+):
+    source, shard_dir = layout_shards[layout]
+    shard_rows = []
+    for rank in range(2):
+        features, labels = load_shard(shard_dir, rank)
+        shard_rows.append((features, labels))
+        with ShardReader(shard_dir, rank, seed=1, cache=cache) as reader:
+            assert pq.ParquetFile(reader.path).metadata.num_row_groups >= 9
+            for epoch in range(2):
+                batches = epoch_batches(reader, epoch, 7)
+                assert [len(y) for _, y in batches] == [len(b) for b in torch.tensor_split(labels, 7)]
+                assert all(
+                    f.dtype == features.dtype and f.shape[1:] == features.shape[1:] for f, _ in batches
+                )
+                assert np.array_equal(
+                    flat_rows(torch.cat([f for f, _ in batches]), torch.cat([y for _, y in batches])),
+                    flat_rows(features, labels),
+                )
+    # The shards together are the input split, row for row.
+    assert np.array_equal(
+        flat_rows(torch.cat([f for f, _ in shard_rows]), torch.cat([y for _, y in shard_rows])),
+        flat_rows(*load_table(source)),
+    )
+
+
+@pytest.mark.parametrize("cache", [False, True])
+@pytest.mark.parametrize("layout", ["tensor", "tokens_uint16"])
+def test_resuming_mid_epoch_on_tensor_and_token_shards_gives_the_uninterrupted_batches(
+    layout_shards, layout, cache
+):
+    shard_dir = layout_shards[layout][1]
+    with ShardReader(shard_dir, 1, seed=5, cache=cache) as reader:
+        uninterrupted = [epoch_batches(reader, epoch, 6) for epoch in range(2)]
+    for epoch in range(2):
+        for start_batch in (2, 5):
+            with ShardReader(shard_dir, 1, seed=5, cache=cache) as fresh:  # a restarted process
+                resumed = epoch_batches(fresh, epoch, 6, start_batch)
+            assert same_batches(resumed, uninterrupted[epoch][start_batch:])
+
+
+def test_list_values_is_a_zero_copy_view_that_respects_chunk_offsets():
+    values = pa.array(np.arange(10 * 4, dtype=np.uint16))
+    column = pa.FixedSizeListArray.from_arrays(values, 4)
+    spec = ColumnSpec("tokens", "tokens", "uint16", (4,))
+    view = list_values(column.slice(3, 5), spec, "mem")
+    assert view.shape == (5, 4) and view[0].tolist() == [12, 13, 14, 15]
+    assert np.shares_memory(view, np.frombuffer(values.buffers()[1], dtype=np.uint16))
+    chunked = pa.chunked_array([column.slice(8), column.slice(1, 2)])
+    assert list_values(chunked, spec, "mem")[:, 0].tolist() == [32, 36, 4, 8]
+    image = ColumnSpec("x", "tensor", "uint16", (2, 2))
+    assert list_values(column.slice(9), image, "mem").tolist() == [[[36, 37], [38, 39]]]
+
+
+def test_recognise_layout_names_the_input_kind_and_row_shape(layout_shards):
+    tensor = recognise_layout(pq.read_schema(layout_shards["tensor"][0]), "t")
+    assert (tensor.kind, tensor.row_shape, tensor.feature_names, tensor.target_names) == (
+        "tensor", (1, 8, 8), ["x"], ["label"],
+    )  # fmt: skip
+    tokens = recognise_layout(pq.read_schema(layout_shards["tokens_uint16"][0]), "t")
+    assert (tokens.kind, tokens.row_shape, tokens.features[0].dtype, tokens.targets) == (
+        "tokens", (17,), "uint16", (),
+    )  # fmt: skip
+    numeric = recognise_layout(
+        pa.schema([("x1", pa.int32()), ("x0", pa.float64()), ("y0", pa.float32())]), "t"
+    )
+    assert (numeric.kind, numeric.row_shape, numeric.feature_names) == ("numeric", (2,), ["x0", "x1"])
+
+
+def test_a_tensor_column_whose_shape_does_not_fit_its_rows_is_refused(tmp_path):
+    path = tmp_path / "odd.parquet"
+    write_tensor_split(path, 4, shape=(1, 8, 8), list_size=60)
+    with pytest.raises(UserError) as error:
+        load_table(path)
+    assert str(error.value) == (
+        f"column 'x' of {path} holds rows of 60 values but its shape [1, 8, 8] needs 64; "
+        "re-create it with the prepare stage"
+    )
+
+
+def list_table(
+    values: list, list_size: int, value_type: pa.DataType, name: str = "x", shape: bytes | None = None
+) -> pa.Table:
+    column = pa.array(values, pa.list_(value_type, list_size))
+    field = pa.field(name, column.type, metadata={SHAPE_KEY: shape or f"[{list_size}]".encode()})
+    return pa.Table.from_arrays([column], schema=pa.schema([field]))
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (list_table([[1.0, 2.0], None], 2, pa.float32()), r"column 'x' of .* has 1 missing value\(s\)"),
+        (
+            list_table([[1.0, None], [3.0, 4.0]], 2, pa.float32()),
+            r"column 'x' of .* has 1 missing value\(s\)",
+        ),
+        (list_table([[1, 2], None], 2, pa.uint16(), "tokens"), r"column 'tokens' of .* has 1 missing value"),
+        (
+            list_table([[1.0, 2.0]], 2, pa.float32(), "tokens"),
+            "holds float values, expected integer token ids",
+        ),
+        (pa.table({"tokens": pa.array([[1, 2]], pa.list_(pa.int32()))}), "expected a fixed_size_list"),
+        (
+            list_table([[1.0, 2.0]], 2, pa.float32(), shape=b"[1, two]"),
+            r"has shape '\[1, two\]' in its metadata, expected a list of positive integers",
+        ),
+    ],
+)
+def test_tensor_and_token_columns_with_missing_values_or_wrong_types_are_refused(tmp_path, table, message):
+    pq.write_table(table, tmp_path / "odd.parquet")
+    with pytest.raises(UserError, match=message):
+        load_table(tmp_path / "odd.parquet")

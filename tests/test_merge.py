@@ -20,7 +20,9 @@ from shardfuse.checkpoint import load_weights, save_weights
 from shardfuse.gather import gather
 from shardfuse.io import UserError, sha256_file, write_json
 from shardfuse.merge import merge
-from shardfuse.merge_methods import merge_arrays, rank_weights, resolve_params
+from shardfuse.merge_engine import merge_arrays
+from shardfuse.merge_methods import rank_weights, resolve_params
+from shardfuse.models import build_model, model_spec
 from tests.helpers import run_stage, subprocess_env
 
 SPEC = {
@@ -399,6 +401,121 @@ def test_greedy_soup_refuses_the_test_split_and_needs_a_validation_split(greedy_
     ):
         merge(gather_path, "greedy_soup", *out, val_split=dataset / "empty.parquet")
     assert not list(tmp_path.glob("*m.*"))
+
+
+# ---------------------------------------------------------------- BatchNorm statistics and tied weights
+
+# Parameters under which each method moves a weight away from the plain mean of the ranks.
+STATISTIC_CASES = [
+    ("task_arithmetic", {"scale": 0.5}, 3),
+    ("ties", {"density": 0.3}, 3),
+    ("dare", {"density": 0.5, "seed": 1}, 3),
+    ("slerp", {"t": 0.3}, 2),
+    ("model_stock", {}, 3),
+]
+
+
+def batchnorm_tensors(gen, counter):
+    return {
+        "bn.weight": torch.randn(6, generator=gen),
+        "bn.bias": torch.randn(6, generator=gen),
+        "bn.running_mean": torch.randn(6, generator=gen),
+        "bn.running_var": torch.rand(6, generator=gen) + 0.5,
+        "bn.num_batches_tracked": torch.tensor(counter, dtype=torch.int64),
+    }
+
+
+@pytest.mark.parametrize(("method", "given", "num_ranks"), STATISTIC_CASES)
+def test_batchnorm_running_statistics_are_the_plain_mean_of_the_ranks_for_every_method(
+    tmp_path, method, given, num_ranks
+):
+    gen = torch.Generator().manual_seed(7)
+    base = batchnorm_tensors(gen, counter=0)  # as saved before the first step
+    ranks = [batchnorm_tensors(gen, counter=12) for _ in range(num_ranks)]
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1] * num_ranks, base=base), num_ranks)
+    record = merge(
+        gather_path, method, tmp_path / "m.safetensors", tmp_path / "m.json", given, block_bytes=64
+    )
+    merged, _ = load_weights(tmp_path / "m.safetensors")
+    for name in ("bn.running_mean", "bn.running_var"):
+        reference = (sum(rank[name].double() for rank in ranks) / num_ranks).float()
+        assert merged[name].dtype == torch.float32 and torch.equal(merged[name], reference), name
+        assert record["tensor_stats"][name]["running_statistic"] == "mean"
+    plain_mean = sum(rank["bn.weight"] for rank in ranks) / num_ranks
+    assert not torch.allclose(merged["bn.weight"], plain_mean)  # the weights did go through the method
+    counter = merged["bn.num_batches_tracked"]
+    assert counter.dtype == torch.int64 and counter.shape == () and int(counter) == 12
+    assert record["tensor_stats"]["bn.num_batches_tracked"] == {"max_abs_diff": 0.0, "copied_from_rank": 0}
+
+
+def trained_cnn_states(num_ranks, extra_steps=()):
+    """State dicts of a built-in cnn after training-mode forwards on each rank's own batches: the
+    running statistics differ between ranks, the counters agree unless a rank takes extra steps."""
+    info = {"task": "classification", "num_features": 16, "num_classes": 3}
+    info["input"] = {"kind": "tensor", "shape": [2, 4, 4]}
+    spec = model_spec("cnn", {"channels": [3, 4]}, [], info)
+    torch.manual_seed(0)
+    model = build_model(spec)
+    base = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    states = []
+    for rank in range(num_ranks):
+        model.load_state_dict(base)
+        for _ in range(2 + (rank in extra_steps)):
+            model(torch.randn(8, 2, 4, 4, generator=torch.Generator().manual_seed(rank)) + rank)
+        states.append({name: tensor.clone() for name, tensor in model.state_dict().items()})
+    return spec, base, states
+
+
+def test_a_merged_cnn_loads_with_mean_statistics_and_rank_0_counters(tmp_path):
+    spec, base, states = trained_cnn_states(3)
+    gather_path = gather_to(tmp_path, make_run(tmp_path, states, [1, 1, 1], base=base, spec=spec), 3)
+    merge(gather_path, "ties", tmp_path / "m.safetensors", tmp_path / "m.json", {"density": 0.5})
+    merged, metadata = load_weights(tmp_path / "m.safetensors")
+    model = build_model(metadata["model"])
+    model.load_state_dict(merged)
+    assert model.eval()(torch.randn(5, 2, 4, 4)).shape == (5, 3)
+    counters = [name for name in merged if name.endswith("num_batches_tracked")]
+    assert len(counters) == 2
+    for name in counters:
+        assert merged[name].dtype == torch.int64 and torch.equal(merged[name], states[0][name])
+        assert int(merged[name]) == 2
+    mean = (sum(state["features.1.running_var"].double() for state in states) / 3).float()
+    assert torch.equal(merged["features.1.running_var"], mean)
+
+
+def test_unequal_batchnorm_counters_stop_the_merge_naming_the_tensor(tmp_path):
+    spec, base, states = trained_cnn_states(2, extra_steps={1})
+    gather_path = gather_to(tmp_path, make_run(tmp_path, states, [1, 1], base=base, spec=spec), 2)
+    with pytest.raises(UserError) as error:
+        merge(gather_path, "slerp", tmp_path / "m.safetensors", tmp_path / "m.json")
+    message = str(error.value)
+    assert message.startswith(
+        "tensor 'features.1.num_batches_tracked' (I64) differs between rank 0 and rank 1; integer/bool "
+        "tensors (counters such as BatchNorm's num_batches_tracked, masks, indices) have no meaningful "
+        "mean, so they are copied from rank 0 and must be identical across ranks"
+    )
+    assert "\n" not in message
+    assert not list(tmp_path.glob("*m.*"))
+
+
+@pytest.mark.parametrize("method", ["uniform", "ties", "model_stock"])
+def test_a_tied_transformer_merges_its_shared_matrix_once_and_loads(tmp_path, method):
+    info = {"task": "causal_lm", "num_features": 9, "num_classes": 0, "vocab_size": 20, "block_size": 8}
+    spec = model_spec("transformer", {"width": 16, "layers": 1, "heads": 2}, [], info)
+    torch.manual_seed(0)
+    base = build_model(spec).state_dict()
+    gen = torch.Generator().manual_seed(1)
+    ranks = [
+        {name: t + 0.01 * torch.randn(t.shape, generator=gen) for name, t in base.items()} for _ in range(3)
+    ]
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1, 1], base=base, spec=spec), 3)
+    merge(gather_path, method, tmp_path / "m.safetensors", tmp_path / "m.json")
+    merged, metadata = load_weights(tmp_path / "m.safetensors")
+    assert [name for name, t in merged.items() if t.shape == (20, 16)] == ["token_embedding.weight"]
+    model = build_model(metadata["model"])
+    model.load_state_dict(merged)  # strict: every tensor once, nothing missing
+    assert torch.equal(model.token_embedding.weight, merged["token_embedding.weight"])
+    assert model(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 20)
 
 
 # ---------------------------------------------------------------- torch.distributed.checkpoint

@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardfuse.io import UserError
+from shardfuse.merge_engine import merge_arrays
 from shardfuse.merge_methods import (
     METHODS,
-    merge_arrays,
     rank_weights,
     resolve_params,
     stream_seed,
@@ -290,6 +290,43 @@ def test_integer_and_bool_tensors_are_copied_from_rank_0_and_must_agree(method):
         UserError, match=r"tensor 'mask' \(bool\) differs between rank 0 and rank 1; integer/bool"
     ):
         merge_arrays(method, params(method, n), [np.array([True]), np.array([False])], np.zeros(1), "mask")
+
+
+# Parameters under which each method would move a weight away from the plain mean.
+STATISTIC_CASE_PARAMS = {
+    "consolidate": {"tolerance": 100.0},
+    "task_arithmetic": {"scale": 0.5},
+    "ties": {"density": 0.3},
+    "dare": {"density": 0.5},
+    "slerp": {"t": 0.2},
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_running_statistics_are_the_plain_mean_for_every_method_but_consolidate(method):
+    n = 2
+    ranks, base = random_ranks(n, seed=4), random_ranks(1, seed=5)[0]
+    p = resolve_params(method, STATISTIC_CASE_PARAMS.get(method, {}), [1] * n)
+    weights = [0.25, 0.75]
+    for name in ("features.1.running_mean", "bn.running_var", "running_var"):
+        merged, stats = merge_arrays(method, p, ranks, base, name, weights)
+        if method == "consolidate":
+            assert np.array_equal(merged, ranks[0]) and "running_statistic" not in stats
+        elif method == "weighted":
+            close(merged, 0.25 * ranks[0].astype(np.float64) + 0.75 * ranks[1])
+            assert stats["running_statistic"] == "weighted mean"
+        else:
+            assert np.array_equal(merged, (np.mean(f64(ranks), axis=0)).astype(np.float32))
+            assert stats["running_statistic"] == "mean" and "kept_fraction" not in stats
+
+
+@pytest.mark.parametrize("name", ["bn.running_variance", "running_mean_head.weight", "bn.weight"])
+def test_only_the_exact_running_statistic_names_escape_the_method(name):
+    ranks, base = random_ranks(3, seed=4), np.zeros(40, dtype=np.float32)
+    merged, stats = merge_arrays("ties", params("ties", density=0.2), ranks, base, name)
+    expected = reference_ties(ranks, base.astype(np.float64), density=0.2, scale=1.0)
+    close(merged, expected)
+    assert "running_statistic" not in stats
 
 
 # ---------------------------------------------------------------- parameters

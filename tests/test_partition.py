@@ -15,9 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardfuse import partition
 from shardfuse.io import UserError, recorded_sha256, sha256_file, write_stamps
+from shardfuse.manifest import ColumnSpec, manifest_columns, read_manifest
 from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
-from shardfuse.shard_format import prefetched
+from shardfuse.shard_format import SHAPE_KEY, prefetched
 from tests.helpers import run_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +39,46 @@ def write_rows(
             "label": (ids * 7) % num_classes,
         }
     ).replace_schema_metadata({"origin": "test_partition"})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return table
+
+
+def write_tensor_split(
+    path: Path,
+    num_rows: int,
+    shape: tuple[int, ...] = (1, 8, 8),
+    row_group_size: int | None = None,
+    list_size: int | None = None,
+    targets: str = "label",
+) -> pa.Table:
+    """A prepared split in the tensor layout: ``x`` fixed_size_list<float32> with its shape in the field
+    metadata (``list_size`` overrides the list's length, to make a mismatch), then ``label`` or y0, y1."""
+    rng = np.random.default_rng(num_rows)
+    size = list_size or int(np.prod(shape))
+    values = pa.array(rng.standard_normal(num_rows * size).astype(np.float32))
+    x = pa.FixedSizeListArray.from_arrays(values, size)
+    fields = [pa.field("x", x.type, metadata={SHAPE_KEY: str(list(shape)).encode()})]
+    columns = [x]
+    if targets == "label":
+        fields.append(pa.field("label", pa.int64()))
+        columns.append(pa.array(rng.integers(0, 3, num_rows)))
+    else:
+        for name in ("y0", "y1"):
+            fields.append(pa.field(name, pa.float32()))
+            columns.append(pa.array(rng.standard_normal(num_rows).astype(np.float32)))
+    table = pa.Table.from_arrays(columns, schema=pa.schema(fields))
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return table
+
+
+def write_token_split(
+    path: Path, num_rows: int, block_size: int = 16, dtype=np.uint16, row_group_size: int | None = None
+) -> pa.Table:
+    """A prepared causal-LM split: one ``tokens`` column of fixed_size_list<dtype>[block_size + 1], no
+    targets. Token ids span the dtype's range (int32: beyond 65535)."""
+    high = 70_000 if dtype == np.int32 else 65_536
+    ids = np.random.default_rng(num_rows).integers(0, high, num_rows * (block_size + 1)).astype(dtype)
+    table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(ids), block_size + 1)})
     pq.write_table(table, path, row_group_size=row_group_size)
     return table
 
@@ -374,3 +416,86 @@ def test_input_checksum_comes_from_prepare_only_while_the_file_is_unchanged(digi
         fh.write(b"\0")
     os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert recorded_sha256(train) is None
+
+
+# ---------------------------------------------------------------- tensor and token layouts
+
+
+def test_manifest_records_each_columns_kind_dtype_and_shape(tmp_path):
+    write_tensor_split(tmp_path / "images.parquet", 60, row_group_size=25)
+    manifest = partition_parquet(tmp_path / "images.parquet", tmp_path / "images", 2, seed=0)
+    assert manifest["columns"] == [
+        {"name": "x", "kind": "tensor", "dtype": "float32", "shape": [1, 8, 8]},
+        {"name": "label", "kind": "label", "dtype": "int64", "shape": []},
+    ]
+    assert manifest_columns(read_manifest(tmp_path / "images")) == (
+        ColumnSpec("x", "tensor", "float32", (1, 8, 8)),
+        ColumnSpec("label", "label", "int64"),
+    )
+    write_token_split(tmp_path / "corpus.parquet", 40, block_size=16, dtype=np.int32)
+    manifest = partition_parquet(tmp_path / "corpus.parquet", tmp_path / "corpus", 2, seed=0)
+    assert manifest["columns"] == [{"name": "tokens", "kind": "tokens", "dtype": "int32", "shape": [17]}]
+    # Columns no layout uses are carried and described as "other".
+    write_rows(tmp_path / "rows.parquet", 10)
+    manifest = partition_parquet(tmp_path / "rows.parquet", tmp_path / "rows", 2, seed=0)
+    assert [(c["name"], c["kind"], c["dtype"]) for c in manifest["columns"]] == [
+        ("id", "other", "int64"),
+        ("x0", "numeric", "float32"),
+        ("note", "other", "string"),
+        ("label", "label", "int64"),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["tensor", "tokens"])
+def test_partition_streams_list_columns_unchanged_with_their_shape_metadata(tmp_path, layout):
+    if layout == "tensor":
+        source = write_tensor_split(tmp_path / "in.parquet", 90, shape=(3, 2, 2), row_group_size=40)
+    else:
+        source = write_token_split(tmp_path / "in.parquet", 90, row_group_size=40)
+    manifest = partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 3, seed=4, batch_size=7)
+    name = source.schema.names[0]
+    rows = []
+    for shard in manifest["shards"]:
+        path = tmp_path / "out" / shard["path"]
+        assert pq.read_schema(path).equals(pq.read_schema(tmp_path / "in.parquet"), check_metadata=True)
+        if layout == "tensor":
+            assert pq.read_schema(path).field("x").metadata == {SHAPE_KEY: b"[3, 2, 2]"}
+        assert name not in shard["column_moments"]  # not a numeric column: no moments
+        rows += pq.read_table(path)[name].to_pylist()
+    assert sorted(rows) == sorted(source[name].to_pylist())  # every row once, values unchanged
+    # Seeded, and independent of the read batch size, as for numeric columns.
+    assert partition_parquet(tmp_path / "in.parquet", tmp_path / "again", 3, seed=4) == manifest
+    for shard in manifest["shards"]:
+        written = (tmp_path / "out" / shard["path"]).read_bytes()
+        assert (tmp_path / "again" / shard["path"]).read_bytes() == written
+
+
+def test_partition_refuses_a_tensor_column_whose_shape_does_not_fit_its_rows(tmp_path):
+    write_tensor_split(tmp_path / "in.parquet", 10, shape=(1, 8, 8), list_size=60)
+    with pytest.raises(UserError) as error:
+        partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
+    assert str(error.value) == (
+        f"column 'x' of {tmp_path / 'in.parquet'} holds rows of 60 values but its shape [1, 8, 8] needs 64; "
+        "re-create it with the prepare stage"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_partitions_a_token_corpus(tmp_path):
+    write_token_split(tmp_path / "in.parquet", 30)
+    result = run_partition_cli(
+        "--input", str(tmp_path / "in.parquet"), "--world-size", "2", "--seed", "0",
+        "--out-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert read_manifest(tmp_path / "out")["columns"][0]["kind"] == "tokens"
+
+
+def test_shards_of_wide_rows_get_row_groups_of_bounded_values_per_column(tmp_path, monkeypatch):
+    # Parquet decodes a row group or batch of a list column with per-value work arrays: a token block
+    # is 17 values here, so 170 values a column make row groups of 10 rows.
+    monkeypatch.setattr(partition, "MAX_COLUMN_VALUES", 170)
+    write_token_split(tmp_path / "in.parquet", 95, block_size=16)
+    partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
+    metadata = pq.read_metadata(tmp_path / "out" / "shard-0.parquet")
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [10] * 4 + [8]

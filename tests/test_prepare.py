@@ -77,6 +77,7 @@ def test_dataset_json_describes_the_split_and_its_checksums(digits_dir):
     info = json.loads((digits_dir / "dataset.json").read_text())
     assert info["name"] == "digits" and info["source"] == "digits" and info["task"] == "classification"
     assert (info["num_features"], info["num_classes"]) == (64, 10)
+    assert info["input"] == {"kind": "numeric", "shape": [64], "dtype": "float32"}
     assert info["feature_names"][:2] == ["pixel_0_0", "pixel_0_1"] and len(info["feature_names"]) == 64
     assert info["label_names"] == [str(d) for d in range(10)]
     assert info["rows"] == {split: read_split(digits_dir, split).num_rows for split in SPLITS}
@@ -242,7 +243,8 @@ BASE_CSV = "a,b,kind,y\n1,2,red,p\n3,4,blue,q\n5,6,red,p\n7,8,blue,q\n9,10,red,p
         (
             BASE_CSV,
             {"source": "hdf5"},
-            r"unknown dataset source 'hdf5'; use one of csv, diabetes, digits, parquet, synthetic, text",
+            r"unknown dataset source 'hdf5'; use one of csv, diabetes, digits, digits_images, image_folder, "
+            r"npz, parquet, synthetic, text",
         ),
         (BASE_CSV, {"colour": 1}, r"unknown key\(s\) 'colour' in the 'csv' dataset spec; valid keys are"),
         (BASE_CSV, {"test_fraction": 1.5}, r"'test_fraction' must be a number strictly between 0 and 1"),
@@ -554,10 +556,18 @@ def write_text_files(root: Path) -> bytes:
     return b"\n".join(data for _, data in kept)
 
 
-def blocks_of(out_dir: Path) -> list[bytes]:
+def token_rows(out_dir: Path) -> np.ndarray:
+    """The token blocks of all splits as a (rows, block_size + 1) array of the column's own dtype."""
     table = all_splits(out_dir)
-    assert all(field.type == pa.float32() for field in table.schema)
-    return [bytes(row) for row in columns(table, "x").astype(np.uint8).tolist()]
+    assert table.column_names == ["tokens"] and pa.types.is_fixed_size_list(table.schema.field(0).type)
+    column = table["tokens"].combine_chunks()
+    return column.flatten().to_numpy().reshape(len(column), column.type.list_size)
+
+
+def blocks_of(out_dir: Path) -> list[bytes]:
+    rows = token_rows(out_dir)
+    assert rows.dtype == np.uint16
+    return [bytes(row) for row in rows.astype(np.uint8).tolist()]
 
 
 def test_text_blocks_hold_the_files_bytes(tmp_path):
@@ -569,7 +579,10 @@ def test_text_blocks_hold_the_files_bytes(tmp_path):
     assert (info["task"], info["num_classes"], info["label_names"]) == ("causal_lm", 0, [])
     assert (info["vocab_size"], info["block_size"], info["num_tokens"]) == (256, 15, len(joined))
     assert info["num_features"] == 16 and info["feature_names"] == [f"t{j}" for j in range(16)]
-    assert read_split(tmp_path / "out", "train").column_names == [f"x{j}" for j in range(16)]
+    assert info["input"] == {"kind": "tokens", "shape": [16], "dtype": "uint16"} and info["tokenizer"] is None
+    assert read_split(tmp_path / "out", "train").schema == pa.schema(
+        [pa.field("tokens", pa.list_(pa.uint16(), 16))]
+    )
     assert sum(info["rows"].values()) == num_blocks and info["rows"]["test"] == round(num_blocks * 0.2)
     # Rows are shuffled: every block of the joined bytes appears exactly once, the tail is dropped.
     expected = [joined[i * 16 : (i + 1) * 16] for i in range(num_blocks)]
@@ -614,10 +627,14 @@ def test_each_source_defaults_to_its_task():
             "synthetic": {"num_rows": 10, "num_features": 1, "num_classes": 2},
             "csv": {"path": "x.csv", "feature_columns": ["a"], "label_column": "y"},
             "text": {"paths": ["*.txt"], "block_size": 4},
+            "digits_images": {},
+            "image_folder": {"path": "images", "image_size": [8, 8]},
+            "npz": {"path": "x.npz"},
         }.items()
     }
     assert tasks == {"digits": "classification", "diabetes": "regression", "synthetic": "classification",
-                     "csv": "classification", "text": "causal_lm"}  # fmt: skip
+                     "csv": "classification", "text": "causal_lm", "digits_images": "classification",
+                     "image_folder": "classification", "npz": "classification"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -691,3 +708,427 @@ def test_bad_task_specs_are_one_line_user_errors(tmp_path, spec, message):
     with pytest.raises(UserError, match=message) as caught:
         prepare("bad", spec, tmp_path / "out")
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- tensor sources
+
+
+def tensor_rows(table: pa.Table) -> np.ndarray:
+    """The tensor column ``x`` as a (rows, *shape) float32 array, the shape read from the field metadata."""
+    field = table.schema.field("x")
+    shape = json.loads(field.metadata[b"shardfuse.shape"])
+    assert field.type == pa.list_(pa.float32(), int(np.prod(shape)))
+    column = table["x"].combine_chunks()
+    return column.flatten().to_numpy().reshape(len(column), *shape)
+
+
+def test_digits_images_have_the_digits_split_as_1x8x8_images_scaled_to_one(digits_dir, tmp_path):
+    info = prepare("digits_images", {"source": "digits_images"}, tmp_path)
+    assert info["input"] == {"kind": "tensor", "shape": [1, 8, 8], "dtype": "float32"}
+    assert (info["num_features"], info["feature_names"], info["num_classes"]) == (64, [], 10)
+    for split in SPLITS:
+        images, numeric = read_split(tmp_path, split), read_split(digits_dir, split)
+        assert images.column_names == ["x", "label"]
+        assert images["label"].equals(numeric["label"])  # the same rows, in the same order
+        assert np.array_equal(tensor_rows(images).reshape(-1, 64), columns(numeric, "x") / 16)
+    assert tensor_rows(all_splits(tmp_path)).max() == 1.0
+
+
+IMAGE_COLORS = {"cat": (255, 0, 51), "dog": 204}  # cat: RGB files, dog: grayscale (L) files
+
+
+def write_image_folder(root: Path, per_class: int = 6) -> None:
+    """Two class folders of constant-colour PNGs (5 wide, 7 high), whose resized pixels stay exact."""
+    from PIL import Image
+
+    for name, color in IMAGE_COLORS.items():
+        (root / name).mkdir(parents=True)
+        for index in range(per_class):
+            Image.new("RGB" if name == "cat" else "L", (5, 7), color).save(root / name / f"{index}.png")
+        (root / name / "notes.txt").write_text("not an image")
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB"])
+def test_image_folder_gives_class_folders_as_resized_tensors_in_mode(tmp_path, mode):
+    from PIL import Image
+
+    write_image_folder(tmp_path / "images")
+    spec = {"source": "image_folder", "path": str(tmp_path / "images"), "image_size": [4, 3], "mode": mode,
+            "test_fraction": 0.34}  # fmt: skip
+    info = prepare("images", spec, tmp_path / "out")
+    channels = {"L": 1, "RGB": 3}[mode]
+    assert info["input"] == {"kind": "tensor", "shape": [channels, 4, 3], "dtype": "float32"}
+    assert (info["label_names"], info["skipped_images"], sum(info["rows"].values())) == (
+        ["cat", "dog"],
+        0,
+        12,
+    )
+    assert_stratified(tmp_path / "out", 2, 0.34)
+    table = all_splits(tmp_path / "out")
+    images, labels = tensor_rows(table), table["label"].to_numpy()
+    for code, (name, color) in enumerate(IMAGE_COLORS.items()):
+        pixel = Image.new("RGB" if name == "cat" else "L", (1, 1), color).convert(mode).getpixel((0, 0))
+        expected = np.float32(np.reshape(pixel, (channels, 1, 1))) / np.float32(255)
+        assert np.array_equal(images[labels == code], np.broadcast_to(expected, (6, channels, 4, 3)))
+
+
+def test_image_folder_bad_image_is_an_error_unless_skipped_and_counted(tmp_path):
+    write_image_folder(tmp_path / "images")
+    (tmp_path / "images" / "dog" / "broken.png").write_bytes(b"\x89PNG but not really")
+    spec = {"source": "image_folder", "path": str(tmp_path / "images"), "image_size": [4, 4]}
+    bad_image = r"cannot read image .*dog/broken\.png \(.*\); fix or remove it, or set on_bad_image: skip$"
+    with pytest.raises(UserError, match=bad_image) as caught:
+        prepare("images", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+    info = prepare("images", {**spec, "on_bad_image": "skip"}, tmp_path / "out")
+    assert (info["skipped_images"], sum(info["rows"].values())) == (1, 12)
+
+
+def write_npz(path: Path, **arrays) -> str:
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def row_pairs(out_dir: Path, target_columns: list[str]) -> list[tuple]:
+    """Every row of all splits as (flat tensor values, targets), sorted."""
+    table = all_splits(out_dir)
+    flat = tensor_rows(table).reshape(table.num_rows, -1)
+    targets = np.column_stack([table[name].to_numpy() for name in target_columns])
+    return sorted((tuple(f.tolist()), tuple(t.tolist())) for f, t in zip(flat, targets, strict=True))
+
+
+def test_npz_classification_keeps_each_rows_tensor_and_codes_its_label(tmp_path):
+    rng = np.random.default_rng(0)
+    features, labels = rng.standard_normal((60, 2, 3)), rng.permutation(np.repeat([3, 7, 9], 20))
+    spec = {"source": "npz", "path": write_npz(tmp_path / "d.npz", x=features, y=labels)}
+    info = prepare("npz", spec, tmp_path / "out")
+    assert info["input"] == {"kind": "tensor", "shape": [2, 3], "dtype": "float32"}
+    assert (info["task"], info["label_names"], info["num_features"]) == ("classification", ["3", "7", "9"], 6)
+    assert_stratified(tmp_path / "out", 3, 0.2)
+    codes = np.searchsorted([3, 7, 9], labels)
+    expected = sorted(
+        (tuple(f.tolist()), (int(c),))
+        for f, c in zip(features.reshape(60, 6).astype(np.float32), codes, strict=True)
+    )
+    assert row_pairs(tmp_path / "out", ["label"]) == expected
+
+
+@pytest.mark.parametrize("target_shape", [(40,), (40, 2)], ids=["one_target", "two_targets"])
+def test_npz_regression_writes_float_targets_and_a_flat_tensor_per_row(tmp_path, target_shape):
+    rng = np.random.default_rng(1)
+    features, targets = rng.standard_normal((40, 5)).astype(np.float32), rng.standard_normal(target_shape)
+    path = write_npz(tmp_path / "d.npz", inputs=features, outputs=targets)
+    spec = {
+        "source": "npz",
+        "task": "regression",
+        "path": path,
+        "features_key": "inputs",
+        "labels_key": "outputs",
+    }
+    info = prepare("npz", spec, tmp_path / "out")
+    names = [f"y{k}" for k in range(targets.reshape(40, -1).shape[1])]
+    assert info["input"] == {"kind": "tensor", "shape": [5], "dtype": "float32"}
+    assert (info["task"], info["target_names"], info["rows"]["test"]) == ("regression", names, 8)
+    expected = sorted(
+        (tuple(f.tolist()), tuple(t.tolist()))
+        for f, t in zip(features, targets.reshape(40, -1).astype(np.float32), strict=True)
+    )
+    assert row_pairs(tmp_path / "out", names) == expected
+
+
+def list_table(tmp_path: Path, fixed: bool) -> tuple[str, np.ndarray]:
+    """A Parquet file whose column 'img' holds 40 rows of 12 float32 values (a fixed-size list or a list
+    column), with a class label 'y' (row % 2) and a float target 't' (twice the row's first value)."""
+    values = np.random.default_rng(2).standard_normal((40, 12)).astype(np.float32)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), 12)
+    column = column if fixed else column.cast(pa.list_(pa.float32()))
+    table = pa.table({"img": column, "y": np.arange(40) % 2, "t": values[:, 0] * 2})
+    pq.write_table(table, tmp_path / "t.parquet")
+    return str(tmp_path / "t.parquet"), values
+
+
+@pytest.mark.parametrize(
+    ("fixed", "extra", "shape"),
+    [
+        (True, {"label_column": "y"}, [12]),
+        (False, {"label_column": "y", "feature_shape": [3, 2, 2]}, [3, 2, 2]),
+        (True, {"task": "regression", "label_columns": ["t"]}, [12]),
+    ],
+    ids=["fixed_size_list", "list_reshaped", "regression"],
+)
+def test_parquet_list_column_becomes_a_tensor(tmp_path, fixed, extra, shape):
+    path, values = list_table(tmp_path, fixed)
+    spec = {"source": "parquet", "path": path, "feature_columns": ["img"], **extra}
+    info = prepare("tensor", spec, tmp_path / "out")
+    assert info["input"] == {"kind": "tensor", "shape": shape, "dtype": "float32"}
+    if "task" in extra:
+        target_column, targets = "y0", (values[:, 0] * 2).tolist()
+    else:
+        target_column, targets = "label", (np.arange(40) % 2).tolist()
+    expected = sorted(zip(map(tuple, values.tolist()), [(t,) for t in targets], strict=True))
+    assert row_pairs(tmp_path / "out", [target_column]) == expected
+
+
+@pytest.mark.parametrize(
+    ("column", "extra", "message"),
+    [
+        (
+            pa.array([[1.0] * 64] * 3 + [[1.0] * 63] + [[2.0] * 64] * 2),
+            {},
+            r"^column 'img' of .*t\.parquet has rows of different lengths \(e\.g\. 64 and 63\); every row "
+            r"must hold the same shape$",
+        ),
+        (
+            pa.array([[1.0] * 64] * 6),
+            {"feature_shape": [1, 8, 7]},
+            r"feature_shape \[1, 8, 7\] holds 56 values but column 'img' of .* has rows of 64; "
+            r"fix feature_shape",
+        ),
+        (pa.array([[1.0, None]] * 6), {}, r"'img' in .* has 6 missing value\(s\) inside its lists"),
+        (pa.array([["a"]] * 6), {}, r"'img' in .* holds lists of string, not numbers"),
+    ],
+    ids=["ragged", "bad_shape", "null_values", "strings"],
+)
+def test_bad_parquet_tensor_column_is_a_one_line_error(tmp_path, column, extra, message):
+    pq.write_table(pa.table({"img": column, "y": [0, 1] * 3}), tmp_path / "t.parquet")
+    spec = {"source": "parquet", "path": str(tmp_path / "t.parquet"), "feature_columns": ["img"],
+            "label_column": "y", **extra}  # fmt: skip
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+
+
+def test_numeric_columns_reshaped_by_feature_shape_become_a_tensor(digits_dir, tmp_path):
+    path = tmp_path / "digits.parquet"
+    pq.write_table(read_split(digits_dir, "train"), path)
+    spec = {"source": "parquet", "path": str(path), "feature_columns": [f"x{j}" for j in range(64)],
+            "label_column": "label", "feature_shape": [1, 8, 8]}  # fmt: skip
+    info = prepare("reshaped", spec, tmp_path / "out")
+    assert info["input"]["shape"] == [1, 8, 8] and info["feature_names"] == []
+    got = sorted(map(tuple, tensor_rows(all_splits(tmp_path / "out")).reshape(-1, 64).tolist()))
+    assert got == sorted(map(tuple, columns(read_split(digits_dir, "train"), "x").tolist()))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"source": "digits"},
+        {"source": "digits_images"},
+        {"source": "text", "paths": ["corpus/*.txt"], "block_size": 8},
+    ],
+    ids=["numeric", "tensor", "tokens"],
+)
+def test_dataset_json_input_is_the_layout_the_shard_reader_recognises(tmp_path, monkeypatch, spec):
+    from shardfuse.shard_format import recognise_layout
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_bytes(np.random.default_rng(0).bytes(300))
+    info = prepare("d", spec, tmp_path / "out")
+    for split in SPLITS:
+        layout = recognise_layout(pq.read_schema(tmp_path / "out" / f"{split}.parquet"), split)
+        assert (layout.kind, list(layout.row_shape)) == (info["input"]["kind"], info["input"]["shape"])
+        assert [column.dtype for column in layout.features] == [info["input"]["dtype"]] * len(layout.features)
+
+
+# ---------------------------------------------------------------- text: the standard library, user tokenizers
+
+
+def test_stdlib_placeholder_reads_the_standard_library_without_site_packages_or_tests(tmp_path):
+    import sysconfig
+
+    from shardfuse.sources import text_files
+
+    spec = {"source": "text", "paths": ["{stdlib}/**/*.py"], "exclude": ["*/site-packages/*", "*/test/*"],
+            "block_size": 31, "max_tokens": 2000}  # fmt: skip
+    files = text_files(spec)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert all(path.startswith(stdlib) for path in files) and os.path.join(stdlib, "os.py") in files
+    assert not [path for path in files if "/site-packages/" in path or "/test/" in path]
+    info = prepare("stdlib", spec, tmp_path / "out")
+    assert info["num_tokens"] == 2000 and sum(info["rows"].values()) == 2000 // 32
+    first_bytes = b"\n".join(Path(path).read_bytes() for path in files[:3])[:2000]
+    assert sorted(blocks_of(tmp_path / "out")) == sorted(
+        first_bytes[i * 32 : (i + 1) * 32] for i in range(62)
+    )
+
+
+TOKENIZER_MODULE = """
+import numpy as np
+
+
+def shifted(data: bytes):
+    return [byte + {offset} for byte in data]
+
+
+def as_array(data: bytes):
+    return np.frombuffer(data, dtype=np.uint8).astype(np.int64) + {offset}
+"""
+
+
+@pytest.mark.parametrize(
+    ("offset", "vocab_size", "dtype", "function"),
+    [(1000, 1256, np.uint16, "shifted"), (65600, 65856, np.int32, "as_array")],
+    ids=["uint16", "int32"],
+)
+def test_user_tokenizer_by_import_path_gives_its_ids_in_the_layout_its_vocabulary_needs(
+    tmp_path, monkeypatch, offset, vocab_size, dtype, function
+):
+    module = f"user_tokenizer_{dtype.__name__}"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / f"{module}.py").write_text(TOKENIZER_MODULE.format(offset=offset))
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    joined = write_text_files(tmp_path / "corpus")
+    spec = {"source": "text", "paths": [str(tmp_path / "corpus" / "**" / "*.txt")], "exclude": ["*.skip.*"],
+            "block_size": 15, "tokenizer": f"{module}:{function}", "vocab_size": vocab_size}  # fmt: skip
+    info = prepare("tok", spec, tmp_path / "out")
+    dtype_name = np.dtype(dtype).name
+    assert info["input"] == {"kind": "tokens", "shape": [16], "dtype": dtype_name}
+    assert (info["vocab_size"], info["tokenizer"], info["num_tokens"]) == (
+        vocab_size,
+        spec["tokenizer"],
+        len(joined),
+    )
+    assert read_split(tmp_path / "out", "test").schema.field("tokens").type == pa.list_(
+        pa.from_numpy_dtype(dtype), 16
+    )
+    rows = token_rows(tmp_path / "out")
+    assert rows.dtype == dtype  # the files' bytes, shifted, joined by the separator's ids (b"\n" + offset)
+    expected = np.frombuffer(joined, dtype=np.uint8).astype(np.int64) + offset
+    blocks = expected[: len(expected) // 16 * 16].reshape(-1, 16)
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, blocks.tolist()))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"tokenizer": "no_such_tokenizer_module:encode", "vocab_size": 300},
+            r"^tokenizer 'no_such_tokenizer_module:encode': module 'no_such_tokenizer_module' does not "
+            r"import \(ModuleNotFoundError: .*\); set PYTHONPATH to its directory or install the package$",
+        ),
+        (
+            {"tokenizer": "json:no_such_function", "vocab_size": 300},
+            r"^tokenizer 'json:no_such_function': module",
+        ),
+        (
+            {"tokenizer": "json:dumps", "vocab_size": 300},
+            r"^tokenizer 'json:dumps' failed on .*; fix the tokenizer$",
+        ),
+        (
+            {"tokenizer": "builtins:list", "vocab_size": 100},
+            r"returned token id \d+ for .*a\.txt, outside \[0, vocab_size=100\)",
+        ),
+        ({"tokenizer": "builtins:list"}, r"tokenizer 'builtins:list' needs 'vocab_size'"),
+        ({"tokenizer": "tokenize"}, r"'tokenizer' must be an import path package\.module:function"),
+        ({"vocab_size": 300}, r"'vocab_size' only applies with a tokenizer"),
+    ],
+    ids=["no_module", "no_function", "raises", "out_of_vocab", "no_vocab_size", "bad_path", "vocab_without"],
+)
+def test_bad_tokenizer_is_a_one_line_user_error_with_no_output(tmp_path, changes, message):
+    write_text_files(tmp_path / "corpus")
+    spec = {"source": "text", "paths": [str(tmp_path / "corpus" / "*.txt")], "block_size": 8, **changes}
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("tok", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"source": "image_folder", "path": "images"}, r"lacks 'image_size'"),
+        (
+            {"source": "image_folder", "path": "x", "image_size": [0, 4]},
+            r"'image_size' must be a list of 2 positive",
+        ),
+        (
+            {"source": "image_folder", "path": "x", "image_size": [4, 4], "mode": "CMYK"},
+            r"'mode' must be one of L, RGB",
+        ),
+        (
+            {"source": "image_folder", "path": "x", "image_size": [4, 4], "on_bad_image": "ignore"},
+            r"'on_bad_image' must be one of error, skip",
+        ),
+        (
+            {"source": "image_folder", "path": "nowhere", "image_size": [4, 4]},
+            r"image folder nowhere does not exist",
+        ),
+        (
+            {"source": "digits_images", "task": "regression"},
+            r"source 'digits_images' cannot do task 'regression'",
+        ),
+        (
+            {"source": "npz", "path": "d.npz", "labels_key": "x"},
+            r"'features_key' and 'labels_key' name the same",
+        ),
+        ({"source": "npz", "path": "missing.npz"}, r"dataset file missing\.npz does not exist"),
+        (
+            {
+                "source": "csv",
+                "path": "x.csv",
+                "feature_columns": ["a"],
+                "label_column": "y",
+                "feature_shape": [1],
+            },
+            r"unknown key\(s\) 'feature_shape' in the 'csv' dataset spec",
+        ),
+        (
+            {
+                "source": "parquet",
+                "path": "x",
+                "feature_columns": ["a"],
+                "label_column": "y",
+                "feature_shape": [],
+            },
+            r"'feature_shape' must be a non-empty list of positive integers",
+        ),
+    ],
+)
+def test_bad_tensor_source_specs_are_one_line_user_errors(tmp_path, monkeypatch, spec, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("arrays", "changes", "message"),
+    [
+        (
+            {"features": np.zeros((6, 2)), "y": np.arange(6) % 2},
+            {},
+            r"array\(s\) 'x' not found in .*d\.npz; available arrays: features, y \(set features_key",
+        ),
+        (
+            {"x": np.zeros(6), "y": np.arange(6) % 2},
+            {},
+            r"array 'x' in .* has shape \(6,\) .*e\.g\. \(N, F\)",
+        ),
+        (
+            {"x": np.zeros((6, 2)), "y": np.arange(5) % 2},
+            {},
+            r"'x' in .* has 6 rows and 'y' 5; they need the same",
+        ),
+        (
+            {"x": np.zeros((6, 2)), "y": np.linspace(0, 1, 6)},
+            {},
+            r"non-integer floats .*use task: regression$",
+        ),
+        (
+            {"x": np.full((6, 2), np.nan), "y": np.arange(6) % 2},
+            {},
+            r"'x' in .* has 12 NaN or infinite value",
+        ),
+        (
+            {"x": np.zeros((6, 2)), "y": np.array(["a"] * 6)},
+            {"task": "regression"},
+            r"regression needs numeric",
+        ),
+    ],
+    ids=["missing_key", "one_dim", "row_mismatch", "float_labels", "nan", "string_targets"],
+)
+def test_bad_npz_is_a_one_line_user_error_with_no_output(tmp_path, arrays, changes, message):
+    spec = {"source": "npz", "path": write_npz(tmp_path / "d.npz", **arrays), **changes}
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, tmp_path / "out")
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()

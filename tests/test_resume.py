@@ -100,15 +100,29 @@ def rank_pids(marker: str, rank: int) -> list[int]:
 USER_MODEL = {"model": "resmlp:build", "code_paths": [str(REPO / "config/examples/models")]}
 
 
+# The built-in CNN (BatchNorm: running statistics and a counter in every checkpoint) on images and the
+# built-in transformer on byte tokens resume as bitwise too.
+CNN = {"model": "cnn", "model_args": {"channels": [8, 16]}, "epochs": 6, "dropout": 0.0}
+TRANSFORMER = {"model": "transformer", "model_args": {"width": 32, "layers": 1, "heads": 2}, "epochs": 3}
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     ("strategy", "data", "extra"),
     [
         ("ddp", "digits", {}),
         ("localsgd", "digits", {}),
-        ("localsgd", "digits", {**USER_MODEL, "model_args": {"width": 16, "blocks": 1}, "epochs": 6}),
-        ("ddp", "diabetes", {"loss": "huber", "epochs": 16, "checkpoint_every": 20}),
+        pytest.param(
+            "localsgd",
+            "digits",
+            {**USER_MODEL, "model_args": {"width": 16, "blocks": 1}, "epochs": 6},
+            marks=SLOW,
+        ),
+        pytest.param("ddp", "diabetes", {"loss": "huber", "epochs": 16, "checkpoint_every": 20}, marks=SLOW),
+        pytest.param("ddp", "digits_images", CNN, marks=SLOW),
+        pytest.param("localsgd", "stdlib", {**TRANSFORMER, "checkpoint_every": 10}, marks=SLOW),
     ],
-    ids=["ddp", "localsgd", "user-model", "regression"],
+    ids=["ddp", "localsgd", "user-model", "regression", "cnn", "transformer"],
 )
 def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
     tmp_path, request, strategy, data, extra
@@ -116,7 +130,12 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
     if data == "digits":
         dataset, shards = request.getfixturevalue("digits_dataset"), request.getfixturevalue("digits_shards")
     else:
-        dataset, shards = request.getfixturevalue("diabetes_data")
+        fixture = {
+            "diabetes": "diabetes_data",
+            "digits_images": "digits_images_data",
+            "stdlib": "stdlib_tokens_data",
+        }
+        dataset, shards = request.getfixturevalue(fixture[data])
     cfg = {**TRAIN_CFG, "strategy": strategy, "sync_every": 7 if strategy == "localsgd" else 0, **extra}
     reference = tmp_path / "reference"
     proc = run_stage("launch", *launch_args(reference, dataset, shards, cfg))

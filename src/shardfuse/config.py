@@ -33,7 +33,13 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # A dataset's task when its spec does not say; and the tasks each source can give (default: both
 # classification and regression).
 DEFAULT_TASKS = {"diabetes": "regression", "text": "causal_lm"}
-SOURCE_TASKS = {"digits": ("classification",), "diabetes": ("regression",), "text": ("causal_lm",)}
+SOURCE_TASKS = {
+    "digits": ("classification",),
+    "digits_images": ("classification",),
+    "image_folder": ("classification",),
+    "diabetes": ("regression",),
+    "text": ("causal_lm",),
+}
 # The run keys each stage sees: a stage's command (hence Snakemake's params trigger) changes only
 # when one of its own keys changes, so a new merge method never re-runs training.
 TRAIN_KEYS = (

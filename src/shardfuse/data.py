@@ -4,8 +4,10 @@ No command line; used by training and evaluation, e.g.
 
     python -c "import shardfuse.data as d; print(d.load_shard('results/shards/digits/w2-seed0', 0)[0].shape)"
 
-Every rank reads only its own shard-{rank}.parquet. Feature columns are x0..x{F-1} (float32 tensor [N, F]),
-labels the ``label`` column (int64 tensor [N]), as written by ``shardfuse.prepare``.
+Every rank reads only its own shard-{rank}.parquet. Its input layout (``shardfuse.shard_format``) sets
+what a batch holds: numeric columns x0..x{F-1} give float32 [N, F], a tensor column ``x`` float32
+[N, *shape] (e.g. images [N, 1, 8, 8]), a ``tokens`` column int64 [N, block_size + 1]; targets are the
+``label`` column (int64 [N]), y0..y{K-1} (float32 [N, K]) or none (float32 [N, 0]).
 
 Two ways to feed training: :func:`load_shard` (the whole shard in memory) and :class:`ShardReader`
 (row groups streamed by a background thread; the first batch after one row group, memory flat in the
@@ -16,10 +18,9 @@ pass over the data. Figures: bench/RESULTS.md (bench/reader.py).
 from __future__ import annotations
 
 import itertools
-import re
+import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,16 +30,17 @@ import torch
 from shardfuse.io import UserError, error_reason, read_json, sha256_file
 from shardfuse.manifest import RERUN_PARTITION, read_manifest
 from shardfuse.shard_format import (
-    LABEL_COLUMN,
-    column_values,
+    REMAKE,
+    ShardLayout,
+    checked_values,
+    list_values,
     open_parquet,
     prefetched,
     read_batches,
+    read_layout,
     shard_name,
 )
 
-FEATURE_COLUMN = re.compile(r"x(0|[1-9][0-9]*)")  # no leading zeros: x01 is not feature 1
-REMAKE = "re-create it with the prepare (or partition) stage"
 DATASET_KEYS = (
     "name",
     "source",
@@ -79,113 +81,77 @@ def verify_shard(shard_dir: str | Path, rank: int, manifest: dict, checksum: boo
     return path
 
 
-def feature_columns(schema: pa.Schema, path: str | Path) -> list[str]:
-    """Names x0..x{F-1} in numeric order (x10 after x9); UserError if none or one is missing."""
-    indices = sorted(
-        int(match.group(1)) for name in schema.names if (match := FEATURE_COLUMN.fullmatch(name))
-    )
-    if not indices:
-        raise UserError(
-            f"{path} has no feature columns x0, x1, ... (columns found: {', '.join(schema.names)}); {REMAKE}"
-        )
-    missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-    if missing:
-        raise UserError(
-            f"{path} lacks feature column(s) {', '.join(f'x{i}' for i in missing[:10])}; {REMAKE}"
-        )
-    return [f"x{i}" for i in indices]
-
-
 def num_features(path: str | Path) -> int:
-    """Number of feature columns of a prepared Parquet file (reads the footer only)."""
+    """Input values per row of a prepared Parquet file: F numeric columns, the size of a tensor, or the
+    tokens of a block (block_size + 1); reads the footer only."""
     path = Path(path)
     with open_parquet(path, "data file", REMAKE) as parquet_file:
-        return len(feature_columns(parquet_file.schema_arrow, path))
+        return math.prod(read_layout(parquet_file, path).row_shape)
 
 
-TARGET_COLUMN = re.compile(r"y(0|[1-9][0-9]*)")
+# A row's input as a model gets it: float32 numbers or tensors, int64 token ids (embedding tables
+# take int64). Token blocks stay in their stored type (uint16 or int32) in windows and the cache, a
+# quarter or half of int64's memory, and are widened per batch.
+_BATCH_DTYPES = {"numeric": torch.float32, "tensor": torch.float32, "tokens": torch.int64}
+# Types torch gathers (index_select) and widens; other integer token types are widened on read.
+_TOKEN_STORAGE = {"uint8", "int16", "uint16", "int32", "int64"}
 
 
-@dataclass(frozen=True)
-class TargetColumns:
-    """The columns a split's targets come from, by task: ``label`` (classification: int64 [N]),
-    ``y0..y{K-1}`` (regression: float32 [N, K]) or none (causal_lm: the targets are the next tokens of
-    the inputs; an empty float32 [N, 0] stands in, so every batch is still an (inputs, targets) pair)."""
-
-    names: tuple[str, ...]
-
-    @property
-    def is_label(self) -> bool:
-        return self.names == (LABEL_COLUMN,)
-
-    def empty(self, num_rows: int) -> np.ndarray:
-        if self.is_label:
-            return np.empty(num_rows, dtype=np.int64)
-        return np.empty((num_rows, len(self.names)), dtype=np.float32)
+def _storage_dtype(layout: ShardLayout) -> np.dtype:
+    """What the reader keeps a row's input in between the file and the batch."""
+    if layout.kind == "tokens" and layout.features[0].dtype in _TOKEN_STORAGE:
+        return np.dtype(layout.features[0].dtype)
+    return np.dtype(np.int64 if layout.kind == "tokens" else np.float32)
 
 
-def target_columns(schema: pa.Schema) -> TargetColumns:
-    if LABEL_COLUMN in schema.names:
-        return TargetColumns((LABEL_COLUMN,))
-    indices = sorted(int(match.group(1)) for name in schema.names if (match := TARGET_COLUMN.fullmatch(name)))
-    return TargetColumns(tuple(f"y{i}" for i in indices))
-
-
-def _table_columns(schema: pa.Schema, path: Path) -> tuple[list[str], TargetColumns]:
-    """Feature column names in order and the target columns, after checking their types."""
-    names = feature_columns(schema, path)
-    targets = target_columns(schema)
-    for name in [*names, *targets.names]:
-        kind = schema.field(name).type
-        if not (pa.types.is_integer(kind) or (name != LABEL_COLUMN and pa.types.is_floating(kind))):
-            expected = "an integer" if name == LABEL_COLUMN else "a number"
-            raise UserError(f"column {name!r} of {path} has type {kind}, expected {expected}; {REMAKE}")
-    return names, targets
+def _empty_targets(layout: ShardLayout, num_rows: int) -> np.ndarray:
+    """Targets by task: int64 [N] class indices, float32 [N, K] regression targets, float32 [N, 0] for
+    token blocks (the targets are the next tokens; the empty array keeps every batch a pair)."""
+    if layout.is_label:
+        return np.empty(num_rows, dtype=np.int64)
+    return np.empty((num_rows, len(layout.targets)), dtype=np.float32)
 
 
 def _fill_rows(
-    features: np.ndarray,
-    labels: np.ndarray,
-    data: pa.Table | pa.RecordBatch,
-    names: list[str],
-    targets: TargetColumns,
-    path: Path,
+    features: np.ndarray, labels: np.ndarray, data: pa.Table | pa.RecordBatch, layout: ShardLayout, path: Path
 ) -> None:
-    """Copy one Arrow chunk into row-major ``features`` [n, F] (float32) and ``labels`` (int64 [n] or
-    float32 [n, K], see :class:`TargetColumns`).
+    """Copy one Arrow chunk into ``features`` [n, *row_shape] and ``labels`` (see :func:`_empty_targets`).
 
-    Arrow stores columns and a model wants rows, so this one copy per value is unavoidable; NumPy
-    does it column by column without a Python loop over rows."""
-    for j, name in enumerate([*names, *targets.names]):
-        column = data.column(name)
-        if column.null_count:
-            raise UserError(f"column {name!r} of {path} has {column.null_count} missing value(s); {REMAKE}")
-        if targets.is_label and name == LABEL_COLUMN:
-            labels[:] = column_values(column)
-        elif j >= len(names):
-            labels[:, j - len(names)] = column_values(column)
+    Arrow stores columns and a model wants rows: numeric columns cost one copy per value, column by
+    column; a tensor or token column is one block copy of a zero-copy view. No Python loop over rows."""
+    if layout.kind == "numeric":
+        for j, spec in enumerate(layout.features):
+            features[:, j] = checked_values(data.column(spec.name), spec.name, path)
+    else:
+        features[...] = list_values(data.column(layout.features[0].name), layout.features[0], path)
+    for j, spec in enumerate(layout.targets):
+        values = checked_values(data.column(spec.name), spec.name, path)
+        if layout.is_label:
+            labels[:] = values
         else:
-            features[:, j] = column_values(column)
+            labels[:, j] = values
 
 
 def load_table(path: str | Path, batch_size: int = 65536) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read a prepared Parquet file as (features float32 [N, F], targets: int64 [N] class indices,
-    float32 [N, K] regression targets, or float32 [N, 0] for token blocks).
+    """Read a prepared Parquet file as (inputs, targets): inputs float32 [N, F] (numeric), float32
+    [N, *shape] (tensor) or int64 [N, block_size + 1] (tokens); targets int64 [N] class indices,
+    float32 [N, K] regression targets, or float32 [N, 0] for token blocks.
 
     Reading batch by batch into preallocated arrays keeps peak memory at those arrays plus one batch;
     torch.from_numpy then shares the arrays' memory."""
     path = Path(path)
     with open_parquet(path, "data file", REMAKE) as parquet_file:
-        names, targets = _table_columns(parquet_file.schema_arrow, path)
+        layout = read_layout(parquet_file, path)
         num_rows = parquet_file.metadata.num_rows
-        features = np.empty((num_rows, len(names)), dtype=np.float32)
-        labels = targets.empty(num_rows)
+        features = torch.empty((num_rows, *layout.row_shape), dtype=_BATCH_DTYPES[layout.kind]).numpy()
+        labels = _empty_targets(layout, num_rows)
         offset = 0
+        columns = [*layout.feature_names, *layout.target_names]
         for batch in read_batches(
-            parquet_file, f"data file {path}", REMAKE, batch_size=batch_size, columns=[*names, *targets.names]
+            parquet_file, f"data file {path}", REMAKE, batch_size=batch_size, columns=columns
         ):
             end = offset + batch.num_rows
-            _fill_rows(features[offset:end], labels[offset:end], batch, names, targets, path)
+            _fill_rows(features[offset:end], labels[offset:end], batch, layout, path)
             offset = end
     return torch.from_numpy(features), torch.from_numpy(labels)
 
@@ -296,6 +262,10 @@ class ShardReader:
     reads, and epochs >= 1 draw a full random permutation of the shard from memory: load_shard's
     shuffle and memory, without its wait for the first batch.
 
+    Batches are (inputs, targets) as :func:`load_table` gives them (float32 [B, F] or [B, *shape],
+    int64 [B, block_size + 1] token ids). Token blocks stay in their stored type in memory (the cache
+    of a uint16 corpus is a quarter of int64's) and are widened one batch at a time.
+
     The batches depend only on (seed, epoch, num_batches, cache), never on what ran before in this
     process, so a run resumed mid-epoch (``start_batch``) sees the batches of an uninterrupted one.
     ``verify`` checks the shard's sha256 in a background thread; a mismatch raises UserError when the
@@ -317,17 +287,19 @@ class ShardReader:
         self.manifest, self.path, self._verification = _open_shard(shard_dir, rank, verify)
         self.seed, self.window_row_groups, self.prefetch = seed, max(1, window_row_groups), max(1, prefetch)
         self._file = open_parquet(self.path, "shard", RERUN_PARTITION)
-        self.names, self.targets = _table_columns(self._file.schema_arrow, self.path)
+        self.layout = read_layout(self._file, self.path)
+        self._storage_dtype = _storage_dtype(self.layout)
+        self._batch_dtype = _BATCH_DTYPES[self.layout.kind]
         metadata = self._file.metadata
         self.num_rows = metadata.num_rows
-        self.num_features = len(self.names)
+        self.num_features = math.prod(self.layout.row_shape)
         group_rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         self._group_offsets = np.concatenate([[0], np.cumsum(group_rows, dtype=np.int64)])
         self._cache: tuple[np.ndarray, np.ndarray] | None = None
         if cache:
             self._cache = (
-                np.empty((self.num_rows, self.num_features), dtype=np.float32),
-                self.targets.empty(self.num_rows),
+                np.empty((self.num_rows, *self.layout.row_shape), dtype=self._storage_dtype),
+                _empty_targets(self.layout, self.num_rows),
             )
         self._cache_complete = False
 
@@ -363,7 +335,7 @@ class ShardReader:
             else:
                 skip_rows = sum(sizes[:start_batch])
                 windows = prefetched(self._shuffled_windows(epoch, skip_rows), self.prefetch)
-                yield from _rebatch(windows, sizes[start_batch:], self.path)
+                yield from _rebatch(windows, sizes[start_batch:], self.path, self._batch_dtype)
                 self._cache_complete = self._cache is not None and skip_rows == 0
         except UserError:
             # A damaged file usually fails to decode before its checksum is done: report the mismatch.
@@ -392,7 +364,7 @@ class ShardReader:
             block_features, block_labels = features.index_select(0, rows), labels.index_select(0, rows)
             for index in range(first, last):
                 start, stop = bounds[index] - bounds[first], bounds[index + 1] - bounds[first]
-                yield block_features[start:stop], block_labels[start:stop]
+                yield block_features[start:stop].to(self._batch_dtype), block_labels[start:stop]
 
     def _shuffled_windows(self, epoch: int, skip_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Runs in the prefetch thread: read, convert and shuffle one window of row groups at a time;
@@ -414,9 +386,9 @@ class ShardReader:
             yield features[order[drop:]], labels[order[drop:]]
 
     def _read_window(self, groups: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        features = np.empty((size, self.num_features), dtype=np.float32)
-        labels = self.targets.empty(size)
-        columns = [*self.names, *self.targets.names]
+        features = np.empty((size, *self.layout.row_shape), dtype=self._storage_dtype)
+        labels = _empty_targets(self.layout, size)
+        columns = [*self.layout.feature_names, *self.layout.target_names]
         offset = 0
         for group in groups:
             try:
@@ -433,7 +405,7 @@ class ShardReader:
                     f"row group {group} of the shard of rank {self.rank} ({self.path}) has "
                     f"{table.num_rows} rows, its footer says {expected}; {RERUN_PARTITION}"
                 )
-            _fill_rows(features[offset:end], labels[offset:end], table, self.names, self.targets, self.path)
+            _fill_rows(features[offset:end], labels[offset:end], table, self.layout, self.path)
             if self._cache is not None:
                 start = self._group_offsets[group]
                 self._cache[0][start : start + table.num_rows] = features[offset:end]
@@ -443,11 +415,12 @@ class ShardReader:
 
 
 def _rebatch(
-    windows: Iterator[tuple[np.ndarray, np.ndarray]], sizes: list[int], path: Path
+    windows: Iterator[tuple[np.ndarray, np.ndarray]], sizes: list[int], path: Path, dtype: torch.dtype
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a stream of shuffled windows into batches of ``sizes``; a batch inside one window is a view
-    (no copy), one spanning two windows is stitched together."""
-    features = np.empty((0, 0), dtype=np.float32)
+    """Cut a stream of shuffled windows into batches of ``sizes`` of inputs in ``dtype``; a batch inside
+    one window is a view (no copy, unless token ids are widened), one spanning two windows is stitched
+    together."""
+    features = np.empty(0, dtype=np.float32)
     labels = np.empty(0, dtype=np.int64)
     position = 0
     for size in sizes:
@@ -471,7 +444,7 @@ def _rebatch(
                 have += take
                 position = take
             batch_features, batch_labels = np.concatenate(parts_f), np.concatenate(parts_l)
-        yield torch.from_numpy(batch_features), torch.from_numpy(batch_labels)
+        yield torch.from_numpy(batch_features).to(dtype), torch.from_numpy(batch_labels)
     if next(windows, None) is not None:
         raise UserError(f"shard {path} has more rows than its footer says; {RERUN_PARTITION}")
 

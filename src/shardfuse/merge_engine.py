@@ -5,11 +5,20 @@ and by bench/merge.py. Each tensor is cut into blocks of at most ``BLOCK_BYTES``
 all inputs; a method's plan (``shardfuse.merge_methods``) may scan the whole tensor first (by blocks, or
 rank by rank), then combines block by block into the sink. Reader threads read (and hash) a few blocks
 ahead of the math, so peak memory is a few blocks whatever the number of ranks or the model size.
+:func:`merge_arrays` runs the same plans on whole in-memory arrays (the tests' reference).
+
+Per tensor, by the rules of ``shardfuse.merge_methods``: a non-float tensor (a counter such as
+BatchNorm's ``num_batches_tracked``) is a ``copy`` job: never decoded to float, its bytes are compared
+with rank 0's and rank 0's are written, so an unequal counter stops the merge naming the tensor. A
+float tensor named ``*.running_mean``/``*.running_var`` (BatchNorm's running statistics, recognised by
+name: the engine sees a state dict, never a model) gets the plain (weighted, for weighted) mean's plan
+from ``make_plan`` whatever the method, except consolidate, which keeps rank 0's after its check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from shardfuse.merge_methods import Plan, TensorJob, copy_rule_error, make_plan, merge_block, tensor_stats
+from shardfuse.io import UserError
+from shardfuse.merge_methods import USES_BASE, Plan, TensorJob, make_plan
 from shardfuse.safetensors_stream import SafetensorsReader, TensorInfo, decode_float, encode_float, to_torch
 
 BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
@@ -208,3 +218,84 @@ class Engine:
             if job.end_tensor:
                 stats[job.name] = tensor_stats(plan)
         return stats
+
+
+# ---------------------------------------------------------------- running a plan
+
+
+def max_abs_diff(blocks: list[np.ndarray]) -> float:
+    """max |block_i - block_0| over all i; NaN == NaN, a NaN against a number counts as inf."""
+    worst = 0.0
+    if len(blocks) < 2 or not len(blocks[0]):
+        return worst
+    first, diff = blocks[0], np.empty_like(blocks[0])
+    for other in blocks[1:]:
+        np.subtract(other, first, out=diff)
+        spread = max(float(diff.max()), -float(diff.min()))
+        if math.isnan(spread):
+            if np.any(np.isnan(other) != np.isnan(first)):
+                return math.inf
+            spread = float(np.fmax.reduce(np.abs(diff)))  # fmax skips the NaN - NaN entries
+            spread = 0.0 if math.isnan(spread) else spread
+        worst = max(worst, spread)
+    return worst
+
+
+def merge_block(plan: Plan, start: int, blocks: list[np.ndarray], base: np.ndarray | None) -> np.ndarray:
+    """One block of the merged tensor; records the spread between ranks before combine reuses blocks."""
+    spread = max_abs_diff(blocks)
+    plan.max_abs_diff = max(plan.max_abs_diff, spread)
+    plan.check(spread)
+    return plan.combine(start, blocks, base)
+
+
+def tensor_stats(plan: Plan) -> dict[str, Any]:
+    return {"max_abs_diff": plan.max_abs_diff, **plan.stats}
+
+
+def copy_rule_error(name: str, dtype: str, rank: int) -> UserError:
+    return UserError(
+        f"tensor {name!r} ({dtype}) differs between rank 0 and rank {rank}; integer/bool tensors "
+        "(counters such as BatchNorm's num_batches_tracked, masks, indices) have no meaningful mean, so "
+        "they are copied from rank 0 and must be identical across ranks — make them equal before merging"
+    )
+
+
+def merge_arrays(
+    method: str,
+    params: dict[str, Any],
+    arrays: list[np.ndarray],
+    base: np.ndarray | None = None,
+    name: str = "tensor",
+    weights: list[float] | None = None,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """Merge one tensor held in memory (numpy float16/32/64 merged in float64; other dtypes copied).
+
+    ``params`` come from ``resolve_params``; ``weights`` are weighted's (default: equal)."""
+    dtype, shape = arrays[0].dtype, arrays[0].shape
+    if dtype.kind != "f":
+        for rank, array in enumerate(arrays[1:], start=1):
+            if not np.array_equal(array.view(np.uint8), arrays[0].view(np.uint8)):
+                raise copy_rule_error(name, str(dtype), rank)
+        return arrays[0].copy(), {"max_abs_diff": 0.0, "copied_from_rank": 0}
+    if method in USES_BASE and base is None:
+        raise ValueError(f"{method} needs the base tensor")
+    if method == "weighted" and weights is None:
+        weights = [1.0 / len(arrays)] * len(arrays)
+    job = TensorJob(name, int(arrays[0].size), list(range(len(arrays))), weights)
+    plan = make_plan(method, params, job)
+    base64 = None if base is None else np.asarray(base, dtype=np.float64).ravel()
+
+    def fresh() -> list[np.ndarray]:
+        return [np.asarray(a, dtype=np.float64).ravel().copy() for a in arrays]
+
+    if plan.scan_order == "blocks":
+        plan.scan_blocks(0, fresh(), base64)
+    elif plan.scan_order == "ranks":
+        for index, block in enumerate(fresh()):
+            plan.scan_rank(index, 0, block, base64)
+            plan.end_rank(index)
+    if plan.scan_order:
+        plan.end_scan()
+    merged = merge_block(plan, 0, fresh(), base64)
+    return merged.astype(dtype).reshape(shape), tensor_stats(plan)

@@ -1,10 +1,11 @@
 """Fusion methods as pure float64 array math on the N ranks' versions of one tensor.
 
-No command line; ``shardfuse.merge`` streams checkpoints through these plans block by block. By hand:
+No command line; ``shardfuse.merge`` streams checkpoints through these plans block by block with
+``shardfuse.merge_engine``, whose ``merge_arrays`` runs one plan on whole arrays. By hand:
 
-    python -c "import numpy as np, shardfuse.merge_methods as m; \\
+    python -c "import numpy as np, shardfuse.merge_methods as m, shardfuse.merge_engine as e; \\
         p = m.resolve_params('ties', {'density': 0.5}, [10, 10]); \\
-        print(m.merge_arrays('ties', p, [np.ones(4), -np.ones(4)], base=np.zeros(4))[0])"
+        print(e.merge_arrays('ties', p, [np.ones(4), -np.ones(4)], base=np.zeros(4))[0])"
 
 theta_i is rank i's tensor (i = 0..N-1), base the run's shared initial weights (train's
 base.safetensors, saved before the first step), tau_i = theta_i - base its task vector.
@@ -36,9 +37,18 @@ base.safetensors, saved before the first step), tau_i = theta_i - base its task 
                    no pair left (N = 1, or every tau zero) t = 1: the plain mean.
 
 Dtype rule: float tensors (F16, BF16, F32, F64) are merged in float64 and cast back to their own dtype.
-Integer/bool tensors (and any dtype without arithmetic here: 8-bit floats, complex) are copied from
-rank 0 and must be identical across ranks, else error: a counter or an index has no meaningful mean.
-Optimiser state is never merged: a rank checkpoint holds the model's state_dict only.
+Integer/bool tensors (and any dtype without arithmetic here: 8-bit floats, complex) never see float
+math: they are copied from rank 0 bit for bit and must be identical across ranks, else error: a counter
+(BatchNorm's num_batches_tracked) or an index has no meaningful mean.
+Running statistics rule: a float tensor whose name ends in ``running_mean`` or ``running_var``
+(``is_running_statistic``: BatchNorm's buffers, found by name since merging builds no model) is a
+statistic of activations, not a weight. Every method fuses it by the plain mean of the ranks (weighted:
+the weighted mean; greedy_soup: the mean of the selected ranks), never trimmed, dropped, scaled,
+pulled to the base or slerped; consolidate keeps rank 0's after its tolerance check, as for weights.
+The mean of the variances is not the pooled variance (it leaves out the spread of the ranks' means);
+re-estimating the statistics on data is the exact fix, and beyond a merge.
+Tied weights: the built-in transformer stores its tied embedding/read-out matrix once, so every method
+sees it once. Optimiser state is never merged: a rank checkpoint holds the model's state_dict only.
 
 Each method is a per-tensor plan: an optional scan of the whole tensor (TIES thresholds, the slerp
 angle, model_stock cosines), then ``combine``, which maps one block of each rank to one block of the
@@ -58,6 +68,7 @@ import numpy as np
 from shardfuse.io import UserError
 
 SLERP_PARALLEL_COS = 0.9995  # above this |cos| slerp falls back to lerp (sin(theta) is too small)
+RUNNING_STATISTICS = ("running_mean", "running_var")  # name suffixes; see is_running_statistic
 
 
 # ---------------------------------------------------------------- parameters
@@ -431,85 +442,20 @@ PLANS: dict[str, type[Plan]] = {
 }
 
 
+def is_running_statistic(name: str) -> bool:
+    """Whether tensor ``name`` is a running statistic (BatchNorm's ``running_mean``/``running_var``).
+
+    By name, because merging is state-dict generic (no model is built): the last component of the
+    name, as PyTorch's norm layers spell it, e.g. ``features.1.running_var``."""
+    return name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+
+
 def make_plan(method: str, params: dict[str, Any], job: TensorJob) -> Plan:
-    return PLANS[method](job, params)
-
-
-# ---------------------------------------------------------------- running a plan
-
-
-def max_abs_diff(blocks: list[np.ndarray]) -> float:
-    """max |block_i - block_0| over all i; NaN == NaN, a NaN against a number counts as inf."""
-    worst = 0.0
-    if len(blocks) < 2 or not len(blocks[0]):
-        return worst
-    first, diff = blocks[0], np.empty_like(blocks[0])
-    for other in blocks[1:]:
-        np.subtract(other, first, out=diff)
-        spread = max(float(diff.max()), -float(diff.min()))
-        if math.isnan(spread):
-            if np.any(np.isnan(other) != np.isnan(first)):
-                return math.inf
-            spread = float(np.fmax.reduce(np.abs(diff)))  # fmax skips the NaN - NaN entries
-            spread = 0.0 if math.isnan(spread) else spread
-        worst = max(worst, spread)
-    return worst
-
-
-def merge_block(plan: Plan, start: int, blocks: list[np.ndarray], base: np.ndarray | None) -> np.ndarray:
-    """One block of the merged tensor; records the spread between ranks before combine reuses blocks."""
-    spread = max_abs_diff(blocks)
-    plan.max_abs_diff = max(plan.max_abs_diff, spread)
-    plan.check(spread)
-    return plan.combine(start, blocks, base)
-
-
-def tensor_stats(plan: Plan) -> dict[str, Any]:
-    return {"max_abs_diff": plan.max_abs_diff, **plan.stats}
-
-
-def copy_rule_error(name: str, dtype: str, rank: int) -> UserError:
-    return UserError(
-        f"tensor {name!r} ({dtype}) differs between rank 0 and rank {rank}; integer/bool tensors are "
-        "copied from rank 0 and must be identical across ranks — make them equal before merging"
-    )
-
-
-def merge_arrays(
-    method: str,
-    params: dict[str, Any],
-    arrays: list[np.ndarray],
-    base: np.ndarray | None = None,
-    name: str = "tensor",
-    weights: list[float] | None = None,
-) -> tuple[np.ndarray, dict[str, Any]]:
-    """Merge one tensor held in memory (numpy float16/32/64 merged in float64; other dtypes copied).
-
-    ``params`` come from ``resolve_params``; ``weights`` are weighted's (default: equal)."""
-    dtype, shape = arrays[0].dtype, arrays[0].shape
-    if dtype.kind != "f":
-        for rank, array in enumerate(arrays[1:], start=1):
-            if not np.array_equal(array.view(np.uint8), arrays[0].view(np.uint8)):
-                raise copy_rule_error(name, str(dtype), rank)
-        return arrays[0].copy(), {"max_abs_diff": 0.0, "copied_from_rank": 0}
-    if method in USES_BASE and base is None:
-        raise ValueError(f"{method} needs the base tensor")
-    if method == "weighted" and weights is None:
-        weights = [1.0 / len(arrays)] * len(arrays)
-    job = TensorJob(name, int(arrays[0].size), list(range(len(arrays))), weights)
-    plan = make_plan(method, params, job)
-    base64 = None if base is None else np.asarray(base, dtype=np.float64).ravel()
-
-    def fresh() -> list[np.ndarray]:
-        return [np.asarray(a, dtype=np.float64).ravel().copy() for a in arrays]
-
-    if plan.scan_order == "blocks":
-        plan.scan_blocks(0, fresh(), base64)
-    elif plan.scan_order == "ranks":
-        for index, block in enumerate(fresh()):
-            plan.scan_rank(index, 0, block, base64)
-            plan.end_rank(index)
-    if plan.scan_order:
-        plan.end_scan()
-    merged = merge_block(plan, 0, fresh(), base64)
-    return merged.astype(dtype).reshape(shape), tensor_stats(plan)
+    if method == "consolidate" or not is_running_statistic(job.name):
+        return PLANS[method](job, params)
+    # Statistics of activations, not weights: their "task vector" means nothing, so trimming, dropping,
+    # scaling or a spherical path would give statistics that no rank measured. The (weighted) mean is
+    # what a soup of the ranks would carry.
+    plan = (WeightedPlan if method == "weighted" else UniformPlan)(job, params)
+    plan.stats["running_statistic"] = "weighted mean" if method == "weighted" else "mean"
+    return plan

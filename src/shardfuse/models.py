@@ -1,9 +1,10 @@
 """The model registry: a run names its model, every stage rebuilds it from a small JSON-able spec.
 
-A run's ``model`` is a built-in name (``mlp``) or an import path ``package.module:function`` (the
-function is called as ``function(description, **model_args)`` with the dataset's
-:class:`DataDescription` and must return an ``nn.Module`` mapping a float batch ``[N, F]`` to
-``[N, num_outputs]``, or for causal_lm a token batch ``[N, T]`` to logits ``[N, T, vocab_size]``).
+A run's ``model`` is a built-in name (``mlp`` here; ``cnn`` and ``transformer`` in
+:mod:`shardfuse.builtin_models`) or an import path ``package.module:function`` (the function is
+called as ``function(description, **model_args)`` with the dataset's :class:`DataDescription` and must
+return an ``nn.Module`` mapping a batch of inputs ``[N, *input_shape]`` to ``[N, num_outputs]``, or
+for causal_lm a token batch ``[N, T]`` to logits ``[N, T, vocab_size]``).
 User code lives in the run's ``code_paths`` (directories put on ``sys.path`` in every job) or in an
 installed package. By hand::
 
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardfuse.builtin_models import cnn, transformer
 from shardfuse.io import UserError
 
 # Specs are read in the torch-free shardfuse.specs; model_spec and normalized_spec stay importable here.
@@ -146,7 +148,7 @@ def build_mlp(
 
 # Built-ins standardise their inputs themselves; other factories get the Standardized wrapper.
 # shardfuse.usercode.BUILTIN_MODELS lists the same names for the torch-free config check.
-BUILTINS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp}
+BUILTINS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "cnn": cnn, "transformer": transformer}
 
 
 def build_model(spec: dict[str, Any], verify_code: bool = False) -> nn.Module:

@@ -17,11 +17,14 @@ buffers together stay near WRITE_BUFFER_BYTES (peak RSS at three scales: bench/p
 bench/RESULTS.md). Output bytes depend only on the input file, W, seed and --drop-remainder (and the
 numpy/pyarrow versions), never on --batch-size.
 
-Shards are written with row groups of at most 64Ki rows (the unit a streaming reader fetches), without
+Shards are written with row groups of at most 64Ki rows (the unit a streaming reader fetches; fewer for
+tensor or token rows, at most 2Mi values a column), without
 dictionary encoding for floating-point columns whose values do not repeat (hashing every float into a
 dictionary that is never useful only made writing slower and the files larger), and with the
 count, sum and sum of squares of every numeric column in the manifest, so training can normalise
-features without a pass over the data.
+features without a pass over the data. Tensor and token columns (fixed_size_list, see
+``shardfuse.shard_format``) are streamed as they are, field metadata (their shape) included; the
+manifest's ``columns`` records every column's kind, dtype and row shape.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from shardfuse.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from shardfuse.shard_format import (
     LABEL_COLUMN,
     column_values,
+    describe_columns,
     open_parquet,
     prefetched,
     read_batches,
@@ -61,6 +65,11 @@ from shardfuse.shard_format import (
 
 WRITE_BUFFER_BYTES = 128 << 20
 MAX_ROW_GROUP_ROWS = 1 << 16
+# A row group and a read batch hold at most this many values of one column: Parquet's reader and writer
+# keep per-value work arrays (repetition and definition levels, decoded values) for a whole batch or
+# row group, and a token block or an image is hundreds of values a row. One value a row (numeric
+# columns): the row limits decide, as before. Peak RSS on a token corpus: bench/partition.py.
+MAX_COLUMN_VALUES = 1 << 21
 # The assignment is drawn in blocks of this many rows. A constant, not a knob: it decides the random
 # stream, so changing it changes which rank gets which row.
 ASSIGNMENT_BLOCK_ROWS = 1 << 20
@@ -131,13 +140,23 @@ class _AssignmentReader:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def _max_rows(schema: pa.Schema) -> int:
+    """Rows that hold :data:`MAX_COLUMN_VALUES` values of the widest column (a fixed_size_list holds
+    list_size values a row, any other column one)."""
+    values_per_row = max(
+        (field.type.list_size for field in schema if pa.types.is_fixed_size_list(field.type)), default=1
+    )
+    return max(1, MAX_COLUMN_VALUES // values_per_row)
+
+
 def _row_group_rows(parquet_file: pq.ParquetFile, world_size: int) -> int:
     """Rows per output row group, from the input's uncompressed row width: a function of the input
     file and W only, so the output layout does not depend on --batch-size."""
     metadata = parquet_file.metadata
     total_bytes = sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
     row_bytes = max(1, total_bytes // max(1, metadata.num_rows))
-    return int(np.clip(WRITE_BUFFER_BYTES // (world_size * row_bytes), 1, MAX_ROW_GROUP_ROWS))
+    max_rows = min(MAX_ROW_GROUP_ROWS, _max_rows(parquet_file.schema_arrow))
+    return int(np.clip(WRITE_BUFFER_BYTES // (world_size * row_bytes), 1, max_rows))
 
 
 def dictionary_columns(parquet_file: pq.ParquetFile) -> list[str]:
@@ -381,6 +400,8 @@ def partition_parquet(
             f"leave a rank without data; use --world-size <= {num_rows} or a larger dataset"
         )
     schema = parquet_file.schema_arrow
+    # Before any work: a tensor column whose shape does not fit its size is refused here, not in training.
+    columns = describe_columns(schema, input_path)
     assignment = _AssignmentReader(iter_rank_assignment(num_rows, world_size, seed, drop_remainder))
     row_group_rows = _row_group_rows(parquet_file, world_size)
     use_dictionary = dictionary_columns(parquet_file)
@@ -399,7 +420,8 @@ def partition_parquet(
         ]
         offset = 0
         try:
-            batches = read_batches(parquet_file, what, REMAKE_INPUT, batch_size=batch_size)
+            read_rows = min(batch_size, _max_rows(schema))  # does not change the output, only memory
+            batches = read_batches(parquet_file, what, REMAKE_INPUT, batch_size=read_rows)
             for grouped, bounds in prefetched(
                 _grouped_batches(batches, assignment, world_size, num_rows, what)
             ):
@@ -442,6 +464,7 @@ def partition_parquet(
             "total_rows": total_rows,
             "dropped_rows": num_rows - total_rows,
             "schema": [{"name": field.name, "type": str(field.type)} for field in schema],
+            "columns": [column.to_json() for column in columns],
             "shards": shards,
         }
         write_json(tmp_dir / MANIFEST_NAME, manifest)

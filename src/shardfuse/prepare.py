@@ -7,15 +7,20 @@ Run by hand:
 
 Writes OUT_DIR/train.parquet, OUT_DIR/val.parquet, OUT_DIR/test.parquet and OUT_DIR/dataset.json (each
 atomically; dataset.json last, so its presence means the split is complete). The same spec gives
-byte-identical files. The Parquet columns depend on the spec's ``task``:
+byte-identical files. The inputs take one of three layouts, which dataset.json's ``input`` records
+(kind, shape, dtype):
 
-  classification  x0..x{F-1} (float32) then ``label`` (int64 in [0, C))
-  regression      x0..x{F-1} (float32) then y0..y{K-1} (float32: the K targets)
-  causal_lm       x0..x{B} (float32 holding byte tokens 0..255; B = block_size: a row is B inputs and,
-                  shifted by one, B next-token targets)
+  numeric  x0..x{F-1} (float32); shape [F]
+  tensor   one column ``x`` of fixed_size_list<float32>[prod(shape)], its field's metadata
+           {"shardfuse.shape": "[C, H, W]"} (any shape); digits_images, image_folder, npz, and a
+           Parquet list column
+  tokens   one column ``tokens`` of fixed_size_list<uint16>[block_size + 1] (int32 when vocab_size >
+           65535): block_size inputs and, shifted by one, block_size next-token targets; text
 
-dataset.json records the ``task``. Regression adds ``target_names``; causal_lm adds ``vocab_size`` (256),
-``block_size`` and ``num_tokens`` (bytes read); both have num_classes 0 and label_names [].
+and the targets follow by ``task``: classification ``label`` (int64 in [0, C)); regression y0..y{K-1}
+(float32; dataset.json adds ``target_names``); causal_lm none (dataset.json adds ``vocab_size``,
+``block_size``, ``num_tokens`` and ``tokenizer``). num_features is prod(shape); feature_names is []
+for a tensor; the tasks other than classification have num_classes 0 and label_names [].
 
 The test split (``test_fraction`` of the rows, default 0.2) is drawn first and does not depend on
 ``val_fraction``; the validation split (``val_fraction`` of all rows, default 0.1, drawn the same way)
@@ -26,36 +31,24 @@ val.parquet with the same schema. Rows are written in a seeded random order (use
 by label; the synthetic generator draws rows at random already), since partition keeps the input's
 order within a shard and the shard reader's first epoch follows the file row group by row group.
 
-Sources (keys of the spec; ``task`` defaults to the source's first task below; ``test_fraction`` defaults
-to 0.2, ``val_fraction`` to 0.1, ``seed`` to 0):
-  digits     classification: scikit-learn's bundled 8x8 digits (1797 rows, 64 features, 10 classes)
-  diabetes   regression: scikit-learn's bundled diabetes data (442 rows, 10 scaled features, 1 raw target)
-  synthetic  classification: num_rows, num_features, num_classes, class_sep (default 1.0): seeded Gaussian
-             clusters. class_sep sets difficulty independent of num_features: nearest-centroid test
-             accuracy with 10 classes is ~0.57 at 1.0, ~0.81 at 1.5, ~0.94 at 2.0 (chance at 0).
-             regression: num_rows, num_features, num_outputs, noise (default 0.1): x ~ N(0, 1),
-             y = f(x) + noise * N(0, 1) with f a seeded random one-hidden-layer network scaled so each
-             target's std is about 1. Both are generated and written chunk by chunk, so tens of millions
-             of rows fit in bounded memory.
-  parquet    classification or regression: path, feature_columns and either label_column
-             (classification: labels of any type mapped to 0..C-1 in sorted order) or label_columns
-             (regression: numeric target columns)
-  csv        same keys as parquet
-  text       causal_lm: paths (glob patterns, ** recurses), exclude (fnmatch patterns of the full path,
-             default []), block_size, max_tokens (default null: read everything). The files' bytes,
-             sorted by path and joined by b"\\n", cut into non-overlapping rows of block_size + 1 tokens
-             (the tail is dropped). Vocabulary: the 256 byte values; no download, no tokenizer.
+Sources (config/README.md's dataset-keys table has every key): digits, digits_images (the same rows and
+split as 1x8x8 images) and image_folder (path/<class>/*.png|*.jpg|*.jpeg) give classification;
+diabetes regression; synthetic (streamed chunk by chunk), parquet, csv and npz either (classification
+unless ``task`` says); text (the files' bytes or a user tokenizer's ids; ``{stdlib}`` in paths is the
+Python standard library) causal_lm.
 Any classification source also takes ``classes``: keep only the rows whose label is one of these (e.g.
 [0, 1, 2] for digits). The label space stays the whole data's: num_classes, label_names and the label
 codes are unchanged, so a model trained on a subset has the full output layer.
 
-The sources are library modules: :mod:`shardfuse.sources` (digits, diabetes, parquet, csv, text) and
-:mod:`shardfuse.synthetic`; this stage validates the spec, splits the rows and writes the files.
+The sources are library modules (:mod:`shardfuse.sources`, :mod:`shardfuse.synthetic`,
+:mod:`shardfuse.image_sources`), each checking its own keys; this stage validates the spec, splits the
+rows and writes the files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +58,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardfuse.image_sources import LOADED_HERE, TENSOR_SOURCES, check_tensor_spec, load_tensor_source
 from shardfuse.io import (
     StageParser,
     UserError,
@@ -75,8 +69,20 @@ from shardfuse.io import (
     write_json,
     write_stamps,
 )
-from shardfuse.sources import VOCAB_SIZE, kept_class_codes, load_in_memory, read_text_blocks
-from shardfuse.synthetic import Chunk, synthetic_data
+from shardfuse.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
+from shardfuse.sources import (
+    SPEC_FIX,
+    VOCAB_SIZE,
+    check_text_spec,
+    check_user_file_spec,
+    is_int,
+    kept_class_codes,
+    load_in_memory,
+    read_text_blocks,
+    require_int,
+    require_number,
+)
+from shardfuse.synthetic import Chunk, check_synthetic_spec, synthetic_data
 
 DEFAULTS = {
     "test_fraction": 0.2,
@@ -86,6 +92,11 @@ DEFAULTS = {
     "noise": 0.1,
     "exclude": (),
     "max_tokens": None,
+    "tokenizer": None,
+    "mode": "L",
+    "on_bad_image": "error",
+    "features_key": "x",
+    "labels_key": "y",
 }
 SPLITS = ("train", "val", "test")
 SPLIT_KEYS = {"test_fraction", "val_fraction", "seed"}
@@ -94,23 +105,37 @@ USER_FILE_KEYS = ({"path", "feature_columns"}, COMMON_KEYS | {"label_column", "l
 # source -> (required keys, optional keys) for any of its tasks; "source" itself is always required.
 SOURCE_KEYS: dict[str, tuple[set[str], set[str]]] = {
     "digits": (set(), COMMON_KEYS | {"classes"}),
+    "digits_images": (set(), COMMON_KEYS | {"classes"}),
     "diabetes": (set(), COMMON_KEYS),
     "synthetic": (
         {"num_rows", "num_features"},
         COMMON_KEYS | {"num_classes", "class_sep", "classes", "num_outputs", "noise"},
     ),
-    "parquet": USER_FILE_KEYS,
+    "parquet": (USER_FILE_KEYS[0], USER_FILE_KEYS[1] | {"feature_shape"}),
     "csv": USER_FILE_KEYS,
-    "text": ({"paths", "block_size"}, COMMON_KEYS | {"exclude", "max_tokens"}),
+    "image_folder": ({"path", "image_size"}, COMMON_KEYS | {"mode", "on_bad_image", "classes"}),
+    "npz": ({"path"}, COMMON_KEYS | {"features_key", "labels_key", "classes"}),
+    "text": ({"paths", "block_size"}, COMMON_KEYS | {"exclude", "max_tokens", "tokenizer", "vocab_size"}),
 }
 # The tasks each source can do; the first is its default.
 SOURCE_TASKS = {
     "digits": ("classification",),
+    "digits_images": ("classification",),
     "diabetes": ("regression",),
     "synthetic": ("classification", "regression"),
     "parquet": ("classification", "regression"),
     "csv": ("classification", "regression"),
+    "image_folder": ("classification",),
+    "npz": ("classification", "regression"),
     "text": ("causal_lm",),
+}
+# Each source's checks of its own keys (given the validated spec, task filled in).
+SOURCE_CHECKS = {
+    "synthetic": check_synthetic_spec,
+    "parquet": check_user_file_spec,
+    "csv": check_user_file_spec,
+    "text": check_text_spec,
+    **dict.fromkeys(TENSOR_SOURCES, check_tensor_spec),
 }
 TASKS = ("classification", "regression", "causal_lm")
 # Keys that only one task takes (a source's other keys suit all its tasks), and the keys a task requires.
@@ -127,43 +152,13 @@ TASK_REQUIRED_KEYS = {
     ("csv", "regression"): {"label_columns"},
 }
 ROW_GROUP_ROWS = 1 << 16
-SPEC_FIX = "fix the dataset's spec in the config"
 
 
 # ---------------------------------------------------------------- spec validation
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _require_int(spec: dict, key: str, minimum: int) -> None:
-    if not _is_int(spec[key]) or spec[key] < minimum:
-        raise UserError(f"spec key {key!r} must be an integer >= {minimum}, got {spec[key]!r}; {SPEC_FIX}")
-
-
 def _is_fraction(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require_number(spec: dict, key: str, low: float, high: float, *, open_interval: bool) -> None:
-    value = spec[key]
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not is_number or not (low < value < high if open_interval else low <= value <= high):
-        what = f"strictly between {low} and {high}" if open_interval else f">= {low}"
-        raise UserError(f"spec key {key!r} must be a number {what}, got {value!r}; {SPEC_FIX}")
-
-
-def _require_names(spec: dict, key: str, what: str, *, allow_empty: bool = False) -> None:
-    """``spec[key]`` must be a list of distinct non-empty strings (non-empty unless ``allow_empty``)."""
-    value = spec[key]
-    if (
-        not isinstance(value, list)
-        or not (value or allow_empty)
-        or not all(isinstance(item, str) and item for item in value)
-        or len(set(value)) != len(value)
-    ):
-        raise UserError(f"spec key {key!r} must be a {what}, got {value!r}; {SPEC_FIX}")
 
 
 def _task_of(spec: dict) -> str:
@@ -213,7 +208,7 @@ def validate_spec(spec: Any) -> dict:
     defaults = {k: list(v) if isinstance(v, tuple) else v for k, v in DEFAULTS.items() if k in optional}
     spec = {**{k: v for k, v in defaults.items() if k not in foreign_keys}, **spec, "task": task}
 
-    _require_number(spec, "test_fraction", 0, 1, open_interval=True)
+    require_number(spec, "test_fraction", 0, 1, open_interval=True)
     val_fraction = spec["val_fraction"]
     if not (_is_fraction(val_fraction) and 0 <= val_fraction < 1):
         raise UserError(
@@ -224,53 +219,21 @@ def validate_spec(spec: Any) -> dict:
             f"test_fraction + val_fraction = {spec['test_fraction'] + val_fraction:g} leaves no training "
             f"rows; make their sum < 1 ({SPEC_FIX})"
         )
-    _require_int(spec, "seed", 0)
-    if source == "synthetic":
-        _require_int(spec, "num_rows", 2)
-        _require_int(spec, "num_features", 1)
-        if task == "classification":
-            _require_int(spec, "num_classes", 2)
-            _require_number(spec, "class_sep", 0, math.inf, open_interval=False)
-        else:
-            _require_int(spec, "num_outputs", 1)
-            _require_number(spec, "noise", 0, math.inf, open_interval=False)
-    if source in ("parquet", "csv"):
-        if not isinstance(spec["path"], str) or not spec["path"]:
-            raise UserError(f"spec key 'path' must be a non-empty string, got {spec['path']!r}; {SPEC_FIX}")
-        _require_names(spec, "feature_columns", "non-empty list of distinct column names")
-        columns = spec["feature_columns"]
-        if task == "classification" and (
-            not isinstance(spec["label_column"], str) or spec["label_column"] in columns
-        ):
-            raise UserError(
-                f"spec key 'label_column' must be a column name not among feature_columns, got "
-                f"{spec['label_column']!r}; {SPEC_FIX}"
-            )
-        if task == "regression":
-            what = "non-empty list of distinct column names, none of them among feature_columns"
-            _require_names(spec, "label_columns", what)
-            if set(spec["label_columns"]) & set(columns):
-                raise UserError(
-                    f"spec key 'label_columns' must be a {what}, got {spec['label_columns']!r}; {SPEC_FIX}"
-                )
+    require_int(spec, "seed", 0)
+    if source in SOURCE_CHECKS:
+        SOURCE_CHECKS[source](spec)
     if "classes" in spec:
         classes = spec["classes"]
         if (
             not isinstance(classes, list)
             or not classes
-            or not all(isinstance(c, str) or _is_int(c) for c in classes)
+            or not all(isinstance(c, str) or is_int(c) for c in classes)
             or len({str(c) for c in classes}) != len(classes)
         ):
             raise UserError(
                 f"spec key 'classes' must be a non-empty list of distinct label values (strings or "
                 f"integers), got {classes!r}; {SPEC_FIX}"
             )
-    if source == "text":
-        _require_names(spec, "paths", "non-empty list of glob patterns")
-        _require_names(spec, "exclude", "list of glob patterns", allow_empty=True)
-        _require_int(spec, "block_size", 2)
-        if spec["max_tokens"] is not None:
-            _require_int(spec, "max_tokens", 2)
     return spec
 
 
@@ -283,7 +246,8 @@ class Written(NamedTuple):
     rows: dict[str, int]  # per split
     feature_names: list[str]
     label_names: list[str]  # the class names (classification); [] for the other tasks
-    task_keys: dict[str, Any]  # the task's own dataset.json keys (target_names; vocab_size, ...)
+    task_keys: dict[str, Any]  # the task's and source's own dataset.json keys (target_names; vocab_size, ...)
+    input: dict[str, Any]  # dataset.json's "input": kind, shape (per row), dtype
 
 
 def stratified_test_mask(labels: np.ndarray, num_classes: int, test_fraction: float, seed: int) -> np.ndarray:
@@ -338,27 +302,44 @@ def _random_split_masks(num_rows: int, spec: dict) -> dict[str, np.ndarray]:
     return _split_masks(np.zeros(num_rows, dtype=np.int64), 1, spec)
 
 
-def _schema(num_features: int, task: str = "classification", num_targets: int = 0) -> pa.Schema:
-    fields = [pa.field(f"x{j}", pa.float32()) for j in range(num_features)]
-    if task == "classification":
-        fields.append(pa.field("label", pa.int64()))
-    elif task == "regression":
-        fields += [pa.field(f"y{k}", pa.float32()) for k in range(num_targets)]
-    return pa.schema(fields)
+def _input_of(features: np.ndarray, kind: InputKind) -> dict[str, Any]:
+    """dataset.json's ``input`` for rows like ``features`` (numeric columns are always float32)."""
+    dtype = "float32" if kind != "tokens" else np.dtype(features.dtype).name
+    return {"kind": kind, "shape": [int(size) for size in features.shape[1:]], "dtype": dtype}
 
 
-def _table(features: np.ndarray, targets: np.ndarray | None, task: str = "classification") -> pa.Table:
+def _feature_fields(features: np.ndarray, kind: InputKind) -> tuple[list[pa.Field], list[pa.Array]]:
+    """The input columns: one float32 column per feature (numeric), or one fixed-size list column built
+    from the rows' flat values (tensor ``x``, tokens ``tokens``)."""
+    if kind == "numeric":
+        columns = np.ascontiguousarray(features.T, dtype=np.float32)  # column-major, as Arrow stores it
+        return [pa.field(f"x{j}", pa.float32()) for j in range(len(columns))], [pa.array(c) for c in columns]
+    row_size = math.prod(features.shape[1:])
+    dtype = np.float32 if kind == "tensor" else features.dtype
+    flat = np.ascontiguousarray(features, dtype=dtype).reshape(-1)
+    array = pa.FixedSizeListArray.from_arrays(pa.array(flat), row_size)
+    if kind == "tokens":
+        return [pa.field(TOKENS_COLUMN, array.type)], [array]
+    metadata = {SHAPE_KEY: json.dumps([int(size) for size in features.shape[1:]]).encode()}
+    return [pa.field(TENSOR_COLUMN, array.type, metadata=metadata)], [array]
+
+
+def _table(
+    features: np.ndarray,
+    targets: np.ndarray | None,
+    task: str = "classification",
+    kind: InputKind = "numeric",
+) -> pa.Table:
     """``targets``: int class codes (classification), a float (rows, K) array (regression) or None
     (causal_lm, whose features are the tokens)."""
-    columns = np.ascontiguousarray(features.T, dtype=np.float32)  # column-major, as Arrow stores it
-    arrays = [pa.array(column) for column in columns]
-    num_targets = 0
+    fields, arrays = _feature_fields(features, kind)
     if task == "classification":
+        fields.append(pa.field("label", pa.int64()))
         arrays.append(pa.array(targets.astype(np.int64, copy=False)))
     elif task == "regression":
-        num_targets = targets.shape[1]
+        fields += [pa.field(f"y{k}", pa.float32()) for k in range(targets.shape[1])]
         arrays += [pa.array(column) for column in np.ascontiguousarray(targets.T, dtype=np.float32)]
-    return pa.Table.from_arrays(arrays, schema=_schema(features.shape[1], task, num_targets))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
 def _write_split(
@@ -368,6 +349,7 @@ def _write_split(
     masks: dict[str, np.ndarray],
     row_group_rows: int,
     spec: dict,
+    kind: InputKind = "numeric",
 ) -> dict[str, int]:
     """Each split's rows in a seeded random order: files are often sorted (by label, by time), and
     partition keeps the input's order within a shard, which the shard reader's first epoch follows
@@ -375,7 +357,7 @@ def _write_split(
     write_table), so the float32 copy never exceeds a row group. Returns the rows per split."""
 
     def table_of(rows: np.ndarray) -> pa.Table:
-        return _table(features[rows], None if targets is None else targets[rows], spec["task"])
+        return _table(features[rows], None if targets is None else targets[rows], spec["task"], kind)
 
     schema = table_of(np.zeros(0, dtype=np.int64)).schema
     for index, (split, mask) in enumerate(masks.items()):
@@ -417,12 +399,14 @@ def _write_chunks(
 
 
 def _prepare_in_memory(spec: dict, out_dir: Path, row_group_rows: int) -> Written:
-    loaded = load_in_memory(spec)
-    features, targets = loaded.features, loaded.targets
+    loaded = (load_tensor_source if spec["source"] in LOADED_HERE else load_in_memory)(spec)
+    features, targets, kind = loaded.features, loaded.targets, loaded.kind
+    source_keys = loaded.dataset_keys or {}
     if spec["task"] == "regression":
         masks = _random_split_masks(len(features), spec)
-        rows = _write_split(out_dir, features, targets, masks, row_group_rows, spec)
-        return Written(rows, loaded.feature_names, [], {"target_names": loaded.target_names})
+        rows = _write_split(out_dir, features, targets, masks, row_group_rows, spec, kind)
+        task_keys = {"target_names": loaded.target_names, **source_keys}
+        return Written(rows, loaded.feature_names, [], task_keys, _input_of(features, kind))
     label_names = loaded.target_names
     if "classes" in spec:
         keep = np.isin(targets, kept_class_codes(spec["classes"], label_names))
@@ -435,24 +419,33 @@ def _prepare_in_memory(spec: dict, out_dir: Path, row_group_rows: int) -> Writte
             "row; a stratified split needs at least 2 rows per class: add rows or drop those"
         )
     masks = _split_masks(targets, len(label_names), spec)
-    rows = _write_split(out_dir, features, targets, masks, row_group_rows, spec)
-    return Written(rows, loaded.feature_names, label_names, {})
+    rows = _write_split(out_dir, features, targets, masks, row_group_rows, spec, kind)
+    return Written(rows, loaded.feature_names, label_names, source_keys, _input_of(features, kind))
 
 
 def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> Written:
     data = synthetic_data(spec)
-    schema = _schema(len(data.feature_names), spec["task"], len(data.target_names))
+    num_features, num_targets = len(data.feature_names), len(data.target_names)
+    no_rows = np.zeros((0, num_features), dtype=np.float32)
+    no_targets = np.zeros((0, num_targets) if spec["task"] == "regression" else 0)
+    schema = _table(no_rows, no_targets, spec["task"]).schema
     rows = _write_chunks(out_dir, schema, data.chunks, row_group_rows, spec)
     task_keys = {"target_names": data.target_names} if spec["task"] == "regression" else {}
-    return Written(rows, data.feature_names, data.label_names, task_keys)
+    return Written(rows, data.feature_names, data.label_names, task_keys, _input_of(no_rows, "numeric"))
 
 
 def _prepare_text(spec: dict, out_dir: Path, row_group_rows: int) -> Written:
     blocks, num_tokens = read_text_blocks(spec)
-    rows = _write_split(out_dir, blocks, None, _random_split_masks(len(blocks), spec), row_group_rows, spec)
+    masks = _random_split_masks(len(blocks), spec)
+    rows = _write_split(out_dir, blocks, None, masks, row_group_rows, spec, "tokens")
     feature_names = [f"t{j}" for j in range(blocks.shape[1])]
-    extra = {"vocab_size": VOCAB_SIZE, "block_size": spec["block_size"], "num_tokens": num_tokens}
-    return Written(rows, feature_names, [], extra)
+    extra = {
+        "vocab_size": spec.get("vocab_size", VOCAB_SIZE),
+        "block_size": spec["block_size"],
+        "num_tokens": num_tokens,
+        "tokenizer": spec["tokenizer"],
+    }
+    return Written(rows, feature_names, [], extra, _input_of(blocks, "tokens"))
 
 
 # ---------------------------------------------------------------- stage entry points
@@ -474,7 +467,8 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
         "name": name,
         "source": spec["source"],
         "task": spec["task"],
-        "num_features": len(written.feature_names),
+        "input": written.input,
+        "num_features": math.prod(written.input["shape"]),
         "num_classes": len(written.label_names),
         "feature_names": written.feature_names,
         "label_names": written.label_names,
@@ -492,10 +486,12 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
 
 
 def _describe(info: dict) -> str:
+    shape = info["input"]["shape"]
+    features = f"{info['num_features']} features" if info["input"]["kind"] == "numeric" else f"shape {shape}"
     if info["task"] == "classification":
-        return f"{info['num_features']} features, {info['num_classes']} classes"
+        return f"{features}, {info['num_classes']} classes"
     if info["task"] == "regression":
-        return f"{info['num_features']} features, {len(info['target_names'])} target(s)"
+        return f"{features}, {len(info['target_names'])} target(s)"
     return f"{info['num_tokens']} tokens in blocks of {info['block_size']} + 1"
 
 

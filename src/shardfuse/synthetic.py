@@ -16,6 +16,11 @@ masks: labels cycle through the classes by global row index and each class's tes
 rows are spread evenly over its rows, so the split is stratified across all chunks with no pass over
 the whole data. The chunk size is a constant, not a knob (it decides the streams).
 Only correctly rounded elementwise operations touch the data, so the bits do not depend on the CPU.
+
+Classification rows are Gaussian clusters; ``class_sep`` (default 1.0) sets the difficulty independent
+of num_features: nearest-centroid test accuracy with 10 classes is ~0.57 at 1.0, ~0.81 at 1.5, ~0.94 at
+2.0 (chance at 0). Regression rows are x ~ N(0, 1), y = f(x) + noise * N(0, 1) (noise default 0.1),
+with f a seeded random one-hidden-layer network scaled so each target's std is about 1.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shardfuse.io import UserError
-from shardfuse.sources import kept_class_codes
+from shardfuse.sources import kept_class_codes, require_int, require_number
 
 # Synthetic rows are generated in chunks of about this many values (rows x features; regression also
 # counts its hidden layer and targets). It is a constant, not a tuning knob: chunk boundaries decide the
@@ -175,6 +180,18 @@ def _check_synthetic_rows(spec: dict, num_classes: int) -> None:
         f"num_rows={num_rows} is too small for {what} at test_fraction={test_fraction} "
         f"(val_fraction={spec['val_fraction']}): {fault}; use num_rows >= {num_classes * class_rows}"
     )
+
+
+def check_synthetic_spec(spec: dict) -> None:
+    """The source keys of a validated synthetic spec (task filled in)."""
+    require_int(spec, "num_rows", 2)
+    require_int(spec, "num_features", 1)
+    if spec["task"] == "classification":
+        require_int(spec, "num_classes", 2)
+        require_number(spec, "class_sep", 0, math.inf, open_interval=False)
+    else:
+        require_int(spec, "num_outputs", 1)
+        require_number(spec, "noise", 0, math.inf, open_interval=False)
 
 
 def synthetic_data(spec: dict) -> SyntheticData:

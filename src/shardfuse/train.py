@@ -381,6 +381,13 @@ def publish(
     seconds = torch.tensor([loop_seconds], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
 
+    if cfg["strategy"] == "ddp" and forward_updates_buffers(setup.model):
+        # DDP broadcasts rank 0's buffers before each forward, and each rank's last forward then
+        # updated its own running statistics: make rank 0's final, so the published ranks are
+        # identical (consolidate checks that), as DDP's next forward would have made them.
+        with torch.no_grad():
+            for buffer in setup.model.buffers():
+                torch_dist.broadcast(buffer, src=0)
     num_rows = manifest["shards"][ctx.rank]["rows"]
     save_weights(
         setup.out_dir / f"rank-{ctx.rank}.safetensors",

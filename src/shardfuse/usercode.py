@@ -30,7 +30,7 @@ from typing import Any
 
 from shardfuse.io import UserError
 
-BUILTIN_MODELS = ("mlp",)
+BUILTIN_MODELS = ("mlp", "cnn", "transformer")
 FIX_MODEL = "fix `model` in the run (a built-in name or package.module:function)"
 
 
