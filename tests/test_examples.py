@@ -36,7 +36,8 @@ def examples(tmp_path_factory) -> dict[str, dict[str, dict[str, str]]]:
     other): its summary rows by example name."""
     checkout = checkout_copy(tmp_path_factory.mktemp("checkout"))
     found = {}
-    for line in readme_block("examples").splitlines():
+    lines = [*readme_block("examples").splitlines(), *readme_block("examples-kinds").splitlines()]
+    for line in lines:
         command = shlex.split(line.split("#")[0])
         if not command:
             continue
@@ -49,7 +50,7 @@ def examples(tmp_path_factory) -> dict[str, dict[str, dict[str, str]]]:
 
 
 def test_every_example_of_the_readme_runs_and_learns(examples):
-    assert {"diabetes", "multi_output", "user_model", "finetune"} <= set(examples)
+    assert {"diabetes", "multi_output", "user_model", "finetune", "digits_cnn", "stdlib_lm"} <= set(examples)
     diabetes = examples["diabetes"]
     assert all(float(row["test_r2_merged"]) > 0.4 for row in diabetes.values())
     assert float(diabetes["diabetes_soup"]["fusion_gain"]) > 0  # the soup beats its best rank's mse
@@ -60,6 +61,14 @@ def test_every_example_of_the_readme_runs_and_learns(examples):
     assert all(float(finetune[run]["test_accuracy_merged"]) > 0.9 for run in ("ft_ddp", "ft_ties"))
     # Fine-tuning starts from the pretrained model, which knows half the classes.
     assert 0.3 < float(finetune["ft_uniform"]["test_accuracy_base"]) < 0.7
+    cnn = examples["digits_cnn"]
+    assert float(cnn["cnn_ddp"]["test_accuracy_merged"]) > 0.9
+    assert float(cnn["cnn_soup"]["test_accuracy_merged"]) > 0.7
+    language = examples["stdlib_lm"]
+    for run in ("lm_ddp", "lm_localsgd", "lm_soup"):
+        # Bytes are 8 bits; an untrained model is near log2(256) = 8 bits, a trained one well below.
+        assert float(language[run]["test_bits_per_byte_merged"]) < 4.5
+        assert float(language[run]["test_loss_merged"]) < float(language[run]["test_loss_base"]) / 2
 
 
 def test_the_readme_loads_the_user_model_back_from_mlflow_in_a_fresh_process(examples):
