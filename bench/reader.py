@@ -30,6 +30,12 @@ Two more sample kinds (``shardfuse.shard_format``):
 * images: decoding a tensor column (``x``, [1, 28, 28] float32; ``--images`` rows, default ``--rows``
   / 400) into a float32 array with the zero-copy view the reader uses, against a per-row
   ``np.array(row)`` loop over the same in-memory Arrow column, in this process.
+
+And the wait share of a training step for those two kinds with the examples' built-in models, measured
+as the MLP's above (ShardReader cache=True, epochs 0 and 1, the larger share): the ``transformer``
+(width 64, 2 layers, 4 heads) on token blocks of 64 + 1 uint16 ids, and the ``cnn`` (channels 16, 32)
+on [1, 8, 8] float32 images with int64 labels; batch 32, the task's loss, AdamW. Each shard holds
+``--model-rows`` rows (default ``--rows`` / 64) written by partition; ``--model-steps`` steps an epoch.
 """
 
 from __future__ import annotations
@@ -52,6 +58,41 @@ TARGET_IMAGE_SPEEDUP = 10.0
 TOKEN_BLOCK_SIZE = 256
 IMAGE_SHAPE = (1, 28, 28)
 TOKEN_PATHS = ("naive", "ShardReader")
+# The built-in models of the examples, each fed by ShardReader (its training step's wait share): the kind
+# of sample, the model and its args, the batch size and the dataset.json it trains on.
+MODEL_BLOCK_SIZE = 64
+MODEL_VOCAB_SIZE = 256
+MODEL_IMAGE_SHAPE = (1, 8, 8)
+MODEL_RUNS = {
+    "tokens": {
+        "model": "transformer",
+        "args": {"width": 64, "layers": 2, "heads": 4},
+        "batch_size": 32,
+        "info": {
+            "task": "causal_lm",
+            "num_features": MODEL_BLOCK_SIZE + 1,
+            "num_classes": 0,
+            "label_names": [],
+            "feature_names": [],
+            "vocab_size": MODEL_VOCAB_SIZE,
+            "block_size": MODEL_BLOCK_SIZE,
+            "input": {"kind": "tokens", "shape": [MODEL_BLOCK_SIZE + 1], "dtype": "uint16"},
+        },
+    },
+    "images": {
+        "model": "cnn",
+        "args": {"channels": [16, 32]},
+        "batch_size": 32,
+        "info": {
+            "task": "classification",
+            "num_features": 64,
+            "num_classes": 10,
+            "label_names": [str(i) for i in range(10)],
+            "feature_names": [],
+            "input": {"kind": "tensor", "shape": list(MODEL_IMAGE_SHAPE), "dtype": "float32"},
+        },
+    },
+}
 # The config's run_defaults: the default model and optimiser.
 DEFAULT_RUN = {
     "hidden_sizes": [64],
@@ -113,35 +154,18 @@ def measure_path(path_name: str, shard_dir: Path, batch_size: int, num_batches: 
     return {"ttfb_s": first, "samples_per_s": samples / (time.perf_counter() - started)}
 
 
-def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
-    """Runs in a child process: the default MLP's training step fed by ``path_name``; the share of
-    wall time spent waiting for batches."""
-    import torch
-    import torch.nn.functional as F
-
-    from shardfuse.data import read_dataset_info
-    from shardfuse.manifest import read_manifest
-    from shardfuse.models import build_model, model_spec
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    info = read_dataset_info(shard_dir.parent / "dataset")
-    model = build_model(model_spec("mlp", {}, [], info, run_cfg=DEFAULT_RUN))
-    optimizer = torch.optim.SGD(model.parameters(), lr=DEFAULT_RUN["lr"], momentum=DEFAULT_RUN["momentum"])
-    rows = read_manifest(shard_dir)["shards"][0]["rows"]
-    num_batches = -(-rows // DEFAULT_RUN["batch_size"])
-    batches = batches_of(path_name, shard_dir, DEFAULT_RUN["batch_size"], epochs=2)
-    next(batches)  # start-up is time to first batch, measured above; this is the steady state
+def timed_steps(batches, step, num_batches: int, num_steps: int) -> dict:
+    """Times ``num_steps`` training steps (``step(batch)``) in epoch 0 and again in epoch 1 of
+    ``batches`` (``num_batches`` an epoch, the first already taken): the share of wall time spent
+    waiting for the next batch (the larger of the two epochs), epoch 1's start and the step time."""
 
     def train(steps: int) -> tuple[float, float]:
         waiting = computing = 0.0
         for _ in range(steps):
             tick = time.perf_counter()
-            features, labels = next(batches)
+            batch = next(batches)
             tock = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(features), labels).backward()
-            optimizer.step()
+            step(batch)
             waiting += tock - tick
             computing += time.perf_counter() - tock
         return waiting, computing
@@ -162,6 +186,66 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
         "epoch_share": epoch_start / (epoch_start + sum(epoch1) * (num_batches - 1) / num_steps),
         "step_ms": 1000 * sum(epoch0) / num_steps,
     }
+
+
+def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
+    """Runs in a child process: the default MLP's training step fed by ``path_name``; the share of
+    wall time spent waiting for batches."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardfuse.data import read_dataset_info
+    from shardfuse.manifest import read_manifest
+    from shardfuse.models import build_model, model_spec
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    info = read_dataset_info(shard_dir.parent / "dataset")
+    model = build_model(model_spec("mlp", {}, [], info, run_cfg=DEFAULT_RUN))
+    optimizer = torch.optim.SGD(model.parameters(), lr=DEFAULT_RUN["lr"], momentum=DEFAULT_RUN["momentum"])
+    rows = read_manifest(shard_dir)["shards"][0]["rows"]
+    num_batches = -(-rows // DEFAULT_RUN["batch_size"])
+    batches = batches_of(path_name, shard_dir, DEFAULT_RUN["batch_size"], epochs=2)
+    next(batches)  # start-up is time to first batch, measured above; this is the steady state
+
+    def step(batch) -> None:
+        features, labels = batch
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+
+    return timed_steps(batches, step, num_batches, num_steps)
+
+
+def measure_model_training(kind: str, shard_dir: Path, num_steps: int) -> dict:
+    """Runs in a child process: a built-in model's training step (``MODEL_RUNS[kind]``: transformer on
+    token blocks, cnn on images; the task's loss, AdamW) fed by ShardReader (cache=True, as train
+    reads); the share of wall time spent waiting for batches, as :func:`measure_training`."""
+    import torch
+
+    from shardfuse.manifest import read_manifest
+    from shardfuse.models import build_model, model_spec
+    from shardfuse.tasks import task_for
+
+    run_cfg = MODEL_RUNS[kind]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    info = run_cfg["info"]
+    model = build_model(model_spec(run_cfg["model"], run_cfg["args"], [], info))
+    task = task_for(info["task"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = read_manifest(shard_dir)["shards"][0]["rows"]
+    num_batches = -(-rows // run_cfg["batch_size"])
+    batches = batches_of("ShardReader", shard_dir, run_cfg["batch_size"], epochs=2)
+    next(batches)  # start-up is time to first batch; this is the steady state
+
+    def step(batch) -> None:
+        x, y = task.batch(*batch)
+        optimizer.zero_grad(set_to_none=True)
+        task.loss(model(x), y).backward()
+        optimizer.step()
+
+    return timed_steps(batches, step, num_batches, num_steps)
 
 
 def token_batches(path_name: str, shard_dir: Path, batch_size: int, seed: int = 0):
@@ -247,12 +331,42 @@ def measure_images(num_images: int, reps: int, work_dir: Path) -> dict:
     return seconds
 
 
+def write_model_split(kind: str, path: Path, num_rows: int) -> Path:
+    """A prepared split for ``MODEL_RUNS[kind]``: ``tokens`` (fixed_size_list<uint16>[block_size + 1],
+    ids below the model's vocabulary) or ``x`` (fixed_size_list<float32>, its shape in the field metadata)
+    and an int64 ``label`` of 10 classes; written in row groups, as prepare writes them."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shardfuse.shard_format import SHAPE_KEY
+
+    rng = np.random.default_rng(0)
+    if kind == "tokens":
+        width = MODEL_BLOCK_SIZE + 1
+        ids = pa.array(rng.integers(0, MODEL_VOCAB_SIZE, num_rows * width, dtype=np.uint16))
+        table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(ids, width)})
+    else:
+        size = int(np.prod(MODEL_IMAGE_SHAPE))
+        x = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(num_rows * size, dtype=np.float32)), size)
+        shape = json.dumps(list(MODEL_IMAGE_SHAPE)).encode()
+        schema = pa.schema(
+            [pa.field("x", x.type, metadata={SHAPE_KEY: shape}), pa.field("label", pa.int64())]
+        )
+        table = pa.Table.from_arrays([x, pa.array(rng.integers(0, 10, num_rows))], schema=schema)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, row_group_size=16_384)
+    return path
+
+
 def make_shard(work_dir: Path, num_rows: int, num_features: int) -> Path:
     common.make_dataset(work_dir / "dataset", num_rows, num_features)
     return common.make_shards(work_dir / "dataset", 1, work_dir / "shards")
 
 
-def child(kind: str, path_name: str, shard_dir: Path, args: argparse.Namespace) -> list[object]:
+def child(
+    kind: str, path_name: str, shard_dir: Path, args: argparse.Namespace, steps: int | None = None
+) -> list[object]:
     return common.python_cmd(
         __file__,
         "--child",
@@ -265,7 +379,7 @@ def child(kind: str, path_name: str, shard_dir: Path, args: argparse.Namespace) 
         "--batches",
         args.batches,
         "--steps",
-        args.steps,
+        steps or args.steps,
     )
 
 
@@ -381,6 +495,19 @@ def sample_kinds(args: argparse.Namespace) -> tuple[str, list, dict]:
                 {**json.loads(measured.stdout.strip().splitlines()[-1]), "rss": measured.peak_rss_mb}
             )
     images = measure_images(num_images, args.reps, args.work_dir)
+    model_rows = getattr(args, "model_rows", None) or max(1_000, args.rows // 64)
+    model_steps = getattr(args, "model_steps", None) or max(10, min(200, model_rows // 64))
+    model_shards = {}
+    for kind in MODEL_RUNS:
+        write_model_split(kind, args.work_dir / f"{kind}-model" / "train.parquet", model_rows)
+        model_shards[kind] = common.make_shards(
+            args.work_dir / f"{kind}-model", 1, args.work_dir / f"{kind}-model-shards"
+        )
+    models: dict[str, list[dict]] = {kind: [] for kind in MODEL_RUNS}
+    for _ in range(args.reps):
+        for kind in MODEL_RUNS:
+            measured = common.measure(child("model", kind, model_shards[kind], args, steps=model_steps))
+            models[kind].append(json.loads(measured.stdout.strip().splitlines()[-1]))
 
     def med(name: str, key: str) -> float:
         return common.median([sample[key] for sample in tokens[name]])
@@ -414,6 +541,24 @@ def sample_kinds(args: argparse.Namespace) -> tuple[str, list, dict]:
         for name, times in images.items()
     ]
     reader_tokens = med("ShardReader", "tokens_per_s")
+
+    def model_med(kind: str, key: str) -> float:
+        return common.median([sample[key] for sample in models[kind]])
+
+    model_rows_md = [
+        [
+            "token blocks" if kind == "tokens" else "images",
+            f"{run_cfg['model']} {json.dumps(run_cfg['args'])}",
+            " / ".join(
+                f"{100 * common.median([m['wait_share_epochs'][e] for m in models[kind]]):.2f}%"
+                for e in (0, 1)
+            ),
+            f"{model_med(kind, 'step_ms'):.3f}",
+            f"{1000 * model_med(kind, 'epoch_start_s'):.0f} ms "
+            f"({100 * model_med(kind, 'epoch_share'):.2f}% of the epoch)",
+        ]
+        for kind, run_cfg in MODEL_RUNS.items()
+    ]
     markdown = (
         "Token blocks (causal LM):\n\n"
         + common.table(
@@ -427,7 +572,24 @@ def sample_kinds(args: argparse.Namespace) -> tuple[str, list, dict]:
         + common.table(["decode", "seconds", "images/s", "vs per-row loop"], image_rows)
         + f"\n\n{num_images:,} images {list(IMAGE_SHAPE)} float32 in memory (Arrow, several chunks) -> one "
         "float32 array; the per-row loop is to_pylist + np.array(row) per image. Median of "
-        f"{args.reps} interleaved repetitions; ratios paired per repetition."
+        f"{args.reps} interleaved repetitions; ratios paired per repetition.\n\n"
+        "Built-in models fed by ShardReader (wait share of a training step):\n\n"
+        + common.table(
+            [
+                "samples",
+                "model",
+                "wait share of train step (epoch 0 / 1)",
+                "step ms",
+                "epoch 1 start (whole-shard permutation)",
+            ],
+            model_rows_md,
+        )
+        + f"\n\n{model_rows:,} rows each, one rank, written by partition: token blocks of "
+        f"{MODEL_BLOCK_SIZE} + 1 uint16 ids (vocabulary {MODEL_VOCAB_SIZE}), causal_lm loss; images "
+        f"{list(MODEL_IMAGE_SHAPE)} float32 with 10 classes, cross-entropy. Batch size "
+        f"{MODEL_RUNS['tokens']['batch_size']}, AdamW, {model_steps} steps in epoch 0 and in epoch 1 "
+        "(ShardReader cache=True: streamed, then cached), 1 torch thread; the larger share is checked. "
+        f"Median of {args.reps} repetitions."
     )
     checks = [
         (
@@ -442,7 +604,16 @@ def sample_kinds(args: argparse.Namespace) -> tuple[str, list, dict]:
             image_speedup >= TARGET_IMAGE_SPEEDUP,
         ),
     ]
-    return markdown, checks, {"tokens": tokens, "images": images}
+    for kind, step_name in (("tokens", "transformer step"), ("images", "CNN step")):
+        share = model_med(kind, "wait_share")
+        checks.append(
+            (
+                f"ShardReader < {100 * TARGET_WAIT_SHARE:g}% wait share, {step_name}",
+                f"{100 * share:.2f}%",
+                share < TARGET_WAIT_SHARE,
+            )
+        )
+    return markdown, checks, {"tokens": tokens, "images": images, "models": models}
 
 
 def main() -> None:
@@ -455,6 +626,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--token-blocks", type=int, help="token blocks of the causal-LM shard (--rows / 64)")
     parser.add_argument("--images", type=int, help="images of the tensor decode (--rows / 400)")
+    parser.add_argument(
+        "--model-rows", type=int, help="rows of the transformer and cnn wait-share shards (--rows / 64)"
+    )
+    parser.add_argument(
+        "--model-steps", type=int, help="timed steps per epoch of the transformer and cnn (<= 200)"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfuse-bench/reader"))
     parser.add_argument("--shard-dir", type=Path, help="internal")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help="internal")
@@ -465,6 +642,8 @@ def main() -> None:
             result = measure_path(path_name, args.shard_dir, args.batch_size, args.batches)
         elif kind == "tokens":
             result = measure_tokens(path_name, args.shard_dir, args.batch_size, args.batches)
+        elif kind == "model":
+            result = measure_model_training(path_name, args.shard_dir, args.steps)
         else:
             result = measure_training(path_name, args.shard_dir, args.steps)
         print(json.dumps(result))

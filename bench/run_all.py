@@ -37,6 +37,8 @@ FULL = {
         "batches": 10_000,
         "steps": 3_000,
         "reps": 3,
+        "model_rows": 65_536,
+        "model_steps": 200,
     },
     "scaling": {"rows": 60_000, "features": 32, "epochs": 2, "reps": 3, "strategies": ["ddp", "localsgd"]},
     "pipeline": {"epochs": 4, "reps": 3, "runs": list(pipeline.RUNS)},
@@ -51,7 +53,16 @@ FULL = {
 }
 SMOKE = {
     "partition": {"base_rows": 5_000, "factors": [1, 4, 16], "num_features": 4, "reps": 1},
-    "reader": {"rows": 20_000, "features": 8, "batch_size": 32, "batches": 100, "steps": 100, "reps": 1},
+    "reader": {
+        "rows": 20_000,
+        "features": 8,
+        "batch_size": 32,
+        "batches": 100,
+        "steps": 100,
+        "reps": 1,
+        "model_rows": 1_000,
+        "model_steps": 10,
+    },
     "scaling": {"rows": 2_000, "features": 8, "epochs": 1, "reps": 1, "strategies": ["localsgd-nosync"]},
     "pipeline": {"epochs": 1, "reps": 1, "runs": ["ddp"], "default": False},
     "logging": {"rows": 4_000, "features": 8, "epochs": 1, "reps": 1},
