@@ -152,6 +152,8 @@ def default_experiment(work_dir: Path) -> dict:
         f"fresh directory): **{dag.seconds:.1f} s** wall, exit {dag.returncode}. Rules without a "
         "benchmark are timed from Snakemake's log (1 s resolution); jobs run two at a time on 2 cores."
     )
+    if dag.returncode != 0:  # say why in the results, not only that it failed
+        markdown += "\n\nThe run failed; the end of its output:\n\n```\n" + dag.stdout[-3000:] + "\n```"
     checks = [
         (
             f"default experiment (make run) <= {DEFAULT_TARGET_S:.0f} s on this machine",
