@@ -26,7 +26,6 @@ def evaluate_weights(
     path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
 ) -> dict[str, float]:
     tensors, metadata = load_weights(path)
-    check_code_unchanged(metadata["model"].get("model", "mlp"), metadata["model"].get("code"), "evaluate")
     return score_state_dict(tensors, metadata["model"], features, labels, batch_size)
 
 
@@ -42,7 +41,11 @@ def evaluate(
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")
     info = read_json(gather_path, "gather record")
-    task = task_for(normalized_spec(info["model"])["task"])
+    spec = normalized_spec(info["model"])
+    # Once for the training (its ranks, base and merged model share the code): hashing it per file
+    # would read the user's code files once per checkpoint.
+    check_code_unchanged(spec["model"], spec.get("code"), "evaluate")
+    task = task_for(spec["task"])
     score = task.score
     ranks = [
         {"rank": r["rank"], **evaluate_weights(Path(r["path"]), features, labels, batch_size)}

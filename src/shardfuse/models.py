@@ -40,7 +40,7 @@ from shardfuse.io import UserError
 from shardfuse.specs import DataDescription, description_of, normalized_spec
 from shardfuse.specs import model_spec as model_spec
 from shardfuse.tasks import Task, Totals, task_for
-from shardfuse.usercode import check_code_unchanged, load_factory
+from shardfuse.usercode import load_factory
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
@@ -151,13 +151,10 @@ def build_mlp(
 BUILTINS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "cnn": cnn, "transformer": transformer}
 
 
-def build_model(spec: dict[str, Any], verify_code: bool = False) -> nn.Module:
-    """The model a spec describes, freshly initialised (with torch's current RNG).
-
-    ``verify_code`` first checks the user code files against the digests recorded at training."""
+def build_model(spec: dict[str, Any]) -> nn.Module:
+    """The model a spec describes, freshly initialised (with torch's current RNG). Stages that rebuild
+    a trained model check its code first (shardfuse.usercode.check_code_unchanged)."""
     spec = normalized_spec(spec)
-    if verify_code:
-        check_code_unchanged(spec["model"], spec.get("code"), "this stage")
     description = description_of(spec)
     code_paths = spec["code"]["paths"] if spec.get("code") else []
     factory = BUILTINS.get(spec["model"]) or load_factory(spec["model"], code_paths)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from shardfuse.io import StageParser, UserError, atomic_path, read_json, run_cli
-from shardfuse.tasks import TASKS, Task, task_for
-from shardfuse.tracking_inputs import evaluation_task, read_step_metrics
+from shardfuse.tasks import TASKS, Task, evaluation_task, task_for
+from shardfuse.tracking_inputs import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
 GROUP_COLUMNS = ("dataset", "world_size", "strategy")

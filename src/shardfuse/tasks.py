@@ -25,6 +25,7 @@ imports no torch (tracking, plots and summary read the task's names and directio
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -220,3 +221,25 @@ def task_for(
     if name == "causal_lm":
         return CausalLM(bytes_per_token)
     raise UserError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
+
+
+def evaluation_task(evaluation: dict, path: str | os.PathLike = "eval.json") -> Task:
+    """The task an eval.json was scored for. Files written before tasks existed are classification
+    ranked by accuracy; a score other than the task's would make every "best" and "gain" wrong."""
+    name = evaluation.get("task", "classification") if isinstance(evaluation, dict) else None
+    try:
+        task = task_for(str(name))
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}; re-run the evaluate stage") from None
+    score = evaluation.get("score", task.score)
+    if score != task.score:
+        raise UserError(
+            f"{path} ranks {name} by {score!r}, but shardfuse ranks it by {task.score!r}; "
+            "re-run the evaluate stage"
+        )
+    return task
+
+
+def score_first(task: Task) -> tuple[str, ...]:
+    """The task's metrics with its score first (classification: accuracy, loss, as always logged)."""
+    return (task.score, *(m for m in task.metrics if m != task.score))

@@ -24,7 +24,7 @@ import numpy as np
 
 from shardfuse.checkpoint import read_metadata
 from shardfuse.io import UserError, read_json, sha256_file
-from shardfuse.tasks import Task, task_for
+from shardfuse.tasks import evaluation_task, score_first
 
 LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
@@ -59,28 +59,6 @@ def _field(obj: dict, key: str, path: Path) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it")
     return obj[key]
-
-
-def evaluation_task(evaluation: dict, path: Path | str = "eval.json") -> Task:
-    """The task an eval.json was scored for. Files written before tasks existed are classification
-    ranked by accuracy; a score other than the task's would make every "best" and "gain" wrong."""
-    name = evaluation.get("task", "classification") if isinstance(evaluation, dict) else None
-    try:
-        task = task_for(str(name))
-    except UserError as exc:
-        raise UserError(f"{path}: {exc}; re-run the evaluate stage") from None
-    score = evaluation.get("score", task.score)
-    if score != task.score:
-        raise UserError(
-            f"{path} ranks {name} by {score!r}, but shardfuse ranks it by {task.score!r}; "
-            "re-run the evaluate stage"
-        )
-    return task
-
-
-def score_first(task: Task) -> tuple[str, ...]:
-    """The task's metrics with its score first (classification: accuracy, loss, as always logged)."""
-    return (task.score, *(m for m in task.metrics if m != task.score))
 
 
 def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
