@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardfuse.config import ConfigError, load_experiment, read_runs_table, shardset_name
+from shardfuse.config import (
+    DECAY_RULE,
+    OPTIONAL_TRAIN_KEYS,
+    ConfigError,
+    load_experiment,
+    load_schema,
+    read_runs_table,
+    shardset_name,
+    train_config,
+    training_name,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,10 +90,33 @@ def test_runs_table_sets_keys_that_may_be_null(tmp_path):
         ({"r": {"world_sise": 2}}, "unknown key 'world_sise'"),
         ({"r": {"world_size": 0}}, "runs[r].world_size: 0 is less than the minimum of 1"),
         ({"r": {"world_size": "two"}}, "runs[r].world_size: 'two' is not of type 'integer'"),
-        ({"r": {"strategy": "fsdp"}}, "runs[r].strategy: 'fsdp' is not one of ddp, localsgd"),
+        ({"r": {"strategy": "fsdp"}}, "runs[r].strategy: 'fsdp' is not one of ddp, localsgd, diloco"),
         ({"r": {"dataset": "mnist"}}, "runs[r].dataset: unknown dataset 'mnist'"),
         ({"r": {"strategy": "localsgd", "merge_method": "consolidate"}}, "consolidate needs identical ranks"),
-        ({"r": {"sync_every": 3}}, "only localsgd syncs every N steps"),
+        ({"r": {"sync_every": 3}}, "only localsgd and diloco sync every N steps"),
+        (
+            {"r": {"lr_schedule": "step"}},
+            "runs[r].lr_schedule: 'step' is not one of constant, cosine, linear",
+        ),
+        ({"r": {"warmup_steps": -1}}, "runs[r].warmup_steps: -1 is less than the minimum of 0"),
+        ({"r": {"grad_accum_steps": 0}}, "runs[r].grad_accum_steps: 0 is less than the minimum of 1"),
+        ({"r": {"grad_clip_norm": 0}}, "runs[r].grad_clip_norm: 0 is less than or equal to the minimum of 0"),
+        ({"r": {"optimizer": "adamw", "betas": [0.9, 1.0]}}, "runs[r].betas.1: 1.0 is greater than or equal"),
+        ({"r": {"optimizer": "adamw", "betas": [0.9]}}, "runs[r].betas: [0.9] is too short"),
+        ({"r": {"outer_lr": 0}}, "runs[r].outer_lr: 0 is less than or equal to the minimum of 0"),
+        ({"r": {"keep": "first"}}, "runs[r].keep: 'first' is not one of last, best"),
+        ({"r": {"init": "random"}}, "runs[r].init: 'random' is not one of shared, per_rank"),
+        ({"r": {"patience": 0, "eval_every": 5}}, "runs[r].patience: 0 is less than the minimum of 1"),
+        # The templated twins of the catalogue's cases (tests/test_error_catalogue.py).
+        ({"r": {"eps": 1.0e-6}}, "runs[r].eps: eps is an AdamW setting but optimizer is sgd"),
+        (
+            {"r": {"strategy": "localsgd", "outer_momentum": 0.5}},
+            "runs[r].outer_momentum: only strategy diloco",
+        ),
+        (
+            {"r": {"strategy": "diloco", "sync_every": 4, "init": "per_rank"}},
+            "diloco's outer step needs one shared starting point",
+        ),
         ({"r": {"dropout": 1.0}}, "runs[r].dropout"),
         ({"bad name": {}}, "run name 'bad name' is not allowed"),
     ],
@@ -175,3 +208,138 @@ def test_every_schema_key_is_documented_in_config_readme():
     keys += [f"mlflow.{key}" for key in schema["properties"]["mlflow"]["properties"]]
     missing = [key for key in keys if f"| `{key}` |" not in readme]
     assert not missing
+
+
+def names(config: dict) -> dict[str, str]:
+    experiment = load_experiment(config, environ={})
+    return {run: experiment.training(run) for run in experiment.runs}
+
+
+def test_training_loop_defaults_are_the_schema_defaults():
+    """OPTIONAL_TRAIN_KEYS decides what stays out of training names; it must agree with the schema."""
+    run_props = load_schema()["$defs"]["run"]["properties"]
+    assert {key: run_props[key]["default"] for key in OPTIONAL_TRAIN_KEYS} == OPTIONAL_TRAIN_KEYS
+
+
+def test_new_keys_at_their_defaults_keep_the_repository_training_names(monkeypatch):
+    """Writing every optional train key out at its default names the same trainings as leaving them
+    out, and none of them reaches the train command: trainings from before the keys existed are reused."""
+    monkeypatch.chdir(REPO)
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    implicit = names(config)
+    experiment = load_experiment(config, environ={})
+    for cfg in experiment.runs.values():
+        assert not set(OPTIONAL_TRAIN_KEYS) & set(train_config(cfg))
+        assert "decay_rule" not in train_config(cfg)
+    explicit_defaults = {**OPTIONAL_TRAIN_KEYS, "min_lr": 0, "betas": [0.9, 0.999], "eps": 1.0e-8}
+    config["run_defaults"] = {**config["run_defaults"], **explicit_defaults}
+    assert names(config) == implicit
+
+
+def test_defaults_written_in_runs_table_cells_keep_the_training_name(tmp_path):
+    table = tmp_path / "runs.tsv"
+    table.write_text(
+        "run\toptimizer\tbetas\teps\tmin_lr\tgrad_clip_norm\tpatience\touter_lr\tinit\n"
+        "implicit\tadamw\t\t\t\t\t\t\t\n"
+        "explicit\tadamw\t0.9,0.999\t1e-8\t0\tnull\tnull\t0.7\tshared\n"
+    )
+    found = names(base_config(str(table)))
+    assert found["implicit"] == found["explicit"]
+
+
+NON_DEFAULT = [
+    ({}, {"lr_schedule": "cosine"}),
+    ({}, {"warmup_steps": 10}),
+    ({"lr_schedule": "cosine"}, {"min_lr": 0.001}),
+    ({}, {"grad_clip_norm": 1.0}),
+    ({}, {"grad_accum_steps": 4}),
+    ({"optimizer": "adamw"}, {"betas": [0.9, 0.95]}),
+    ({"optimizer": "adamw"}, {"eps": 1.0e-6}),
+    ({}, {"eval_every": 50}),
+    ({"eval_every": 50}, {"keep": "best"}),
+    ({"eval_every": 50}, {"patience": 3}),
+    ({"strategy": "diloco", "sync_every": 16}, {"outer_lr": 0.5}),
+    ({"strategy": "diloco", "sync_every": 16}, {"outer_momentum": 0.8}),
+    ({"strategy": "localsgd"}, {"init": "per_rank"}),
+]
+
+
+@pytest.mark.parametrize(("base", "change"), NON_DEFAULT, ids=[next(iter(c)) for _, c in NON_DEFAULT])
+def test_a_new_key_off_its_default_gives_a_new_training(base, change):
+    runs = load_experiment(base_config({"a": base, "b": {**base, **change}}), environ={}).runs
+    assert training_name(runs["a"]) != training_name(runs["b"])
+    (key,) = change
+    assert key not in train_config(runs["a"])
+    assert train_config(runs["b"])[key] == change[key]
+
+
+def test_diloco_is_a_strategy_with_its_own_training_names():
+    runs = load_experiment(
+        base_config(
+            {"l": {"strategy": "localsgd", "sync_every": 16}, "d": {"strategy": "diloco", "sync_every": 16}}
+        ),
+        environ={},
+    ).runs
+    assert training_name(runs["d"]).startswith("digits-w2-diloco-")
+    assert training_name(runs["d"]) != training_name(runs["l"])
+
+
+def test_adamw_with_weight_decay_gets_the_decay_rule_and_a_new_training_name():
+    """AdamW no longer decays biases and norm weights: only the runs this changes get decay_rule."""
+    runs = load_experiment(
+        base_config(
+            {
+                "adamw_wd": {"optimizer": "adamw", "weight_decay": 0.01},
+                "adamw": {"optimizer": "adamw"},
+                "sgd_wd": {"weight_decay": 0.01},
+            }
+        ),
+        environ={},
+    ).runs
+    assert runs["adamw_wd"]["decay_rule"] == DECAY_RULE == "ndim>=2"
+    assert train_config(runs["adamw_wd"])["decay_rule"] == "ndim>=2"
+    before_the_rule = {key: value for key, value in runs["adamw_wd"].items() if key != "decay_rule"}
+    assert training_name(before_the_rule) != training_name(runs["adamw_wd"])
+    assert "decay_rule" not in runs["adamw"] and "decay_rule" not in train_config(runs["adamw"])
+    assert "decay_rule" not in runs["sgd_wd"] and "decay_rule" not in train_config(runs["sgd_wd"])
+
+
+def test_new_number_keys_are_floats_so_one_value_names_one_training():
+    runs = load_experiment(
+        base_config(
+            {
+                "int": {"strategy": "diloco", "sync_every": 4, "outer_lr": 1},
+                "float": {"strategy": "diloco", "sync_every": 4, "outer_lr": 1.0},
+            }
+        ),
+        environ={},
+    ).runs
+    assert training_name(runs["int"]) == training_name(runs["float"])
+    assert isinstance(runs["int"]["outer_lr"], float)
+
+
+def test_ddp_baseline_of_a_diloco_run_ignores_its_strategy_keys():
+    experiment = load_experiment(
+        base_config(
+            {
+                "ddp": {"strategy": "ddp"},
+                "diloco": {"strategy": "diloco", "sync_every": 8, "outer_lr": 0.5},
+                "per_rank": {"strategy": "localsgd", "init": "per_rank"},
+            }
+        ),
+        environ={},
+    )
+    assert experiment.ddp_baseline("diloco") == "ddp"
+    assert experiment.ddp_baseline("per_rank") == "ddp"
+
+
+def test_exponent_yaml_reads_as_text_gets_a_hint(tmp_path):
+    """PyYAML reads 1e-8 (no dot) as a string; the error says how to write it."""
+    config = yaml.safe_load(
+        "runs: {r: {optimizer: adamw, eps: 1e-8}}\ndatasets: {digits: {source: digits}}\n"
+        "run_defaults: {dataset: digits}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"'1e-8' is not of type 'number' \(YAML reads 1e-8 as text; write 1\.0e-8\)"
+    ):
+        load_experiment(config, environ={})

@@ -176,6 +176,89 @@ def case_greedy_soup_without_val(tmp):
     return config_case(tmp, config, "greedy_soup needs a validation split")
 
 
+def case_diloco_without_sync_every(tmp):
+    return config_case(
+        tmp,
+        base_config(strategy="diloco", merge_method="uniform"),
+        "strategy diloco needs sync_every >= 1 (the inner steps between outer steps, e.g. 16)",
+    )
+
+
+def case_outer_lr_without_diloco(tmp):
+    return config_case(
+        tmp,
+        base_config(strategy="localsgd", outer_lr=0.5),
+        "outer_lr: only strategy diloco has an outer optimiser but strategy is localsgd",
+    )
+
+
+def case_per_rank_init_with_ddp(tmp):
+    return config_case(
+        tmp,
+        base_config(init="per_rank"),
+        "per_rank gives each rank its own initial weights but ddp starts every rank from rank 0's weights",
+    )
+
+
+def case_per_rank_init_with_init_from(tmp):
+    config = base_config(strategy="localsgd", init="per_rank", init_from="run:base")
+    config["runs"]["base"] = {}
+    return config_case(tmp, config, "per_rank draws each rank's own initial weights but init_from gives")
+
+
+def case_betas_with_sgd(tmp):
+    return config_case(
+        tmp,
+        base_config(betas=[0.9, 0.95]),
+        "betas: betas is an AdamW setting but optimizer is sgd; remove betas or set optimizer adamw",
+    )
+
+
+def case_min_lr_above_lr(tmp):
+    return config_case(
+        tmp, base_config(lr_schedule="cosine", lr=0.01, min_lr=0.1), "min_lr 0.1 is above lr 0.01"
+    )
+
+
+def case_min_lr_with_constant_schedule(tmp):
+    return config_case(
+        tmp,
+        base_config(min_lr=0.001),
+        "only lr_schedule cosine or linear decays to min_lr but lr_schedule is constant",
+    )
+
+
+def case_keep_best_without_eval_every(tmp):
+    return config_case(
+        tmp, base_config(keep="best"), "keep best needs validation while training but eval_every is 0"
+    )
+
+
+def case_keep_best_without_val(tmp):
+    config = base_config(keep="best", eval_every=10)
+    config["datasets"]["d"]["val_fraction"] = 0
+    return config_case(tmp, config, "keep best needs a validation split but dataset 'd' has val_fraction 0")
+
+
+def case_patience_without_eval_every(tmp):
+    return config_case(tmp, base_config(patience=3), "early stopping counts validations but eval_every is 0")
+
+
+def case_eval_every_without_val(tmp):
+    config = base_config(eval_every=10)
+    config["datasets"]["d"]["val_fraction"] = 0
+    return config_case(tmp, config, "validation while training needs a validation split")
+
+
+def case_exponent_read_as_text(tmp):
+    path = tmp / "config.yaml"
+    path.write_text(
+        "runs: {r: {optimizer: adamw, eps: 1e-8}}\ndatasets: {d: {source: digits}}\n"
+        "run_defaults: {dataset: d}\n"
+    )
+    return Case("config", ["--configfile", path], "(YAML reads 1e-8 as text; write 1.0e-8)")
+
+
 def case_missing_dataset_path(tmp):
     spec = {
         "source": "parquet",

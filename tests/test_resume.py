@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -105,6 +107,26 @@ USER_MODEL = {"model": "resmlp:build", "code_paths": [str(REPO / "config/example
 CNN = {"model": "cnn", "model_args": {"channels": [8, 16]}, "epochs": 6, "dropout": 0.0}
 TRANSFORMER = {"model": "transformer", "model_args": {"width": 32, "layers": 1, "heads": 2}, "epochs": 3}
 SLOW = pytest.mark.slow
+# The training loop's state resumes bitwise too: the schedule (a function of the step), accumulation
+# (checkpoints fall between optimiser steps), clipping, and DiLoCo's outer parameters and momentum with
+# validation's best weights and patience (keep: best publishes a step before the end).
+SCHEDULE_ACCUM = {
+    "lr_schedule": "cosine",
+    "warmup_steps": 15,
+    "min_lr": 0.0003,
+    "grad_accum_steps": 3,
+    "grad_clip_norm": 0.5,
+    "decay_rule": "ndim>=2",
+    "checkpoint_every": 13,
+}
+DILOCO = {
+    "sync_every": 5,
+    "grad_accum_steps": 2,
+    "eval_every": 12,
+    "keep": "best",
+    "patience": 40,
+    "checkpoint_every": 20,
+}
 
 
 @pytest.mark.parametrize(
@@ -121,8 +143,10 @@ SLOW = pytest.mark.slow
         pytest.param("ddp", "diabetes", {"loss": "huber", "epochs": 16, "checkpoint_every": 20}, marks=SLOW),
         pytest.param("ddp", "digits_images", CNN, marks=SLOW),
         pytest.param("localsgd", "stdlib", {**TRANSFORMER, "checkpoint_every": 10}, marks=SLOW),
+        pytest.param("ddp", "digits", SCHEDULE_ACCUM, marks=SLOW),
+        pytest.param("diloco", "digits", DILOCO, marks=SLOW),
     ],
-    ids=["ddp", "localsgd", "user-model", "regression", "cnn", "transformer"],
+    ids=["ddp", "localsgd", "user-model", "regression", "cnn", "transformer", "schedule-accum", "diloco"],
 )
 def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
     tmp_path, request, strategy, data, extra
@@ -162,9 +186,18 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
     resumed = [line for line in stderr.splitlines() if "resuming from checkpoint step" in line]
     assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= step
     assert_same_ranks(reference, killed)
-    metrics = __import__("pyarrow.parquet", fromlist=["x"]).read_table(killed / "metrics" / "rank-0.parquet")
+    metrics = pq.read_table(killed / "metrics" / "rank-0.parquet")
     steps = metrics.column("step").to_pylist()
     assert steps == list(range(1, len(steps) + 1))  # one row per step, none lost or doubled
+    expected = pq.read_table(reference / "metrics" / "rank-0.parquet")
+    for column in ("loss", "lr", "grad_norm", "val_score"):
+        assert np.array_equal(
+            metrics.column(column).to_numpy(), expected.column(column).to_numpy(), equal_nan=True
+        ), column
+    assert (
+        json.loads((killed / "train.json").read_text())["ranks"]
+        == json.loads((reference / "train.json").read_text())["ranks"]
+    )
 
 
 def test_nonfinite_loss_stops_training_naming_rank_and_step(tmp_path, digits_dataset, digits_shards):

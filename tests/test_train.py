@@ -219,3 +219,98 @@ def test_train_seconds_leave_out_a_rank_that_reaches_the_loop_late(tmp_path, dig
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "train.json").read_text())["train_seconds"] < delay
+
+
+def test_bytes_all_reduced_per_rank_follow_the_strategy(trained):
+    info = {name: json.loads((path / "train.json").read_text()) for name, path in trained.items()}
+    assert [info[n]["mode"] for n in ("ddp", "independent", "localsgd")] == ["ddp", "independent", "localsgd"]
+    # The MLP's parameters (64 -> 16 -> 10, float32): the payload of one all-reduce of all of them.
+    payload = (64 * 16 + 16 + 16 * 10 + 10) * 4
+    assert info["ddp"]["bytes_all_reduced_per_rank"] == info["ddp"]["num_steps"] * payload  # gradients
+    assert info["localsgd"]["num_syncs"] == info["localsgd"]["num_steps"] // 5
+    assert info["localsgd"]["bytes_all_reduced_per_rank"] == info["localsgd"]["num_syncs"] * payload
+    assert info["independent"]["bytes_all_reduced_per_rank"] == 0
+    assert info["ddp"]["effective_batch_size"] == TRAIN_CFG["batch_size"] * 2
+    assert all(
+        i["init"] == "shared" and i["keep"] == "last" and i["validation"] is None for i in info.values()
+    )
+
+
+def test_keep_best_publishes_each_ranks_best_validated_step(tmp_path, digits_dataset, digits_shards):
+    import pyarrow.parquet as pq
+
+    out = run_training(
+        tmp_path,
+        digits_dataset,
+        digits_shards,
+        "best",
+        strategy="localsgd",
+        sync_every=0,
+        epochs=3,
+        lr=0.5,
+        eval_every=4,
+        keep="best",
+    )
+    info = json.loads((out / "train.json").read_text())
+    assert info["validation"] == {"score": "accuracy", "every": 4}
+    for rank in (0, 1):
+        table = pq.read_table(out / "metrics" / f"rank-{rank}.parquet").to_pandas()
+        validated = table.dropna(subset=["val_score"])
+        # Every 4 steps and at each epoch's end.
+        every, per_epoch = info["validation"]["every"], info["steps_per_epoch"]
+        expected_steps = [s for s in table["step"] if s % every == 0 or s % per_epoch == 0]
+        assert validated["step"].tolist() == expected_steps
+        best_step = int(validated.loc[validated["val_score"].idxmax(), "step"])  # first of the maxima
+        assert info["ranks"][rank]["published_step"] == best_step
+        assert info["ranks"][rank]["best_val_score"] == validated["val_score"].max()
+        header = read_metadata(out / f"rank-{rank}.safetensors")
+        assert header.get("published_step", header["num_steps"]) == best_step
+
+
+def test_early_stopping_stops_every_rank_at_the_same_step(tmp_path, digits_dataset, digits_shards):
+    # lr 0: the validation score never improves, so patience 2 runs out at the third validation.
+    out = run_training(
+        tmp_path,
+        digits_dataset,
+        digits_shards,
+        "stop",
+        strategy="ddp",
+        sync_every=0,
+        lr=0.0,
+        eval_every=5,
+        patience=2,
+    )
+    info = json.loads((out / "train.json").read_text())
+    assert info["stopped_early"] is True and info["num_steps"] == 15
+    for rank in (0, 1):
+        assert read_metadata(out / f"rank-{rank}.safetensors")["num_steps"] == 15
+
+
+def test_per_rank_init_gives_each_rank_its_own_initial_weights(tmp_path, digits_dataset, digits_shards):
+    out = run_training(
+        tmp_path, digits_dataset, digits_shards, "own", strategy="localsgd", sync_every=0, init="per_rank"
+    )
+    headers = [read_metadata(out / f"rank-{rank}.safetensors") for rank in (0, 1)]
+    assert headers[0]["init_sha256"] != headers[1]["init_sha256"]
+    assert all(h["init"] == "per_rank" for h in headers)
+    assert headers[0]["init_sha256"] == read_metadata(out / "base.safetensors")["init_sha256"]  # rank 0's
+    assert json.loads((out / "train.json").read_text())["init"] == "per_rank"
+
+
+def test_warmup_longer_than_the_run_fails_before_the_first_step(tmp_path, digits_dataset, digits_shards):
+    # Only the train stage knows the step count (it follows the shard sizes): digits' 2 shards of
+    # about 630 rows in batches of 64 give 10 steps per epoch, 20 in 2 epochs.
+    out = tmp_path / "warm" / "train"
+    cfg = json.dumps({**TRAIN_CFG, "strategy": "ddp", "sync_every": 0, "warmup_steps": 500})
+    proc = run_stage(
+        "launch", "--nproc-per-node", 2, "--out-dir", out, "--", "--run-name", "warm",
+        "--shard-dir", digits_shards, "--dataset-dir", digits_dataset, "--config-json", cfg,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert (
+        "warmup_steps 500 is longer than the run's 20 optimiser steps (epochs x steps per epoch / "
+        "grad_accum_steps); lower warmup_steps or raise epochs" in proc.stderr
+    )
+    assert proc.stderr.strip().splitlines()[-1].startswith("shardfuse.launch: error: training failed")
+    assert not out.exists()
+    assert not (staging_dir(out) / "base.safetensors").exists()  # failed before anything was written

@@ -2,7 +2,7 @@
 
 The Snakefile calls :func:`load_experiment`; by hand::
 
-    python -m shardfuse.config --configfile config/config.yaml        # prints every resolved run
+    python -m shardfuse.config --configfile config/config.yaml   # every resolved run and its training
 
 A run is ``run_defaults`` overlaid with its row of the runs table, filled with schema defaults and then
 validated, so a typo, a wrong type or an impossible value is one error that names the key.
@@ -30,6 +30,9 @@ from shardfuse.usercode import code_fingerprint, is_builtin, load_factory
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+# YAML 1.1 (PyYAML) reads a number with an exponent as a float only with a dot and a signed exponent:
+# 1e-8 and 1.0e8 are strings there, 1.0e-8 and 1.0e+8 are floats.
+YAML_TEXT_EXPONENT = re.compile(r"^([-+]?\d+(?:\.\d*)?)[eE]([-+]?)(\d+)$")
 # A dataset's task when its spec does not say; and the tasks each source can give (default: both
 # classification and regression).
 DEFAULT_TASKS = {"diabetes": "regression", "text": "causal_lm"}
@@ -75,13 +78,41 @@ MERGE_PARAMS = {
     },
     "slerp": {"merge_t": "t"},
 }
-# Train keys added with the model registry. They join a training's identity (and its command) only
-# when set to something other than their default, so trainings configured before they existed keep
-# their names and are not re-run.
-OPTIONAL_TRAIN_KEYS = {"model": "mlp", "model_args": {}, "code_paths": [], "loss": "mse", "init_from": None}
+# Train keys added after the first release (the model registry, then the training loop). They join a
+# training's identity (and its command) only when set to something other than their default, so
+# trainings configured before they existed keep their names and are not re-run. The defaults are the
+# schema's (a test holds them equal); `!=` finds 0 equal to 0.0 and a YAML list equal to a TSV one.
+OPTIONAL_TRAIN_KEYS = {
+    "model": "mlp",
+    "model_args": {},
+    "code_paths": [],
+    "loss": "mse",
+    "init_from": None,
+    "lr_schedule": "constant",
+    "warmup_steps": 0,
+    "min_lr": 0.0,
+    "grad_clip_norm": None,
+    "grad_accum_steps": 1,
+    "betas": [0.9, 0.999],
+    "eps": 1.0e-8,
+    "eval_every": 0,
+    "keep": "last",
+    "patience": None,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "init": "shared",
+}
+# Numbers among them, stored as floats so that `outer_lr: 1` and `outer_lr: 1.0` name one training.
+FLOAT_TRAIN_KEYS = ("min_lr", "grad_clip_norm", "eps", "outer_lr", "outer_momentum")
 # Resolved while loading the config (not keys a user writes): the sha256 of the user model's code
-# files, and what init_from points at (a file, or the training and merge of another run).
-DERIVED_TRAIN_KEYS = ("code_digest", "init_source")
+# files, what init_from points at (a file, or the training and merge of another run), and the AdamW
+# weight-decay rule (set when it changes training: adamw with weight_decay > 0).
+DERIVED_TRAIN_KEYS = ("code_digest", "init_source", "decay_rule")
+# AdamW decays only parameters with two or more dimensions (not biases and norm weights); runs it
+# affects carry it, so they got new training names when the rule replaced decay-everything.
+DECAY_RULE = "ndim>=2"
+# Keys that only some strategies use: a non-ddp run's ddp baseline may differ in them.
+STRATEGY_KEYS = ("strategy", "sync_every", "outer_lr", "outer_momentum", "init")
 # Everything that determines a training's outputs. Runs that agree on all of these (e.g. a sweep over
 # merge methods) share one training: its ranks are trained once and fused several ways.
 TRAINING_KEYS = (
@@ -125,7 +156,7 @@ class Experiment:
 
         def rest(run_cfg: dict[str, Any]) -> dict[str, Any]:
             identity = training_identity(run_cfg)
-            return {k: v for k, v in identity.items() if k not in ("strategy", "sync_every")}
+            return {k: v for k, v in identity.items() if k not in STRATEGY_KEYS}
 
         for other, other_cfg in self.runs.items():
             if other_cfg["strategy"] == "ddp" and rest(other_cfg) == rest(cfg):
@@ -193,6 +224,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return f"{error.instance!r} is not one of {', '.join(map(str, error.validator_value))}"
     if error.validator == "oneOf" and _where(error) == "runs":
         return "must be a path to a TSV file or a mapping {run name: {key: value}}"
+    exponent = YAML_TEXT_EXPONENT.match(error.instance) if isinstance(error.instance, str) else None
+    if error.validator == "type" and exponent:
+        mantissa, sign, digits = exponent.groups()
+        written = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{sign or '+'}{digits}"
+        return f"{error.message} (YAML reads {error.instance} as text; write {written})"
     return error.message
 
 
@@ -352,6 +388,7 @@ def load_experiment(
         _validate(resolved, run_schema, f"runs[{name}]", fix)
         _check_run(name, resolved, datasets, fix)
         _check_model(name, resolved, datasets)
+        _check_training_loop(name, resolved, datasets)
         runs[name] = resolved
     _resolve_init_sources(runs)
 
@@ -527,16 +564,101 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
             f"{where}.merge_method: greedy_soup needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
         )
-    if method == "consolidate" and run["strategy"] != "ddp":
+    # DiLoCo ends with an outer step, so its ranks publish the same weights unless each keeps its best.
+    identical = run["strategy"] == "ddp" or (run["strategy"] == "diloco" and run.get("keep") != "best")
+    if method == "consolidate" and not identical:
         raise ConfigError(
-            f"{where}.merge_method: consolidate needs identical ranks (strategy ddp) but "
-            f"strategy is {run['strategy']}; use merge_method uniform or weighted"
+            f"{where}.merge_method: consolidate needs identical ranks (strategy ddp, or diloco keeping "
+            f"its last weights) but strategy is {run['strategy']}"
+            f"{' with keep best' if run['strategy'] == 'diloco' else ''}; "
+            "use merge_method uniform or weighted"
         )
     if run["strategy"] == "ddp" and run["sync_every"] != 0:
         raise ConfigError(
-            f"{where}.sync_every: only localsgd syncs every N steps (ddp syncs gradients every "
-            "step); remove sync_every or set strategy localsgd"
+            f"{where}.sync_every: only localsgd and diloco sync every N steps (ddp syncs gradients "
+            "every step); remove sync_every or set strategy localsgd or diloco"
         )
+    if run["strategy"] == "diloco" and run["sync_every"] == 0:
+        raise ConfigError(
+            f"{where}.sync_every: strategy diloco needs sync_every >= 1 (the inner steps between "
+            "outer steps, e.g. 16); set sync_every"
+        )
+
+
+# Why init: per_rank is refused with these strategies.
+EQUAL_RANKS = {
+    "ddp": "ddp starts every rank from rank 0's weights",
+    "diloco": "diloco's outer step needs one shared starting point",
+}
+
+
+def _check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
+    """Training-loop keys that only make sense with some other key; sets decay_rule.
+
+    A key set to a non-default value where nothing reads it would give a new training name for the
+    same training, so it is an error rather than ignored. Warmup longer than the run is the train
+    stage's check: only it knows the number of steps."""
+    where = f"config error at runs[{name}]"
+    strategy, optimizer, dataset = run["strategy"], run["optimizer"], run["dataset"]
+    for key in ("outer_lr", "outer_momentum"):
+        if strategy != "diloco" and run[key] != OPTIONAL_TRAIN_KEYS[key]:
+            raise ConfigError(
+                f"{where}.{key}: only strategy diloco has an outer optimiser but strategy is "
+                f"{strategy}; remove {key} or set strategy diloco"
+            )
+    if run["init"] == "per_rank" and strategy in EQUAL_RANKS:
+        raise ConfigError(
+            f"{where}.init: per_rank gives each rank its own initial weights but "
+            f"{EQUAL_RANKS[strategy]}; use init shared or strategy localsgd"
+        )
+    if run["init"] == "per_rank" and run["init_from"] is not None:
+        raise ConfigError(
+            f"{where}.init: per_rank draws each rank's own initial weights but init_from gives every "
+            "rank the same ones; remove init or init_from"
+        )
+    for key in ("betas", "eps"):
+        if optimizer != "adamw" and run[key] != OPTIONAL_TRAIN_KEYS[key]:
+            raise ConfigError(
+                f"{where}.{key}: {key} is an AdamW setting but optimizer is {optimizer}; remove "
+                f"{key} or set optimizer adamw"
+            )
+    if run["min_lr"] > run["lr"]:
+        raise ConfigError(
+            f"{where}.min_lr: min_lr {run['min_lr']:g} is above lr {run['lr']:g} (the schedule "
+            "decays from lr down to min_lr); make min_lr <= lr"
+        )
+    if run["min_lr"] != 0 and run["lr_schedule"] == "constant":
+        raise ConfigError(
+            f"{where}.min_lr: only lr_schedule cosine or linear decays to min_lr but lr_schedule "
+            "is constant; remove min_lr or set lr_schedule cosine or linear"
+        )
+    no_val = datasets[dataset].get("val_fraction", 0.1) == 0
+    if run["keep"] == "best" and run["eval_every"] == 0:
+        raise ConfigError(
+            f"{where}.keep: keep best needs validation while training but eval_every is 0; set "
+            "eval_every to the optimiser steps between validations, e.g. 50"
+        )
+    if run["keep"] == "best" and no_val:
+        raise ConfigError(
+            f"{where}.keep: keep best needs a validation split but dataset {dataset!r} has "
+            "val_fraction 0; set val_fraction > 0 or keep last"
+        )
+    if run["patience"] is not None and run["eval_every"] == 0:
+        raise ConfigError(
+            f"{where}.patience: early stopping counts validations but eval_every is 0; set "
+            "eval_every >= 1 or remove patience"
+        )
+    if run["eval_every"] > 0 and no_val:
+        raise ConfigError(
+            f"{where}.eval_every: validation while training needs a validation split but dataset "
+            f"{dataset!r} has val_fraction 0; set val_fraction > 0 or eval_every 0"
+        )
+    for key in FLOAT_TRAIN_KEYS:
+        if run[key] is not None:
+            run[key] = float(run[key])
+    run["betas"] = [float(beta) for beta in run["betas"]]
+    if optimizer == "adamw" and run["weight_decay"] > 0:
+        run["decay_rule"] = DECAY_RULE
 
 
 def run_config_for_tracking(experiment: Experiment, run: str) -> dict[str, Any]:
@@ -561,7 +683,13 @@ def main(argv: list[str] | None = None) -> None:
             f"config file {args.configfile} is not valid YAML ({str(exc).splitlines()[0]}); fix the syntax"
         ) from None
     experiment = load_experiment(config)
-    print(json.dumps({"tracking_uri": experiment.tracking_uri, "runs": experiment.runs}, indent=2))
+    trainings = {run: experiment.training(run) for run in experiment.runs}
+    print(
+        json.dumps(
+            {"tracking_uri": experiment.tracking_uri, "runs": experiment.runs, "trainings": trainings},
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Per-rank step metrics, append-only on disk while training runs.
 
-Each rank appends one fixed-size record per optimiser step to ``metrics/rank-{rank}.f64``: the six
+Each rank appends one fixed-size record per optimiser step to ``metrics/rank-{rank}.f64``: the
 columns of :data:`SCHEMA` as little-endian float64 (steps, epochs and millisecond timestamps are exact
 in float64 up to 2**53). Records are buffered in memory and written and flushed to the file every
 ``flush_seconds``, at every checkpoint and whenever ``max_rows`` are buffered, so a killed job keeps
@@ -19,6 +19,7 @@ step.
 from __future__ import annotations
 
 import array
+import math
 import os
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ SCHEMA = pa.schema(
         ("loss", pa.float64()),
         ("samples_per_second", pa.float64()),
         ("lr", pa.float64()),
+        ("grad_norm", pa.float64()),  # the pre-clip gradient norm; NaN when grad_clip_norm is off
+        ("val_score", pa.float64()),  # the task's validation score; NaN on steps that did not validate
         ("timestamp_ms", pa.int64()),
     ]
 )
@@ -88,10 +91,18 @@ class MetricsLog:
         self._wall_offset = time.time() - time.perf_counter()
 
     def append(
-        self, step: int, epoch: int, loss: float, samples_per_second: float, lr: float, clock: float
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        samples_per_second: float,
+        lr: float,
+        clock: float,
+        grad_norm: float = math.nan,
+        val_score: float = math.nan,
     ) -> None:
         """One step's row; ``clock`` is ``time.perf_counter()`` at the step's end (stored as wall ms)."""
-        self.buffer.extend((step, epoch, loss, samples_per_second, lr, clock))
+        self.buffer.extend((step, epoch, loss, samples_per_second, lr, grad_norm, val_score, clock))
         if len(self.buffer) >= self.max_values or time.monotonic() >= self._next_flush:
             self.flush()
 

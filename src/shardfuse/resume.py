@@ -57,14 +57,19 @@ def save_rank_state(
     optimizer: torch.optim.Optimizer,
     position: Position,
     extra: dict[str, Any],
+    state_tensors: dict[str, torch.Tensor] | None = None,
+    state: dict[str, Any] | None = None,
 ) -> Path:
+    """``state_tensors`` (names outside model./optim./rng.) and the JSON ``state`` hold what a
+    strategy or the validation tracker needs to resume; :func:`load_rank_extras` reads them back."""
     step_dir = checkpoint_dir / f"step-{position.step}"
     step_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"model.{name}": t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
     optim = optimizer.state_dict()
-    for index, state in optim["state"].items():
-        for key, value in state.items():
+    for index, param_state in optim["state"].items():
+        for key, value in param_state.items():
             tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    tensors.update({name: t.detach().cpu().contiguous() for name, t in (state_tensors or {}).items()})
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
@@ -79,6 +84,7 @@ def save_rank_state(
             "epoch": position.epoch,
             "next_batch": position.next_batch,
             "param_groups": optim["param_groups"],
+            "state": state or {},
         },
     )
     return step_dir
@@ -126,3 +132,14 @@ def load_rank_state(
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     return Position(step=meta["step"], epoch=meta["epoch"], next_batch=meta["next_batch"])
+
+
+def load_rank_extras(
+    checkpoint_dir: Path, step: int, rank: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The ``state_tensors`` and ``state`` a rank saved with :func:`save_rank_state` (empty if none)."""
+    step_dir = checkpoint_dir / f"step-{step}"
+    meta = json.loads((step_dir / f"rank-{rank}.json").read_text())
+    tensors = load_file(str(step_dir / f"rank-{rank}.safetensors"))
+    own = ("model.", "optim.", "rng.")
+    return {name: t for name, t in tensors.items() if not name.startswith(own)}, meta.get("state", {})

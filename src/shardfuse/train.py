@@ -18,11 +18,13 @@ saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,24 +41,18 @@ from shardfuse.live import LiveLogger
 from shardfuse.manifest import read_manifest
 from shardfuse.metrics_log import MetricsLog
 from shardfuse.models import build_model, check_output_shape, model_spec, set_data_stats, task_of
-from shardfuse.resume import Position, complete_steps, load_rank_state, mark_complete, save_rank_state
+from shardfuse.optim import check_schedule, clip_gradients, lr_at, make_optimizer, set_lr
+from shardfuse.resume import (
+    Position,
+    complete_steps,
+    load_rank_extras,
+    load_rank_state,
+    mark_complete,
+    save_rank_state,
+)
+from shardfuse.sync import Sync, make_sync, mode_of
 from shardfuse.tasks import Task
-
-
-def make_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
-    if cfg["optimizer"] == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    return torch.optim.SGD(
-        model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"]
-    )
-
-
-@torch.no_grad()
-def average_parameters(model: torch.nn.Module, world_size: int) -> None:
-    """Local SGD's sync: every rank ends with the mean of all ranks' parameters."""
-    for param in model.parameters():
-        torch_dist.all_reduce(param, op=torch_dist.ReduceOp.SUM)
-        param.div_(world_size)
+from shardfuse.validation import BestTracker, Validator, all_out_of_patience, shared_score
 
 
 @torch.no_grad()
@@ -131,10 +127,26 @@ class StepPlan(NamedTuple):
 
     net: torch.nn.Module  # the model, or its DDP wrapper (strategy ddp)
     dtype: torch.dtype | None  # autocast dtype; None: fp32
-    num_batches: int  # steps per epoch, the same on every rank
-    sync_every: int  # localsgd averages the parameters every this many steps; 0: never
+    num_batches: int  # micro-batches per epoch, the same on every rank
+    grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
+    total_steps: int  # optimiser steps of the whole run (the schedule's length)
+    sync: Sync  # the strategy's hook after every optimiser step (local SGD, DiLoCo), bytes counted
     checkpoint_every: int  # 0: no checkpoints
     nonfinite_policy: str  # error | skip
+    grad_clip_norm: float | None
+    eval_every: int  # 0: no validation while training
+    validator: Validator | None
+    tracker: BestTracker
+
+    @property
+    def same_weights(self) -> bool:
+        """All ranks hold the same weights at every step (DDP): one validation decision for all."""
+        return isinstance(self.net, DistributedDataParallel)
+
+
+def optimizer_steps(num_batches: int, grad_accum_steps: int) -> int:
+    """Optimiser steps per epoch: the last one takes whatever micro-batches are left over."""
+    return math.ceil(num_batches / grad_accum_steps)
 
 
 def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) -> tuple[Any, Any]:
@@ -211,13 +223,19 @@ def set_up(
             "workflow started; run snakemake again (the training name follows the code)"
         )
     input_stats, target_stats = _data_stats(manifest, info, shard_dir)
-    torch.manual_seed(cfg["seed"])
+    num_batches = steps_per_epoch(manifest, cfg["batch_size"])
+    check_schedule(cfg, cfg["epochs"] * optimizer_steps(num_batches, cfg.get("grad_accum_steps", 1)))
+    # Dropout and data order differ per rank; the initial weights do not, unless init: per_rank.
+    rank_seed = cfg["seed"] * 1_000_003 + ctx.rank + 1
+    per_rank = cfg.get("init", "shared") == "per_rank"
+    torch.manual_seed(rank_seed if per_rank else cfg["seed"])
     model = build_model(spec).to(ctx.device)
     set_data_stats(model, input_stats, target_stats)
     if init_weights is not None:
         load_init_weights(model, init_weights)
     check_output_shape(model, spec, ctx.device)
-    broadcast_from_rank0(model)
+    if not per_rank:
+        broadcast_from_rank0(model)
     meta = {
         "run": run,
         "world_size": ctx.world_size,
@@ -227,10 +245,10 @@ def set_up(
         "init_sha256": state_digest(model),
         "host": socket.gethostname(),
     }
+    if per_rank:
+        meta["init"] = "per_rank"  # headers of shared-init runs stay as they were
     out_dir.mkdir(parents=True, exist_ok=True)
     optimizer = make_optimizer(model, cfg)
-    # Dropout and data order differ per rank; the initial weights above do not.
-    rank_seed = cfg["seed"] * 1_000_003 + ctx.rank + 1
     torch.manual_seed(rank_seed)
     return RankSetup(
         ctx=ctx,
@@ -279,8 +297,9 @@ def forward_updates_buffers(model: torch.nn.Module) -> bool:
     return any(getattr(module, "track_running_stats", False) for module in model.modules())
 
 
-def plan_steps(setup: RankSetup) -> StepPlan:
-    """Precision, the DDP wrapper and the step counts; peak GPU memory is counted from here on."""
+def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
+    """Precision, the DDP wrapper, the strategy, validation and the step counts; a resumed run's
+    strategy and validation state come back from its checkpoint. Peak GPU memory counts from here."""
     device, cfg, model = setup.ctx.device, setup.cfg, setup.model
     cuda = device.type == "cuda"
     dtype = step_dtype(cfg.get("precision", "auto"), device, cuda and torch.cuda.is_bf16_supported())
@@ -294,26 +313,105 @@ def plan_steps(setup: RankSetup) -> StepPlan:
         if cfg["strategy"] == "ddp"
         else model
     )
+    num_batches = steps_per_epoch(setup.manifest, cfg["batch_size"])
+    grad_accum_steps = cfg.get("grad_accum_steps", 1)
+    eval_every = cfg.get("eval_every", 0)
+    sync = make_sync(model, setup.ctx.world_size, cfg)
+    tracker = BestTracker(setup.task, cfg.get("keep", "last") == "best", cfg.get("patience"))
+    if position.step:
+        tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.ctx.rank)
+        sync.resume_at(position.step)
+        sync.load_state_tensors(tensors)
+        tracker.load(state.get("validation", {}), tensors)
+    validator = (
+        Validator(setup.dataset_dir, setup.task, 4 * cfg["batch_size"], device) if eval_every else None
+    )
     return StepPlan(
         net=net,
         dtype=dtype,
-        num_batches=steps_per_epoch(setup.manifest, cfg["batch_size"]),
-        sync_every=cfg["sync_every"] if cfg["strategy"] == "localsgd" else 0,
+        num_batches=num_batches,
+        grad_accum_steps=grad_accum_steps,
+        total_steps=cfg["epochs"] * optimizer_steps(num_batches, grad_accum_steps),
+        sync=sync,
         checkpoint_every=cfg.get("checkpoint_every", 0),
         nonfinite_policy=cfg.get("nonfinite_loss", "error"),
+        grad_clip_norm=cfg.get("grad_clip_norm"),
+        eval_every=eval_every,
+        validator=validator,
+        tracker=tracker,
     )
+
+
+@torch.no_grad()
+def publish_rank0_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (normalisation running statistics) on every rank, as DDP's next forward would
+    make them: DDP broadcasts them before each forward, and each rank's last forward then updated its
+    own, so without this the published (or best) ranks would differ in their running statistics."""
+    for buffer in model.buffers():
+        torch_dist.broadcast(buffer, src=0)
+
+
+class StepResult(NamedTuple):
+    loss: float  # mean of the micro-batches' losses
+    rows: int
+    applied: bool  # whether the optimiser may step (a finite loss reached the gradients)
+
+
+def accumulate_gradients(
+    setup: RankSetup,
+    plan: StepPlan,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    group_size: int,
+    step: int,
+) -> StepResult:
+    """Forward and backward over ``group_size`` micro-batches, each loss scaled by 1/group_size, so the
+    gradient is the mean over the group (the large batch's, for equal micro-batches). DDP all-reduces
+    once, in the last backward: the others run under ``no_sync``."""
+    ctx, task = setup.ctx, setup.task
+    ddp = isinstance(plan.net, DistributedDataParallel)
+    total_loss, rows, applied = 0.0, 0, False
+    for micro in range(group_size):
+        inputs, targets = next(batches)
+        inputs = inputs.to(ctx.device, non_blocking=True)
+        targets = targets.to(ctx.device, non_blocking=True)
+        inputs, targets = task.batch(inputs, targets)
+        last = micro == group_size - 1
+        with plan.net.no_sync() if ddp and not last else contextlib.nullcontext():
+            with autocast(ctx.device, plan.dtype):
+                loss = task.loss(plan.net(inputs), targets)
+            loss_value = loss.item()  # one host sync a micro-step: the finite check and metrics share it
+            if _check_finite(loss_value, ctx, step, plan.nonfinite_policy):
+                (loss / group_size if group_size > 1 else loss).backward()
+                # Under DDP only the last backward syncs the accumulated gradients: without it the
+                # ranks' gradients differ, so the whole step is skipped.
+                applied = last or (applied and not ddp)
+        total_loss += loss_value
+        rows += len(targets)
+    return StepResult(total_loss / group_size, rows, applied)
+
+
+def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
+    """Score the validation split; (score, whether every rank now stops early)."""
+    if plan.same_weights and forward_updates_buffers(setup.model):
+        publish_rank0_buffers(setup.model)
+    score = shared_score(plan.validator.score(setup.model), plan.same_weights, setup.ctx.device)
+    plan.tracker.update(score, step, setup.model)
+    stop = plan.tracker.patience is not None and all_out_of_patience(plan.tracker, setup.ctx.device)
+    return score, stop
 
 
 def train_loop(
     setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None, live: LiveLogger | None
-) -> tuple[int, float]:
-    """Run the remaining steps; the number of the last step and this rank's seconds in the loop."""
+) -> tuple[int, float, bool]:
+    """Run the remaining optimiser steps; the last step's number, this rank's seconds in the loop and
+    whether validation stopped the run early."""
     ctx, cfg, run, gate = setup.ctx, setup.cfg, setup.run, setup.gate
     model, optimizer, num_batches = setup.model, setup.optimizer, plan.num_batches
+    accum = plan.grad_accum_steps
     gate.log(
-        f"[{run}] {cfg['strategy']} on {ctx.world_size} ranks ({ctx.backend}, "
-        f"{'fp32' if plan.dtype is None else 'bf16 autocast'}): {cfg['epochs']} epochs x "
-        f"{num_batches} steps"
+        f"[{run}] {mode_of(cfg['strategy'], cfg.get('sync_every', 0))} on {ctx.world_size} ranks "
+        f"({ctx.backend}, {'fp32' if plan.dtype is None else 'bf16 autocast'}): {cfg['epochs']} epochs x "
+        f"{optimizer_steps(num_batches, accum)} steps" + (f" of {accum} micro-batches" if accum > 1 else "")
     )
     model.train()
     # The ranks start the timed loop together. Without this, the start-up that one rank finishes
@@ -324,92 +422,133 @@ def train_loop(
     started = time.perf_counter()
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
+    stop = False
     # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
         ShardReader(setup.shard_dir, ctx.rank, seed=setup.rank_seed, cache=True, verify=True) as reader,
-        gate.progress(cfg["epochs"] * num_batches, initial_step=step, description=run) as progress,
+        gate.progress(plan.total_steps, initial_step=step, description=run) as progress,
     ):
         for epoch in range(position.epoch, cfg["epochs"]):
             first = position.next_batch if epoch == position.epoch else 0
-            lr = optimizer.param_groups[0]["lr"]  # no per-step schedule: read once an epoch
+            batches = reader.epoch(epoch, num_batches, first)
             tick = time.perf_counter()  # samples/s covers the whole step: waiting for data included
-            for index, (inputs, targets) in enumerate(reader.epoch(epoch, num_batches, first), start=first):
-                inputs = inputs.to(ctx.device, non_blocking=True)
-                targets = targets.to(ctx.device, non_blocking=True)
+            for group_start in range(first, num_batches, accum):
+                group_size = min(accum, num_batches - group_start)
                 optimizer.zero_grad(set_to_none=True)
-                inputs, targets = setup.task.batch(inputs, targets)
-                with autocast(ctx.device, plan.dtype):
-                    loss = setup.task.loss(plan.net(inputs), targets)
+                result = accumulate_gradients(setup, plan, batches, group_size, step + 1)
+                lr = lr_at(step, plan.total_steps, cfg)  # the schedule is a function of the step
                 step += 1
-                loss_value = loss.item()  # one host sync a step: the finite check and metrics share it
-                if _check_finite(loss_value, ctx, step, plan.nonfinite_policy):
-                    loss.backward()
+                loss_value, grad_norm = result.loss, math.nan
+                if result.applied:
+                    set_lr(optimizer, lr)
+                    grad_norm = clip_gradients(model.parameters(), plan.grad_clip_norm)
                     optimizer.step()
-                if plan.sync_every and step % plan.sync_every == 0:
-                    average_parameters(model, ctx.world_size)
+                plan.sync.after_step(step)
+                end_of_epoch = group_start + group_size == num_batches
+                val_score = math.nan
+                if plan.validator is not None and (step % plan.eval_every == 0 or end_of_epoch):
+                    val_score, stop = validate(setup, plan, step)
                 if metrics is not None:
                     now = time.perf_counter()
-                    throughput = len(targets) / max(now - tick, 1e-9)
+                    throughput = result.rows / max(now - tick, 1e-9)
                     tick = now
-                    metrics.append(step, epoch, loss_value, throughput, lr, now)
+                    metrics.append(step, epoch, loss_value, throughput, lr, now, grad_norm, val_score)
                     progress.update(step, loss=loss_value, samples_per_second=throughput)
                     if live is not None:
                         live.log(step, {"loss": loss_value, "samples_per_second": throughput})
-                if plan.checkpoint_every and step % plan.checkpoint_every == 0:
-                    save_checkpoint(setup, Position(step, epoch, index + 1), metrics)
+                # No checkpoint at the stopping step: a run resumed from an earlier one stops here again.
+                if plan.checkpoint_every and step % plan.checkpoint_every == 0 and not stop:
+                    save_checkpoint(setup, plan, Position(step, epoch, group_start + group_size), metrics)
+                if stop:
+                    break
             gate.log(f"[{run}] epoch {epoch + 1}/{cfg['epochs']} step {step} rank-0 loss {loss_value:.4f}")
-    return step, time.perf_counter() - started
+            if stop:
+                gate.log(
+                    f"[{run}] early stop at step {step}: no rank improved for "
+                    f"{plan.tracker.patience} validations"
+                )
+                break
+    plan.sync.finish(step)
+    return step, time.perf_counter() - started, stop
 
 
-def save_checkpoint(setup: RankSetup, position: Position, metrics: MetricsLog | None) -> None:
+def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None) -> None:
     """Every rank saves its state; the checkpoint counts (rank 0 marks it complete) once all have."""
     if metrics is not None:
         metrics.flush()  # every row up to the checkpoint survives a restart from it
     save_rank_state(
-        setup.checkpoint_dir, setup.ctx.rank, setup.model, setup.optimizer, position, setup.identity
+        setup.checkpoint_dir,
+        setup.ctx.rank,
+        setup.model,
+        setup.optimizer,
+        position,
+        setup.identity,
+        state_tensors={**plan.sync.state_tensors(), **plan.tracker.state_tensors()},
+        state={"validation": plan.tracker.state()},
     )
     torch_dist.barrier()  # every rank saved before the checkpoint counts
     setup.gate.call(mark_complete, setup.checkpoint_dir, position.step, setup.cfg.get("keep_checkpoints", 2))
 
 
 def publish(
-    setup: RankSetup, plan: StepPlan, num_steps: int, loop_seconds: float, metrics: MetricsLog | None
+    setup: RankSetup,
+    plan: StepPlan,
+    num_steps: int,
+    loop_seconds: float,
+    stopped_early: bool,
+    metrics: MetricsLog | None,
 ) -> None:
-    """Write this rank's weights and metrics; rank 0 writes train.json once every rank's files exist."""
-    ctx, cfg, manifest = setup.ctx, setup.cfg, setup.manifest
+    """Write this rank's weights (the last, or with keep: best the best validated) and metrics; rank 0
+    writes train.json once every rank's files exist."""
+    ctx, cfg, manifest, tracker = setup.ctx, setup.cfg, setup.manifest, plan.tracker
     seconds = torch.tensor([loop_seconds], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
 
-    if cfg["strategy"] == "ddp" and forward_updates_buffers(setup.model):
-        # DDP broadcasts rank 0's buffers before each forward, and each rank's last forward then
-        # updated its own running statistics: make rank 0's final, so the published ranks are
-        # identical (consolidate checks that), as DDP's next forward would have made them.
-        with torch.no_grad():
-            for buffer in setup.model.buffers():
-                torch_dist.broadcast(buffer, src=0)
+    if plan.same_weights and forward_updates_buffers(setup.model):
+        publish_rank0_buffers(setup.model)  # consolidate checks that the ddp ranks are identical
+    weights, published_step = setup.model.state_dict(), num_steps
+    if tracker.keep_best and tracker.best_weights is not None:
+        weights, published_step = tracker.best_weights, tracker.best_step
     num_rows = manifest["shards"][ctx.rank]["rows"]
-    save_weights(
-        setup.out_dir / f"rank-{ctx.rank}.safetensors",
-        setup.model.state_dict(),
-        {**setup.meta, "rank": ctx.rank, "rows": num_rows, "num_steps": num_steps},
-    )
+    rank_meta = {**setup.meta, "rank": ctx.rank, "rows": num_rows, "num_steps": num_steps}
+    if published_step != num_steps:
+        rank_meta["published_step"] = published_step
+    save_weights(setup.out_dir / f"rank-{ctx.rank}.safetensors", weights, rank_meta)
     if metrics is not None:
         metrics.consolidate()
     cuda = ctx.device.type == "cuda"
     peak_memory = int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else None
-    hosts: list[str | None] = [None] * ctx.world_size
-    torch_dist.all_gather_object(hosts, setup.meta["host"])  # also the barrier: every rank's files exist now
+    best = None if math.isnan(tracker.best_score) else tracker.best_score
+    facts: list[Any] = [None] * ctx.world_size
+    # Also the barrier: every rank's files exist once this returns.
+    torch_dist.all_gather_object(facts, (setup.meta["host"], published_step, best))
+    hosts = [fact[0] for fact in facts]
+    world_size, accum = ctx.world_size, plan.grad_accum_steps
     setup.gate.write_json(
         setup.out_dir / "train.json",
         {
             "run": setup.run,
-            "world_size": ctx.world_size,
+            "world_size": world_size,
             "strategy": cfg["strategy"],
-            "sync_every": plan.sync_every,
+            "mode": mode_of(cfg["strategy"], cfg.get("sync_every", 0)),
+            "sync_every": plan.sync.sync_every,
             "num_steps": num_steps,
             "epochs": cfg["epochs"],
-            "steps_per_epoch": plan.num_batches,
+            "steps_per_epoch": optimizer_steps(plan.num_batches, accum),
+            "grad_accum_steps": accum,
+            "effective_batch_size": cfg["batch_size"] * accum * world_size,
+            "lr_schedule": cfg.get("lr_schedule", "constant"),
+            "warmup_steps": cfg.get("warmup_steps", 0),
+            "grad_clip_norm": plan.grad_clip_norm,
+            "bytes_all_reduced_per_rank": plan.sync.bytes_all_reduced,
+            "num_syncs": plan.sync.num_syncs,
+            "init": setup.meta.get("init", "shared"),
+            "keep": cfg.get("keep", "last"),
+            "validation": (
+                {"score": setup.task.score, "every": plan.eval_every} if plan.validator is not None else None
+            ),
+            "stopped_early": stopped_early,
             "train_seconds": float(seconds.item()),
             "backend": ctx.backend,
             "device": str(ctx.device),
@@ -430,6 +569,8 @@ def publish(
                     "rows": s["rows"],
                     "host": hosts[s["rank"]],
                     "checkpoint": f"rank-{s['rank']}.safetensors",
+                    "published_step": facts[s["rank"]][1],
+                    "best_val_score": facts[s["rank"]][2],
                 }
                 for s in manifest["shards"]
             ],
@@ -454,9 +595,9 @@ def train_rank(
     position = resume_or_start(setup)
     # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
     metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
-    plan = plan_steps(setup)
-    num_steps, loop_seconds = train_loop(setup, plan, position, metrics, live)
-    publish(setup, plan, num_steps, loop_seconds, metrics)
+    plan = plan_steps(setup, position)
+    num_steps, loop_seconds, stopped_early = train_loop(setup, plan, position, metrics, live)
+    publish(setup, plan, num_steps, loop_seconds, stopped_early, metrics)
 
 
 def main(argv: list[str] | None = None) -> None:
