@@ -9,13 +9,14 @@ configfile: "config/config.yaml"
 
 # Run on the submit host, never as cluster jobs: track and track_comparison are the one MLflow
 # writer (compute nodes often cannot reach a tracking server, and SQLite locks under many writers);
-# summary, plots and compare_merge_methods are cheap (small CSV/Parquet/JSON files).
+# summary, plots, compare_merge_methods and compare_communication are cheap (small CSV/Parquet/JSON files).
 localrules:
     track,
     track_comparison,
     summary,
     plots,
     compare_merge_methods,
+    compare_communication,
 
 
 include: "workflow/rules/common.smk"

@@ -10,7 +10,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from shardfuse import plots
+from shardfuse import figures, plots
 from shardfuse.io import UserError
 from tests.helpers import subprocess_env
 from tests.tracking_fixtures import make_run_dir, regression_evaluation
@@ -75,12 +75,12 @@ def test_smoothing_keeps_a_trend_and_damps_noise():
 def test_runs_are_grouped_by_training_column_else_by_dataset_world_size_and_strategy():
     rows = [_row("a", "independent", "uniform", 0.8), _row("b", "independent", "weighted", 0.82),
             _row("c", "ddp", "consolidate", 0.9)]  # fmt: skip
-    groups = plots.training_groups(rows)
+    groups = figures.training_groups(rows)
     assert {k: [r["run"] for r in v] for k, v in groups.items()} == {
         "digits / world_size 2 / independent": ["a", "b"], "digits / world_size 2 / ddp": ["c"]
     }  # fmt: skip
     rows = [{**row, "training": "t1" if row["run"] != "b" else "t2"} for row in rows]
-    assert {k: [r["run"] for r in v] for k, v in plots.training_groups(rows).items()} == {
+    assert {k: [r["run"] for r in v] for k, v in figures.training_groups(rows).items()} == {
         "t1": ["a", "c"],
         "t2": ["b"],
     }
@@ -125,7 +125,7 @@ def test_fusion_plot_of_a_regression_run_shows_mse_lower_is_better_and_a_positiv
     del without_best["best_rank_mse"]  # then the task picks it: the lowest mse, not the highest
     bars = {label: value for label, value, _ in plots.fusion_bars(without_best)}
     assert bars["best rank"] == pytest.approx(0.3)
-    plots._pyplot().close(fig)
+    figures.pyplot().close(fig)
 
 
 def test_fusion_plot_of_a_classification_run_says_higher_is_better_on_a_range_from_the_data(tmp_path):
@@ -136,7 +136,7 @@ def test_fusion_plot_of_a_classification_run_says_higher_is_better_on_a_range_fr
     assert ax.get_title() == "cls: merged vs ranks (fusion gain +0.080)"
     low, high = ax.get_ylim()
     assert low == 0 and 0.83 < high < 0.95  # not forced up to 1
-    plots._pyplot().close(fig)
+    figures.pyplot().close(fig)
 
 
 def test_merge_methods_plot_puts_each_score_in_its_own_panels_with_its_direction(tmp_path):
@@ -149,25 +149,25 @@ def test_merge_methods_plot_puts_each_score_in_its_own_panels_with_its_direction
          "test_accuracy_best_rank": "", "test_mse_merged": 0.35, "test_mse_best_rank": 0.3},
     ]  # fmt: skip
     extra = ("training", "test_mse_merged", "test_mse_best_rank")
-    rows = plots.read_summary(_summary(tmp_path / "summary.csv", rows, extra))
-    assert [(task.score, [r["run"] for r in members]) for task, members in plots.score_panels(rows)] == [
+    rows = figures.read_summary(_summary(tmp_path / "summary.csv", rows, extra))
+    assert [(task.score, [r["run"] for r in members]) for task, members in figures.score_panels(rows)] == [
         ("accuracy", ["a", "b"]),
         ("mse", ["r", "s"]),
     ]
-    fig = plots.merge_methods_figure(rows)
+    fig = figures.merge_methods_figure(rows)
     shown = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_ylabel() for ax in shown] == [
         "merged test accuracy (higher is better)",
         "merged test mse (lower is better)",
     ]
     assert shown[1].get_ylim()[1] > 0.35 and shown[0].get_ylim()[1] < 1.0
-    plots._pyplot().close(fig)
+    figures.pyplot().close(fig)
 
 
 def test_a_summary_row_with_no_score_is_a_user_error(tmp_path):
     row = {"run": "x", "test_accuracy_best_rank": "", "test_mse_best_rank": ""}
     with pytest.raises(UserError, match="summary row 'x' has no best-rank score; re-run the summary stage"):
-        plots.row_task(row)
-    assert plots.row_task({**row, "task": "regression"}).score == "mse"
-    assert plots.row_task({**row, "test_mse_best_rank": "0.3"}).lower_is_better
-    assert list(plots.TASK_OF_SCORE) == ["accuracy", "mse", "loss"]  # old summaries: accuracy first
+        figures.row_task(row)
+    assert figures.row_task({**row, "task": "regression"}).score == "mse"
+    assert figures.row_task({**row, "test_mse_best_rank": "0.3"}).lower_is_better
+    assert list(figures.TASK_OF_SCORE) == ["accuracy", "mse", "loss"]  # old summaries: accuracy first

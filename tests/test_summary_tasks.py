@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfuse import plots, summary, tracking_inputs
+from shardfuse import figures, summary, tracking_inputs
 from shardfuse.io import UserError
 from tests.tracking_fixtures import make_run_dir, regression_evaluation
 
@@ -21,6 +21,8 @@ CLASSIFICATION_HEADER = (
     "test_accuracy_base", "test_accuracy_ddp_baseline", "fusion_gain", "max_abs_diff_between_ranks",
     "num_steps", "train_seconds",
 )  # fmt: skip
+# Appended to every header by the train stage's communication record (train_seconds is already above).
+TRAINING_COLUMNS = ("mode", "effective_batch_size", "bytes_all_reduced_per_rank")
 MSE_COLUMNS = ("test_mse_merged", "test_mse_best_rank", "test_mse_mean_rank", "test_mse_base",
                "test_mse_ddp_baseline")  # fmt: skip
 
@@ -53,17 +55,22 @@ def with_task_keys(evaluation: dict) -> dict:
 RUN_CONFIG = {"training": "t0", "dataset": "d", "world_size": 2, "strategy": "independent", "sync_every": ""}
 
 
-def write_run(root: Path, run: str, evaluation: dict) -> dict:
-    """eval.json, merge.json and the training's train.json where summary reads them; the run's config."""
+def write_run(root: Path, run: str, evaluation: dict, train: dict | None = None, **cfg) -> dict:
+    """eval.json, merge.json and the training's train.json where summary reads them; the run's config.
+
+    ``train``: train.json fields besides num_steps and train_seconds (none: an old train stage's)."""
     run_dir = root / "runs" / run
     run_dir.mkdir(parents=True)
     (run_dir / "eval.json").write_text(json.dumps(evaluation))
     merge = {"method": "uniform", "max_abs_diff_between_ranks": 0.125}
     (run_dir / "merge.json").write_text(json.dumps(merge))
-    ranks = root / "trainings" / RUN_CONFIG["training"] / "ranks"
+    cfg = {**RUN_CONFIG, **cfg}
+    ranks = root / "trainings" / cfg["training"] / "ranks"
     ranks.mkdir(parents=True, exist_ok=True)
-    (ranks / "train.json").write_text(json.dumps({"num_steps": 40, "train_seconds": 3.14159}))
-    return dict(RUN_CONFIG)
+    (ranks / "train.json").write_text(
+        json.dumps({"num_steps": 40, "train_seconds": 3.14159, **(train or {})})
+    )
+    return cfg
 
 
 def run_summary(root: Path, evaluations: dict[str, dict]) -> tuple[list[str], list[dict[str, str]], bytes]:
@@ -100,7 +107,9 @@ def old_summary_bytes(evaluations: dict[str, dict]) -> bytes:
 
 
 @pytest.mark.parametrize("task_keys", [False, True], ids=["old-eval-json", "eval-json-with-task"])
-def test_classification_only_summary_is_byte_for_byte_the_old_csv(tmp_path, task_keys):
+def test_classification_only_summary_is_the_old_csv_byte_for_byte_then_the_training_columns(
+    tmp_path, task_keys
+):
     evaluations = {
         "ddp": classification_evaluation("ddp", 0.8312),
         "indep": classification_evaluation("indep", 0.79, 0.8312),
@@ -108,9 +117,14 @@ def test_classification_only_summary_is_byte_for_byte_the_old_csv(tmp_path, task
     if task_keys:
         evaluations = {run: with_task_keys(evaluation) for run, evaluation in evaluations.items()}
     header, rows, written = run_summary(tmp_path, evaluations)
-    assert tuple(header) == CLASSIFICATION_HEADER == summary.COLUMNS
-    assert summary.summary_columns(["classification"]) == CLASSIFICATION_HEADER
-    assert written == old_summary_bytes(evaluations)
+    assert tuple(header) == (*CLASSIFICATION_HEADER, *TRAINING_COLUMNS)
+    assert CLASSIFICATION_HEADER == summary.COLUMNS
+    assert summary.summary_columns(["classification"]) == (*CLASSIFICATION_HEADER, *TRAINING_COLUMNS)
+    # An old train.json: the mode comes from the run's strategy, the counts are unknown (empty).
+    old_lines = old_summary_bytes(evaluations).decode().split("\r\n")
+    new_lines = written.decode().split("\r\n")
+    assert new_lines[0] == old_lines[0] + "," + ",".join(TRAINING_COLUMNS)
+    assert new_lines[1:] == [line + ",independent,," if line else line for line in old_lines[1:]]
     assert rows[1]["test_accuracy_ddp_baseline"] == "0.8312" and rows[0]["test_accuracy_ddp_baseline"] == ""
 
 
@@ -118,7 +132,7 @@ def test_regression_runs_fill_test_mse_columns_and_a_positive_gain_when_merged_m
     header, rows, _ = run_summary(tmp_path, {"reg": regression_evaluation("reg", ddp_baseline=True)})
     after = CLASSIFICATION_HEADER.index("test_accuracy_ddp_baseline") + 1
     extra = (*MSE_COLUMNS, "test_mae_merged", "test_r2_merged")
-    expected = (*CLASSIFICATION_HEADER[:after], *extra, *CLASSIFICATION_HEADER[after:])
+    expected = (*CLASSIFICATION_HEADER[:after], *extra, *CLASSIFICATION_HEADER[after:], *TRAINING_COLUMNS)
     # No classification run: no accuracy columns, which would be empty in every row.
     assert tuple(header) == tuple(c for c in expected if not c.startswith("test_accuracy_"))
     (row,) = rows
@@ -159,7 +173,45 @@ def test_mixed_tasks_get_a_task_column_and_leave_other_tasks_cells_empty(tmp_pat
     assert by_run["cls"]["test_mse_merged"] == "" and by_run["reg"]["test_accuracy_merged"] == ""
     assert float(by_run["lm"]["test_loss_best_rank"]) == pytest.approx(0.31)
     assert by_run["cls"]["test_loss_best_rank"] == "" and by_run["lm"]["test_mse_best_rank"] == ""
-    assert [plots.row_task(by_run[r]).score for r in ("cls", "reg", "lm")] == ["accuracy", "mse", "loss"]
+    assert [figures.row_task(by_run[r]).score for r in ("cls", "reg", "lm")] == ["accuracy", "mse", "loss"]
+
+
+def test_training_columns_come_from_train_json_and_stay_empty_for_old_trainings(tmp_path):
+    diloco = {"mode": "diloco", "effective_batch_size": 256, "bytes_all_reduced_per_rank": 4_000_000_000}
+    trainings = {  # run -> (train.json fields, run config fields)
+        "diloco": ({**diloco, "strategy": "diloco", "sync_every": 16}, {}),
+        "indep": ({"mode": "independent", "effective_batch_size": 64, "bytes_all_reduced_per_rank": 0}, {}),
+        # Trainings from before train.json said its mode: derived from their strategy and sync_every.
+        "old_ddp": ({"strategy": "ddp", "sync_every": 0}, {}),
+        "old_local": ({"strategy": "localsgd", "sync_every": 0}, {}),
+        "old_cfg": (None, {"strategy": "localsgd", "sync_every": 8}),
+    }
+    runs = {
+        run: write_run(tmp_path, run, regression_evaluation(run), train, training=f"t-{run}", **cfg)
+        for run, (train, cfg) in trainings.items()
+    }
+    out = tmp_path / "summary.csv"
+    summary.write_summary(runs, tmp_path / "runs", tmp_path / "trainings", out)
+    with open(out, newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert tuple(reader.fieldnames[-4:]) == ("train_seconds", *TRAINING_COLUMNS)
+        cells = {row["run"]: tuple(row[c] for c in TRAINING_COLUMNS) for row in reader}
+    assert cells == {
+        "diloco": ("diloco", "256", "4000000000"),
+        "indep": ("independent", "64", "0"),  # 0 bytes is known, not empty
+        "old_ddp": ("ddp", "", ""),
+        "old_local": ("independent", "", ""),
+        "old_cfg": ("localsgd", "", ""),
+    }
+
+
+def test_training_mode_prefers_train_json_then_its_strategy_then_the_run_config():
+    mode = summary.training_mode
+    assert mode({"mode": "diloco", "strategy": "localsgd", "sync_every": 0}, {}) == "diloco"
+    assert mode({"strategy": "localsgd", "sync_every": 4}, {"strategy": "ddp"}) == "localsgd"
+    assert mode({}, {"strategy": "localsgd", "sync_every": ""}) == "independent"
+    assert mode({}, {"strategy": "ddp", "sync_every": 0}) == "ddp"
+    assert mode({}, {}) == ""
 
 
 def test_summary_main_prints_each_runs_own_score(tmp_path, capsys):

@@ -27,11 +27,16 @@ from shardfuse.checkpoint import load_weights, read_metadata
 from shardfuse.io import UserError
 from shardfuse.models import build_model
 from tests.tracking_fixtures import (
+    NEW_TRAIN_FIELDS,
     NUM_FEATURES,
+    T0_MS,
+    VAL_EVERY,
     append_steps,
+    grad_norm,
     make_run_dir,
     regression_evaluation,
     run_config,
+    val_score,
 )
 
 pytestmark = pytest.mark.integration
@@ -142,6 +147,7 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
     assert metrics["test_loss_mean_rank"] == pytest.approx(evaluation["mean_rank_loss"])
     assert metrics["train_seconds"] == pytest.approx(12.5)
     assert metrics["merge_seconds"] == pytest.approx(0.25)
+    assert "bytes_all_reduced_per_rank" not in metrics  # unknown in an old train.json: not 0
     for rank in range(world_size):
         assert metrics[f"test_accuracy_rank_{rank}"] == pytest.approx(0.70 + 0.02 * rank)
 
@@ -156,6 +162,8 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
         assert child.data.params == {"rank": str(rank), "shard_rows": str(719 + rank)}
         assert child.data.metrics["test_accuracy"] == pytest.approx(0.70 + 0.02 * rank)
         assert child.data.metrics["test_loss"] == pytest.approx(0.6 + 0.05 * rank)
+        # Metrics files and train.json of a training from before grad_norm, validation and published_step.
+        assert set(child.data.metrics) == {"loss", "samples_per_second", "lr", "test_accuracy", "test_loss"}
         for key in ("loss", "samples_per_second", "lr"):
             history = sorted(client.get_metric_history(child.info.run_id, key), key=lambda m: m.step)
             assert [m.step for m in history] == list(range(num_steps))
@@ -511,3 +519,170 @@ def test_redact_uri_hides_user_and_password():
     assert mlflow_common.redact_uri("http://alice:s3cret@127.0.0.1:5055") == "http://***@127.0.0.1:5055"
     assert mlflow_common.redact_uri("postgresql://u:p@h/db?x=1") == "postgresql://***@h/db?x=1"
     assert mlflow_common.redact_uri("sqlite:///mlflow.db") == "sqlite:///mlflow.db"
+
+
+def _points(store, run_id, key):
+    """(step, timestamp, value) of every point of ``key``, in step order."""
+    history = store["client"].get_metric_history(run_id, key)
+    return sorted((m.step, m.timestamp, m.value) for m in history)
+
+
+def _expected_series(rank, num_steps, values):
+    """The (step, timestamp, value) points of a fixture column: its finite steps only."""
+    return [
+        (step, T0_MS + 250 * step, pytest.approx(float(values(rank, step))))
+        for step in range(num_steps)
+        if np.isfinite(values(rank, step))
+    ]
+
+
+def test_new_train_fields_become_parent_params_a_bytes_metric_and_sparse_rank_series(store, tmp_path):
+    run_name, num_steps = "diloco", 11
+    result, run_dir, _, config = _track(store, tmp_path, run_name, num_steps=num_steps, new_train_fields=True)
+    parent = store["client"].get_run(result["parent_run_id"])
+    new_params = {
+        "mode": "diloco", "grad_accum_steps": "2", "effective_batch_size": "128", "init": "shared",
+        "keep": "best",
+    }  # fmt: skip
+    assert parent.data.params == {**tracking_inputs.flatten_params(config), **new_params}
+    assert parent.data.metrics["bytes_all_reduced_per_rank"] == 123_456_789
+    for rank, child_id in result["child_run_ids"].items():
+        rank = int(rank)
+        grad_norms = _points(store, child_id, "grad_norm")
+        assert grad_norms == _expected_series(rank, num_steps, grad_norm)
+        assert len(grad_norms) == num_steps - (rank == 1)  # rank 1's NaN at step 0 is left out
+        validations = _points(store, child_id, "val_accuracy")  # train.json's validation score names it
+        assert [step for step, _, _ in validations] == [2, 5, 8]
+        assert validations == _expected_series(rank, num_steps, val_score)
+        metrics = store["client"].get_run(child_id).data.metrics
+        assert metrics["published_step"] == num_steps - 1 - rank
+        assert ("best_val_score" in metrics) == (rank == 0)  # rank 1's is null: not logged
+        assert metrics.get("best_val_score", 0.77) == pytest.approx(0.77)
+        assert "val_score" not in metrics
+
+    manifest = tmp_path / "results/shards/synthetic/w2-seed0/manifest.json"
+    again = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert (again["action"], again["num_points_pushed"]) == ("unchanged", 0)
+    for child_id in again["child_run_ids"].values():
+        assert len(_points(store, child_id, "val_accuracy")) == 3
+
+
+def test_more_steps_append_only_the_new_grad_norm_and_validation_points(store, tmp_path):
+    first, run_dir, manifest, config = _track(store, tmp_path, "grown_val", new_train_fields=True)
+    append_steps(run_dir / "train", 5)  # steps 7..11: validations at 8 and 11
+    train_json = run_dir / "train" / "train.json"
+    ranks = json.loads(train_json.read_text())["ranks"]
+    ranks[0]["published_step"] = 11  # rank 0 now publishes its last step; rank 1 keeps step 5
+    _edit_json(train_json, num_steps=12, ranks=ranks)
+    second = tracking.track_run("grown_val", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert second["action"] == "updated" and second["child_run_ids"] == first["child_run_ids"]
+    # Per rank 5 rows of 3 step metrics, 5 grad norms, 2 validations; rank 0's published_step; the
+    # parent's samples_per_second (a mean over more steps).
+    assert second["num_points_pushed"] == 2 * (5 * 3 + 5 + 2) + 1 + 1
+    for rank, child_id in second["child_run_ids"].items():
+        assert [s for s, _, _ in _points(store, child_id, "val_accuracy")] == [2, 5, 8, 11]
+        assert len(_points(store, child_id, "grad_norm")) == 12 - (rank == "1")
+        published = [(s, v) for s, _, v in _points(store, child_id, "published_step")]
+        assert published == ([(7, 6.0), (12, 11.0)] if rank == "0" else [(7, 5.0)])
+    third = tracking.track_run("grown_val", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert (third["action"], third["num_points_pushed"]) == ("unchanged", 0)
+
+
+def test_interrupted_series_push_resumes_without_losing_or_doubling_points(store, tmp_path, monkeypatch):
+    run_name, num_steps = "crashed_val", 2500  # grad_norm: 3 log_batches of 1000 points per rank
+    run_dir, manifest = make_run_dir(tmp_path, run_name, num_steps=num_steps, new_train_fields=True)
+    config = run_config(run_name)
+    original = tracking.log_batches
+
+    def killed_after_one_grad_norm_batch(client, run_id, metrics=(), params=(), tags=()):
+        metrics = list(metrics)
+        if metrics and metrics[0].key == "grad_norm":
+            original(client, run_id, metrics=metrics[:1000])
+            raise KeyboardInterrupt  # as if the job were killed while pushing rank 0's grad norms
+        original(client, run_id, metrics=metrics, params=params, tags=tags)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tracking, "log_batches", killed_after_one_grad_norm_batch)
+        with pytest.raises(KeyboardInterrupt):
+            tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    (_,), (partial,) = _active_runs(store, run_name)
+    assert len(_points(store, partial.info.run_id, "grad_norm")) == 1000
+
+    result = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert result["action"] == "updated" and result["child_run_ids"]["0"] == partial.info.run_id
+    for rank, child_id in result["child_run_ids"].items():
+        assert _points(store, child_id, "grad_norm") == _expected_series(int(rank), num_steps, grad_norm)
+        assert len(_points(store, child_id, "val_accuracy")) == num_steps // VAL_EVERY
+    again = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert (again["action"], again["num_points_pushed"]) == ("unchanged", 0)
+
+
+def test_a_rewritten_validation_series_or_changed_train_param_replaces_the_runs(store, tmp_path):
+    _, run_dir, manifest, config = _track(store, tmp_path, "revalidated", new_train_fields=True)
+    path = run_dir / "train" / "metrics" / "rank-0.parquet"
+    table = pq.read_table(path)
+    index = table.schema.get_field_index("val_score")
+    pq.write_table(table.set_column(index, "val_score", pa.array(table["val_score"].to_numpy() - 0.1)), path)
+    second = tracking.track_run("revalidated", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert second["action"] == "replaced"  # loss, lr, throughput unchanged: only the series says so
+    assert _points(store, second["child_run_ids"]["0"], "val_accuracy")[0][2] == pytest.approx(0.42)
+
+    _edit_json(run_dir / "train" / "train.json", mode="localsgd")  # MLflow params cannot change
+    third = tracking.track_run("revalidated", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert third["action"] == "replaced"
+    assert store["client"].get_run(third["parent_run_id"]).data.params["mode"] == "localsgd"
+    assert store["client"].get_run(second["parent_run_id"]).info.lifecycle_stage == "deleted"
+
+
+def test_config_keys_win_over_train_json_params_of_the_same_name(store, tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "configured", new_train_fields=True)
+    config = {**run_config("configured"), "grad_accum_steps": 2, "keep": "best", "init": "shared"}
+    result = tracking.track_run("configured", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    params = store["client"].get_run(result["parent_run_id"]).data.params
+    assert (params["grad_accum_steps"], params["keep"], params["mode"]) == ("2", "best", "diloco")
+    again = tracking.track_run("configured", run_dir, manifest, config, store["uri"], EXPERIMENT)
+    assert again["action"] == "unchanged"
+
+
+def test_step_series_keep_finite_points_and_name_validation_after_the_score():
+    steps = np.arange(6)
+    history = {
+        "step": steps,
+        "timestamp_ms": T0_MS + 10 * steps,
+        "grad_norm": np.array([1, np.nan, 3, np.inf, 5, 6.0]),
+        "val_score": np.array([np.nan, np.nan, 0.5, np.nan, np.nan, 0.7]),
+    }
+    series = tracking_inputs.step_series(history, "val_mse")
+    assert series["grad_norm"].tolist() == [[0, T0_MS, 1], [2, T0_MS + 20, 3], [4, T0_MS + 40, 5],
+                                            [5, T0_MS + 50, 6]]  # fmt: skip
+    assert series["val_mse"].tolist() == [[2, T0_MS + 20, 0.5], [5, T0_MS + 50, 0.7]]
+    history["grad_norm"][:] = np.nan  # clipping off in an old trainer, no validation: no series at all
+    assert tracking_inputs.step_series({**history, "val_score": history["grad_norm"]}, "val_mse") == {}
+    assert tracking_inputs.step_series({"step": steps, "timestamp_ms": steps}, "val_mse") == {}
+    validation = tracking_inputs.validation_metric
+    assert validation({"validation": {"score": "loss", "every": 5}}, "accuracy") == "val_loss"
+    assert validation({"validation": None}, "mse") == validation({}, "mse") == "val_mse"
+
+
+def test_train_params_and_rank_metrics_take_what_train_json_has_and_skip_nulls():
+    train = {**NEW_TRAIN_FIELDS, "init": None, "world_size": 2}
+    assert tracking_inputs.train_params(train) == {
+        "mode": "diloco", "grad_accum_steps": "2", "effective_batch_size": "128", "keep": "best",
+    }  # fmt: skip
+    assert tracking_inputs.train_params({"strategy": "ddp"}) == {}
+    metrics = tracking_inputs.rank_train_metrics
+    assert metrics({"rank": 0, "published_step": 40, "best_val_score": 0.5}) == {
+        "published_step": 40.0, "best_val_score": 0.5,
+    }  # fmt: skip
+    assert metrics({"rank": 0, "published_step": 40, "best_val_score": None}) == {"published_step": 40.0}
+    assert metrics({"rank": 0, "rows": 10}) == {}
+
+
+def test_old_metrics_files_read_without_the_new_columns(tmp_path):
+    run_dir, _ = make_run_dir(tmp_path, "old")
+    history = tracking_inputs.read_step_metrics(run_dir / "train" / "metrics" / "rank-0.parquet")
+    assert set(history) == {"step", "loss", "samples_per_second", "lr", "timestamp_ms"}
+    new_dir, _ = make_run_dir(tmp_path / "new", "new", new_train_fields=True)
+    history = tracking_inputs.read_step_metrics(new_dir / "train" / "metrics" / "rank-1.parquet")
+    assert np.isnan(history["grad_norm"][0]) and history["grad_norm"][1] == pytest.approx(2.11)
+    assert np.isfinite(history["val_score"]).sum() == 2  # 7 steps: validated at 2 and 5

@@ -160,7 +160,9 @@ def test_mlflow_has_one_parent_per_run_with_world_size_children(workdir):
     client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
     for parent in state["parents"]:
         artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
-        assert artifacts == {"comparison/merge_methods.png"}, parent.info.run_name
+        assert artifacts == {"comparison/merge_methods.png", "comparison/communication.png"}, (
+            parent.info.run_name
+        )
     train = json.loads((ranks_dir(workdir, "ddp") / "train.json").read_text())
     assert len(state["histories"][("ddp/rank-0", "loss")]) == train["num_steps"]
 
@@ -195,6 +197,7 @@ def test_changing_only_merge_method_reruns_merge_and_downstream_only(workdir):
         "track": 1,
         "summary": 1,
         "compare_merge_methods": 1,
+        "compare_communication": 1,
         "track_comparison": 1,
         "all": 1,
     }

@@ -132,19 +132,52 @@ def model_spec() -> dict:
     }
 
 
-def step_table(rank: int, steps: np.ndarray, num_steps: int, seed: int = 0) -> pa.Table:
-    """Rows of metrics/rank-{rank}.parquet for ``steps`` (values depend only on rank, step and seed)."""
+# What the train stage writes since grad clipping, validation and DiLoCo (train.json of older trainings
+# lacks every field): see make_run_dir(new_train_fields=True).
+VAL_EVERY = 3
+NEW_TRAIN_FIELDS = {
+    "mode": "diloco",
+    "grad_accum_steps": 2,
+    "effective_batch_size": 128,
+    "lr_schedule": "cosine",
+    "warmup_steps": 2,
+    "bytes_all_reduced_per_rank": 123_456_789,
+    "num_syncs": 3,
+    "init": "shared",
+    "keep": "best",
+    "stopped_early": False,
+    "validation": {"score": "accuracy", "every": VAL_EVERY},
+}
+
+
+def grad_norm(rank: int, step) -> np.ndarray:
+    """The fixtures' pre-clip gradient norm: finite on every step but rank 1's first (NaN: a skipped step)."""
+    values = 2.0 + 0.1 * rank + 0.01 * np.asarray(step, dtype=np.float64)
+    return np.where((rank == 1) & (np.asarray(step) == 0), np.nan, values)
+
+
+def val_score(rank: int, step) -> np.ndarray:
+    """The fixtures' validation accuracy: every VAL_EVERY-th step (steps 2, 5, ...), NaN elsewhere."""
+    step = np.asarray(step, dtype=np.float64)
+    return np.where(step % VAL_EVERY == VAL_EVERY - 1, 0.5 + 0.01 * step + 0.001 * rank, np.nan)
+
+
+def step_table(
+    rank: int, steps: np.ndarray, num_steps: int, seed: int = 0, new_columns: bool = False
+) -> pa.Table:
+    """Rows of metrics/rank-{rank}.parquet for ``steps`` (values depend only on rank, step and seed);
+    ``new_columns``: also grad_norm and val_score, in the train stage's column order."""
     rng = np.random.default_rng([seed, rank, int(steps[0]) if len(steps) else 0])
-    return pa.table(
-        {
-            "step": steps.astype(np.int64),
-            "epoch": steps * 2 // num_steps,
-            "loss": 1.1 - 0.1 * steps - 0.01 * rank,
-            "samples_per_second": 1000.0 + rng.random(len(steps)),
-            "lr": np.full(len(steps), 0.01),
-            "timestamp_ms": T0_MS + 250 * steps,
-        }
-    )
+    columns = {
+        "step": steps.astype(np.int64),
+        "epoch": steps * 2 // num_steps,
+        "loss": 1.1 - 0.1 * steps - 0.01 * rank,
+        "samples_per_second": 1000.0 + rng.random(len(steps)),
+        "lr": np.full(len(steps), 0.01),
+    }
+    if new_columns:
+        columns.update(grad_norm=grad_norm(rank, steps), val_score=val_score(rank, steps))
+    return pa.table({**columns, "timestamp_ms": T0_MS + 250 * steps})
 
 
 def append_steps(train_dir: Path, num_new: int) -> None:
@@ -153,7 +186,8 @@ def append_steps(train_dir: Path, num_new: int) -> None:
         old = pq.read_table(path)
         first = old.column("step")[-1].as_py() + 1
         rank = int(path.stem.split("-")[1])
-        new = step_table(rank, np.arange(first, first + num_new), first + num_new, seed=1)
+        steps = np.arange(first, first + num_new)
+        new = step_table(rank, steps, first + num_new, seed=1, new_columns="val_score" in old.schema.names)
         pq.write_table(pa.concat_tables([old, new.cast(old.schema)]), path)
 
 
@@ -170,11 +204,15 @@ def make_run_dir(
     merge_method: str = "average",
     ddp_baseline: bool = False,
     training: str | None = None,
+    new_train_fields: bool = False,
 ) -> tuple[Path, Path]:
     """Write a complete run directory plus its shard manifest under ``root``; return both paths.
 
     With ``training``, the ranks and gather.json go where runs sharing a training keep them:
     results/trainings/{training}/ranks and results/trainings/{training}/gather.json.
+    With ``new_train_fields``, train.json has :data:`NEW_TRAIN_FIELDS` and each rank's published_step
+    (num_steps - 1 - rank) and best_val_score (rank 0: 0.77, rank 1 and up: null), and the metrics
+    files the grad_norm and val_score columns (:func:`grad_norm`, :func:`val_score`).
     """
     run_dir = root / "results" / "runs" / run_name
     run_dir.mkdir(parents=True)
@@ -198,9 +236,8 @@ def make_run_dir(
 
     ranks = []
     for rank in range(world_size):
-        pq.write_table(
-            step_table(rank, np.arange(num_steps), num_steps), metrics_dir / f"rank-{rank}.parquet"
-        )
+        table = step_table(rank, np.arange(num_steps), num_steps, new_columns=new_train_fields)
+        pq.write_table(table, metrics_dir / f"rank-{rank}.parquet")
         checkpoint = train_dir / f"rank-{rank}.safetensors"
         _save_mlp(checkpoint, rank + 1, {"run": run_name, "rank": rank, "host": f"node{rank}"})
         ranks.append({"rank": rank, "rows": shard_rows[rank], "checkpoint": str(checkpoint)})
@@ -222,6 +259,11 @@ def make_run_dir(
         ],
         "model": model_spec(),
     }
+    if new_train_fields:
+        train.update(NEW_TRAIN_FIELDS)
+        for entry in train["ranks"]:
+            best = 0.77 if entry["rank"] == 0 else None
+            entry.update(published_step=num_steps - 1 - entry["rank"], best_val_score=best)
     (train_dir / "train.json").write_text(json.dumps(train, indent=2))
     gather = {
         "run": run_name,

@@ -1,12 +1,14 @@
-"""Attach the merge-methods comparison plot to every tracked run's MLflow parent.
+"""Attach the comparison plots across runs to every tracked run's MLflow parent.
 
 By hand::
 
-    python -m shardfuse.comparison --png results/plots/merge_methods.png \\
-        --records results/runs/*/mlflow.json --out results/plots/merge_methods.mlflow.json
+    python -m shardfuse.comparison \\
+        --png results/plots/merge_methods.png results/plots/communication.png \\
+        --records results/runs/*/mlflow.json --out results/plots/comparison.mlflow.json
 
-Each parent gets ``comparison/merge_methods.png`` (re-logging overwrites that one file, so re-runs
-never duplicate it), so the side-by-side view of merge methods is one click away from any run.
+Each parent gets ``comparison/<name>.png`` for every PNG (``merge_methods.png``: the merge methods side
+by side; ``communication.png``: merged score vs bytes all-reduced per rank). Re-logging overwrites those
+files, so re-runs never duplicate them, and the views across runs are one click away from any run.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from shardfuse.mlflow_common import exit_now, tracking_client, tracking_errors, 
 ARTIFACT_PATH = "comparison"
 
 
-def attach(png: Path, records: list[Path]) -> dict:
-    if not png.is_file():
-        raise UserError(f"{png} does not exist; run the compare_merge_methods rule first")
+def attach(pngs: list[Path], records: list[Path]) -> dict:
+    """Log every PNG to every record's parent run; return what ``--out`` records (JSON)."""
+    for png in pngs:
+        if not png.is_file():
+            raise UserError(f"{png} does not exist; run the rule that draws it (snakemake {png}) first")
     attached: dict[str, str] = {}
     by_uri: dict[str, list[dict]] = {}
     for path in records:
@@ -31,14 +35,19 @@ def attach(png: Path, records: list[Path]) -> dict:
         with writer_lock(uri), tracking_errors(uri):
             client = tracking_client(uri)
             for record in entries:
-                client.log_artifact(record["parent_run_id"], str(png), artifact_path=ARTIFACT_PATH)
+                for png in pngs:
+                    client.log_artifact(record["parent_run_id"], str(png), artifact_path=ARTIFACT_PATH)
                 attached[record["parent_run_id"]] = uri
-    return {"png": str(png), "artifact": f"{ARTIFACT_PATH}/{png.name}", "parent_run_ids": sorted(attached)}
+    return {
+        "pngs": [str(png) for png in pngs],
+        "artifacts": [f"{ARTIFACT_PATH}/{png.name}" for png in pngs],
+        "parent_run_ids": sorted(attached),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.comparison", description=__doc__.splitlines()[0])
-    parser.add_argument("--png", type=Path, required=True, help="the comparison plot")
+    parser.add_argument("--png", type=Path, nargs="+", required=True, help="the comparison plots")
     parser.add_argument("--records", type=Path, nargs="+", required=True, help="each run's mlflow.json")
     parser.add_argument("--out", type=Path, required=True, help="JSON record of what was attached")
     args = parser.parse_args(argv)

@@ -126,6 +126,32 @@ def sync_history(client, run_id: str, rows: np.ndarray, start: int) -> int:
     return pushed
 
 
+def series_synced(child, metric: str, rows: np.ndarray) -> int | None:
+    """Points of a sparse series (rows of step, timestamp, value) already in the child run, or None if
+    what it holds is not a prefix of them: :func:`~shardfuse.mlflow_sync.synced_rows` for one metric."""
+    tag = child.data.tags.get(f"{SYNCED_TAG}.{metric}") or synced_tag_value(rows[:0])
+    count = tag.partition(":")[0]
+    if not count.isdigit() or int(count) > len(rows) or synced_tag_value(rows[: int(count)]) != tag:
+        return None
+    latest = next((m for m in getattr(child.data, "_metric_objs", []) if m.key == metric), None)
+    if latest is None:
+        return int(count)
+    (matches,) = np.nonzero((rows[:, 0] == latest.step) & (rows[:, 1] == latest.timestamp))
+    if not len(matches) or rows[matches[0], 2] != latest.value:
+        return None
+    return max(int(count), int(matches[0]) + 1)
+
+
+def sync_series(client, child_id: str, metric: str, rows: np.ndarray, start: int) -> int:
+    """Append rows[start:] of a sparse series in step order, MLflow's most points per log_batch."""
+    from mlflow.entities import Metric
+
+    steps, stamps, values = (rows[start:, i].tolist() for i in range(3))
+    points = [Metric(metric, v, int(t), int(s)) for s, t, v in zip(steps, stamps, values, strict=True)]
+    log_batches(client, child_id, metrics=points)
+    return len(points)
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Each batch makes thousands of short-lived objects (Metric, ORM rows) and no cycles: the cyclic

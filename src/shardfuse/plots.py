@@ -1,48 +1,55 @@
-"""Plots of one run (loss, throughput, merged vs ranks) and of merge methods across runs, as PNGs.
+"""Plots of one run (loss, throughput, merged vs ranks) and of results/summary.csv across runs, as PNGs.
 
 By hand::
 
     python -m shardfuse.plots --run-dir results/runs/ddp --train-dir results/trainings/<training>/ranks \\
         --out-dir results/runs/ddp/plots
     python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
+    python -m shardfuse.plots communication --summary results/summary.csv \\
+        --out results/plots/communication.png
 
 The run plots read the training's ``metrics/rank-*.parquet`` (under TRAIN_DIR) and the run's
-``eval.json``; ``compare`` groups the rows of ``summary.csv`` that share their training (a ``training``
+``eval.json``. ``compare`` groups the rows of ``summary.csv`` that share their training (a ``training``
 column if there is one, else dataset, world size and strategy) and shows each group's merged score per
-run/merge method. The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`); runs ranked
-by different scores never share a panel, and every axis says which way is better. Matplotlib's Agg
-backend, no display needed; every PNG is written atomically.
+run/merge method; ``communication`` shows each run's merged score against the bytes its training
+all-reduced per rank (log scale; independent training at a ``0 B`` tick). Those two figures are drawn by
+:mod:`shardfuse.figures`. The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`);
+every axis says which way is better. Matplotlib's Agg backend, no display needed; every PNG is written
+atomically.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shardfuse.io import StageParser, UserError, atomic_path, read_json, run_cli
-from shardfuse.tasks import TASKS, Task, evaluation_task, task_for
+from shardfuse.figures import (
+    BASELINE_COLOR,
+    MERGED_COLOR,
+    RANK_COLOR,
+    SUMMARY_COLOR,
+    bar_chart,
+    number,
+    plot_communication,
+    plot_merge_methods,
+    pyplot,
+    save_figure,
+    score_label,
+)
+from shardfuse.io import StageParser, UserError, read_json, run_cli
+from shardfuse.tasks import evaluation_task
 from shardfuse.tracking_inputs import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
-GROUP_COLUMNS = ("dataset", "world_size", "strategy")
-MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
-# Score -> task, for summary rows (scores differ between tasks); accuracy first: old summaries have no other.
-TASK_OF_SCORE: dict[str, Task] = {task.score: task for task in map(task_for, TASKS)}
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+# Subcommands that draw one figure of summary.csv: name -> (description, default file name, drawer).
+SUMMARY_PLOTS = {
+    "compare": ("Merge methods across runs.", "merge_methods.png", plot_merge_methods),
+    "communication": ("Merged score vs bytes all-reduced per rank.", "communication.png", plot_communication),
+}
 
 
 def smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
@@ -56,14 +63,6 @@ def smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
     return np.convolve(values, kernel, mode="same") / np.convolve(np.ones(len(values)), kernel, mode="same")
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Write a PNG atomically; no timestamp or version in it, so unchanged data gives identical bytes."""
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
-    _pyplot().close(fig)
-    return path
-
-
 def rank_metrics(train_dir: Path) -> dict[int, dict[str, np.ndarray]]:
     paths = sorted((train_dir / "metrics").glob("rank-*.parquet"), key=lambda p: int(p.stem[5:]))
     if not paths:
@@ -72,7 +71,7 @@ def rank_metrics(train_dir: Path) -> dict[int, dict[str, np.ndarray]]:
 
 
 def _rank_colors(num_ranks: int) -> list:
-    cmap = _pyplot().get_cmap("tab10" if num_ranks <= 10 else "viridis")
+    cmap = pyplot().get_cmap("tab10" if num_ranks <= 10 else "viridis")
     return [cmap(i if num_ranks <= 10 else i / max(num_ranks - 1, 1)) for i in range(num_ranks)]
 
 
@@ -80,7 +79,7 @@ def plot_curves(
     metrics: dict[int, dict[str, np.ndarray]], key: str, ylabel: str, title: str, out: Path
 ) -> Path:
     """One line per rank vs step: raw (faint) and smoothed; log scale when the values span decades."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     colors = _rank_colors(len(metrics))
     finite = []
@@ -100,10 +99,6 @@ def plot_curves(
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=max(1, math.ceil(len(metrics) / 8)))
     return save_figure(fig, out)
-
-
-def score_label(task: Task) -> str:
-    return f"test {task.score} ({'lower' if task.lower_is_better else 'higher'} is better)"
 
 
 def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
@@ -131,42 +126,15 @@ def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
     return bars
 
 
-def _number(value: float, sign: str = "") -> str:
-    """Three decimals (accuracies, losses); significant digits for what they would hide (mse in
-    large units, a tiny gain)."""
-    if value == 0 or 1e-3 <= abs(value) < 1e4 or not math.isfinite(value):
-        return f"{value:{sign}.3f}"
-    return f"{value:{sign}.3g}"
-
-
-def _value_limits(values: Iterable[float]) -> tuple[float, float]:
-    """y range from the data, always holding 0 (bars start there) and room for the value labels."""
-    finite = [v for v in values if math.isfinite(v)]
-    low, high = min([0.0, *finite]), max([0.0, *finite])
-    span = (high - low) or 1.0
-    return (low - 0.08 * span if low < 0 else 0.0), high + 0.08 * span
-
-
-def _bar_chart(ax, bars: list[tuple[str, float, str]], limits: tuple[float, float] | None = None) -> None:
-    positions = np.arange(len(bars))
-    ax.bar(positions, [b[1] for b in bars], color=[b[2] for b in bars])
-    for x, (_, value, _) in zip(positions, bars, strict=True):
-        ax.annotate(_number(value), (x, value), ha="center", va="bottom", fontsize="small",
-                    xytext=(0, 2), textcoords="offset points")  # fmt: skip
-    ax.set_xticks(positions, [b[0] for b in bars], rotation=30 if len(bars) > 6 else 0, ha="right")
-    ax.set_ylim(*(limits or _value_limits(b[1] for b in bars)))
-    ax.grid(axis="y", alpha=0.3)
-
-
 def fusion_figure(evaluation: dict[str, Any], title: str):
     """The merged model against each rank, best/mean rank and baselines, in the run's score."""
     task = evaluation_task(evaluation)
     bars = fusion_bars(evaluation)
-    fig, ax = _pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
-    _bar_chart(ax, bars)
+    fig, ax = pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
+    bar_chart(ax, bars)
     gain = task.gain(bars[0][1], next(value for label, value, _ in bars if label == "best rank"))
     ax.set_ylabel(score_label(task))
-    ax.set_title(f"{title}: merged vs ranks (fusion gain {_number(gain, '+')})")
+    ax.set_title(f"{title}: merged vs ranks (fusion gain {number(gain, '+')})")
     return fig
 
 
@@ -192,118 +160,17 @@ def plot_run(run_dir: Path, out_dir: Path, train_dir: Path) -> list[Path]:
     ]
 
 
-def row_task(row: dict[str, str]) -> Task:
-    """The task a summary row was scored for: its ``task`` cell, else the score whose best-rank cell
-    it fills (summaries of one task have no task column)."""
-    if row.get("task"):
-        return task_for(row["task"])
-    for score, task in TASK_OF_SCORE.items():
-        if row.get(f"test_{score}_best_rank") not in (None, ""):
-            return task
-    raise UserError(f"summary row {row.get('run')!r} has no best-rank score; re-run the summary stage")
-
-
-def read_summary(path: Path) -> list[dict[str, str]]:
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; run the summary stage first")
-    with open(path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    header = set(rows[0]) if rows else set()
-    needed = {"run", "merge_method"}
-    if not any({f"test_{score}_merged", f"test_{score}_best_rank"} <= header for score in TASK_OF_SCORE):
-        needed |= {"test_accuracy_merged", "test_accuracy_best_rank"}
-    missing = needed - header
-    if not rows or missing:
-        raise UserError(f"{path} has no rows or lacks {', '.join(sorted(missing))}; re-run the summary stage")
-    return rows
-
-
-def training_groups(rows: Iterable[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
-    """Runs that share their training: by the ``training`` column, else dataset + world size + strategy."""
-    groups: dict[str, list[dict[str, str]]] = {}
-    for row in rows:
-        if row.get("training"):
-            key = row["training"]
-        else:
-            key = " / ".join(f"{c} {row[c]}" if c == "world_size" else row.get(c, "?") for c in GROUP_COLUMNS)
-        groups.setdefault(key, []).append(row)
-    return groups
-
-
-def score_panels(rows: Iterable[dict[str, str]]) -> list[tuple[Task, list[dict[str, str]]]]:
-    """One panel per training group and score (a group's runs share their data, so normally one
-    score), panels of one score side by side in the order their scores' tasks are listed."""
-    panels = []
-    for members in training_groups(rows).values():
-        by_task: dict[str, tuple[Task, list[dict[str, str]]]] = {}
-        for row in members:
-            task = row_task(row)
-            by_task.setdefault(task.name, (task, []))[1].append(row)
-        panels += by_task.values()
-    return sorted(panels, key=lambda panel: TASKS.index(panel[0].name))  # stable: group order kept
-
-
-def merge_methods_figure(rows: list[dict[str, str]]):
-    """Merged score per merge method, a panel per training, the best rank marked in each."""
-    panels = score_panels(rows)
-    columns = min(3, len(panels))
-    num_rows = math.ceil(len(panels) / columns)
-    widest = max(len(members) for _, members in panels)
-    fig, axes = _pyplot().subplots(
-        num_rows, columns, figsize=(columns * max(3.5, 0.9 * widest + 1.5), num_rows * 3.8), squeeze=False
-    )
-    # Panels of one score share a y range, so their bars compare at a glance.
-    values: dict[str, list[float]] = {}
-    for task, members in panels:
-        for row in members:
-            values.setdefault(task.score, []).extend(
-                float(row[f"test_{task.score}_{kind}"]) for kind in ("merged", "best_rank")
-            )
-    previous = ""
-    for index, (ax, (task, members)) in enumerate(zip(axes.flat, panels, strict=False)):
-        score = task.score
-        bars = [(r["merge_method"], float(r[f"test_{score}_merged"]), MERGED_COLOR) for r in members]
-        _bar_chart(ax, bars, _value_limits(values[score]))
-        ax.tick_params(axis="x", labelrotation=30)
-        ax.set_xlim(-0.6, max(len(bars), 3) - 0.4)  # a lone bar stays bar-sized
-        best = [float(r[f"test_{score}_best_rank"]) for r in members]
-        ax.scatter(
-            range(len(bars)), best, marker="_", s=600, color=SUMMARY_COLOR, zorder=3, label="best rank"
-        )
-        first = members[0]
-        title = f"{first.get('dataset', '?')}, world size {first.get('world_size', '?')}, "
-        title += first.get("strategy", "?")
-        if first.get("sync_every") not in (None, ""):
-            title += f" (sync_every {first['sync_every']})"
-        ax.set_title(title, fontsize="medium")
-        ax.legend(fontsize="small", loc="lower right")
-        if index % columns == 0 or score != previous:
-            ax.set_ylabel("merged " + score_label(task))
-            if index % columns:  # a label between panels needs the room
-                fig.subplots_adjust(wspace=0.4)
-        previous = score
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.set_visible(False)
-    fig.suptitle("Merge methods side by side (runs that share their training)")
-    return fig
-
-
-def plot_merge_methods(summary: Path, out: Path) -> Path:
-    fig = merge_methods_figure(read_summary(summary))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, out)
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["compare"]:
-        parser = StageParser(
-            prog="python -m shardfuse.plots compare", description="Merge methods across runs."
-        )
+    if argv[:1] and argv[0] in SUMMARY_PLOTS:
+        description, default_name, draw = SUMMARY_PLOTS[argv[0]]
+        parser = StageParser(prog=f"python -m shardfuse.plots {argv[0]}", description=description)
         parser.add_argument("--summary", type=Path, required=True, help="results/summary.csv")
-        parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+        parser.add_argument(
+            "--out", type=Path, required=True, help=f"PNG to write (results/plots/{default_name})"
+        )
         args = parser.parse_args(argv[1:])
-        written = [plot_merge_methods(args.summary, args.out)]
+        written = [draw(args.summary, args.out)]
     else:
         parser = StageParser(prog="python -m shardfuse.plots", description=__doc__.splitlines()[0])
         parser.add_argument("--run-dir", type=Path, required=True, help="results/runs/{run} (eval.json)")

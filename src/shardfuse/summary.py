@@ -5,14 +5,20 @@ By hand::
     python -m shardfuse.summary --runs-json '{"ddp": {"dataset": "digits", ..., "training": "<training>"}}' \
         --results-dir results/runs --out results/summary.csv
 
-The header depends on the tasks of the runs listed. Runs that all classify get exactly
-:data:`COLUMNS`. Other tasks insert, after ``test_accuracy_ddp_baseline``, the five
+The header depends on the tasks of the runs listed. Runs that all classify get :data:`COLUMNS`, then
+the training columns below. Other tasks insert, after ``test_accuracy_ddp_baseline``, the five
 :data:`SCORE_COLUMNS` of their score (``test_mse_merged``, ``test_mse_best_rank``, ...; one that already
 exists, such as causal_lm's ``test_loss_merged``, is not repeated), then ``test_<metric>_merged`` for their
 other metrics (regression: mae, r2), all preceded by a ``task`` column when the runs mix tasks. A run
 leaves the cells of other tasks' columns empty, and without a classification run the accuracy
 columns are left out; ``fusion_gain`` is eval.json's, positive when merging helped whatever the
 direction of the score.
+
+Every header ends with :data:`TRAINING_COLUMNS` (those not already in it), read from the training's
+train.json: ``mode`` (ddp, localsgd, independent, diloco; derived from strategy and sync_every for
+trainings from before train.json said it), ``effective_batch_size`` (samples per optimiser step over all
+ranks) and ``bytes_all_reduced_per_rank`` (payload of the collectives on model state, per rank: 0 for
+independent training). Older train.json files lack the last two: their cells are empty, never 0.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ COLUMNS = (
     "num_steps",
     "train_seconds",
 )
+# Appended to every header (those not in it yet): what the training cost in communication and time.
+TRAINING_COLUMNS = ("mode", "effective_batch_size", "bytes_all_reduced_per_rank", "train_seconds")
 # What each score (bar accuracy, already above) adds: test_<score>_<kind>.
 SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
@@ -63,7 +71,23 @@ def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
     columns = (*COLUMNS[:at], *extra, *COLUMNS[at:])
     if "classification" not in names:  # no run has an accuracy: no columns that are empty in every row
         columns = tuple(column for column in columns if not column.startswith("test_accuracy_"))
-    return columns
+    return (*columns, *(column for column in TRAINING_COLUMNS if column not in columns))
+
+
+def training_mode(training: dict[str, Any], cfg: dict[str, Any]) -> str:
+    """train.json's mode, else what its (or the run config's) strategy and sync_every amount to."""
+    if training.get("mode"):
+        return str(training["mode"])
+    strategy = training.get("strategy", cfg.get("strategy"))
+    sync_every = training.get("sync_every", cfg.get("sync_every"))
+    if strategy == "localsgd" and sync_every in (0, "0", "", None):  # never syncs: independent training
+        return "independent"
+    return "" if strategy is None else str(strategy)
+
+
+def _count(value: Any) -> int | str:
+    """An integer field of train.json, or an empty cell when it is absent (older train stages)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else ""
 
 
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
@@ -98,6 +122,9 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         "max_abs_diff_between_ranks": merging["max_abs_diff_between_ranks"],
         "num_steps": training["num_steps"],
         "train_seconds": round(training["train_seconds"], 3),
+        "mode": training_mode(training, cfg),
+        "effective_batch_size": _count(training.get("effective_batch_size")),
+        "bytes_all_reduced_per_rank": _count(training.get("bytes_all_reduced_per_rank")),
     }
 
 

@@ -12,7 +12,8 @@ Layout in MLflow: one parent run per shardfuse run (run_name NAME; the resolved 
 headline metrics; tags for git commit/dirty, snakemake/torch versions, hosts, SLURM job id, config hash;
 JSON results under ``results/``, plots under ``plots/``; the merged model as an MLflow pyfunc model
 ``model``, optionally registered) with one nested child per rank (``NAME/rank-{r}``: loss, throughput and
-lr by step with their original timestamps, plus its test metrics).
+lr by step with their original timestamps; grad_norm and val_<score> at the steps that have a finite
+value; its test metrics, and published_step and best_val_score where train.json has them).
 
 The files are the source of truth and this is the only writer, so the push is a sync:
 - inputs unchanged (``shardfuse.fingerprint``, written last with ``shardfuse.complete=true``): nothing
@@ -23,7 +24,8 @@ The files are the source of truth and this is the only writer, so the push is a 
 - another config or a rewritten history (re-trained): the old runs are soft-deleted and everything is
   pushed afresh (``replaced``).
 Histories go in step order, whole rows per log_batch, and a push killed midway goes on where it
-stopped, neither losing nor doubling a point (:mod:`shardfuse.mlflow_sync`).
+stopped, neither losing nor doubling a point (:mod:`shardfuse.mlflow_sync`); each sparse series
+(grad_norm, val_<score>) the same way, vouched for by its own ``shardfuse.synced.<metric>`` tag.
 Live runs (``shardfuse.live``) of the same run name that started before the pushed training finished
 are soft-deleted once the push is complete.
 
@@ -66,7 +68,9 @@ from shardfuse.mlflow_sync import (
     history_rows,
     log_batches,
     search_all,
+    series_synced,
     sync_history,
+    sync_series,
     synced_rows,
     synced_tag_value,
 )
@@ -170,11 +174,14 @@ def _sync_rank(
         child = client.create_run(experiment_id, run_name=f"{run_name}/rank-{rank.rank}", tags=tags)
     child_id = child.info.run_id
     pushed = sync_history(client, child_id, rows, synced_rows(child, rows) or 0)
-    # After the history, in one request: the tag that vouches for it, test metrics, params, host.
+    for metric, points in rank.series.items():
+        pushed += sync_series(client, child_id, metric, points, series_synced(child, metric, points) or 0)
+    # After the histories, in one request: the tags that vouch for them, final metrics, params, host.
     num_steps = int(train.get("num_steps", len(rows)))
-    final = changed_metrics(child.data.metrics, rank.test_metrics, num_steps)
+    final = changed_metrics(child.data.metrics, {**rank.test_metrics, **rank.train_metrics}, num_steps)
     params = {"rank": str(rank.rank), "shard_rows": str(rank.shard_rows)}
-    tags = {SYNCED_TAG: synced_tag_value(rows)}
+    tags = {f"{SYNCED_TAG}.{metric}": synced_tag_value(points) for metric, points in rank.series.items()}
+    tags[SYNCED_TAG] = synced_tag_value(rows)
     if rank.host is not None:
         tags["shardfuse.host"] = rank.host
     params = [Param(k, v) for k, v in params.items() if child.data.params.get(k) != v]
@@ -234,7 +241,7 @@ def _delete_finished_live_runs(client, experiment_id: str, run_name: str, traine
             client.delete_run(run.info.run_id)
 
 
-def _plan(runs: list, options: SyncOptions, inputs: RunInputs) -> Plan:
+def _plan(runs: list, options: SyncOptions, inputs: RunInputs, params: dict[str, str]) -> Plan:
     """Pick what to do with the runs already in MLflow."""
     parents = [r for r in runs if PARENT_TAG not in r.data.tags]
     if len(parents) != 1:
@@ -245,15 +252,20 @@ def _plan(runs: list, options: SyncOptions, inputs: RunInputs) -> Plan:
         rank = run.data.tags.get(RANK_TAG, "")
         if run.data.tags.get(PARENT_TAG) != parent.info.run_id or not rank.isdigit():
             continue
-        rows = history_rows(inputs.ranks[int(rank)].history) if int(rank) < inputs.world_size else None
+        known = inputs.ranks[int(rank)] if int(rank) < inputs.world_size else None
+        rows = history_rows(known.history) if known is not None else None
         if rows is None or synced_rows(run, rows) is None:
             return Plan("replaced", None, {})  # a re-trained (rewritten) history or another world size
+        if any(series_synced(run, metric, points) is None for metric, points in known.series.items()):
+            return Plan("replaced", None, {})
         best = children.get(int(rank))  # a lost create_run response may leave two: keep the fuller one
         if best is None or synced_rows(run, rows) > synced_rows(best, rows):
             children[int(rank)] = run
     tags = parent.data.tags
     if tags.get(CONFIG_HASH_TAG) != options.config_hash:
         return Plan("replaced", None, {})
+    if any(parent.data.params.get(key, value) != value for key, value in params.items()):
+        return Plan("replaced", None, {})  # params are immutable: train.json says otherwise now
     if (
         tags.get(FINGERPRINT_TAG) == options.fingerprint
         and tags.get(COMPLETE_TAG) == "true"
@@ -267,7 +279,7 @@ def _sync(
     client,
     experiment_id: str,
     run_name: str,
-    config: dict,
+    params: dict[str, str],
     inputs: RunInputs,
     plan: Plan,
     options: SyncOptions,
@@ -284,10 +296,10 @@ def _sync(
         log_batches(client, parent.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     parent_id = parent.info.run_id
     try:
-        params = [Param(k, v) for k, v in flatten_params(config).items() if k not in parent.data.params]
+        missing = [Param(k, v) for k, v in params.items() if k not in parent.data.params]
         num_steps = int(inputs.train.get("num_steps", 0))
         headline = changed_metrics(parent.data.metrics, inputs.headline, num_steps)
-        log_batches(client, parent_id, metrics=headline, params=params)
+        log_batches(client, parent_id, metrics=headline, params=missing)
         pushed = len(headline)
         child_ids = {}
         for rank in inputs.ranks:
@@ -335,10 +347,12 @@ def track_run(
         fingerprint=fingerprint(config, inputs.files, registered_model),
         config_hash=config_hash(config),
     )
+    # The config says it first: train.json's params only add what it has no key for.
+    params = {**inputs.params, **flatten_params(config)}
     with writer_lock(tracking_uri), tracking_errors(tracking_uri):
         client, experiment_id = connect(tracking_uri, experiment)
         runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {_quote(run_name)}")
-        plan = _plan(runs, options, inputs)
+        plan = _plan(runs, options, inputs, params)
         parent, children = plan.parent, plan.children
         keep = {parent.info.run_id} | {c.info.run_id for c in children.values()} if parent else set()
         _delete_runs(client, experiment_id, [r for r in runs if r.info.run_id not in keep])
@@ -346,7 +360,7 @@ def track_run(
             tags, child_ids = parent.data.tags, {rank: c.info.run_id for rank, c in children.items()}
             synced = Synced(parent.info.run_id, child_ids, tags.get(MODEL_TAG), tags.get(REGISTERED_TAG), 0)
         else:
-            synced = _sync(client, experiment_id, run_name, config, inputs, plan, options)
+            synced = _sync(client, experiment_id, run_name, params, inputs, plan, options)
             trained_ms = int(inputs.files.train.stat().st_mtime * 1000)
             _delete_finished_live_runs(client, experiment_id, run_name, trained_ms)
     return TrackResult(

@@ -4,9 +4,13 @@
 merge.json, the merged weights, eval.json, each rank's ``metrics/rank-{r}.parquet`` and any plots) before
 MLflow is touched, so a missing or malformed file is one error that names it and the stage to re-run;
 it returns them as a :class:`RunInputs` (the :class:`RunFiles`, one :class:`RankInputs` per rank).
-From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`), the
-headline metrics, the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash) and
-the fingerprint that tells an unchanged run from one to sync again.
+From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`) and
+the training's own (:data:`TRAIN_PARAMS`), the headline metrics, each rank's sparse step series
+(:func:`step_series`), the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash)
+and the fingerprint that tells an unchanged run from one to sync again.
+
+train.json and the metrics files of older trainings lack what later train stages added (mode, bytes
+all-reduced, the grad_norm and val_score columns, ...): what is absent is not pushed, never an error.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ from shardfuse.checkpoint import read_metadata
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.tasks import evaluation_task, score_first
 
-LAYOUT_VERSION = "2"  # part of the fingerprint: a new layout re-syncs every run once
+LAYOUT_VERSION = "3"  # part of the fingerprint: a new layout re-syncs every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
-STEP_METRICS = ("loss", "samples_per_second", "lr")
+STEP_METRICS = ("loss", "samples_per_second", "lr")  # every step: pushed as whole rows (mlflow_sync)
 PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
+# Columns of newer metrics files, NaN on the steps without a value: pushed where finite, as series.
+OPTIONAL_COLUMNS = ("grad_norm", "val_score")
+# train.json fields that become parent params, when the train stage wrote them.
+TRAIN_PARAMS = ("mode", "grad_accum_steps", "effective_batch_size", "init", "keep")
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected
 
 
@@ -62,19 +70,60 @@ def _field(obj: dict, key: str, path: Path) -> Any:
 
 
 def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
-    """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file."""
+    """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file, and those
+    of :data:`OPTIONAL_COLUMNS` that it has."""
     import pyarrow.parquet as pq
 
     # ParquetFile, not read_table: read_table imports pyarrow.dataset, a cost paid by every track job.
     try:
         with pq.ParquetFile(path) as parquet:
-            missing = [c for c in PARQUET_COLUMNS if c not in parquet.schema_arrow.names]
-            table = None if missing else parquet.read(columns=list(PARQUET_COLUMNS))
+            names = parquet.schema_arrow.names
+            missing = [c for c in PARQUET_COLUMNS if c not in names]
+            columns = [*PARQUET_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in names)]
+            table = None if missing else parquet.read(columns=columns)
     except Exception as exc:
         raise UserError(f"{path} is not a readable Parquet file ({exc}); re-run the train stage") from None
     if missing:
         raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
-    return {c: table.column(c).to_numpy() for c in PARQUET_COLUMNS}
+    return {c: table.column(c).to_numpy() for c in columns}
+
+
+def validation_metric(train: dict[str, Any], default_score: str) -> str:
+    """The name the val_score column goes by: ``val_`` + train.json's validation score (else the task's)."""
+    validation = train.get("validation")
+    score = validation.get("score") if isinstance(validation, dict) else None
+    return f"val_{score if isinstance(score, str) and score else default_score}"
+
+
+def step_series(history: dict[str, np.ndarray], val_metric: str) -> dict[str, np.ndarray]:
+    """Metric name -> (step, timestamp_ms, value) float64 rows of the steps where it is finite, for each
+    optional column with at least one such step (grad_norm, the val_score column as ``val_metric``)."""
+    series = {}
+    for column, name in (("grad_norm", "grad_norm"), ("val_score", val_metric)):
+        if column not in history:
+            continue
+        values = history[column].astype(np.float64)
+        finite = np.isfinite(values)
+        if finite.any():
+            columns = (history["step"][finite], history["timestamp_ms"][finite], values[finite])
+            series[name] = np.ascontiguousarray(np.column_stack(columns).astype(np.float64))
+    return series
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as float; None for null, booleans and anything else."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def train_params(train: dict[str, Any]) -> dict[str, str]:
+    """The :data:`TRAIN_PARAMS` that train.json has (not null), as MLflow params."""
+    return {key: str(train[key]) for key in TRAIN_PARAMS if train.get(key) is not None}
+
+
+def rank_train_metrics(entry: dict[str, Any]) -> dict[str, float]:
+    """published_step and best_val_score of a train.json ``ranks`` entry, where they are numbers."""
+    values = {key: _number(entry.get(key)) for key in ("published_step", "best_val_score")}
+    return {key: value for key, value in values.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -111,6 +160,8 @@ class RankInputs(NamedTuple):
     history: dict[str, np.ndarray]  # columns of metrics/rank-{r}.parquet (:func:`read_step_metrics`)
     test_metrics: dict[str, float]  # test_<metric> of the rank's own model, for every task metric
     host: str | None  # None when neither train.json nor the rank's sidecar names it
+    train_metrics: dict[str, float]  # published_step, best_val_score (:func:`rank_train_metrics`)
+    series: dict[str, np.ndarray]  # grad_norm, val_<score>: finite points only (:func:`step_series`)
 
 
 @dataclass(frozen=True)
@@ -122,6 +173,7 @@ class RunInputs:
     ranks: tuple[RankInputs, ...]  # ranks[r].rank == r
     model_spec: dict[str, Any]  # the merged weights' model reference and args
     headline: dict[str, float]  # the parent run's metrics
+    params: dict[str, str]  # the parent's params from train.json (:func:`train_params`), besides the config
 
     @property
     def world_size(self) -> int:
@@ -158,7 +210,8 @@ def load_inputs(
     read_json(gather, "gather")  # only uploaded, but must be valid JSON
     try:
         world_size = int(_field(train, "world_size", train_path))
-        shard_rows = {int(r["rank"]): int(r["rows"]) for r in _field(train, "ranks", train_path)}
+        train_ranks = {int(r["rank"]): r for r in _field(train, "ranks", train_path)}
+        shard_rows = {rank: int(entry["rows"]) for rank, entry in train_ranks.items()}
         eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", eval_path)}
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(
@@ -187,12 +240,21 @@ def load_inputs(
     histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
     model_spec = _field(read_metadata(weights), "model", weights)
     hosts = _rank_hosts(train_dir, train, world_size)
+    val_metric = validation_metric(train, task.score)
     ranks = tuple(
-        RankInputs(rank, shard_rows[rank], histories[rank], test_metrics[rank], hosts.get(rank))
+        RankInputs(
+            rank,
+            shard_rows[rank],
+            histories[rank],
+            test_metrics[rank],
+            hosts.get(rank),
+            rank_train_metrics(train_ranks[rank]),
+            step_series(histories[rank], val_metric),
+        )
         for rank in range(world_size)
     )
     headline = headline_metrics(files, train, merge, evaluation, ranks)
-    return RunInputs(files, train, ranks, model_spec, headline)
+    return RunInputs(files, train, ranks, model_spec, headline, train_params(train))
 
 
 def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
@@ -255,6 +317,9 @@ def headline_metrics(
             metrics[f"test_{score}_{optional}"] = float(evaluation[optional][score])
     for rank in ranks:
         metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
+    # Unknown (absent) in train.json of older train stages; 0 for independent training.
+    if (communicated := _number(train.get("bytes_all_reduced_per_rank"))) is not None:
+        metrics["bytes_all_reduced_per_rank"] = communicated
     throughputs = [float(np.mean(r.history["samples_per_second"])) for r in ranks if len(r.history["step"])]
     if throughputs:
         metrics["samples_per_second"] = sum(throughputs)  # all ranks together

@@ -47,3 +47,20 @@ rule compare_merge_methods:
         "../../envs/tracking.yaml"
     shell:
         "python -m shardfuse.plots compare --summary {input.summary} --out {output.png} > {log} 2>&1"
+
+
+rule compare_communication:
+    input:
+        summary=rules.summary.output.csv,
+    output:
+        png=report(
+            "results/plots/communication.png",
+            caption="../report/communication.rst",
+            category="Summary",
+        ),
+    log:
+        "logs/plots/communication.log",
+    conda:
+        "../../envs/tracking.yaml"
+    shell:
+        "python -m shardfuse.plots communication --summary {input.summary} --out {output.png} > {log} 2>&1"

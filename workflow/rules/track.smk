@@ -32,13 +32,14 @@ rule track:
 rule track_comparison:
     input:
         png=rules.compare_merge_methods.output.png,
+        communication=rules.compare_communication.output.png,
         records=expand(rules.track.output.record, run=RUNS),
     output:
-        record="results/plots/merge_methods.mlflow.json",
+        record="results/plots/comparison.mlflow.json",
     log:
         "logs/track/comparison.log",
     conda:
         "../../envs/tracking.yaml"
     shell:
-        "python -m shardfuse.comparison --png {input.png} --records {input.records}"
-        " --out {output.record} > {log} 2>&1"
+        "python -m shardfuse.comparison --png {input.png} {input.communication}"
+        " --records {input.records} --out {output.record} > {log} 2>&1"

@@ -1,0 +1,233 @@
+"""The communication report: summary.csv's training columns drawn as merged score vs bytes all-reduced
+per rank (``python -m shardfuse.plots communication``), wired into the workflow and attached to every
+tracked run in MLflow next to the merge-methods plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.colors
+import matplotlib.image
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from shardfuse import comparison, figures, summary
+from shardfuse.io import UserError
+from tests.helpers import REPO, snakemake_command, subprocess_env
+from tests.tracking_fixtures import regression_evaluation
+
+FIELDS = ("run", "training", "dataset", "world_size", "strategy", "merge_method", "test_accuracy_merged",
+          "test_accuracy_best_rank", "mode", "bytes_all_reduced_per_rank")  # fmt: skip
+
+
+def _row(run: str, mode: str, num_bytes: int | str, merged: float, training: str | None = None) -> dict:
+    cells = {"run": run, "training": training or f"t-{run}", "dataset": "digits", "world_size": 2,
+             "strategy": mode, "merge_method": "uniform", "test_accuracy_merged": merged}  # fmt: skip
+    return {**cells, "test_accuracy_best_rank": 0.8, "mode": mode, "bytes_all_reduced_per_rank": num_bytes}
+
+
+def _write(path: Path, rows: list[dict], fields=FIELDS) -> Path:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+ROWS = [
+    _row("ddp", "ddp", 500_000_000, 0.91),
+    _row("localsgd", "localsgd", 40_000_000, 0.86),
+    _row("diloco", "diloco", 2_000_000, 0.89),
+    _row("indep_uniform", "independent", 0, 0.80, training="t-indep"),
+    _row("indep_ties", "independent", 0, 0.82, training="t-indep"),
+    _row("old", "localsgd", "", 0.84),  # a training from before train.json counted its bytes
+]
+
+
+def _points_by_mode(ax) -> dict[str, list[tuple[float, float]]]:
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
+    return {
+        mode: [tuple(map(float, xy)) for xy in collection.get_offsets()]
+        for mode, collection in zip(legend, ax.collections, strict=True)
+    }
+
+
+def test_each_run_is_a_labelled_point_at_its_byte_count_coloured_by_mode(tmp_path):
+    rows = figures.read_summary(_write(tmp_path / "summary.csv", ROWS))
+    fig = figures.communication_figure(rows)
+    (ax,) = [ax for ax in fig.axes if ax.get_visible()]
+    assert ax.get_xscale() == "log"
+    assert ax.get_ylabel() == "merged test accuracy (higher is better)"
+    # Smallest non-zero count 2 MB: independent training (0 B) sits one decade left of its decade, 100 kB.
+    assert _points_by_mode(ax) == {
+        "ddp": [(5e8, 0.91)],
+        "localsgd": [(4e7, 0.86)],
+        "diloco": [(2e6, 0.89)],
+        "independent": [(1e5, 0.80), (1e5, 0.82)],
+    }
+    colors = {mode: matplotlib.colors.to_hex(c.get_facecolor()[0]) for mode, c in
+              zip(_points_by_mode(ax), ax.collections, strict=True)}  # fmt: skip
+    assert colors == {mode: figures.MODE_COLORS[mode] for mode in colors}
+    assert sorted(text.get_text() for text in ax.texts) == sorted(r["run"] for r in ROWS if r["run"] != "old")
+    ticks = {round(tick): label.get_text() for tick, label in zip(ax.get_xticks(), ax.get_xticklabels(),
+                                                                   strict=True)}  # fmt: skip
+    assert ticks == {100_000: "0 B", 1_000_000: "1 MB", 10_000_000: "10 MB", 100_000_000: "100 MB",
+                     1_000_000_000: "1 GB"}  # fmt: skip
+    low, high = ax.get_xlim()
+    assert low < 1e5 < 3.2e5 < 2e6 and high > 5e8
+    (separator,) = ax.get_lines()  # the dotted line between 0 B and the log scale
+    assert separator.get_xdata()[0] == pytest.approx(1e5 * 10**0.5)
+    assert fig.texts[0].get_text() == "Not shown (no byte count): old"
+    figures.pyplot().close(fig)
+
+
+def test_lower_is_better_scores_get_their_own_panel_and_say_so(tmp_path):
+    rows = [
+        _row("cls", "ddp", 1000, 0.9),
+        {**_row("reg", "diloco", 250, ""), "test_accuracy_best_rank": "", "test_mse_merged": 0.25,
+         "test_mse_best_rank": 0.3},
+    ]  # fmt: skip
+    fields = (*FIELDS, "test_mse_merged", "test_mse_best_rank")
+    fig = figures.communication_figure(figures.read_summary(_write(tmp_path / "summary.csv", rows, fields)))
+    assert [ax.get_ylabel() for ax in fig.axes] == [
+        "merged test accuracy (higher is better)",
+        "merged test mse (lower is better)",
+    ]
+    assert _points_by_mode(fig.axes[1]) == {"diloco": [(250.0, 0.25)]}
+    assert not fig.axes[0].get_lines()  # no run without communication: no 0 B tick, no separator
+    assert "0 B" not in [label.get_text() for label in fig.axes[0].get_xticklabels()]
+    figures.pyplot().close(fig)
+
+
+def test_only_independent_runs_sit_on_the_0_b_tick_at_one_byte():
+    points, left_out = figures.communication_points([_row("a", "independent", 0, 0.7)])
+    assert left_out == [] and figures.zero_bytes_position(points) == 1.0
+    assert figures.byte_ticks(points, 1.0) == {1.0: "0 B"}
+    fig = figures.communication_figure([_row("a", "independent", 0, 0.7)])
+    assert _points_by_mode(fig.axes[0]) == {"independent": [(1.0, 0.7)]}
+    figures.pyplot().close(fig)
+
+
+def test_byte_labels_use_decimal_units_and_ticks_thin_out_over_many_decades():
+    assert [figures.byte_label(v) for v in (1, 999, 1e3, 2.5e6, 1e9, 1e12, 1e18)] == [
+        "1 B", "999 B", "1 kB", "2.5 MB", "1 GB", "1 TB", "1000 PB",
+    ]  # fmt: skip
+    points, _ = figures.communication_points([_row("a", "ddp", 10, 0.5), _row("b", "ddp", 10**12, 0.6)])
+    ticks = figures.byte_ticks(points, figures.zero_bytes_position(points))
+    assert list(ticks.values()) == ["10 B", "1 kB", "100 kB", "10 MB", "1 GB", "100 GB"]
+
+
+def test_a_summary_without_byte_counts_draws_a_note_instead_of_failing(tmp_path):
+    # summary.csv written before the training columns: every run left out, the figure says why.
+    fields = tuple(f for f in FIELDS if f not in ("mode", "bytes_all_reduced_per_rank"))
+    path = _write(tmp_path / "summary.csv", ROWS[:2], fields)
+    fig = figures.communication_figure(figures.read_summary(path))
+    (ax,) = fig.axes
+    assert not ax.axison and "re-run the train or the summary stage" in ax.texts[0].get_text()
+    assert fig.texts[0].get_text() == "Not shown (no byte count): ddp, localsgd"
+    figures.pyplot().close(fig)
+
+
+def test_cli_draws_a_deterministic_png_from_the_summary_stage_output(tmp_path):
+    """summary.csv as the summary stage writes it (train.json with and without the new fields)."""
+    trainings = {
+        "diloco": {"mode": "diloco", "effective_batch_size": 64, "bytes_all_reduced_per_rank": 3_000_000},
+        "indep": {"mode": "independent", "effective_batch_size": 64, "bytes_all_reduced_per_rank": 0},
+        "old": {"strategy": "ddp", "sync_every": 0},
+    }
+    runs = {}
+    for run, train in trainings.items():
+        run_dir = tmp_path / "runs" / run
+        run_dir.mkdir(parents=True)
+        (run_dir / "eval.json").write_text(json.dumps(regression_evaluation(run)))
+        (run_dir / "merge.json").write_text(
+            json.dumps({"method": "uniform", "max_abs_diff_between_ranks": 0})
+        )
+        ranks = tmp_path / "trainings" / run / "ranks"
+        ranks.mkdir(parents=True)
+        (ranks / "train.json").write_text(json.dumps({"num_steps": 5, "train_seconds": 1.0, **train}))
+        runs[run] = {"training": run, "dataset": "d", "world_size": 2, "strategy": "x", "sync_every": 0}
+    csv_path = tmp_path / "summary.csv"
+    summary.write_summary(runs, tmp_path / "runs", tmp_path / "trainings", csv_path)
+
+    fig = figures.communication_figure(figures.read_summary(csv_path))
+    assert _points_by_mode(fig.axes[0]) == {"diloco": [(3e6, 0.25)], "independent": [(1e5, 0.25)]}
+    assert fig.texts[0].get_text() == "Not shown (no byte count): old"
+    figures.pyplot().close(fig)
+
+    out = tmp_path / "plots" / "communication.png"
+    cli = [sys.executable, "-m", "shardfuse.plots", "communication", "--summary", str(csv_path)]
+    proc = subprocess.run([*cli, "--out", str(out)], capture_output=True, text=True, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"wrote {out}"
+    image = matplotlib.image.imread(out)
+    assert image.shape[1] > 500 and image[..., :3].std() > 0.05
+    first = out.read_bytes()
+    subprocess.run([*cli, "--out", str(out)], check=True, capture_output=True, env=subprocess_env())
+    assert out.read_bytes() == first  # same summary, same bytes: no needless re-upload
+    proc = subprocess.run([*cli[:-1], str(tmp_path / "none.csv"), "--out", str(out)], capture_output=True,
+                          text=True, env=subprocess_env())  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"shardfuse.plots: error: {tmp_path / 'none.csv'} does not exist; run the summary stage first"
+    )
+
+
+@pytest.mark.integration
+def test_comparison_attaches_both_plots_to_every_parent_once_per_name(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("shardfuse", artifact_location=str(tmp_path / "artifacts"))
+    records = []
+    for run in ("a", "b"):
+        parent = client.create_run(experiment, run_name=run)
+        record = tmp_path / f"{run}.mlflow.json"
+        record.write_text(json.dumps({"tracking_uri": uri, "parent_run_id": parent.info.run_id}))
+        records.append((record, parent.info.run_id))
+    pngs = [
+        figures.save_figure(figures.communication_figure([_row("x", "ddp", 1000, 0.9)]), tmp_path / name)
+        for name in ("merge_methods.png", "communication.png")
+    ]
+    for _ in range(2):  # re-logging overwrites the same two files
+        written = comparison.attach(pngs, [path for path, _ in records])
+    assert written == {
+        "pngs": [str(png) for png in pngs],
+        "artifacts": ["comparison/merge_methods.png", "comparison/communication.png"],
+        "parent_run_ids": sorted(run_id for _, run_id in records),
+    }
+    for _, run_id in records:
+        artifacts = sorted(a.path for a in client.list_artifacts(run_id, "comparison"))
+        assert artifacts == ["comparison/communication.png", "comparison/merge_methods.png"]
+    with pytest.raises(UserError, match=r"missing\.png does not exist; run the rule that draws it"):
+        comparison.attach([tmp_path / "missing.png"], [records[0][0]])
+
+
+@pytest.mark.integration
+def test_workflow_draws_the_communication_plot_and_attaches_it_with_the_merge_methods_plot(tmp_path):
+    config = {
+        "runs": {"ddp": {"strategy": "ddp", "merge_method": "consolidate"},
+                 "independent": {"strategy": "localsgd", "sync_every": 0, "merge_method": "uniform"}},
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2, "epochs": 1},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    }  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    command = snakemake_command(tmp_path, "--configfile", tmp_path / "config.yaml", "--cores", "1",
+                                "--dry-run", "--printshellcmds")  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "python -m shardfuse.plots communication --summary results/summary.csv"
+        " --out results/plots/communication.png > logs/plots/communication.log 2>&1"
+    ) in proc.stdout
+    assert (
+        "python -m shardfuse.comparison --png results/plots/merge_methods.png results/plots/communication.png"
+        " --records results/runs/ddp/mlflow.json results/runs/independent/mlflow.json"
+        " --out results/plots/comparison.mlflow.json"
+    ) in proc.stdout
+    assert (REPO / "workflow" / "report" / "communication.rst").is_file()  # the report's caption
