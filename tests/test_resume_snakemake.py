@@ -23,7 +23,8 @@ pytestmark = pytest.mark.integration
 
 def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, digits_dataset, digits_shards):
     reference = tmp_path / "reference"
-    cfg = {**TRAIN_CFG, "strategy": "ddp", "sync_every": 0}
+    # The workflow adds decay_rule to every AdamW run with weight decay (config/README.md).
+    cfg = {**TRAIN_CFG, "strategy": "ddp", "sync_every": 0, "decay_rule": "ndim>=2"}
     proc = run_stage("launch", *launch_args(reference, digits_dataset, digits_shards, cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
 

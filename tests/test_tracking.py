@@ -22,7 +22,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 from safetensors.torch import save_file
 
-from shardfuse import mlflow_common, tracking, tracking_inputs
+from shardfuse import mlflow_common, mlflow_sync, tracking, tracking_inputs
 from shardfuse.checkpoint import load_weights, read_metadata
 from shardfuse.io import UserError
 from shardfuse.models import build_model
@@ -603,6 +603,7 @@ def test_interrupted_series_push_resumes_without_losing_or_doubling_points(store
 
     with monkeypatch.context() as patch:
         patch.setattr(tracking, "log_batches", killed_after_one_grad_norm_batch)
+        patch.setattr(mlflow_sync, "log_batches", killed_after_one_grad_norm_batch)  # the series' pushes
         with pytest.raises(KeyboardInterrupt):
             tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
     (_,), (partial,) = _active_runs(store, run_name)
