@@ -36,6 +36,11 @@ onstart:
     fail_train_jobs_larger_than_their_partition()
 
 
+# A failed job's own one-line error (in its log) is the last thing printed (shardfuse.console).
+onerror:
+    print_failed_job_errors(log)
+
+
 rule all:
     default_target: True
     input:

@@ -41,6 +41,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_json
+from shardfuse.ownership import (
+    keep_published,
+    launch_identity,
+    own_group_with_parent_death_signal,
+    own_training,
+    published_by_previous_owner,
+    published_copy,
+    restore_published,
+    snakemake_ancestor,
+    watch_ancestor,
+)
 
 TRAIN_MODULE = "shardfuse.train"
 RDZV_PORT_ENV = "SHARDFUSE_RDZV_PORT"
@@ -245,13 +256,20 @@ def staging_dir(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.partial")
 
 
-def run_and_forward_signals(cmd: list[str], env: Mapping[str, str] | None = None) -> int:
-    """Run ``cmd``; a SIGTERM/SIGINT to us (job cancelled) is passed on so no rank is orphaned."""
+def run_and_forward_signals(
+    cmd: list[str], env: Mapping[str, str] | None = None, watch: tuple[int, str] | None = None
+) -> int:
+    """Run ``cmd`` in its own process group (with a parent-death signal); a SIGTERM/SIGINT to us (job
+    cancelled, Ctrl-C) goes to the whole group, and if ``watch`` (the snakemake that started us) dies
+    the group is terminated, so no rank outlives the workflow (:mod:`shardfuse.ownership`)."""
     print("launch:", shlex.join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=own_group_with_parent_death_signal)
+    if watch is not None:
+        watch_ancestor(watch, proc)
 
     def forward(signum, _frame):
-        proc.send_signal(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -300,10 +318,39 @@ def launch(
     cmd = launch_command(
         geometry, [*train_args, "--out-dir", str(staging)], environ, max_restarts=max_restarts
     )  # checks the geometry before touching files
+    workflow = snakemake_ancestor()
+    identity = launch_identity(train_args)
+    with own_training(out_dir):
+        if workflow is not None and published_by_previous_owner(out_dir, identity):
+            print(f"launch: {out_dir} was published by its previous owner; nothing to train", file=sys.stderr)
+            return
+        if workflow is not None and restore_published(out_dir, identity):
+            print(
+                f"launch: {out_dir} restored from its published copy (same arguments, shards, dataset "
+                f"and init; delete {published_copy(out_dir)} to train afresh)",
+                file=sys.stderr,
+            )
+            return
+        _train(geometry, out_dir, staging, cmd, train_args, environ, workflow)
+        if workflow is not None:
+            keep_published(out_dir, identity)
+
+
+def _train(
+    geometry: Geometry,
+    out_dir: Path,
+    staging: Path,
+    cmd: list[str],
+    train_args: list[str],
+    environ: Mapping[str, str],
+    workflow: tuple[int, str] | None,
+) -> None:
+    """Run the ranks into the staging directory (resuming from its checkpoints) and publish it."""
     if prepare_staging(staging, train_args):
         print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
     # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
-    status = run_and_forward_signals(cmd, rank_environ(geometry, environ) if geometry.nnodes == 1 else None)
+    env = rank_environ(geometry, environ) if geometry.nnodes == 1 else None
+    status = run_and_forward_signals(cmd, env, watch=workflow)
     if status != 0:
         raise UserError(
             f"training failed: exit status {status}; the failing rank's error is above in this "

@@ -272,7 +272,11 @@ def resume_or_start(setup: RankSetup) -> Position:
     """Continue from the newest complete checkpoint (model, optimiser, RNG, data position), or start
     at step 0 and save the shared initial weights as ``base.safetensors``."""
     model, checkpoint_dir = setup.model, setup.checkpoint_dir
-    resumable = complete_steps(checkpoint_dir)
+    # Rank 0 picks the checkpoint and every rank takes it: ranks that looked at the directory at
+    # different moments (a checkpoint completing in between) would otherwise resume out of step.
+    chosen = [complete_steps(checkpoint_dir)[-1:] if setup.ctx.rank == 0 else None]
+    torch_dist.broadcast_object_list(chosen, src=0)
+    resumable = chosen[0]
     if not resumable:
         base_meta = {**setup.meta, "rank": None}
         setup.gate.call(save_weights, setup.out_dir / "base.safetensors", model.state_dict(), base_meta)

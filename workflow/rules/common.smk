@@ -55,6 +55,17 @@ wildcard_constraints:
     shardset=r"w\d+-seed\d+(-drop)?",
 
 
+def print_failed_job_errors(snakemake_logs):
+    """onerror: each failed job's one-line error, after Snakemake's own messages (``log`` is the
+    Snakemake log's path, or a list of them)."""
+    from shardfuse.console import failed_job_errors
+
+    paths = [snakemake_logs] if isinstance(snakemake_logs, (str, Path)) else snakemake_logs
+    for path in paths:
+        for line in failed_job_errors(Path(path)):
+            print(line, file=sys.stderr)
+
+
 def fail_multi_node_runs_without_slurm():
     """Several nodes need an allocation: say so before any local job starts, not at train time."""
     multi_node = sorted(run for run, cfg in RUNS.items() if cfg["nodes"] > 1)
