@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,14 @@ import yaml
 
 from shardfuse.config import (
     DECAY_RULE,
+    MAX_RUN_SEED,
+    MAX_SEED,
     OPTIONAL_TRAIN_KEYS,
+    RANK_SEED_STRIDE,
     ConfigError,
     load_experiment,
     load_schema,
+    read_config_file,
     read_runs_table,
     shardset_name,
     train_config,
@@ -343,3 +348,206 @@ def test_exponent_yaml_reads_as_text_gets_a_hint(tmp_path):
         ConfigError, match=r"'1e-8' is not of type 'number' \(YAML reads 1e-8 as text; write 1\.0e-8\)"
     ):
         load_experiment(config, environ={})
+
+
+def readme_runs_tables() -> list[tuple[str, str]]:
+    """Every runs.tsv example of the READMEs: a fenced block whose first line is a `run` header."""
+    found = []
+    for readme in (REPO / "README.md", REPO / "config" / "README.md"):
+        for block in re.findall(r"^```\n(run\t.*?)```", readme.read_text(), flags=re.MULTILINE | re.DOTALL):
+            found.append((readme.relative_to(REPO).as_posix(), block))
+    return found
+
+
+def test_readme_runs_table_examples_load_as_written(tmp_path, monkeypatch):
+    """The READMEs' runs.tsv rows (the multi-node one sets nproc_per_node, a key that may be null)
+    resolve against the repository's config, each row as one run."""
+    monkeypatch.chdir(REPO)
+    examples = readme_runs_tables()
+    assert len(examples) >= 4
+    for index, (readme, block) in enumerate(examples):
+        table = tmp_path / f"runs-{index}.tsv"
+        table.write_text(block)
+        config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+        config["runs"] = str(table)
+        runs = load_experiment(config, environ={}).runs
+        header, *rows = [line.split("\t") for line in block.splitlines()]
+        assert len(runs) == len(rows), readme
+        for row in rows:
+            cells = dict(zip(header, row, strict=True))
+            resolved = runs[cells.pop("run")]
+            assert {key: str(resolved[key]) for key in cells} == cells, readme
+
+
+def test_runs_table_cells_of_nullable_keys_parse_like_other_cells(tmp_path):
+    table = tmp_path / "runs.tsv"
+    table.write_text(
+        "run\tstrategy\teval_every\tgrad_clip_norm\tpatience\tmerge_method\tmerge_weights\tinit_from\n"
+        "set\tlocalsgd\t5\t1.5\t3\tweighted\t[1, 3]\t\n"
+        "nulls\tlocalsgd\t5\tnull\tNone\tweighted\tnull\tnull\n"
+        "empty\tlocalsgd\t5\t\t\tweighted\t\t\n"
+    )
+    runs = load_experiment(base_config(str(table)), environ={}).runs
+    assert (runs["set"]["grad_clip_norm"], runs["set"]["patience"], runs["set"]["merge_weights"]) == (
+        1.5,
+        3,
+        [1, 3],
+    )
+    for run in ("nulls", "empty"):
+        assert [runs[run][key] for key in ("grad_clip_norm", "patience", "merge_weights", "init_from")] == [
+            None
+        ] * 4
+    assert training_name(runs["nulls"]) == training_name(runs["empty"])
+
+
+def number_keys() -> list[str]:
+    """Run keys that hold numbers, or lists of numbers."""
+    props = load_schema()["$defs"]["run"]["properties"]
+
+    def types(prop):
+        kind = prop.get("type", [])
+        return set(kind) if isinstance(kind, list) else {kind}
+
+    return sorted(
+        key
+        for key, prop in props.items()
+        if "number" in types(prop) or "number" in types(prop.get("items", {}))
+    )
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_every_number_key_refuses_nan_and_infinity(bad):
+    keys = number_keys()
+    assert {"lr", "dropout", "grad_clip_norm", "merge_density", "merge_weights", "betas"} <= set(keys)
+    for key in keys:
+        is_list = load_schema()["$defs"]["run"]["properties"][key].get("items")
+        value = [0.5, bad] if is_list else bad
+        with pytest.raises(ConfigError) as info:
+            load_experiment(base_config({"r": {key: value}}), environ={})
+        where = f"runs[r].{key}.1" if is_list else f"runs[r].{key}"
+        assert f"config error at {where}: {bad} is not a finite number" in str(info.value)
+
+
+def test_nan_in_run_defaults_and_model_args_is_refused():
+    config = base_config({"r": {}})
+    config["run_defaults"]["momentum"] = float("nan")
+    with pytest.raises(ConfigError, match=r"at run_defaults\.momentum: nan is not a finite number"):
+        load_experiment(config, environ={})
+    with pytest.raises(ConfigError, match=r"runs\[r\]\.model_args\.dropout: inf is not a finite"):
+        load_experiment(base_config({"r": {"model_args": {"dropout": float("inf")}}}), environ={})
+
+
+@pytest.mark.parametrize("name", ["r\n", "r\n\n", "\nr", "r\t"])
+def test_a_run_name_is_matched_in_full(name):
+    with pytest.raises(ConfigError, match=r"run name .* is not allowed"):
+        load_experiment(base_config({name: {}}), environ={})
+
+
+def test_seed_bounds_are_what_torch_and_the_rank_seeds_take():
+    """A seed passes the schema only if every rank's torch seed (train.py: seed x 1000003 + rank + 1)
+    is a 64-bit integer; the other seeds are 64-bit integers too. torch itself checks the first."""
+    import torch
+
+    from shardfuse import sources
+
+    run_props = load_schema()["$defs"]["run"]["properties"]
+    dataset_props = load_schema()["$defs"]["dataset"]["properties"]
+    assert run_props["seed"]["maximum"] == MAX_RUN_SEED
+    assert run_props["shard_seed"]["maximum"] == run_props["merge_seed"]["maximum"] == MAX_SEED
+    assert dataset_props["seed"]["maximum"] == MAX_SEED == sources.MAX_SEED == 2**63 - 1
+    largest_rank_seed = MAX_RUN_SEED * RANK_SEED_STRIDE + 4095 + 1
+    assert largest_rank_seed <= MAX_SEED < (MAX_RUN_SEED + 1) * RANK_SEED_STRIDE + 4096
+    torch.manual_seed(largest_rank_seed)
+    ok = load_experiment(base_config({"r": {"seed": MAX_RUN_SEED, "shard_seed": MAX_SEED}}), environ={})
+    assert ok.runs["r"]["seed"] == MAX_RUN_SEED
+    with pytest.raises(ConfigError, match=r"runs\[r\]\.seed: seed 9223344366822 is too large"):
+        load_experiment(base_config({"r": {"seed": MAX_RUN_SEED + 1}}), environ={})
+    config = base_config({"r": {}})
+    config["datasets"]["digits"]["seed"] = 2**70
+    with pytest.raises(ConfigError, match=r"datasets\.digits\.seed: seed 1180591620717411303424 is too"):
+        load_experiment(config, environ={})
+
+
+def test_runs_table_errors_name_the_file_line(tmp_path):
+    table = tmp_path / "runs.tsv"
+    table.write_text("# my sweep\nrun\tlr\n\na\t0.1\n# b is off\nb\t0.2\t7\n")
+    with pytest.raises(ConfigError, match=r"runs\.tsv line 6 has more cells than the header"):
+        load_experiment(base_config(str(table)), environ={})
+
+
+CONFIG_TEXT = "datasets: {digits: {source: digits}}\nrun_defaults: {dataset: digits}\nruns: {r: {}}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            CONFIG_TEXT + "datasets: {d: {source: digits}}\n",
+            r"line 4: key 'datasets' appears twice at the top level \(first on line 1\)",
+        ),
+        (
+            CONFIG_TEXT.replace("{source: digits}", "{source: digits, seed: 1,\n  seed: 2}"),
+            r"line 2: key 'seed' appears twice under datasets\.digits \(first on line 1\)",
+        ),
+        (
+            CONFIG_TEXT.replace("runs: {r: {}}", "runs: {r: {model_args: [{a: 1, a: 2}]}}"),
+            r"key 'a' appears twice under runs\.r\.model_args\[0\]",
+        ),
+        (
+            '{"datasets": {"digits": {"source": "digits"}}, "runs": {}, "runs": {}}',
+            r"line 1: key 'runs' appears twice",
+        ),
+        (
+            CONFIG_TEXT + "mlflow: !!python/name:os.system\n",
+            r"line 4 uses the YAML tag !!python/name:os\.system, which is not allowed; plain YAML only",
+        ),
+        (CONFIG_TEXT + "mlflow: !custom {}\n", r"uses the YAML tag !custom, which is not allowed"),
+        (
+            "datasets: [a\n",
+            r"line 2 is not valid YAML \(expected ',' or '\]', but got '<stream end>'\); fix the syntax",
+        ),
+        ("- a\n- b\n", r"holds a list, not a mapping of keys"),
+    ],
+    ids=["top_level", "nested", "in_a_list", "json", "python_tag", "local_tag", "syntax", "not_a_mapping"],
+)
+def test_config_files_are_read_strictly(tmp_path, text, message):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        read_config_file(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+    with pytest.raises(ConfigError, match=message):  # as the Snakefile passes workflow.configfiles
+        load_experiment(yaml.safe_load(CONFIG_TEXT), environ={}, config_files=[path])
+
+
+def test_anchors_aliases_and_merge_keys_are_not_duplicates(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "datasets: {digits: {source: digits}}\n"
+        "run_defaults: &base {dataset: digits, lr: 0.1}\n"
+        "runs:\n  a: {<<: *base, lr: 0.2}\n  b: *base\n"
+    )
+    config = read_config_file(path)
+    assert config["runs"]["a"] == {"dataset": "digits", "lr": 0.2}
+    assert read_config_file(REPO / "config" / "config.yaml") == yaml.safe_load(
+        (REPO / "config" / "config.yaml").read_text()
+    )
+    for example in (REPO / "config" / "examples").glob("*.yaml"):
+        assert read_config_file(example) == yaml.safe_load(example.read_text())
+
+
+@pytest.mark.integration
+def test_snakemake_refuses_a_config_file_with_a_duplicated_key(tmp_path):
+    from tests.helpers import snakemake_command, subprocess_env
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(
+        "datasets:\n  digits: {source: digits}\nruns:\n  r: {strategy: ddp, merge_method: consolidate}\n"
+        "datasets:\n  other: {source: digits}\n"
+    )
+    proc = subprocess.run(
+        snakemake_command(tmp_path, "--dry-run"), capture_output=True, text=True, env=subprocess_env()
+    )
+    assert proc.returncode != 0
+    message = "line 5: key 'datasets' appears twice at the top level (first on line 1)"
+    assert message in proc.stdout + proc.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
 import re
 import shutil
@@ -487,6 +488,187 @@ def case_tracking_inputs_missing(tmp):
     )
 
 
+# ---------------------------------------------------------------- issue 18: what the held-out check found
+
+
+def yaml_case(tmp: Path, text: str, fragment: str) -> Case:
+    path = tmp / "config.yaml"
+    path.write_text(text)
+    return Case("config", ["--configfile", path], fragment)
+
+
+def tsv_case(tmp: Path, rows: str, fragment: str) -> Case:
+    runs = tmp / "runs.tsv"
+    runs.write_text(rows)
+    config = base_config()
+    config["runs"] = str(runs)
+    return config_case(tmp, config, fragment)
+
+
+def case_nan_lr(tmp):
+    return yaml_case(
+        tmp,
+        "runs: {r: {lr: .nan}}\ndatasets: {d: {source: digits}}\nrun_defaults: {dataset: d}\n",
+        "runs[r].lr: nan is not a finite number (NaN and infinity are not allowed)",
+    )
+
+
+def case_inf_dropout(tmp):
+    return config_case(tmp, base_config(dropout=float("inf")), "runs[r].dropout: inf is not a finite number")
+
+
+def case_nan_in_runs_table(tmp):
+    return tsv_case(
+        tmp, "run\tlr\nr\tnan\n", "runs[r].lr: nan is not a finite number (NaN and infinity are not allowed)"
+    )
+
+
+def case_nan_dataset_fraction(tmp):
+    config = base_config()
+    config["datasets"]["d"]["val_fraction"] = float("nan")
+    return config_case(tmp, config, "datasets.d.val_fraction: nan is not a finite number")
+
+
+def case_run_name_trailing_newline(tmp):
+    config = base_config()
+    config["runs"] = {"r\n": {}}
+    return config_case(tmp, config, "run name 'r\\n' is not allowed")
+
+
+def case_dataset_name_trailing_newline(tmp):
+    config = base_config()
+    config["datasets"] = {"d\n": {"source": "digits"}}
+    config["run_defaults"]["dataset"] = "d\n"
+    return config_case(tmp, config, "dataset name 'd\\n' is not allowed")
+
+
+def case_seed_too_large(tmp):
+    return config_case(
+        tmp,
+        base_config(seed=2**70),
+        "runs[r].seed: seed 1180591620717411303424 is too large; use a seed from 0 to 9223344366821 "
+        "(each rank seeds torch with seed x 1000003 + rank + 1, a 64-bit integer)",
+    )
+
+
+def case_shard_seed_too_large(tmp):
+    return config_case(
+        tmp,
+        base_config(shard_seed=2**63),
+        "runs[r].shard_seed: seed 9223372036854775808 is too large; use a seed from 0 to "
+        "9223372036854775807 (seeds are 64-bit integers)",
+    )
+
+
+def case_dataset_seed_too_large(tmp):
+    return prepare_case(
+        tmp,
+        {"source": "digits", "seed": 2**70},
+        "spec key 'seed' must be an integer from 0 to 9223372036854775807, got 1180591620717411303424",
+    )
+
+
+def case_duplicate_top_level_key(tmp):
+    return yaml_case(
+        tmp,
+        "datasets:\n  d: {source: digits}\nrun_defaults: {dataset: d}\nruns: {r: {}}\n"
+        "datasets:\n  e: {source: digits}\n",
+        "config.yaml line 5: key 'datasets' appears twice at the top level (first on line 1)",
+    )
+
+
+def case_duplicate_nested_key(tmp):
+    return yaml_case(
+        tmp,
+        "datasets: {d: {source: digits}}\nruns: {r: {}}\nrun_defaults:\n  dataset: d\n  lr: 0.1\n  lr: 0.2\n",
+        "line 6: key 'lr' appears twice under run_defaults (first on line 5)",
+    )
+
+
+def case_yaml_python_tag(tmp):
+    return yaml_case(
+        tmp,
+        f"datasets: {{d: {{source: digits}}}}\nruns: {{r: {{}}}}\n"
+        f"run_defaults: !!python/object/apply:os.system ['touch {tmp}/UNPICKLED']\n",
+        "line 3 uses the YAML tag !!python/object/apply:os.system, which is not allowed; plain YAML only "
+        "(mappings, lists, strings, numbers, true/false, null)",
+    )
+
+
+def case_ragged_runs_row(tmp):
+    return tsv_case(
+        tmp,
+        "run\tlr\n# a comment\n\nr\t0.1\t0.2\n",
+        "runs.tsv line 4 has more cells than the header; separate columns with single tabs",
+    )
+
+
+def case_duplicate_runs_column(tmp):
+    return tsv_case(tmp, "run\tlr\tlr\nr\t0.1\t0.2\n", "column 'lr' appears more than once in the header")
+
+
+def case_nullable_cell_not_a_number(tmp):
+    return tsv_case(
+        tmp,
+        "run\tnproc_per_node\nr\teight\n",
+        "runs[r].nproc_per_node: 'eight' is not a valid integer; write e.g. 2 in that cell",
+    )
+
+
+def case_duplicate_feature_column(tmp):
+    path = tmp / "data.csv"
+    path.write_text("a,a,y\n" + "1,2,0\n3,4,1\n" * 5)
+    spec = {"source": "csv", "path": str(path), "feature_columns": ["a"], "label_column": "y"}
+    return prepare_case(
+        tmp,
+        spec,
+        "column name(s) 'a' appear more than once in the header of",
+    )
+
+
+def case_duplicate_parquet_column(tmp):
+    path = tmp / "data.parquet"
+    columns = [pa.array([1.0, 2.0] * 5), pa.array([3.0, 4.0] * 5), pa.array([0, 1] * 5)]
+    pq.write_table(pa.Table.from_arrays(columns, names=["a", "b", "b"]), path)
+    spec = {"source": "parquet", "path": str(path), "feature_columns": ["a"], "label_column": "b"}
+    return prepare_case(tmp, spec, "column name(s) 'b' appear more than once in the header of")
+
+
+def case_label_looks_continuous(tmp):
+    rng = np.random.default_rng(0)
+    return user_file(
+        tmp,
+        {"a": rng.normal(size=200), "b": rng.normal(size=200), "y": np.arange(200.0) % 130},
+        "looks continuous (130 distinct float values in 200 rows); set task: regression with "
+        "label_columns: [y]",
+    )
+
+
+def case_dataset_path_is_directory(tmp):
+    (tmp / "data.parquet").mkdir()
+    spec = {
+        "source": "parquet",
+        "path": str(tmp / "data.parquet"),
+        "feature_columns": ["a"],
+        "label_column": "y",
+    }
+    return prepare_case(
+        tmp, spec, "data.parquet is a directory, not a file; fix 'path' in the dataset's spec"
+    )
+
+
+def case_dataset_path_is_fifo(tmp):
+    os.mkfifo(tmp / "data.csv")
+    spec = {"source": "csv", "path": str(tmp / "data.csv"), "feature_columns": ["a"], "label_column": "y"}
+    return prepare_case(tmp, spec, "data.csv is not a regular file (a FIFO, socket or device)")
+
+
+def case_image_folder_is_a_file(tmp):
+    (tmp / "images").write_text("not a folder")
+    spec = {"source": "image_folder", "path": str(tmp / "images"), "image_size": [8, 8]}
+    return prepare_case(tmp, spec, "images is a file, not a directory; set 'path' to the folder holding")
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
@@ -494,6 +676,8 @@ CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswi
 # sees, one per kind of input); the others call the stage's main through run_cli in this process.
 SUBPROCESS_CASES = {
     "unknown_config_key",
+    "yaml_python_tag",
+    "dataset_path_is_fifo",
     "corrupt_parquet",
     "pickle_as_checkpoint",
     "unknown_merge_method_cli",

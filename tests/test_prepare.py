@@ -1132,3 +1132,99 @@ def test_bad_npz_is_a_one_line_user_error_with_no_output(tmp_path, arrays, chang
     with pytest.raises(UserError, match=message) as caught:
         prepare("bad", spec, tmp_path / "out")
     assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- issue 18: inputs that looked fine
+
+
+def user_spec(path: Path, **changes) -> dict:
+    source = "csv" if path.suffix == ".csv" else "parquet"
+    return {"source": source, "path": str(path), "feature_columns": ["a"], "label_column": "y", **changes}
+
+
+def assert_refused(spec: dict, out_dir: Path, message: str) -> None:
+    with pytest.raises(UserError, match=message) as caught:
+        prepare("bad", spec, out_dir)
+    assert "\n" not in str(caught.value)
+    assert not out_dir.exists() or not os.listdir(out_dir)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_a_dataset_path_that_is_not_a_file_says_what_it_is(tmp_path, suffix):
+    path = tmp_path / f"data{suffix}"
+    path.mkdir()
+    assert_refused(user_spec(path), tmp_path / "out", r"data\.\w+ is a directory, not a file; fix 'path'")
+    path.rmdir()
+    os.mkfifo(path)  # opening it would block: it is refused before anything reads it
+    assert_refused(user_spec(path), tmp_path / "out", r"is not a regular file \(a FIFO, socket or device\)")
+    path.unlink()
+    path.symlink_to(tmp_path / "gone")
+    assert_refused(user_spec(path), tmp_path / "out", r"is a symbolic link to something that does not exist")
+    (tmp_path / "d.npz").mkdir()
+    assert_refused(
+        {"source": "npz", "path": str(tmp_path / "d.npz")}, tmp_path / "out", r"is a directory, not a"
+    )
+
+
+def test_duplicated_column_names_are_named_when_the_spec_uses_them(tmp_path):
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,y,a,b,b\n" + "1,0,2,5,6\n3,1,4,7,8\n" * 4)
+    message = r"column name\(s\) 'a' appear more than once in the header of .*data\.csv; rename the columns"
+    assert_refused(user_spec(csv), tmp_path / "out", message)
+    columns = [pa.array([1.0, 2.0] * 4), pa.array([0, 1] * 4), pa.array([3.0] * 8), pa.array([4.0] * 8)]
+    parquet = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_arrays(columns, names=["a", "y", "y", "z"]), parquet)
+    assert_refused(user_spec(parquet), tmp_path / "out", r"column name\(s\) 'y' appear more than once")
+    # A duplicated column the spec does not use is no fault: the other columns are not even read.
+    pq.write_table(pa.Table.from_arrays(columns, names=["a", "y", "z", "z"]), parquet)
+    pq.write_table(pa.Table.from_arrays(columns[:2], names=["a", "y"]), tmp_path / "plain.parquet")
+    prepare("d", user_spec(parquet), tmp_path / "dup")
+    prepare("d", user_spec(tmp_path / "plain.parquet"), tmp_path / "plain")
+    for split in SPLITS:
+        assert read_split(tmp_path / "dup", split).equals(read_split(tmp_path / "plain", split))
+
+
+def test_a_continuous_float_label_is_refused_before_the_split(tmp_path):
+    """130 distinct integral floats in 400 rows (a rounded measurement): not 130 classes."""
+    rng = np.random.default_rng(0)
+    labels = np.concatenate([np.arange(130), np.arange(270) % 100]).astype(np.float64) + 20
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"a": rng.normal(size=400), "y": labels}), path)
+    message = (
+        r"label column 'y' in .*data\.parquet looks continuous \(130 distinct float values in 400 rows\); "
+        r"set task: regression with label_columns: \[y\] \(or, if they are classes, store them as integers "
+        r"or strings\)$"
+    )
+    assert_refused(user_spec(path), tmp_path / "out", message)
+    npz = write_npz(tmp_path / "d.npz", x=rng.normal(size=(400, 2)), y=labels)
+    assert_refused(
+        {"source": "npz", "path": npz}, tmp_path / "npz", r"label array 'y' in .* looks continuous"
+    )
+    # The same values as integers are classes (the split then complains about any single-row class).
+    pq.write_table(pa.table({"a": rng.normal(size=400), "y": labels.astype(np.int64)}), path)
+    assert_refused(user_spec(path), tmp_path / "out", r"have a single row; a stratified split needs")
+
+
+@pytest.mark.parametrize(
+    ("num_classes", "rows_per_class"),
+    [(20, 2), (21, 10), (100, 12)],
+    ids=["few_classes", "enough_rows", "many_classes_many_rows"],
+)
+def test_integral_float_labels_with_few_classes_or_enough_rows_each_stay_classes(
+    tmp_path, num_classes, rows_per_class
+):
+    labels = np.repeat(np.arange(num_classes, dtype=np.float64), rows_per_class)
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"a": np.arange(len(labels), dtype=np.float64), "y": labels}), path)
+    info = prepare("floats", user_spec(path), tmp_path / "out")
+    assert info["num_classes"] == num_classes
+
+
+def test_a_dataset_seed_must_be_a_64_bit_integer(tmp_path):
+    assert_refused(
+        {"source": "digits", "seed": 2**63},
+        tmp_path / "out",
+        r"spec key 'seed' must be an integer from 0 to 9223372036854775807, got 9223372036854775808",
+    )
+    info = prepare("digits", {"source": "digits", "seed": 2**63 - 1}, tmp_path / "largest")
+    assert info["seed"] == 2**63 - 1

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -383,3 +384,48 @@ def test_geometry_errors_fail_before_any_sbatch(slurm_cluster, tmp_path, run, me
     assert (
         subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == queued_before
     )
+
+
+def test_kill_9_of_snakemake_with_the_job_running_then_an_immediate_rerun_takes_over_its_result(
+    slurm_cluster, tmp_path
+):
+    # The race of issue 18 on SLURM: the train job outlives the killed snakemake by design; the rerun's
+    # job must neither train beside it on the same checkpoints nor throw its result away.
+    workdir = tiny_experiment(tmp_path / "work", epochs=500, checkpoint_every=40)
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    with subprocess.Popen(
+        snakemake_cmd(workdir, "--until", "train"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+    ) as snakemake:
+        first_job = wait_for_running_job(workdir, "train", timeout=120)
+        wait_for(
+            lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
+            "a complete checkpoint",
+            timeout=180,
+        )
+        os.kill(snakemake.pid, signal.SIGKILL)  # snakemake only: the job runs on
+        snakemake.wait(timeout=60)
+    still_running = subprocess.run(
+        ["squeue", "-h", "-j", first_job, "-o", "%T"], capture_output=True, text=True
+    )
+    assert still_running.stdout.strip() == "RUNNING"
+    subprocess.run(snakemake_cmd(workdir, "--unlock"), check=True, capture_output=True, env=subprocess_env())
+    rerun = subprocess.run(
+        snakemake_cmd(workdir, "--until", "train"),
+        capture_output=True,
+        text=True,
+        env={**subprocess_env(), "SHARDFUSE_OWNER_WAIT": "600"},
+        timeout=900,
+    )
+    assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
+    (log,) = [p for p in (workdir / "logs" / "train").glob("*.log") if ".attempt-" not in p.name]
+    text = log.read_text()
+    assert "waiting up to 600 s for the current owner of" in text and f"SLURM job {first_job}" in text
+    assert "was published by its previous owner; nothing to train" in text
+    assert job_records(slurm_cluster).get(first_job) == "COMPLETED"
+    (ranks,) = workdir.glob("results/trainings/*/ranks")
+    info = json.loads((ranks / "train.json").read_text())
+    assert info["slurm_job_id"] == first_job and info["num_steps"] == 500 * info["steps_per_epoch"]

@@ -15,8 +15,10 @@ import csv
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +30,24 @@ from shardfuse.io import StageParser, UserError, run_cli
 from shardfuse.usercode import code_fingerprint, is_builtin, load_factory
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Run and dataset names become directory names; matched in full (``$`` would accept a trailing newline).
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # YAML 1.1 (PyYAML) reads a number with an exponent as a float only with a dot and a signed exponent:
 # 1e-8 and 1.0e8 are strings there, 1.0e-8 and 1.0e+8 are floats.
 YAML_TEXT_EXPONENT = re.compile(r"^([-+]?\d+(?:\.\d*)?)[eE]([-+]?)(\d+)$")
+# Seeds are 64-bit integers everywhere they go (torch generators, JSON records, MLflow params); numpy
+# alone would take any size. The train stage seeds rank r's torch generator with
+# seed * RANK_SEED_STRIDE + r + 1 (train.py), so a run's seed leaves room for the schema's 4096 ranks.
+# The schema's maxima are these numbers (a test holds them equal).
+MAX_SEED = 2**63 - 1
+RANK_SEED_STRIDE = 1_000_003
+MAX_RUN_SEED = (MAX_SEED - 4096) // RANK_SEED_STRIDE
+SEED_LIMITS = {
+    "seed": f"each rank seeds torch with seed x {RANK_SEED_STRIDE} + rank + 1, a 64-bit integer",
+    "shard_seed": "seeds are 64-bit integers",
+    "merge_seed": "seeds are 64-bit integers",
+}
 # A dataset's task when its spec does not say; and the tasks each source can give (default: both
 # classification and regression).
 DEFAULT_TASKS = {"diabetes": "regression", "text": "causal_lm"}
@@ -213,6 +228,10 @@ def _where(error: jsonschema.ValidationError) -> str:
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
+    key = error.absolute_path[-1] if error.absolute_path else None
+    if error.validator == "maximum" and key in SEED_LIMITS:
+        reason = "seeds are 64-bit integers" if "datasets" in error.absolute_path else SEED_LIMITS[key]
+        return f"seed {error.instance} is too large; use a seed from 0 to {error.validator_value} ({reason})"
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         extra = sorted(set(error.instance) - set(allowed))
@@ -239,8 +258,40 @@ def _validate(instance: Any, schema: dict[str, Any], where: str, fix: str) -> No
         # The deepest error is the most specific one (if/then and oneOf report on the parent first).
         error = max(errors, key=lambda e: len(e.absolute_path))
         location = _where(error)
-        prefix = where if location == "(top level)" else f"{where}.{location}" if where else location
+        if location == "(top level)":
+            prefix = where or location
+        else:
+            prefix = f"{where}.{location}" if where else location
         raise ConfigError(f"config error at {prefix}: {_describe(error)}; {fix}")
+
+
+def _non_finite(value: Any, path: tuple = ()) -> tuple[tuple, float] | None:
+    """The path and value of the first NaN or infinity in ``value`` (JSON Schema's number admits them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _non_finite(item, (*path, key))
+        if found:
+            return found
+    return None
+
+
+def _check_finite(instance: Any, where: str, fix: str) -> None:
+    """YAML's .nan and .inf and a TSV cell's nan or inf are floats: refuse them, wherever they are."""
+    found = _non_finite(instance)
+    if found:
+        path, value = found
+        location = ".".join([where, *map(str, path)]) if where else ".".join(map(str, path))
+        raise ConfigError(
+            f"config error at {location}: {value} is not a finite number (NaN and infinity are not "
+            f"allowed); {fix}"
+        )
 
 
 def _with_defaults(instance: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
@@ -309,13 +360,25 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
             "`runs:` at your TSV (paths are relative to the working directory)"
         )
     with open(path, newline="") as fh:
-        lines = [line for line in fh if line.strip() and not line.lstrip().startswith("#")]
-    reader = csv.DictReader(lines, delimiter="\t")
+        # Comment and blank lines are left out; line_numbers maps what the reader sees to the file.
+        numbered = [
+            (number, line)
+            for number, line in enumerate(fh, start=1)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+    line_numbers = [number for number, _ in numbered]
+    reader = csv.DictReader([line for _, line in numbered], delimiter="\t")
     header = reader.fieldnames or []
     if "run" not in header:
         raise ConfigError(
             f"config error at runs: {path} has no `run` column; the first header cell must be "
             "`run` (columns are tab-separated)"
+        )
+    twice = sorted({col for col in header if header.count(col) > 1})
+    if twice:
+        raise ConfigError(
+            f"config error at runs: column {twice[0]!r} appears more than once in the header of {path}; "
+            "keep one column per key"
         )
     unknown = [col for col in header if col != "run" and col not in run_props]
     if unknown:
@@ -330,7 +393,9 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
             f"run, {', '.join(sorted(run_props))}"
         )
     runs: dict[str, dict[str, Any]] = {}
-    for line_no, row in enumerate(reader, start=2):
+    last_line = reader.line_num
+    for row in reader:
+        line_no, last_line = line_numbers[last_line], reader.line_num  # the row's first line in the file
         name = (row.get("run") or "").strip()
         if None in row:
             raise ConfigError(
@@ -356,20 +421,37 @@ def load_experiment(
     config: dict[str, Any],
     schema_path: str | os.PathLike = SCHEMA_PATH,
     environ: dict[str, str] | None = None,
+    config_files: Iterable[str | os.PathLike] = (),
 ) -> Experiment:
-    """Validate ``config`` and resolve every run. Raises ConfigError with a one-line message."""
+    """Validate ``config`` and resolve every run. Raises ConfigError with a one-line message.
+
+    ``config_files`` are the files ``config`` was read from (Snakemake's ``workflow.configfiles``):
+    they are read again by :func:`read_config_file`, which refuses what Snakemake's loader lets
+    through (a key written twice, whose first value YAML silently drops)."""
     environ = os.environ if environ is None else environ
+    for config_file in config_files:
+        read_config_file(config_file)
     schema = load_schema(schema_path)
     config = _with_defaults(config, schema)
-    _validate(config, schema, "", "fix it in config/config.yaml (see config/README.md)")
+    config_fix = "fix it in config/config.yaml (see config/README.md)"
+    for key in ("datasets", "mlflow"):
+        _check_finite(config.get(key), key, config_fix)
+    _validate(config, schema, "", config_fix)
     run_schema = schema["$defs"]["run"]
     run_props = run_schema["properties"]
     defaults = _with_defaults(config["run_defaults"], run_schema)
+    _check_finite(defaults, "run_defaults", "fix it in config/config.yaml")
     _validate(defaults, run_schema, "run_defaults", "fix it in config/config.yaml")
 
     table = config["runs"]
     rows = read_runs_table(table, run_props) if isinstance(table, str) else table
     fix = f"fix that cell in {table}" if isinstance(table, str) else "fix it in the runs mapping"
+    for name in config["datasets"]:
+        if not RUN_NAME.fullmatch(str(name)):
+            raise ConfigError(
+                f"config error at datasets: dataset name {name!r} is not allowed; use letters, digits, "
+                "'_', '.', '-' (it becomes a directory name)"
+            )
     datasets = {
         name: _dataset_with_defaults(name, spec, schema["$defs"]["dataset"])
         for name, spec in config["datasets"].items()
@@ -377,7 +459,7 @@ def load_experiment(
     runs: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         name = str(name)
-        if not RUN_NAME.match(name):
+        if not RUN_NAME.fullmatch(name):
             raise ConfigError(
                 f"config error at runs: run name {name!r} is not allowed; use letters, digits, "
                 "'_', '.', '-' (it becomes a directory name)"
@@ -385,6 +467,7 @@ def load_experiment(
         if row is None or not isinstance(row, dict):
             raise ConfigError(f"config error at runs[{name}]: expected a mapping of run keys; {fix}")
         resolved = {**defaults, **row}
+        _check_finite(resolved, f"runs[{name}]", fix)
         _validate(resolved, run_schema, f"runs[{name}]", fix)
         _check_run(name, resolved, datasets, fix)
         _check_model(name, resolved, datasets)
@@ -661,6 +744,71 @@ def _check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any
         run["decay_rule"] = DECAY_RULE
 
 
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file (YAML or JSON) as a mapping, read strictly: a key written twice in one mapping
+    (at any depth) and a tag such as ``!!python/object`` are errors naming the file, the key or tag
+    and the line. Snakemake's own loader keeps the last of two equal keys without a word."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass --configfile PATH") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path} ({exc}); check the file") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            _check_nodes(root, path)
+        config = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML ({reason}); fix the syntax") from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"config file {path} holds a {type(config).__name__}, not a mapping of keys; see config/README.md"
+        )
+    return config
+
+
+def _check_nodes(root: yaml.Node, path: str | os.PathLike) -> None:
+    """Refuse a key that appears twice in one mapping and any tag the safe loader cannot build."""
+    known = (set(yaml.SafeLoader.yaml_constructors) - {None}) | {"tag:yaml.org,2002:merge"}  # <<
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    while stack:
+        node, where = stack.pop()
+        if id(node) in seen:  # an alias shares its anchor's node
+            continue
+        seen.add(id(node))
+        line = node.start_mark.line + 1
+        if node.tag not in known:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise ConfigError(
+                f"config file {path} line {line} uses the YAML tag {tag}, which is not allowed; plain "
+                "YAML only (mappings, lists, strings, numbers, true/false, null)"
+            )
+        if isinstance(node, yaml.MappingNode):
+            first_lines: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                key_line = key_node.start_mark.line + 1
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    key = (key_node.tag, key_node.value)
+                    if key in first_lines:
+                        inside = f" under {where}" if where else " at the top level"
+                        raise ConfigError(
+                            f"config file {path} line {key_line}: key {key_node.value!r} appears twice"
+                            f"{inside} (first on line {first_lines[key]}); YAML would silently "
+                            "keep only the second: merge them into one"
+                        )
+                    first_lines[key] = key_line
+                child = f"{where}.{key_node.value}" if where else str(key_node.value)
+                stack += [(key_node, where), (value_node, child)]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(item, f"{where}[{index}]") for index, item in enumerate(node.value)]
+
+
 def run_config_for_tracking(experiment: Experiment, run: str) -> dict[str, Any]:
     """The run's full resolved config, including its dataset's spec, as the tracker logs it."""
     cfg = dict(experiment.runs[run])
@@ -673,16 +821,7 @@ def main(argv: list[str] | None = None) -> None:
         "--configfile", default="config/config.yaml", help="YAML config (default: %(default)s)"
     )
     args = parser.parse_args(argv)
-    try:
-        with open(args.configfile) as fh:
-            config = yaml.safe_load(fh) or {}
-    except FileNotFoundError:
-        raise UserError(f"config file {args.configfile} does not exist; pass --configfile PATH") from None
-    except yaml.YAMLError as exc:
-        raise UserError(
-            f"config file {args.configfile} is not valid YAML ({str(exc).splitlines()[0]}); fix the syntax"
-        ) from None
-    experiment = load_experiment(config)
+    experiment = load_experiment(read_config_file(args.configfile))
     trainings = {run: experiment.training(run) for run in experiment.runs}
     print(
         json.dumps(

@@ -32,10 +32,12 @@ from shardfuse.sources import (
     SPEC_FIX,
     Loaded,
     check_finite,
+    check_not_continuous,
     load_in_memory,
     load_user_file,
     numeric_matrix,
     read_user_table,
+    require_file,
     require_shape,
     require_string,
 )
@@ -84,8 +86,12 @@ def _image_files(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
     """Every image file under root/<class>/ (sorted; hidden files such as macOS's ._x.png left out), its
     class code, and the class names (sorted)."""
     if not root.is_dir():
+        problem = "does not exist"
+        if root.exists():
+            problem = "is a file, not a directory" if root.is_file() else "is not a directory"
         raise UserError(
-            f"image folder {root} does not exist or is not a directory; fix 'path' in the dataset's spec"
+            f"image folder {root} {problem}; set 'path' to the folder holding one subfolder of images "
+            "per class"
         )
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if len(folders) < 2:
@@ -212,8 +218,7 @@ def _load_parquet(spec: dict) -> Loaded:
 
 def _read_npz(spec: dict) -> tuple[np.ndarray, np.ndarray]:
     path = Path(spec["path"])
-    if not path.is_file():
-        raise UserError(f"dataset file {path} does not exist; fix 'path' in the dataset's spec")
+    require_file(path)
     keys = (spec["features_key"], spec["labels_key"])
     try:
         archive = np.load(path, allow_pickle=False)
@@ -248,6 +253,7 @@ def _npz_labels(labels: np.ndarray, where: str) -> tuple[np.ndarray, list[str]]:
                 f"labels {where} hold non-integer floats (e.g. {fractional[0]:g}); a classification label "
                 "must be a class — use task: regression"
             )
+        check_not_continuous(labels, f"label array {where}")
     distinct, codes = np.unique(labels, return_inverse=True)
     if len(distinct) < 2:
         raise UserError(f"labels {where} have a single value {distinct[0]!r}; a classifier needs at least 2")

@@ -71,6 +71,7 @@ from shardfuse.io import (
 )
 from shardfuse.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
 from shardfuse.sources import (
+    MAX_SEED,
     SPEC_FIX,
     VOCAB_SIZE,
     check_text_spec,
@@ -219,7 +220,7 @@ def validate_spec(spec: Any) -> dict:
             f"test_fraction + val_fraction = {spec['test_fraction'] + val_fraction:g} leaves no training "
             f"rows; make their sum < 1 ({SPEC_FIX})"
         )
-    require_int(spec, "seed", 0)
+    require_int(spec, "seed", 0, MAX_SEED)
     if source in SOURCE_CHECKS:
         SOURCE_CHECKS[source](spec)
     if "classes" in spec:

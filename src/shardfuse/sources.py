@@ -37,6 +37,11 @@ from shardfuse.shard_format import InputKind  # numeric columns, one tensor colu
 from shardfuse.usercode import load_factory
 
 VOCAB_SIZE = 256  # the byte tokenizer's vocabulary
+MAX_SEED = 2**63 - 1  # seeds are 64-bit integers wherever they go (JSON records, MLflow params)
+# A float label column with more distinct values than this, averaging fewer than MIN_CLASS_ROWS rows
+# each, is a measurement rather than classes (config/README.md, label_column).
+MAX_FLOAT_CLASSES = 20
+MIN_CLASS_ROWS = 10
 MAX_UINT16_VOCAB = 65535  # token blocks are uint16 up to this vocabulary size, int32 above
 SPEC_FIX = "fix the dataset's spec in the config"
 
@@ -48,9 +53,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def require_int(spec: dict, key: str, minimum: int) -> None:
-    if not is_int(spec[key]) or spec[key] < minimum:
-        raise UserError(f"spec key {key!r} must be an integer >= {minimum}, got {spec[key]!r}; {SPEC_FIX}")
+def require_int(spec: dict, key: str, minimum: int, maximum: int | None = None) -> None:
+    value = spec[key]
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        what = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise UserError(f"spec key {key!r} must be an integer {what}, got {value!r}; {SPEC_FIX}")
 
 
 def require_number(spec: dict, key: str, low: float, high: float, *, open_interval: bool) -> None:
@@ -127,28 +134,55 @@ def _load_diabetes() -> Loaded:
     return Loaded(diabetes.data.astype(np.float32), targets, list(diabetes.feature_names), ["target"])
 
 
+def require_file(path: Path, what: str = "dataset file") -> None:
+    """``path`` must be a regular file; if not, say what it is (missing, a directory, a FIFO...)."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        problem = "is a directory, not a file"
+    elif path.exists():
+        problem = "is not a regular file (a FIFO, socket or device)"
+    elif path.is_symlink():
+        problem = "is a symbolic link to something that does not exist"
+    else:
+        problem = "does not exist"
+    raise UserError(f"{what} {path} {problem}; fix 'path' in the dataset's spec")
+
+
+def _read_user_columns(path: Path, source: str, wanted: list[str]) -> pa.Table:
+    """The user file's columns ``wanted`` (each named once in its header; a Parquet file's other
+    columns are not read)."""
+    try:
+        if source == "parquet":
+            names = pq.read_schema(path).names
+        else:  # empty cells are missing values in every column, also text labels (pyarrow keeps "")
+            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(strings_can_be_null=True))
+            names = table.column_names
+        twice = [name for name in dict.fromkeys(wanted) if names.count(name) > 1]
+        if twice:
+            raise UserError(
+                f"column name(s) {', '.join(map(repr, twice))} appear more than once in the header of "
+                f"{path}; rename the columns so that each name is unique"
+            )
+        missing = [name for name in wanted if name not in names]
+        if missing:
+            raise UserError(
+                f"column(s) {', '.join(map(repr, missing))} not found in {path}; available columns: "
+                f"{', '.join(names)}"
+            )
+        return pq.read_table(path, columns=list(dict.fromkeys(wanted))) if source == "parquet" else table
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(
+            f"cannot read {path} as {source} ({error_reason(exc)}); check the file and the spec's 'source'"
+        ) from None
+
+
 def read_user_table(spec: dict) -> pa.Table:
     """The user's Parquet or CSV file, checked to hold rows and the spec's feature and target columns."""
     path = Path(spec["path"])
-    if not path.is_file():
-        raise UserError(f"dataset file {path} does not exist; fix 'path' in the dataset's spec")
-    try:
-        if spec["source"] == "parquet":
-            table = pq.read_table(path)
-        else:  # empty cells are missing values in every column, also text labels (pyarrow keeps "")
-            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(strings_can_be_null=True))
-    except (pa.ArrowException, OSError) as exc:
-        raise UserError(
-            f"cannot read {path} as {spec['source']} ({error_reason(exc)}); check the file and the spec's "
-            "'source'"
-        ) from None
+    require_file(path)
     targets = [spec["label_column"]] if spec["task"] == "classification" else spec["label_columns"]
-    missing = [c for c in [*spec["feature_columns"], *targets] if c not in table.column_names]
-    if missing:
-        raise UserError(
-            f"column(s) {', '.join(map(repr, missing))} not found in {path}; available columns: "
-            f"{', '.join(table.column_names)}"
-        )
+    table = _read_user_columns(path, spec["source"], [*spec["feature_columns"], *targets])
     if table.num_rows == 0:
         raise UserError(f"{path} has no rows; point the dataset's path at a file with data")
     return table
@@ -204,6 +238,7 @@ def _label_codes(column: pa.ChunkedArray, name: str, path: str) -> tuple[np.ndar
                 f"label column {name!r} in {path} holds non-integer floats (e.g. {fractional[0]:g}); a "
                 f"classification label must be a class — use task: regression with label_columns: [{name}]"
             )
+        check_not_continuous(values, f"label column {name!r} in {path}", f" with label_columns: [{name}]")
     try:
         distinct = pc.unique(column)
         distinct = distinct.take(pc.array_sort_indices(distinct))
@@ -214,6 +249,17 @@ def _label_codes(column: pa.ChunkedArray, name: str, path: str) -> tuple[np.ndar
         ) from None
     codes = pc.index_in(column, value_set=distinct).to_numpy().astype(np.int64)
     return codes, [str(value) for value in distinct.to_pylist()]
+
+
+def check_not_continuous(values: np.ndarray, what: str, regression_keys: str = "") -> None:
+    """Integral float labels with many distinct values, few rows each, are a measurement (an age, a
+    price), not classes: training a classifier on them is never what was meant."""
+    num_distinct = len(np.unique(values))
+    if num_distinct > MAX_FLOAT_CLASSES and num_distinct * MIN_CLASS_ROWS > len(values):
+        raise UserError(
+            f"{what} looks continuous ({num_distinct} distinct float values in {len(values)} rows); set "
+            f"task: regression{regression_keys} (or, if they are classes, store them as integers or strings)"
+        )
 
 
 def load_user_file(spec: dict, table: pa.Table | None = None, tensor: np.ndarray | None = None) -> Loaded:

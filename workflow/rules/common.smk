@@ -39,6 +39,8 @@ try:
         / "workflow"
         / "schemas"
         / "config.schema.yaml",
+        # Read again, refusing duplicate keys (Snakemake's loader keeps the last silently).
+        config_files=workflow.configfiles,
     )
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
