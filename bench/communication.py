@@ -60,7 +60,7 @@ def rows_of(work_dir: Path) -> list[list[object]]:
                 row["run"],
                 train["mode"] + (f", H = {train['sync_every']}" if train["sync_every"] else ""),
                 f"{evaluation['merged'][score]:.4f}",
-                f"{evaluation['merged']['loss']:.4f}",
+                f"{evaluation['merged'].get('bits_per_byte', evaluation['merged']['loss']):.4f}",
                 train["num_steps"],
                 train["bytes_all_reduced_per_rank"],
                 train["num_syncs"],
@@ -89,7 +89,7 @@ def main() -> None:
             rows = run(example, args.work_dir)
         finally:
             common.remove(args.work_dir)
-    header = ["run", "mode", "test score (merged)", "test loss", "steps per rank",
+    header = ["run", "mode", "test score (merged)", "test loss (text: bits/byte)", "steps per rank",
               "bytes all-reduced per rank", "of ddp's", "syncs", "train seconds"]  # fmt: skip
     print(common.table(header, rows))
 

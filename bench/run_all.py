@@ -110,6 +110,9 @@ def run_benchmarks(sizes: dict, work_dir: Path) -> list[dict]:
     return sections
 
 
+EXPERIMENTS_MARKER = "<!-- experiments run on their own: kept by run_all.py -->"
+
+
 def render(sections: list[dict], info: dict[str, str], smoke: bool, total_seconds: float) -> str:
     lines = [
         "# Benchmark results",
@@ -159,6 +162,10 @@ def main() -> None:
     finally:
         common.remove(work_dir)
     text = render(sections, info, args.smoke, time.perf_counter() - started)
+    # Experiments that run on their own (bench/communication.py) keep their section below the marker.
+    previous = args.out.read_text() if args.out.is_file() else ""
+    if EXPERIMENTS_MARKER in previous:
+        text += "\n" + previous[previous.index(EXPERIMENTS_MARKER) :]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out}")
