@@ -49,8 +49,8 @@ def _open(path: Path, framework: str = "numpy"):
         return safe_open(str(path), framework=framework, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise UserError(
-            f"checkpoint {path} is not a readable safetensors file ({exc}); delete it and "
-            "re-run the stage that writes it"
+            f"checkpoint {path} is not a readable safetensors file ({exc}); re-run the stage that "
+            "writes it, or point at a checkpoint it wrote"
         ) from None
 
 
@@ -66,8 +66,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise UserError(
-            f"checkpoint {path} has malformed shardfuse metadata ({exc}); delete it and re-run the "
-            "stage that writes it"
+            f"checkpoint {path} has malformed shardfuse metadata ({exc}); re-run the stage that writes it"
         ) from None
 
 

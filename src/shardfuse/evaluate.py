@@ -5,6 +5,10 @@ By hand::
     python -m shardfuse.evaluate --run ddp --test results/datasets/digits/test.parquet \
         --gather results/trainings/<training>/gather.json --merged results/runs/ddp/merged.safetensors \
         --out results/runs/ddp/eval.json [--ddp-baseline results/runs/<ddp run>/eval.json]
+
+Before any model is built: every checkpoint gather.json lists must be this training's
+(shardfuse.trust.read_gather), the merged model a merge of it, and each file's model spec must fit its
+tensors (shardfuse.models.check_model_fits), so no model larger than its file is ever allocated.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 from shardfuse.checkpoint import load_weights
 from shardfuse.data import load_table
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.models import normalized_spec, score_state_dict
+from shardfuse.models import check_model_fits, normalized_spec, score_state_dict
 from shardfuse.tasks import task_for
+from shardfuse.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
 from shardfuse.usercode import check_code_unchanged
 
 
@@ -40,11 +45,16 @@ def evaluate(
     features, labels = load_table(test_path)
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")
-    info = read_json(gather_path, "gather record")
+    info = read_gather(gather_path, base=True, need=("model",))
     spec = normalized_spec(info["model"])
     # Once for the training (its ranks, base and merged model share the code): hashing it per file
     # would read the user's code files once per checkpoint.
     check_code_unchanged(spec["model"], spec.get("code"), "evaluate")
+    check_merged(merged_path, info)
+    checkpoints = [(Path(r["path"]), RERUN_TRAIN) for r in info["ranks"]]
+    checkpoints += [(Path(info["base"]), RERUN_TRAIN), (merged_path, RERUN_MERGE)]
+    for path, rerun in checkpoints:
+        check_model_fits(f"the header of {path}", *header_spec(path, rerun), rerun)
     task = task_for(spec["task"])
     score = task.score
     ranks = [

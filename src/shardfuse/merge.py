@@ -23,6 +23,11 @@ the model size. Exceptions: the TIES scan holds one rank's float64 magnitudes of
 soup holds one candidate model (and the copy its evaluation makes). Two reader threads read (and hash)
 a few blocks ahead of the math.
 
+Trust: before anything is read, every checkpoint gather.json lists must lie inside the training
+directory, be listed once, and carry in its header the training and rank of its place in gather.json
+(shardfuse.trust.read_gather); greedy soup, the one method that builds the model, first checks that
+the model gather.json describes fits the tensors (shardfuse.models.check_model_fits).
+
 Checksums: each ingredient's sha256 is computed from the very bytes that are merged and compared with
 gather.json before the output is renamed into place: one read per file, and no window between check
 and use. The base (shared initial weights) is checked against its sidecar base.json.
@@ -53,6 +58,7 @@ from shardfuse.io import (
 from shardfuse.merge_engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.merge_methods import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
 from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
+from shardfuse.trust import STALE, read_gather, shapes_of
 from shardfuse.usercode import check_code_unchanged
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: it would import torch)
@@ -326,7 +332,12 @@ def merge(
 ) -> dict[str, Any]:
     """Merge the ranks listed in gather.json with ``method``; write the weights and merge.json."""
     started = time.perf_counter()
-    info = read_json(gather_path, "gather record")
+    info = read_gather(
+        gather_path,
+        base=method in USES_BASE and dcp_dir is None,
+        need=("tensors", "model") if method in USES_VAL else ("tensors",),
+        need_in_ranks=("sha256", "rows"),
+    )
     spec = info.get("model") if isinstance(info.get("model"), dict) else {}
     # The tensors are merged by name, whatever network they belong to; but a merged file whose model
     # code changed since training would be rebuilt as another network by every later stage.
@@ -342,6 +353,10 @@ def merge(
             f"{method} ranks the ranks by their held-out score and needs --val-split PATH (the dataset's "
             "val.parquet; never the test split)"
         )
+    if method in USES_VAL:
+        from shardfuse.models import check_model_fits  # deferred: imports torch
+
+        check_model_fits(str(gather_path), info["model"], shapes_of(info["tensors"]), STALE)
     weights = rank_weights(method, resolved, rows)
     record: dict[str, Any] = {"run": run or info["run"], "training": info["run"], "method": method}
     record.update(params=resolved, num_ranks=len(rows), base=None, weights=weights, greedy_soup=None)

@@ -21,9 +21,10 @@ base.safetensors, saved before the first step), tau_i = theta_i - base its task 
   ties             Yadav et al. (2023): keep the k = max(1, round(density * numel)) entries of largest
                    magnitude of each tau_i (equal magnitudes: lower flat index first), elect per entry
                    the sign of the sum of the kept values, average the kept values of that sign
-                   (disjoint mean); base + scale * that. Where the kept values sum to exactly 0, or none
-                   has the elected sign, the entry is 0 (as in mergekit; the paper's code falls back to
-                   the tensor's majority sign instead).
+                   (disjoint mean); base + scale * that. Where the kept values sum to exactly 0 no sign
+                   is elected and the entry is 0: our choice, not mergekit's (0.1.5 elects + there and
+                   averages the positive kept values) nor the paper code's (which falls back to the
+                   tensor's majority sign).
   dare             Yu et al. (2024): drop each entry of tau_i with probability 1 - density, rescale kept
                    entries by 1 / density, then mean (DARE-linear) or, with sign_election, the TIES
                    election and disjoint mean (DARE-TIES); base + scale * that. Each (seed, rank, tensor

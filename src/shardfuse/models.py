@@ -40,6 +40,7 @@ from shardfuse.io import UserError
 from shardfuse.specs import DataDescription, description_of, normalized_spec
 from shardfuse.specs import model_spec as model_spec
 from shardfuse.tasks import Task, Totals, task_for
+from shardfuse.trust import Shapes, check_spec_bounds, shape_mismatch, spec_error
 from shardfuse.usercode import load_factory
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
@@ -176,6 +177,26 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     return Standardized(
         model, description.num_features, description.num_outputs, scale_targets, standardize_inputs=numeric
     )
+
+
+def check_model_fits(source: str, spec: dict[str, Any], held: Shapes, rerun: str) -> None:
+    """Refuse a spec whose model is not exactly the tensors ``held`` (a checkpoint's), before building
+    it for real: the torch-free bounds of shardfuse.trust first, then a build on the meta device (no
+    memory for tensors) whose state dict must have these names and shapes. The header's tensors cover
+    its file, so a model that passes is no larger than the file. ``source`` names where the spec was
+    read, ``rerun`` the stage that writes it."""
+    spec = check_spec_bounds(source, spec, held, rerun)
+    try:
+        with torch.device("meta"):
+            model = build_model(spec)
+    except (RuntimeError, NotImplementedError):
+        # A user factory that cannot build without data (``.item()`` on a tensor, say; the built-ins
+        # can): left to the real build, whose strict load_state_dict refuses a mismatch, but only once
+        # the model is allocated.
+        return
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if detail := shape_mismatch(expected, held):
+        raise spec_error(source, spec["model"], held, detail, rerun, expected)
 
 
 @torch.no_grad()

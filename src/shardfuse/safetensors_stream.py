@@ -101,10 +101,17 @@ class TensorInfo:
         return self.end - self.begin
 
 
+class InvalidSafetensors(UserError):
+    """A file that is not valid safetensors; ``reason`` says why, for callers that word their own error
+    (shardfuse.trust: a gather.json entry pointing at a file that is no checkpoint at all)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path} is not a valid safetensors file ({reason}); re-run the stage that wrote it")
+        self.reason = reason
+
+
 def _invalid(path: Path, reason: str) -> UserError:
-    return UserError(
-        f"{path} is not a valid safetensors file ({reason}); delete it and re-run the stage that wrote it"
-    )
+    return InvalidSafetensors(path, reason)
 
 
 def _parse_header(path: Path, raw: bytes, data_start: int, file_size: int) -> tuple[dict, dict[str, str]]:

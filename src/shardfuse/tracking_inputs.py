@@ -4,6 +4,10 @@
 merge.json, the merged weights, eval.json, each rank's ``metrics/rank-{r}.parquet`` and any plots) before
 MLflow is touched, so a missing or malformed file is one error that names it and the stage to re-run;
 it returns them as a :class:`RunInputs` (the :class:`RunFiles`, one :class:`RankInputs` per rank).
+gather.json is only uploaded, but the checkpoints it lists must still be the training's
+(shardfuse.trust.read_gather), and the merged weights' model spec must fit their tensors (the torch-free
+shardfuse.trust.check_spec_bounds): MLflow would otherwise record another model, or log one whose spec
+builds a network larger than the file.
 From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`) and
 the training's own (:data:`TRAIN_PARAMS`), the headline metrics, each rank's sparse step series
 (:func:`step_series`), the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash)
@@ -29,6 +33,7 @@ import numpy as np
 from shardfuse.checkpoint import read_metadata
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.tasks import evaluation_task, score_first
+from shardfuse.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
 
 LAYOUT_VERSION = "3"  # part of the fingerprint: a new layout re-syncs every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
@@ -207,7 +212,7 @@ def load_inputs(
         read_json(path, what)
         for path, what in ((train_path, "train"), (merge_path, "merge"), (eval_path, "eval"))
     )
-    read_json(gather, "gather")  # only uploaded, but must be valid JSON
+    read_gather(gather)  # only uploaded, but it must list this training's checkpoints
     try:
         world_size = int(_field(train, "world_size", train_path))
         train_ranks = {int(r["rank"]): r for r in _field(train, "ranks", train_path)}
@@ -239,6 +244,7 @@ def load_inputs(
     }
     histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
     model_spec = _field(read_metadata(weights), "model", weights)
+    check_spec_bounds(f"the header of {weights}", *header_spec(weights, RERUN_MERGE), RERUN_MERGE)
     hosts = _rank_hosts(train_dir, train, world_size)
     val_metric = validation_metric(train, task.score)
     ranks = tuple(
