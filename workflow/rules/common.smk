@@ -62,7 +62,9 @@ def print_failed_job_errors(snakemake_logs):
     Snakemake log's path, or a list of them)."""
     from shardfuse.console import failed_job_errors
 
-    paths = [snakemake_logs] if isinstance(snakemake_logs, (str, Path)) else snakemake_logs
+    paths = (
+        [snakemake_logs] if isinstance(snakemake_logs, (str, Path)) else snakemake_logs
+    )
     for path in paths:
         for line in failed_job_errors(Path(path)):
             print(line, file=sys.stderr)
