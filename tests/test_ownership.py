@@ -124,6 +124,7 @@ def training_processes(marker: str) -> list[int]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_kill_9_of_snakemake_alone_leaves_no_orphan_and_an_immediate_rerun_resumes_bitwise(
     tmp_path, digits_dataset, digits_shards
 ):
@@ -157,6 +158,7 @@ def test_kill_9_of_snakemake_alone_leaves_no_orphan_and_an_immediate_rerun_resum
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_published_training_deleted_by_snakemake_is_restored_not_retrained(tmp_path):
     write_config(tmp_path, epochs=2)
     command = snakemake_command(tmp_path, "--cores", "2", "--until", "gather")
