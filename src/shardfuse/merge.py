@@ -39,6 +39,7 @@ import contextlib
 import json
 import math
 import resource
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -329,8 +330,11 @@ def merge(
     dcp_dir: Path | None = None,
     run: str | None = None,
     block_bytes: int = BLOCK_BYTES,
+    align: str = "none",
+    align_max_iter: int = 100,
 ) -> dict[str, Any]:
-    """Merge the ranks listed in gather.json with ``method``; write the weights and merge.json."""
+    """Merge the ranks listed in gather.json with ``method`` (after aligning them to rank 0 with
+    ``align: weight_matching``, :mod:`shardfuse.align`); write the weights and merge.json."""
     started = time.perf_counter()
     info = read_gather(
         gather_path,
@@ -360,19 +364,36 @@ def merge(
     weights = rank_weights(method, resolved, rows)
     record: dict[str, Any] = {"run": run or info["run"], "training": info["run"], "method": method}
     record.update(params=resolved, num_ranks=len(rows), base=None, weights=weights, greedy_soup=None)
+    if align != "none" and (dcp_dir is not None or method == "consolidate"):
+        raise UserError(
+            f"merge_align {align} permutes ranks that differ; consolidate (identical ranks) takes none"
+        )
     if dcp_dir is not None:
         fused = merge_from_dcp(dcp_dir, info, method, resolved, out_weights)
     else:
-        fused = merge_rank_files(
-            info,
-            method,
-            resolved,
-            weights,
-            out_weights,
-            val_split=val_split,
-            batch_size=batch_size,
-            block_bytes=block_bytes,
-        )
+        with tempfile.TemporaryDirectory(prefix=".align-", dir=out_weights.parent) as work:
+            engine_info, alignment = info, None
+            if align == "weight_matching":
+                from shardfuse.align import align_gather  # deferred: imports torch and scipy
+
+                engine_info, alignment = align_gather(info, spec, Path(work), align_max_iter)
+            fused = merge_rank_files(
+                engine_info,
+                method,
+                resolved,
+                weights,
+                out_weights,
+                val_split=val_split,
+                batch_size=batch_size,
+                block_bytes=block_bytes,
+            )
+        if alignment is not None:  # merge.json names the files gather.json lists, not the aligned copies
+            originals = {int(r["rank"]): r for r in info["ranks"]}
+            for ingredient in fused.inputs["ingredients"]:
+                ingredient.update(
+                    path=originals[ingredient["rank"]]["path"], sha256=originals[ingredient["rank"]]["sha256"]
+                )
+            record["alignment"] = alignment
     record.update(fused.inputs)
     stats = fused.tensor_stats
     spreads = [s["max_abs_diff"] for s in stats.values()]
@@ -399,11 +420,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4096, help="greedy_soup: rows per forward pass")
     parser.add_argument("--dcp-dir", type=Path, help="consolidate: a sharded torch.distributed.checkpoint")
     parser.add_argument("--run", help="run name for merge.json (default: the training's name)")
+    parser.add_argument(
+        "--align", choices=("none", "weight_matching"), default="none", help="permutation alignment first"
+    )
+    parser.add_argument("--align-max-iter", type=int, default=100, help="weight matching: sweeps at most")
     parser.add_argument("--out-weights", type=Path, required=True, help="merged.safetensors to write")
     parser.add_argument("--out-json", type=Path, required=True, help="merge.json to write")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
+    if args.align_max_iter < 1:
+        raise UserError(f"--align-max-iter {args.align_max_iter} must be at least 1")
     params = parse_json_arg(args.params_json, "--params-json")
     record = merge(
         args.gather,
@@ -415,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=args.batch_size,
         dcp_dir=args.dcp_dir,
         run=args.run,
+        align=args.align,
+        align_max_iter=args.align_max_iter,
     )
     spread = record["max_abs_diff_between_ranks"]
     print(
