@@ -92,7 +92,20 @@ MERGE_PARAMS = {
         "merge_scale": "scale",
     },
     "slerp": {"merge_t": "t"},
+    "breadcrumbs": {"merge_density": "density", "merge_gamma": "gamma", "merge_scale": "scale"},
+    "breadcrumbs_ties": {"merge_density": "density", "merge_gamma": "gamma", "merge_scale": "scale"},
+    "della": {
+        "merge_density": "density",
+        "merge_epsilon": "epsilon",
+        "merge_seed": "seed",
+        "merge_scale": "scale",
+    },
+    "sce": {"merge_topk": "topk", "merge_scale": "scale"},
+    "nuslerp": {"merge_t": "t"},
+    "multislerp": {"merge_weights": "weights"},
+    "karcher": {"merge_weights": "weights", "merge_max_iter": "max_iter", "merge_tol": "tol"},
 }
+WEIGHTED_METHODS = ("weighted", "multislerp", "karcher")  # the methods that read merge_weights
 # Train keys added after the first release (the model registry, then the training loop). They join a
 # training's identity (and its command) only when set to something other than their default, so
 # trainings configured before they existed keep their names and are not re-run. The defaults are the
@@ -637,10 +650,22 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
             f"{where}.merge_weights: {len(run['merge_weights'])} weights for {world_size} ranks; "
             "give one weight per rank or null (weights by shard rows)"
         )
-    if run["merge_weights"] is not None and method != "weighted":
+    if run["merge_weights"] is not None and method not in WEIGHTED_METHODS:
         raise ConfigError(
-            f"{where}.merge_weights: only merge_method weighted uses weights; remove them or "
-            "set merge_method weighted"
+            f"{where}.merge_weights: only merge_method weighted, multislerp or karcher uses weights; "
+            "remove them or set merge_method weighted"
+        )
+    if method == "nuslerp" and world_size != 2:
+        raise ConfigError(
+            f"{where}.merge_method: nuslerp interpolates exactly two models but world_size is "
+            f"{world_size}; use world_size 2, or multislerp or karcher"
+        )
+    density, epsilon = run["merge_density"] or 1.0, run["merge_epsilon"]
+    if method == "della" and density < 1 and not (density - epsilon > 0 and density + epsilon < 1):
+        raise ConfigError(
+            f"{where}.merge_epsilon: della keeps entries with probability merge_density +- merge_epsilon, "
+            f"which must lie in (0, 1) (density {density:g}, epsilon {epsilon:g}); lower "
+            "merge_epsilon"
         )
     if method == "greedy_soup" and datasets[run["dataset"]].get("val_fraction", 0.1) == 0:
         raise ConfigError(

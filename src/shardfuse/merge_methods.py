@@ -107,6 +107,7 @@ PARAMS: dict[str, dict[str, Param]] = {
 METHODS = tuple(PARAMS)
 USES_BASE = frozenset({"task_arithmetic", "ties", "dare", "model_stock"})
 USES_VAL = frozenset({"greedy_soup"})
+CHECKS: dict[str, Callable[[str, dict[str, Any], int], None]] = {}  # cross-parameter checks, by method
 
 
 def _valid_type(param: Param, value: Any, num_ranks: int) -> bool:
@@ -160,6 +161,7 @@ def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
             f"slerp interpolates exactly 2 models but the run has {num_ranks} ranks; use world_size 2 "
             "or another merge method"
         )
+    CHECKS.get(method, lambda *_: None)(method, resolved, num_ranks)
     return resolved
 
 
@@ -460,3 +462,15 @@ def make_plan(method: str, params: dict[str, Any], job: TensorJob) -> Plan:
     plan = (WeightedPlan if method == "weighted" else UniformPlan)(job, params)
     plan.stats["running_statistic"] = "weighted mean" if method == "weighted" else "mean"
     return plan
+
+
+def register(params: dict[str, dict[str, Param]], plans: dict[str, type[Plan]], uses_base, check) -> None:
+    """Add methods defined elsewhere (shardfuse.merge_methods_more) to the tables above."""
+    global METHODS, USES_BASE
+    PARAMS.update(params)
+    PLANS.update(plans)
+    CHECKS.update(dict.fromkeys(params, check))
+    METHODS, USES_BASE = tuple(PARAMS), USES_BASE | uses_base
+
+
+import shardfuse.merge_methods_more  # noqa: E402, F401  registers itself (it imports this module)
