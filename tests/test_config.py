@@ -551,3 +551,19 @@ def test_snakemake_refuses_a_config_file_with_a_duplicated_key(tmp_path):
     assert proc.returncode != 0
     message = "line 5: key 'datasets' appears twice at the top level (first on line 1)"
     assert message in proc.stdout + proc.stderr
+
+
+def test_merge_align_reaches_the_merge_command_only_when_set():
+    from shardfuse.config import merge_align_args
+
+    plain = {"merge_method": "uniform", "strategy": "localsgd"}
+    experiment = load_experiment(
+        base_config({"a": plain, "b": {**plain, "merge_align": "weight_matching"}}), environ={}
+    )
+    assert merge_align_args(experiment.runs["a"]) == ""  # the command of earlier runs is unchanged
+    assert merge_align_args(experiment.runs["b"]) == "--align weight_matching"
+    assert experiment.training("a") == experiment.training("b")  # alignment is a merge setting
+    with pytest.raises(
+        ConfigError, match="consolidate checks that the ranks are identical, there is nothing"
+    ):
+        load_experiment(base_config({"c": {"merge_method": "consolidate", "merge_align": "weight_matching"}}))

@@ -192,6 +192,13 @@ class Experiment:
         return None
 
 
+def merge_align_args(run_cfg: dict[str, Any]) -> str:
+    """The merge command's alignment options: empty unless the run aligns (so the command of a run
+    configured before alignment existed is unchanged and Snakemake does not re-run its merge)."""
+    align = run_cfg.get("merge_align", "none")
+    return "" if align == "none" else f"--align {align}"
+
+
 def merge_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
     """The params of the run's merge method (null values mean the method's own default)."""
     mapping = MERGE_PARAMS.get(run_cfg["merge_method"], {})
@@ -671,6 +678,11 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
         raise ConfigError(
             f"{where}.merge_method: greedy_soup needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
+        )
+    if run.get("merge_align", "none") != "none" and method == "consolidate":
+        raise ConfigError(
+            f"{where}.merge_align: consolidate checks that the ranks are identical, there is nothing to "
+            "align; remove merge_align or choose another merge_method"
         )
     # DiLoCo ends with an outer step, so its ranks publish the same weights unless each keeps its best.
     identical = run["strategy"] == "ddp" or (run["strategy"] == "diloco" and run.get("keep") != "best")

@@ -26,6 +26,7 @@ from shardfuse.launch import Geometry, job_resources  # noqa: E402
 from shardfuse.config import (  # noqa: E402
     ConfigError,
     load_experiment,
+    merge_align_args,
     merge_params,
     run_config_for_tracking,
     shardset_name,
@@ -221,6 +222,10 @@ def merge_method_of_run(wildcards):
 
 def merge_params_json(wildcards):
     return _json(merge_params(RUNS[wildcards.run]))
+
+
+def merge_align_of_run(wildcards):
+    return merge_align_args(RUNS[wildcards.run])
 
 
 def eval_batch_size_of_run(wildcards):

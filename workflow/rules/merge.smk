@@ -14,8 +14,9 @@ rule merge:
     params:
         method=merge_method_of_run,
         merge_params=merge_params_json,
+        align=merge_align_of_run,
         batch_size=eval_batch_size_of_run,
     shell:
         "python -m shardfuse.merge --run {wildcards.run} --gather {input.gather} --method {params.method}"
         " --params-json {params.merge_params:q} --val-split {input.val} --batch-size {params.batch_size}"
-        " --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"
+        " {params.align} --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"
