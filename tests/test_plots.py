@@ -171,3 +171,37 @@ def test_a_summary_row_with_no_score_is_a_user_error(tmp_path):
     assert figures.row_task({**row, "task": "regression"}).score == "mse"
     assert figures.row_task({**row, "test_mse_best_rank": "0.3"}).lower_is_better
     assert list(figures.TASK_OF_SCORE) == ["accuracy", "mse", "loss"]  # old summaries: accuracy first
+
+
+def test_fusion_plot_marks_the_ensemble_next_to_best_and_mean_rank_and_titles_the_fusion_gap():
+    evaluation = regression_evaluation("reg", ddp_baseline=True, ensemble=True)
+    bars = plots.fusion_bars(evaluation)
+    assert [label.split("\n")[0] for label, _, _ in bars] == [
+        "merged", "rank 0", "rank 1", "best rank", "mean rank", "ensemble", "ddp baseline", "initial model",
+    ]  # fmt: skip
+    assert {label: (value, color) for label, value, color in bars}["ensemble"] == (
+        pytest.approx(0.21),
+        figures.ENSEMBLE_COLOR,
+    )
+    fig = plots.fusion_figure(evaluation, "reg")
+    (ax,) = fig.axes
+    # merged mse 0.25: 0.05 better than the best rank, 0.04 worse than the ensemble (mse 0.21).
+    assert ax.get_title() == "reg: merged vs ranks (fusion gain +0.050, fusion gap +0.040)"
+    figures.pyplot().close(fig)
+
+
+def test_merge_methods_plot_marks_the_ensemble_where_the_summary_has_it(tmp_path):
+    rows = [
+        _row("a", "independent", "uniform", 0.8, training="t1", test_accuracy_ensemble=0.97),
+        _row("b", "independent", "ties", 0.82, training="t1", test_accuracy_ensemble=0.97),
+    ]
+    path = _summary(tmp_path / "summary.csv", rows, ("training", "test_accuracy_ensemble"))
+    fig = figures.merge_methods_figure(figures.read_summary(path))
+    ax = fig.axes[0]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["best rank", "ensemble"]
+    assert ax.get_ylim()[1] > 0.97  # the mark is in range
+    figures.pyplot().close(fig)
+    old = _summary(tmp_path / "old.csv", [_row("a", "independent", "uniform", 0.8)])
+    fig = figures.merge_methods_figure(figures.read_summary(old))
+    assert [text.get_text() for text in fig.axes[0].get_legend().get_texts()] == ["best rank"]
+    figures.pyplot().close(fig)

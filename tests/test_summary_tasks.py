@@ -23,6 +23,8 @@ CLASSIFICATION_HEADER = (
 )  # fmt: skip
 # Appended to every header by the train stage's communication record (train_seconds is already above).
 TRAINING_COLUMNS = ("mode", "effective_batch_size", "bytes_all_reduced_per_rank")
+# Appended last by the ensemble of the ranks (the evaluate stage scores it since issue 16).
+ENSEMBLE_COLUMNS = ("test_accuracy_ensemble", "fusion_gap")
 MSE_COLUMNS = ("test_mse_merged", "test_mse_best_rank", "test_mse_mean_rank", "test_mse_base",
                "test_mse_ddp_baseline")  # fmt: skip
 
@@ -117,14 +119,17 @@ def test_classification_only_summary_is_the_old_csv_byte_for_byte_then_the_train
     if task_keys:
         evaluations = {run: with_task_keys(evaluation) for run, evaluation in evaluations.items()}
     header, rows, written = run_summary(tmp_path, evaluations)
-    assert tuple(header) == (*CLASSIFICATION_HEADER, *TRAINING_COLUMNS)
+    assert tuple(header) == (*CLASSIFICATION_HEADER, *TRAINING_COLUMNS, *ENSEMBLE_COLUMNS)
     assert CLASSIFICATION_HEADER == summary.COLUMNS
-    assert summary.summary_columns(["classification"]) == (*CLASSIFICATION_HEADER, *TRAINING_COLUMNS)
-    # An old train.json: the mode comes from the run's strategy, the counts are unknown (empty).
+    assert summary.summary_columns(["classification"]) == (
+        *CLASSIFICATION_HEADER, *TRAINING_COLUMNS, *ENSEMBLE_COLUMNS
+    )  # fmt: skip
+    # An old train.json: the mode comes from the run's strategy, the counts are unknown (empty); an
+    # eval.json without an ensemble: its cells are empty too.
     old_lines = old_summary_bytes(evaluations).decode().split("\r\n")
     new_lines = written.decode().split("\r\n")
-    assert new_lines[0] == old_lines[0] + "," + ",".join(TRAINING_COLUMNS)
-    assert new_lines[1:] == [line + ",independent,," if line else line for line in old_lines[1:]]
+    assert new_lines[0] == old_lines[0] + "," + ",".join((*TRAINING_COLUMNS, *ENSEMBLE_COLUMNS))
+    assert new_lines[1:] == [line + ",independent,,,," if line else line for line in old_lines[1:]]
     assert rows[1]["test_accuracy_ddp_baseline"] == "0.8312" and rows[0]["test_accuracy_ddp_baseline"] == ""
 
 
@@ -132,7 +137,8 @@ def test_regression_runs_fill_test_mse_columns_and_a_positive_gain_when_merged_m
     header, rows, _ = run_summary(tmp_path, {"reg": regression_evaluation("reg", ddp_baseline=True)})
     after = CLASSIFICATION_HEADER.index("test_accuracy_ddp_baseline") + 1
     extra = (*MSE_COLUMNS, "test_mae_merged", "test_r2_merged")
-    expected = (*CLASSIFICATION_HEADER[:after], *extra, *CLASSIFICATION_HEADER[after:], *TRAINING_COLUMNS)
+    expected = (*CLASSIFICATION_HEADER[:after], *extra, *CLASSIFICATION_HEADER[after:], *TRAINING_COLUMNS,
+                "test_mse_ensemble", "fusion_gap")  # fmt: skip
     # No classification run: no accuracy columns, which would be empty in every row.
     assert tuple(header) == tuple(c for c in expected if not c.startswith("test_accuracy_"))
     (row,) = rows
@@ -194,7 +200,12 @@ def test_training_columns_come_from_train_json_and_stay_empty_for_old_trainings(
     summary.write_summary(runs, tmp_path / "runs", tmp_path / "trainings", out)
     with open(out, newline="") as fh:
         reader = csv.DictReader(fh)
-        assert tuple(reader.fieldnames[-4:]) == ("train_seconds", *TRAINING_COLUMNS)
+        assert tuple(reader.fieldnames[-6:]) == (
+            "train_seconds",
+            *TRAINING_COLUMNS,
+            "test_mse_ensemble",
+            "fusion_gap",
+        )
         cells = {row["run"]: tuple(row[c] for c in TRAINING_COLUMNS) for row in reader}
     assert cells == {
         "diloco": ("diloco", "256", "4000000000"),
@@ -274,3 +285,45 @@ def test_an_eval_json_ranked_by_a_score_its_task_does_not_use_is_a_user_error():
         tracking_inputs.evaluation_task(evaluation)
     with pytest.raises(UserError, match=r"unknown task 'poetry'.*re-run the evaluate stage"):
         tracking_inputs.evaluation_task({"task": "poetry"})
+
+
+def test_ensemble_columns_come_last_and_stay_empty_for_an_eval_json_without_an_ensemble(tmp_path):
+    without_gap = regression_evaluation("reg_nogap", ensemble=True)
+    del without_gap["fusion_gap"]  # computed with the task from the ensemble and merged scores
+    evaluations = {
+        "cls": classification_evaluation("cls", 0.8),  # an older evaluate stage: no ensemble
+        "reg": regression_evaluation("reg", ensemble=True),
+        "reg_nogap": without_gap,
+    }
+    header, rows, _ = run_summary(tmp_path, evaluations)
+    assert tuple(header[-6:]) == (
+        *TRAINING_COLUMNS,
+        "test_accuracy_ensemble",
+        "test_mse_ensemble",
+        "fusion_gap",
+    )
+    by_run = {row["run"]: row for row in rows}
+    ensemble = ("test_accuracy_ensemble", "test_mse_ensemble", "fusion_gap")
+    assert tuple(by_run["cls"][c] for c in ensemble) == ("", "", "")
+    for run in ("reg", "reg_nogap"):
+        assert by_run[run]["test_accuracy_ensemble"] == ""
+        assert float(by_run[run]["test_mse_ensemble"]) == pytest.approx(0.21)
+        assert float(by_run[run]["fusion_gap"]) == pytest.approx(0.04)  # ensemble mse lower: positive
+
+
+def test_headline_metrics_carry_the_ensemble_and_fusion_gap_only_when_eval_json_has_them(tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "reg")
+    (run_dir / "eval.json").write_text(json.dumps(regression_evaluation("reg", ensemble=True)))
+    headline = tracking_inputs.load_inputs(run_dir, manifest).headline
+    expected = {
+        "test_mse_ensemble": 0.21, "test_loss_ensemble": 0.22, "test_mae_ensemble": 0.35,
+        "test_r2_ensemble": 0.79, "fusion_gap": 0.04,
+    }  # fmt: skip
+    assert {name: headline[name] for name in expected} == pytest.approx(expected)
+    evaluation = regression_evaluation("reg", ensemble=True)
+    del evaluation["fusion_gap"]
+    (run_dir / "eval.json").write_text(json.dumps(evaluation))
+    assert tracking_inputs.load_inputs(run_dir, manifest).headline["fusion_gap"] == pytest.approx(0.04)
+    (run_dir / "eval.json").write_text(json.dumps(regression_evaluation("reg")))
+    old = tracking_inputs.load_inputs(run_dir, manifest).headline
+    assert not [name for name in old if name.endswith("_ensemble") or name == "fusion_gap"]

@@ -1,4 +1,4 @@
-"""Evaluate the merged model, every rank's own model and the shared initial model on the test split.
+"""Evaluate the merged model, every rank's own model, their ensemble and the initial model on the test split.
 
 By hand::
 
@@ -9,6 +9,14 @@ By hand::
 Before any model is built: every checkpoint gather.json lists must be this training's
 (shardfuse.trust.read_gather), the merged model a merge of it, and each file's model spec must fit its
 tensors (shardfuse.models.check_model_fits), so no model larger than its file is ever allocated.
+
+The ensemble is the reference a fused single model is judged against: the ranks' outputs averaged as the
+task says (shardfuse.tasks: ``combine``; mean probability, mean prediction, renormalised mean log-probs),
+scored with the task's metrics. One pass over the test split runs every rank on each batch, scores each
+rank's outputs and their combination, and drops them before the next batch: memory holds every rank's
+model at once, but only one batch of outputs. eval.json records it as ``ensemble`` ({metric: value}),
+``ensemble_<score>``, and ``fusion_gap`` = how much better the ensemble scores than the merged model
+(the task's sign: positive when the ensemble is better, whatever the score's direction).
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ import torch
 from shardfuse.checkpoint import load_weights
 from shardfuse.data import load_table
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.models import check_model_fits, normalized_spec, score_state_dict
-from shardfuse.tasks import task_for
+from shardfuse.models import build_model, check_model_fits, normalized_spec, score_state_dict, task_of
+from shardfuse.tasks import Task, Totals, task_for
 from shardfuse.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
 from shardfuse.usercode import check_code_unchanged
 
@@ -32,6 +40,38 @@ def evaluate_weights(
 ) -> dict[str, float]:
     tensors, metadata = load_weights(path)
     return score_state_dict(tensors, metadata["model"], features, labels, batch_size)
+
+
+def _load_model(path: Path) -> tuple[torch.nn.Module, Task]:
+    tensors, metadata = load_weights(path)
+    model = build_model(metadata["model"])
+    model.load_state_dict(tensors)
+    model.eval()
+    return model, task_of(metadata["model"], tensors)
+
+
+@torch.no_grad()
+def score_ranks_and_ensemble(
+    paths: list[Path], features: torch.Tensor, labels: torch.Tensor, batch_size: int
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """(each rank's metrics, the ensemble's) in one pass: every batch goes through every rank's model,
+    each rank's outputs are scored as :func:`evaluate_weights` scores them (same batches, same sums, so
+    the same figures), and their combination is scored as the ensemble's. The features must already
+    fit the models (the merged model, of the same training, is scored first and checks that)."""
+    models = [_load_model(path) for path in paths]
+    task = models[0][1]  # the ranks of one training share the task and the target scale
+    totals = [Totals() for _ in models]
+    ensemble = Totals()
+    for start in range(0, features.shape[0], batch_size):
+        inputs, targets = task.batch(features[start : start + batch_size], labels[start : start + batch_size])
+        outputs = []
+        for (model, rank_task), rank_totals in zip(models, totals, strict=True):
+            outputs.append(model(inputs))
+            rank_task.accumulate(rank_totals, outputs[-1], targets)
+        task.accumulate(ensemble, task.combine(outputs), targets)
+    return [rank_task.finish(t) for (_, rank_task), t in zip(models, totals, strict=True)], task.finish(
+        ensemble
+    )
 
 
 def evaluate(
@@ -57,12 +97,13 @@ def evaluate(
         check_model_fits(f"the header of {path}", *header_spec(path, rerun), rerun)
     task = task_for(spec["task"])
     score = task.score
-    ranks = [
-        {"rank": r["rank"], **evaluate_weights(Path(r["path"]), features, labels, batch_size)}
-        for r in info["ranks"]
-    ]
-    scores = [r[score] for r in ranks]
+    # The merged model first: scoring it checks that the features fit the training's model.
     merged = evaluate_weights(merged_path, features, labels, batch_size)
+    rank_metrics, ensemble = score_ranks_and_ensemble(
+        [Path(r["path"]) for r in info["ranks"]], features, labels, batch_size
+    )
+    ranks = [{"rank": r["rank"], **metrics} for r, metrics in zip(info["ranks"], rank_metrics, strict=True)]
+    scores = [r[score] for r in ranks]
     best = task.best(scores)
     result = {
         "run": run,
@@ -79,6 +120,9 @@ def evaluate(
         f"mean_rank_{score}": sum(scores) / len(scores),
         "mean_rank_loss": sum(r["loss"] for r in ranks) / len(ranks),
         "fusion_gain": task.gain(merged[score], best),
+        "ensemble": ensemble,
+        f"ensemble_{score}": ensemble[score],
+        "fusion_gap": task.gain(ensemble[score], merged[score]),
         "ddp_baseline": None,
     }
     if info.get("strategy") == "ddp":
@@ -109,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     score = result["score"]
     print(
         f"{result['run']}: merged {score} {result['merged'][score]:.4f}, best rank "
-        f"{result[f'best_rank_{score}']:.4f}, mean rank {result[f'mean_rank_{score}']:.4f}"
+        f"{result[f'best_rank_{score}']:.4f}, mean rank {result[f'mean_rank_{score}']:.4f}, "
+        f"ensemble {result[f'ensemble_{score}']:.4f}"
     )
 
 

@@ -10,6 +10,9 @@ next to the per-run plots::
 The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`); runs ranked by different
 scores never share a panel, and every axis says which way is better.
 
+``compare`` marks each run's best rank and, when summary.csv has the column, the ranks' output-averaged
+ensemble (the reference a fused model is judged against).
+
 ``communication``: the merged model's test score against ``bytes_all_reduced_per_rank`` (the summary's
 column, from train.json) on a log x axis, one labelled point per run, coloured by training mode. Runs
 that communicated nothing (independent training) cannot sit on a log axis: they are drawn one decade
@@ -33,6 +36,7 @@ from shardfuse.tasks import TASKS, Task, task_for
 
 GROUP_COLUMNS = ("dataset", "world_size", "strategy")
 MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
+ENSEMBLE_COLOR = "#8c564b"  # the ranks' output-averaged ensemble: the reference a fused model aims at
 # Score -> task, for summary rows (scores differ between tasks); accuracy first: old summaries have no other.
 TASK_OF_SCORE: dict[str, Task] = {task.score: task for task in map(task_for, TASKS)}
 MODE_COLORS = {"ddp": "#1f77b4", "localsgd": "#ff7f0e", "diloco": "#9467bd", "independent": "#2ca02c"}
@@ -139,8 +143,15 @@ def score_panels(rows: Iterable[dict[str, str]]) -> list[tuple[Task, list[dict[s
     return sorted(panels, key=lambda panel: TASKS.index(panel[0].name))  # stable: group order kept
 
 
+def ensemble_marks(rows: list[dict[str, str]], task: Task) -> list[tuple[int, float]]:
+    """(position, score) of the ranks' ensemble for the rows that have one (summaries since issue 16)."""
+    cells = [(x, row.get(f"test_{task.score}_ensemble")) for x, row in enumerate(rows)]
+    return [(x, float(cell)) for x, cell in cells if cell not in (None, "")]
+
+
 def merge_methods_figure(rows: list[dict[str, str]]):
-    """Merged score per merge method, a panel per training, the best rank marked in each."""
+    """Merged score per merge method, a panel per training, the best rank and (where the summary has
+    it) the ranks' ensemble marked in each."""
     panels = score_panels(rows)
     columns = min(3, len(panels))
     num_rows = math.ceil(len(panels) / columns)
@@ -155,6 +166,7 @@ def merge_methods_figure(rows: list[dict[str, str]]):
             values.setdefault(task.score, []).extend(
                 float(row[f"test_{task.score}_{kind}"]) for kind in ("merged", "best_rank")
             )
+            values[task.score] += [value for _, value in ensemble_marks([row], task)]
     previous = ""
     for index, (ax, (task, members)) in enumerate(zip(axes.flat, panels, strict=False)):
         score = task.score
@@ -166,6 +178,9 @@ def merge_methods_figure(rows: list[dict[str, str]]):
         ax.scatter(
             range(len(bars)), best, marker="_", s=600, color=SUMMARY_COLOR, zorder=3, label="best rank"
         )
+        if marks := ensemble_marks(members, task):
+            ax.scatter(*zip(*marks, strict=True), marker="_", s=600, color=ENSEMBLE_COLOR, zorder=3,
+                       label="ensemble")  # fmt: skip
         first = members[0]
         title = f"{first.get('dataset', '?')}, world size {first.get('world_size', '?')}, "
         title += first.get("strategy", "?")

@@ -371,6 +371,7 @@ def merge(
     if dcp_dir is not None:
         fused = merge_from_dcp(dcp_dir, info, method, resolved, out_weights)
     else:
+        out_weights.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".align-", dir=out_weights.parent) as work:
             engine_info, alignment = info, None
             if align == "weight_matching":

@@ -29,6 +29,7 @@ import numpy as np
 
 from shardfuse.figures import (
     BASELINE_COLOR,
+    ENSEMBLE_COLOR,
     MERGED_COLOR,
     RANK_COLOR,
     SUMMARY_COLOR,
@@ -102,7 +103,8 @@ def plot_curves(
 
 
 def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
-    """(label, test score, color) for the merged model, each rank, best/mean rank and baselines."""
+    """(label, test score, color) for the merged model, each rank, best/mean rank, the ranks' ensemble
+    (when eval.json has it) and baselines."""
     task = evaluation_task(evaluation)
     score = task.score
     try:
@@ -118,6 +120,8 @@ def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
         bars += [("best rank", float(best), SUMMARY_COLOR), ("mean rank", float(mean), SUMMARY_COLOR)]
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"eval.json lacks {exc}; re-run the evaluate stage") from None
+    if (value := ensemble_score(evaluation, score)) is not None:  # older evaluate stages: no ensemble
+        bars.append(("ensemble", value, ENSEMBLE_COLOR))
     for key, label in (("ddp_baseline", "ddp baseline"), ("base", "initial model")):
         with_value = evaluation.get(key)
         if isinstance(with_value, dict) and isinstance(with_value.get(score), (int, float)):
@@ -126,15 +130,27 @@ def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
     return bars
 
 
+def ensemble_score(evaluation: dict[str, Any], score: str) -> float | None:
+    """The ranks' ensemble's test score, if eval.json has it (evaluate stages since issue 16)."""
+    ensemble = evaluation.get("ensemble")
+    value = ensemble.get(score) if isinstance(ensemble, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def fusion_figure(evaluation: dict[str, Any], title: str):
-    """The merged model against each rank, best/mean rank and baselines, in the run's score."""
+    """The merged model against each rank, best/mean rank, the ranks' ensemble and baselines, in the
+    run's score; the title gives the fusion gain (over the best rank) and, with an ensemble, the fusion
+    gap (how much better the ensemble scores than the merged model)."""
     task = evaluation_task(evaluation)
     bars = fusion_bars(evaluation)
     fig, ax = pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
     bar_chart(ax, bars)
     gain = task.gain(bars[0][1], next(value for label, value, _ in bars if label == "best rank"))
     ax.set_ylabel(score_label(task))
-    ax.set_title(f"{title}: merged vs ranks (fusion gain {number(gain, '+')})")
+    figures = f"fusion gain {number(gain, '+')}"
+    if (ensemble := ensemble_score(evaluation, task.score)) is not None:
+        figures += f", fusion gap {number(task.gain(ensemble, bars[0][1]), '+')}"
+    ax.set_title(f"{title}: merged vs ranks ({figures})")
     return fig
 
 

@@ -19,6 +19,11 @@ train.json: ``mode`` (ddp, localsgd, independent, diloco; derived from strategy 
 trainings from before train.json said it), ``effective_batch_size`` (samples per optimiser step over all
 ranks) and ``bytes_all_reduced_per_rank`` (payload of the collectives on model state, per rank: 0 for
 independent training). Older train.json files lack the last two: their cells are empty, never 0.
+
+Last come :data:`ENSEMBLE_COLUMNS`: ``test_<score>_ensemble`` for each task's score (the output-averaged
+ensemble of the ranks, see :mod:`shardfuse.evaluate`), then ``fusion_gap`` (eval.json's: how much better
+the ensemble scores than the merged model, positive when it is better). eval.json files from before the
+evaluate stage scored the ensemble leave both empty.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ COLUMNS = (
 TRAINING_COLUMNS = ("mode", "effective_batch_size", "bytes_all_reduced_per_rank", "train_seconds")
 # What each score (bar accuracy, already above) adds: test_<score>_<kind>.
 SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
+# Appended after the training columns: the ensemble of the ranks, test_<score>_ensemble per task first.
+ENSEMBLE_COLUMNS = ("fusion_gap",)
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
 
 
@@ -71,7 +78,8 @@ def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
     columns = (*COLUMNS[:at], *extra, *COLUMNS[at:])
     if "classification" not in names:  # no run has an accuracy: no columns that are empty in every row
         columns = tuple(column for column in columns if not column.startswith("test_accuracy_"))
-    return (*columns, *(column for column in TRAINING_COLUMNS if column not in columns))
+    columns = (*columns, *(column for column in TRAINING_COLUMNS if column not in columns))
+    return (*columns, *(f"test_{task.score}_ensemble" for task in present), *ENSEMBLE_COLUMNS)
 
 
 def training_mode(training: dict[str, Any], cfg: dict[str, Any]) -> str:
@@ -103,6 +111,10 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
     gain = evaluation.get("fusion_gain")
     if gain is None:  # eval.json from before the evaluate stage wrote it
         gain = task.gain(merged[score], evaluation[f"best_rank_{score}"])
+    ensemble = evaluation.get("ensemble") or {}  # absent from eval.json of older evaluate stages
+    gap = evaluation.get("fusion_gap", "")
+    if gap in ("", None) and score in ensemble:
+        gap = task.gain(ensemble[score], merged[score])
     return {
         "run": run,
         "task": task.name,
@@ -125,6 +137,8 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         "mode": training_mode(training, cfg),
         "effective_batch_size": _count(training.get("effective_batch_size")),
         "bytes_all_reduced_per_rank": _count(training.get("bytes_all_reduced_per_rank")),
+        f"test_{score}_ensemble": ensemble.get(score, ""),
+        "fusion_gap": "" if gap is None else gap,
     }
 
 

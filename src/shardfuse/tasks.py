@@ -17,6 +17,14 @@ task; none of them names a metric on its own. No command line; a library module:
   ``bits_per_token`` and ``bits_per_byte`` (bits per token / the corpus's bytes per token: equal for
   byte-level tokens, comparable across tokenizers); ranked by loss, lower is better.
 
+Each task also says how the outputs of several models combine into the ensemble's (``combine``, scored by
+``accumulate`` like one model's outputs): classification averages the models' softmax probabilities and
+returns the log of that mean (so the loss is the NLL of the mean probability and the accuracy the argmax
+of it); regression averages the predictions (in the targets' units); causal_lm averages the models'
+log-softmax per token and renormalises that mean with logsumexp over the vocabulary (the normalised
+geometric mean of the probabilities, a product of experts; not the mean of the probabilities). The
+ensemble of one model is that model's outputs, unchanged.
+
 Metrics are accumulated as float64 sums batch by batch, so a split of any size is scored in bounded
 memory and the result does not depend on the batch size beyond float rounding. Importing this module
 imports no torch (tracking, plots and summary read the task's names and direction only).
@@ -78,6 +86,16 @@ class Task:
     def finish(self, totals: Totals) -> dict[str, float]:
         raise NotImplementedError
 
+    def combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The output-averaged ensemble of several models' outputs of one batch, in a form
+        :meth:`accumulate` scores; one model's outputs are returned as they are."""
+        if not outputs:
+            raise ValueError("an ensemble needs at least one model's outputs")
+        return outputs[0] if len(outputs) == 1 else self._combine(outputs)
+
+    def _combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
     def expected_output_shape(self, rows: int, num_outputs: int, block_size: int | None) -> tuple[int, ...]:
         return (rows, num_outputs)
 
@@ -115,6 +133,14 @@ class Classification(Task):
 
     def finish(self, totals: Totals) -> dict[str, float]:
         return {"loss": totals.sums["loss"] / totals.rows, "accuracy": totals.sums["correct"] / totals.rows}
+
+    def _combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """log(mean of the softmax probabilities), in float64: cross-entropy of it is the NLL of the mean
+        probability (its log-softmax is itself), its argmax the mean's."""
+        import torch
+
+        log_probs = torch.stack([o.double().log_softmax(dim=-1) for o in outputs])
+        return torch.logsumexp(log_probs, dim=0) - math.log(len(outputs))
 
 
 class Regression(Task):
@@ -171,6 +197,12 @@ class Regression(Task):
             "r2": float(r2.mean()),
         }
 
+    def _combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The mean prediction, in the targets' units (as each model predicts), float64."""
+        import torch
+
+        return torch.stack([o.double() for o in outputs]).mean(dim=0)
+
 
 class CausalLM(Task):
     name = "causal_lm"
@@ -204,6 +236,16 @@ class CausalLM(Task):
             "bits_per_token": bits,
             "bits_per_byte": bits / self.bytes_per_token,
         }
+
+    def _combine(self, outputs: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the models' log-softmax over the vocabulary, renormalised (minus its logsumexp)
+        so that every token's row is a log-distribution: the normalised geometric mean of the models'
+        probabilities. Float32 (a vocabulary times a block is large), summed one model at a time."""
+        total = outputs[0].float().log_softmax(dim=-1)
+        for other in outputs[1:]:
+            total = total + other.float().log_softmax(dim=-1)
+        mean = total / len(outputs)
+        return mean - mean.logsumexp(dim=-1, keepdim=True)
 
     def expected_output_shape(self, rows: int, num_outputs: int, block_size: int | None) -> tuple[int, ...]:
         return (rows, int(block_size or 0), num_outputs)

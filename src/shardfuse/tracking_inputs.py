@@ -321,6 +321,20 @@ def headline_metrics(
     for optional in ("base", "ddp_baseline"):  # written by newer evaluate stages only
         with contextlib.suppress(KeyError, TypeError, ValueError):
             metrics[f"test_{score}_{optional}"] = float(evaluation[optional][score])
+    # The ensemble of the ranks (newer evaluate stages only): every metric it has, and how much better
+    # than the merged model it scores (the task's sign, as fusion_gain's).
+    ensemble = evaluation.get("ensemble")
+    if isinstance(ensemble, dict) and isinstance(ensemble.get(score), (int, float)):
+        for m in score_first(task):
+            if (value := _number(ensemble.get(m))) is not None:
+                metrics[f"test_{m}_ensemble"] = value
+        gap = _number(evaluation.get("fusion_gap"))
+        gap = (
+            task.gain(metrics[f"test_{score}_ensemble"], metrics[f"test_{score}_merged"])
+            if gap is None
+            else gap
+        )
+        metrics["fusion_gap"] = float(gap)
     for rank in ranks:
         metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
     # Unknown (absent) in train.json of older train stages; 0 for independent training.
