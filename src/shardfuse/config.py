@@ -196,7 +196,10 @@ def merge_align_args(run_cfg: dict[str, Any]) -> str:
     """The merge command's alignment options: empty unless the run aligns (so the command of a run
     configured before alignment existed is unchanged and Snakemake does not re-run its merge)."""
     align = run_cfg.get("merge_align", "none")
-    return "" if align == "none" else f"--align {align}"
+    args = [] if align == "none" else ["--align", align]
+    if run_cfg.get("merge_recalibrate"):
+        args.append("--recalibrate")
+    return " ".join(args)
 
 
 def merge_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -678,6 +681,11 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
         raise ConfigError(
             f"{where}.merge_method: greedy_soup needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
+        )
+    if run.get("merge_recalibrate") and datasets[run["dataset"]].get("val_fraction", 0.1) == 0:
+        raise ConfigError(
+            f"{where}.merge_recalibrate: re-estimating BatchNorm statistics needs a validation split but "
+            f"dataset {run['dataset']!r} has val_fraction 0; set val_fraction > 0 or merge_recalibrate: false"
         )
     if run.get("merge_align", "none") != "none" and method == "consolidate":
         raise ConfigError(
