@@ -18,7 +18,7 @@ import torch
 from shardfuse import data as data_module
 from shardfuse.checkpoint import load_weights, save_weights
 from shardfuse.gather import gather
-from shardfuse.io import UserError, sha256_file, write_json
+from shardfuse.io import UserError, file_digests, sha256_file, write_json
 from shardfuse.merge import merge
 from shardfuse.merge_engine import merge_arrays
 from shardfuse.merge_methods import rank_weights, resolve_params
@@ -141,7 +141,9 @@ def test_gather_detects_a_file_changed_after_training(tmp_path):
 def test_gather_records_checksums_and_rows(tmp_path):
     record = gather(make_run(tmp_path, random_ranks(2), [3, 4]), 2)
     assert [r["rows"] for r in record["ranks"]] == [3, 4]
-    assert all(len(r["sha256"]) == 64 for r in record["ranks"])
+    assert (record["format_version"], record["hash"]) == (2, "blake3")
+    for r in record["ranks"]:  # both from one read: the sha256 is training's sidecar's
+        assert {"sha256": r["sha256"], "blake3": r["blake3"]} == file_digests(r["path"])
     assert record["tensors"]["a.weight"] == {"shape": [5, 4], "dtype": "F32"}
 
 
@@ -288,6 +290,73 @@ def test_a_rank_file_changed_after_gather_is_refused_and_nothing_is_written(tmp_
     assert not list(tmp_path.glob("*m.*"))
 
 
+def old_format(gather_path):
+    """gather.json as gather wrote it before format version 2: sha256 only."""
+    info = json.loads(gather_path.read_text())
+    del info["format_version"], info["hash"]
+    for entry in info["ranks"]:
+        del entry["blake3"]
+    write_json(gather_path, info)
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_an_old_format_gather_json_is_verified_with_sha256(tmp_path, changed):
+    ranks = random_ranks(2)
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1]), 2)
+    old_format(gather_path)
+    if changed:
+        path = tmp_path / "r" / "train" / "rank-0.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+        with pytest.raises(UserError, match=r"^rank 0: .*rank-0.safetensors is missing or changed since"):
+            merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
+        assert not list(tmp_path.glob("*m.*"))
+        return
+    record = merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
+    info = json.loads(gather_path.read_text())
+    assert record["hash"] == "sha256"
+    assert record["ingredients"] == [
+        {"rank": r["rank"], "path": r["path"], "sha256": r["sha256"], "rows": r["rows"]}
+        for r in info["ranks"]
+    ]
+    merged, _ = load_weights(tmp_path / "m.safetensors")
+    for name in ranks[0]:
+        reference = ((ranks[0][name].double() + ranks[1][name].double()) / 2).float()
+        torch.testing.assert_close(merged[name], reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (
+            {"format_version": 3},
+            r"has format version 3, newer than this shardfuse reads \(2\); re-run gather",
+        ),
+        (
+            {"hash": "md5"},
+            r": 'hash' is 'md5', not one of sha256, blake3; gather.json was edited or is stale",
+        ),
+    ],
+)
+def test_a_gather_json_of_a_newer_format_or_an_unknown_hash_is_refused(tmp_path, change, fragment):
+    gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(2), [1, 1]), 2)
+    write_json(gather_path, {**json.loads(gather_path.read_text()), **change})
+    with pytest.raises(UserError, match=fragment):
+        merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
+
+
+def test_a_version_2_gather_json_needs_every_rank_s_blake3(tmp_path):
+    gather_path = gather_to(tmp_path, make_run(tmp_path, random_ranks(2), [1, 1]), 2)
+    info = json.loads(gather_path.read_text())
+    del info["ranks"][1]["blake3"]
+    write_json(gather_path, info)
+    with pytest.raises(
+        UserError, match=r"'ranks\[1\]\.blake3' is missing, not a string; gather.json was edited"
+    ):
+        merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
+
+
 def test_merge_json_records_method_params_ingredients_base_and_tensor_stats(tmp_path):
     _, _, gather_path = run_with_base(tmp_path, 3)
     record = merge(
@@ -298,8 +367,7 @@ def test_merge_json_records_method_params_ingredients_base_and_tensor_stats(tmp_
     assert record["params"] == {"density": 0.5, "scale": 1.0} and record["weights"] is None
     info = json.loads(gather_path.read_text())
     assert record["ingredients"] == [
-        {"rank": r["rank"], "path": r["path"], "sha256": r["sha256"], "rows": r["rows"]}
-        for r in info["ranks"]
+        {key: r[key] for key in ("rank", "path", "sha256", "blake3", "rows")} for r in info["ranks"]
     ]
     assert record["base"] == {"path": info["base"], "sha256": sha256_file(info["base"])}
     assert record["tensor_stats"]["b"]["kept_fraction"] == pytest.approx(8 / 15)  # round(7.5) = 8 of 15

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardfuse.checkpoint import load_weights, save_weights
-from shardfuse.io import UserError, sha256_file
+from shardfuse.io import UserError, file_digests
 from shardfuse.models import build_model, check_model_fits
 from shardfuse.specs import normalized_spec
 from shardfuse.tracking_inputs import load_inputs
@@ -152,9 +152,9 @@ def edit_gather(workdir: Path, change) -> None:
 
 
 def point(info: dict, rank: int, workdir: Path, path: str) -> None:
-    """Rank ``rank`` of gather.json now names ``path``, with its sha256 and size recomputed to match."""
+    """Rank ``rank`` of gather.json now names ``path``, with its checksums and size recomputed to match."""
     info["ranks"][rank].update(
-        path=path, sha256=sha256_file(workdir / path), bytes=(workdir / path).stat().st_size
+        path=path, **file_digests(workdir / path), bytes=(workdir / path).stat().st_size
     )
 
 

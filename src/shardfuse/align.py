@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from shardfuse.io import UserError, sha256_file
+from shardfuse.io import HASH_ALGORITHMS, UserError, file_digests
 
 Groups = dict[str, list[tuple[str, int]]]
 
@@ -203,9 +203,9 @@ def align_gather(
             metadata = handle.metadata()
         aligned = work_dir / f"aligned-rank-{entry['rank']}.safetensors"
         save_file(apply_permutations(tensors, groups, perms), str(aligned), metadata=metadata)
-        engine_ranks.append(
-            {**entry, "path": str(aligned), "sha256": sha256_file(aligned), "bytes": aligned.stat().st_size}
-        )
+        algorithms = tuple(algorithm for algorithm in HASH_ALGORITHMS if algorithm in entry)
+        digests = file_digests(aligned, algorithms)  # the copy's digests, as gather records the files'
+        engine_ranks.append({**entry, **digests, "path": str(aligned), "bytes": aligned.stat().st_size})
     record = {
         "method": "weight_matching",
         "reference_rank": ranks[0]["rank"],

@@ -28,9 +28,12 @@ directory, be listed once, and carry in its header the training and rank of its 
 (shardfuse.trust.read_gather); greedy soup, the one method that builds the model, first checks that
 the model gather.json describes fits the tensors (shardfuse.models.check_model_fits).
 
-Checksums: each ingredient's sha256 is computed from the very bytes that are merged and compared with
-gather.json before the output is renamed into place: one read per file, and no window between check
-and use. The base (shared initial weights) is checked against its sidecar base.json.
+Checksums: each ingredient's digest (BLAKE3 from gather.json format version 2 on, sha256 before:
+``shardfuse.trust.checksum_algorithm``) is computed by the reader threads from the very bytes that are
+merged and compared with gather.json before the output is renamed into place: one read per file, and
+no window between check and use. merge.json's ``hash`` names the algorithm checked; its ingredients
+carry gather.json's digests, each under its algorithm's name. The base (shared initial weights) is
+checked against the sha256 of its sidecar base.json.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardfuse.io import (
+    HASH_ALGORITHMS,
     StageParser,
     UserError,
     atomic_path,
@@ -59,7 +63,7 @@ from shardfuse.io import (
 from shardfuse.merge_engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.merge_methods import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
 from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
-from shardfuse.trust import STALE, read_gather, shapes_of
+from shardfuse.trust import STALE, checksum_algorithm, read_gather, shapes_of
 from shardfuse.usercode import check_code_unchanged
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: it would import torch)
@@ -69,10 +73,20 @@ RERUN_GATHER = "re-run gather (snakemake -R gather)"
 # ---------------------------------------------------------------- inputs and checks
 
 
-def _open_checked(path: Path, expected_bytes: int | None, what: str) -> SafetensorsReader:
+def _open_checked(
+    path: Path, expected_bytes: int | None, what: str, hash_algorithm: str = "sha256"
+) -> SafetensorsReader:
     if not path.is_file() or (expected_bytes is not None and path.stat().st_size != expected_bytes):
         raise UserError(f"{what}: {path} is missing or changed since gather; {RERUN_GATHER}")
-    return SafetensorsReader(path)
+    return SafetensorsReader(path, hash_algorithm=hash_algorithm)
+
+
+def _check_digest(reader: SafetensorsReader, entry: dict[str, Any], what: str) -> None:
+    """The rank file's bytes, as merged, must match the digest its gather.json entry records for the
+    reader's algorithm (alignment's permuted copies carry their own digests: shardfuse.align)."""
+    algorithm = reader.hash_algorithm
+    if reader.hexdigest() != entry[algorithm]:
+        raise UserError(f"{what}: {entry['path']} is missing or changed since gather; {RERUN_GATHER}")
 
 
 def _check_header(reader: SafetensorsReader, expected: dict[str, Any], what: str) -> None:
@@ -238,10 +252,11 @@ def merge_rank_files(
     rank_numbers = [int(r["rank"]) for r in ranks]
     rows = [int(r["rows"]) for r in ranks]
     what = [f"rank {number}" for number in rank_numbers]
+    algorithm = checksum_algorithm(info)
     inputs: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         readers = [
-            stack.enter_context(_open_checked(Path(r["path"]), r.get("bytes"), label))
+            stack.enter_context(_open_checked(Path(r["path"]), r.get("bytes"), label, algorithm))
             for r, label in zip(ranks, what, strict=True)
         ]
         for reader, label in zip(readers, what, strict=True):
@@ -268,22 +283,21 @@ def merge_rank_files(
         )
         entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
 
-        def fill(writer: SafetensorsWriter) -> tuple[dict, list[str]]:
+        def fill(writer: SafetensorsWriter) -> dict:
             stats = engine.run(writer.names, writer)
-            digests = [reader.sha256() for reader in readers]
-            for r, digest, label in zip(ranks, digests, what, strict=True):
-                if digest != r["sha256"]:
-                    raise UserError(
-                        f"{label}: {r['path']} is missing or changed since gather; {RERUN_GATHER}"
-                    )
+            for reader, r, label in zip(readers, ranks, what, strict=True):
+                _check_digest(reader, r, label)
             if base is not None:
                 inputs["base"] = {"path": str(base.path), "sha256": _base_sha256(base)}
-            return stats, digests
+            return stats
 
-        digest, (stats, digests) = _write(out_weights, entries, metadata, fill)
+        digest, stats = _write(out_weights, entries, metadata, fill)
+    # Each ingredient with the digests gather.json records, each under its algorithm's name; merge.json's
+    # ``hash`` names the one checked against the merged bytes.
+    inputs["hash"] = algorithm
     inputs["ingredients"] = [
-        {"rank": number, "path": r["path"], "sha256": d, "rows": n}
-        for number, r, d, n in zip(rank_numbers, ranks, digests, rows, strict=True)
+        {"rank": number, "path": r["path"], **{a: r[a] for a in HASH_ALGORITHMS if a in r}, "rows": n}
+        for number, r, n in zip(rank_numbers, ranks, rows, strict=True)
     ]
     return Fused(digest, stats, inputs)
 
@@ -332,6 +346,7 @@ def merge(
     block_bytes: int = BLOCK_BYTES,
     align: str = "none",
     align_max_iter: int = 100,
+    recalibrate: bool = False,
 ) -> dict[str, Any]:
     """Merge the ranks listed in gather.json with ``method`` (after aligning them to rank 0 with
     ``align: weight_matching``, :mod:`shardfuse.align`); write the weights and merge.json."""
@@ -391,11 +406,18 @@ def merge(
         if alignment is not None:  # merge.json names the files gather.json lists, not the aligned copies
             originals = {int(r["rank"]): r for r in info["ranks"]}
             for ingredient in fused.inputs["ingredients"]:
+                original = originals[ingredient["rank"]]
                 ingredient.update(
-                    path=originals[ingredient["rank"]]["path"], sha256=originals[ingredient["rank"]]["sha256"]
+                    {key: original[key] for key in ("path", *HASH_ALGORITHMS) if key in ingredient}
                 )
             record["alignment"] = alignment
     record.update(fused.inputs)
+    output_sha256 = fused.sha256
+    if recalibrate:
+        from shardfuse.recalibrate import recalibrate_file  # deferred: imports torch
+
+        record["recalibration"] = recalibrate_file(out_weights, spec, val_split, batch_size)
+        output_sha256 = record["recalibration"]["sha256"]
     stats = fused.tensor_stats
     spreads = [s["max_abs_diff"] for s in stats.values()]
     record.update(
@@ -404,7 +426,7 @@ def merge(
         seconds=time.perf_counter() - started,
         peak_rss_mb=peak_rss_mb(),
         output=out_weights.name,
-        sha256=fused.sha256,
+        sha256=output_sha256,
         num_tensors=len(info["tensors"]),
         num_parameters=sum(math.prod(t["shape"]) for t in info["tensors"].values()),
     )
@@ -425,6 +447,11 @@ def main(argv: list[str] | None = None) -> None:
         "--align", choices=("none", "weight_matching"), default="none", help="permutation alignment first"
     )
     parser.add_argument("--align-max-iter", type=int, default=100, help="weight matching: sweeps at most")
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="re-estimate BatchNorm statistics on --val-split after merging",
+    )
     parser.add_argument("--out-weights", type=Path, required=True, help="merged.safetensors to write")
     parser.add_argument("--out-json", type=Path, required=True, help="merge.json to write")
     args = parser.parse_args(argv)
@@ -445,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         run=args.run,
         align=args.align,
         align_max_iter=args.align_max_iter,
+        recalibrate=args.recalibrate,
     )
     spread = record["max_abs_diff_between_ranks"]
     print(

@@ -12,8 +12,9 @@ Explicit ``os.preadv`` reads into a few reused buffers keep RSS flat, and cost n
 copies out of the mapping anyway. Not importing torch matters too: ``import torch`` alone takes more
 RSS than the whole merge engine needs for a model of a hundred megabytes.
 
-The reader hashes the bytes it reads (sha256) while they stream past in file order, so a merge checks
-its inputs against their recorded checksums without a second pass over the files.
+The reader hashes the bytes it reads (sha256 or BLAKE3, ``hash_algorithm``) while they stream past in
+file order, so a merge checks its inputs against their recorded checksums without a second pass over the
+files; the merge engine reads, and so hashes, in its reader threads, off the math's thread.
 
 The writer computes the header up front (names, dtypes, shapes, offsets, metadata), then takes the
 tensor bytes in file order, in as many chunks as the caller likes. Its output is byte-identical to
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from shardfuse.io import UserError
+from shardfuse.io import UserError, new_hash
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
@@ -159,9 +160,12 @@ def _parse_header(path: Path, raw: bytes, data_start: int, file_size: int) -> tu
 class SafetensorsReader:
     """One safetensors file, opened for explicit reads. Tensors are listed in file order."""
 
-    def __init__(self, path: str | os.PathLike, *, hash_reads: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, hash_reads: bool = True, hash_algorithm: str = "sha256"
+    ) -> None:
         self.path = Path(path)
         self.hash_reads = hash_reads  # False only to measure what hashing costs (bench/merge.py)
+        self.hash_algorithm = hash_algorithm
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
@@ -182,7 +186,8 @@ class SafetensorsReader:
         except BaseException:
             os.close(self._fd)
             raise
-        self._digest = hashlib.sha256(prefix + raw)
+        self._digest = new_hash(hash_algorithm)
+        self._digest.update(prefix + raw)
         self._hashed_upto = self.data_start
 
     def read_into(self, info: TensorInfo, start: int, count: int, out: np.ndarray) -> np.ndarray:
@@ -212,7 +217,14 @@ class SafetensorsReader:
             done += got
 
     def sha256(self) -> str:
-        """sha256 of the whole file: the bytes hashed while streaming, plus a read of whatever was not."""
+        """:meth:`hexdigest` of a reader opened with the default ``hash_algorithm="sha256"``."""
+        if self.hash_algorithm != "sha256":
+            raise ValueError(f"{self.path} is hashed with {self.hash_algorithm}, not sha256")
+        return self.hexdigest()
+
+    def hexdigest(self) -> str:
+        """The whole file's digest (``hash_algorithm``): the bytes hashed while streaming, plus a read
+        of whatever was not."""
         buffer = np.empty(1 << 20, dtype=np.uint8)
         while self._hashed_upto < self.size:
             view = buffer[: min(len(buffer), self.size - self._hashed_upto)]

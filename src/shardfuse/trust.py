@@ -18,8 +18,9 @@ where a stage reads it) must
 - be safetensors whose shardfuse header names the training gather.json names, the rank of its place
   in gather.json (the base: none) and, where both say, the same world size.
 
-Only headers are read (no torch, no tensor data); merge still checks every input's sha256 against
-gather.json on the bytes it merges.
+Only headers are read (no torch, no tensor data); merge still checks every input's checksum against
+gather.json on the bytes it merges: the digest ``hash`` names (:func:`checksum_algorithm`; BLAKE3
+from format version 2 on), sha256 in a gather.json without ``format_version``.
 
 A header's model spec is checked against the header's tensors before a model is built
 (:func:`check_spec_bounds` here, torch-free: the exact state dict of the built-in mlp, and for the other
@@ -37,7 +38,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import UserError, read_json
+from shardfuse.io import HASH_ALGORITHMS, UserError, read_json
 from shardfuse.safetensors_stream import InvalidSafetensors, SafetensorsReader
 from shardfuse.specs import normalized_spec
 from shardfuse.usercode import is_builtin
@@ -46,10 +47,13 @@ METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: keep this m
 STALE = "gather.json was edited or is stale: re-run gather (snakemake -R gather)"
 RERUN_TRAIN = "re-run training (snakemake -R train)"
 RERUN_MERGE = "re-run merge (snakemake -R merge)"
+GATHER_FORMAT_VERSION = 2  # the newest gather.json this module reads (as shardfuse.gather writes)
 
 # The entries gather writes and their types. Each is checked where present; a stage names the ones it
 # reads (``need``), which must then be present.
 GATHER_FIELDS: dict[str, type] = {
+    "format_version": int,
+    "hash": str,
     "run": str,
     "world_size": int,
     "strategy": str,
@@ -62,6 +66,7 @@ RANK_FIELDS: dict[str, type] = {
     "rank": int,
     "path": str,
     "sha256": str,
+    "blake3": str,
     "bytes": int,
     "rows": int,
     "num_steps": int,
@@ -114,11 +119,24 @@ def read_gather(
     gather_path = Path(gather_path)
     info = read_json(gather_path, "gather record")
     _check_fields(gather_path, "", info, GATHER_FIELDS, ("run", "ranks", *need))
+    version = info.get("format_version") or 1
+    if version > GATHER_FORMAT_VERSION:
+        raise UserError(
+            f"{gather_path} has format version {version}, newer than this shardfuse reads "
+            f"({GATHER_FORMAT_VERSION}); re-run gather with this version (snakemake -R gather)"
+        )
+    algorithm = checksum_algorithm(info)
+    if algorithm not in HASH_ALGORITHMS:
+        raise UserError(
+            f"{gather_path}: 'hash' is {algorithm!r}, not one of {', '.join(HASH_ALGORITHMS)}; {STALE}"
+        )
     ranks = info["ranks"]
     if not ranks:
         raise UserError(f"{gather_path} lists no ranks; {STALE}")
+    # The digest ``hash`` names must be there for every rank (whoever reads it).
+    rank_need = ("rank", "path", *need_in_ranks, *((algorithm,) if "hash" in info else ()))
     for index, entry in enumerate(ranks):
-        _check_fields(gather_path, f"ranks[{index}].", entry, RANK_FIELDS, ("rank", "path", *need_in_ranks))
+        _check_fields(gather_path, f"ranks[{index}].", entry, RANK_FIELDS, rank_need)
     numbers = [entry["rank"] for entry in ranks]
     for number in numbers:
         if number < 0 or numbers.count(number) > 1:
@@ -139,6 +157,12 @@ def read_gather(
     for label, path, rank in entries:
         _check_entry(gather_path, training_dir, label, path, rank, info, seen)
     return info
+
+
+def checksum_algorithm(info: dict[str, Any]) -> str:
+    """The hash whose digest merge verifies for each rank: gather.json's ``hash`` (format version 2:
+    blake3); sha256 for a gather.json without one (version 1). The rank entry's field has its name."""
+    return info.get("hash") or "sha256"
 
 
 def _check_entry(
