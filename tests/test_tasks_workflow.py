@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -170,7 +171,12 @@ def test_mlflow_has_each_tasks_metrics_and_the_user_model_predicts_string_labels
     assert parents["iris_indep"].data.params["model"] == "usernets:build"
 
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
-    model = mlflow.pyfunc.load_model(f"runs:/{parents['iris_indep'].info.run_id}/model")
+    try:
+        model = mlflow.pyfunc.load_model(f"runs:/{parents['iris_indep'].info.run_id}/model")
+    finally:
+        # set_tracking_uri also exports MLFLOW_TRACKING_URI; later tests' workflows must not inherit it.
+        mlflow.set_tracking_uri(None)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
     frame = pd.DataFrame(
         {"sepal length (cm)": [5.0, 6.7], "sepal width (cm)": [3.4, 3.0], "petal length (cm)": [1.5, 5.6]}
     )
