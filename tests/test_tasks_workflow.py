@@ -172,11 +172,15 @@ def test_mlflow_has_each_tasks_metrics_and_the_user_model_predicts_string_labels
 
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
     try:
-        model = mlflow.pyfunc.load_model(f"runs:/{parents['iris_indep'].info.run_id}/model")
+        _loaded_models_predict(mlflow, pd, parents)
     finally:
         # set_tracking_uri also exports MLFLOW_TRACKING_URI; later tests' workflows must not inherit it.
         mlflow.set_tracking_uri(None)
         os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+def _loaded_models_predict(mlflow, pd, parents) -> None:
+    model = mlflow.pyfunc.load_model(f"runs:/{parents['iris_indep'].info.run_id}/model")
     frame = pd.DataFrame(
         {"sepal length (cm)": [5.0, 6.7], "sepal width (cm)": [3.4, 3.0], "petal length (cm)": [1.5, 5.6]}
     )
