@@ -212,6 +212,25 @@ def test_karcher_matches_the_iterated_riemannian_mean(weights, max_iter, tol):
     assert stats["iterations"] >= 1
 
 
+@pytest.mark.parametrize(
+    ("values", "weights"),
+    [
+        ([0.07371258735656738, -0.002157747745513916], [1.0, 3.0]),
+        ([-0.02306288480758667, 0.06214648485183716, -0.016552209854125977, -0.03622579574584961], None),
+        ([0.04140174388885498, -0.05994570255279541, 0.04293304681777954, 0.07212609052658081], [2, 1, 1, 3]),
+    ],
+)
+def test_karcher_of_one_element_tensors_with_mixed_signs(values, weights):
+    """A 1-element bias whose ranks disagree in sign (inputs where mergekit 0.1.5 and we once differed).
+    On the 0-sphere the unit vectors are +-1: the start (the weighted mean's sign) is already the mean,
+    since every log map from it is zero (equal or antipodal), so the result is that sign times the
+    weighted mean norm. The Gram form once stepped on a cancelled difference here (garbage, wrong sign)."""
+    w = np.asarray(weights or [1.0] * len(values), dtype=np.float64)
+    merged, _ = merged64("karcher", {"weights": weights}, [[v] for v in values])
+    direction = np.sign(w @ np.sign(values))
+    close(merged, [direction * (w @ np.abs(values)) / w.sum()])
+
+
 # ---------------------------------------------------------------- properties
 
 

@@ -246,8 +246,8 @@ def test_regression_headline_metrics_name_mse_r2_and_no_accuracy(tmp_path):
     expected = {
         "test_mse_merged": 0.25, "test_loss_merged": 0.26, "test_mae_merged": 0.38, "test_r2_merged": 0.75,
         "test_mse_best_rank": 0.30, "test_mse_mean_rank": 0.31, "test_loss_mean_rank": 0.32,
-        "test_mse_base": 1.0, "test_mse_ddp_baseline": 0.22, "test_mse_rank_0": 0.30, "test_mse_rank_1": 0.32,
-        "fusion_gain": 0.05,
+        "test_mse_initial": 1.0, "test_mse_ddp_baseline": 0.22, "test_mse_rank_0": 0.30,
+        "test_mse_rank_1": 0.32, "fusion_gain": 0.05, "ddp_gap": 0.25 - 0.22,
     }  # fmt: skip
     assert {name: headline[name] for name in expected} == pytest.approx(expected)
     assert inputs.ranks[1].test_metrics == pytest.approx(
@@ -273,9 +273,12 @@ def test_classification_headline_metrics_keep_their_names_and_values(tmp_path):
     assert new == old
     assert sorted(old) == sorted([
         "test_accuracy_merged", "test_loss_merged", "test_accuracy_best_rank", "test_accuracy_mean_rank",
-        "test_loss_mean_rank", "train_seconds", "merge_seconds", "fusion_gain", "test_accuracy_base",
-        "test_accuracy_ddp_baseline", "test_accuracy_rank_0", "test_accuracy_rank_1", "samples_per_second",
+        "test_loss_mean_rank", "train_seconds", "merge_seconds", "fusion_gain", "test_accuracy_initial",
+        "test_accuracy_ddp_baseline", "ddp_gap", "test_accuracy_rank_0", "test_accuracy_rank_1",
+        "samples_per_second",
     ])  # fmt: skip
+    # How much better the ddp baseline scores than the merged model (accuracy: higher is better).
+    assert old["ddp_gap"] == pytest.approx(old["test_accuracy_ddp_baseline"] - old["test_accuracy_merged"])
 
 
 def test_an_eval_json_ranked_by_a_score_its_task_does_not_use_is_a_user_error():

@@ -180,7 +180,7 @@ def test_mlflow_has_each_tasks_metrics_and_the_user_model_predicts_string_labels
 
 
 def _loaded_models_predict(mlflow, pd, parents) -> None:
-    model = mlflow.pyfunc.load_model(f"runs:/{parents['iris_indep'].info.run_id}/model")
+    model = mlflow.pyfunc.load_model(f"runs:/{parents['iris_indep'].info.run_id}/iris_indep")
     frame = pd.DataFrame(
         {"sepal length (cm)": [5.0, 6.7], "sepal width (cm)": [3.4, 3.0], "petal length (cm)": [1.5, 5.6]}
     )
@@ -194,7 +194,7 @@ def _loaded_models_predict(mlflow, pd, parents) -> None:
     from sklearn.datasets import load_digits
 
     images = (load_digits().images[:4] / 16.0).astype(np.float32)[:, None]
-    cnn = mlflow.pyfunc.load_model(f"runs:/{parents['images_ddp'].info.run_id}/model")
+    cnn = mlflow.pyfunc.load_model(f"runs:/{parents['images_ddp'].info.run_id}/images_ddp")
     assert list(cnn.metadata.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 1, 8, 8]
     assert list(cnn.predict(images)["prediction"]) == ["0", "1", "2", "3"]
 

@@ -179,7 +179,7 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
     (model,) = client.search_logged_models(
         [store["experiment_id"]], f"source_run_id = '{parent.info.run_id}'"
     )
-    assert result["model_uri"] == f"models:/{model.model_id}" and model.name == "model"
+    assert result["model_uri"] == f"models:/{model.model_id}" and model.name == run_name
 
 
 def test_regression_run_carries_its_mse_r2_and_rank_scores_and_no_accuracy(store, tmp_path):
@@ -261,8 +261,11 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
 
     result = tracking.track_run(run_name, run_dir, manifest, config, store["uri"], EXPERIMENT)
     assert result["action"] == "updated"
-    assert result["num_points_pushed"] == 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2
     parents, children = _active_runs(store, run_name)
+    # The rest of the histories, each rank's two test metrics and the parent's headline metrics (logged
+    # after the ranks, so the interrupted push had none of them).
+    num_headline = len(parents[0].data.metrics)
+    assert result["num_points_pushed"] == 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2 + num_headline
     assert [p.info.run_id for p in parents] == [interrupted.info.run_id] == [result["parent_run_id"]]
     assert parents[0].data.tags["shardfuse.complete"] == "true"
     assert parents[0].info.status == "FINISHED"
@@ -407,7 +410,7 @@ def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(store, tm
     assert tags["shardfuse.config_hash"] == tracking_inputs.config_hash(config)
     for rank, child_id in result["child_run_ids"].items():
         assert store["client"].get_run(child_id).data.tags["shardfuse.host"] == f"node{rank}"
-    assert parent.data.metrics["test_accuracy_base"] == pytest.approx(0.34)
+    assert parent.data.metrics["test_accuracy_initial"] == pytest.approx(0.34)
     assert parent.data.metrics["test_accuracy_ddp_baseline"] == pytest.approx(0.83)
 
 
@@ -429,8 +432,11 @@ def test_more_training_steps_append_only_the_new_points_to_the_same_runs(store, 
         for key in tracking_inputs.STEP_METRICS:
             points = store["client"].get_metric_history(child_id, key)
             assert sorted(m.step for m in points) == list(range(12))  # 7 old + 5 new, none twice
-        assert [s for s, _ in _history(store, child_id, "test_accuracy")] == [7]  # unchanged: not re-logged
-    assert _history(store, second["parent_run_id"], "test_accuracy_merged") == [(7, 0.8), (12, 0.85)]
+        assert [s for s, _ in _history(store, child_id, "test_accuracy")] == [0]  # unchanged: not re-logged
+    # Summary metrics stay at step 0 (the chart view's bars); the newer point is the later one.
+    assert _history(store, second["parent_run_id"], "test_accuracy_merged") == [(0, 0.8), (0, 0.85)]
+    latest = store["client"].get_run(second["parent_run_id"]).data.metrics["test_accuracy_merged"]
+    assert latest == pytest.approx(0.85)
     parents, _ = _active_runs(store, "grown")
     assert parents[0].data.metrics["test_accuracy_merged"] == pytest.approx(0.85)
     new_points = 2 * 5 * len(tracking_inputs.STEP_METRICS)
@@ -467,7 +473,7 @@ def test_merged_model_loads_with_pyfunc_predicts_like_the_weights_and_is_registe
     reference.load_state_dict(tensors)
     with torch.no_grad():
         expected = torch.softmax(reference.eval()(torch.tensor(features.to_numpy(), dtype=torch.float32)), 1)
-    for uri in (f"runs:/{result['parent_run_id']}/model", result["model_uri"], f"models:/{name}/1"):
+    for uri in (f"runs:/{result['parent_run_id']}/served", result["model_uri"], f"models:/{name}/1"):
         predicted = mlflow.pyfunc.load_model(uri).predict(features)
         assert predicted["prediction"].tolist() == expected.argmax(1).tolist()
         probabilities = predicted[[f"probability_{c}" for c in range(3)]].to_numpy()
@@ -583,7 +589,7 @@ def test_more_steps_append_only_the_new_grad_norm_and_validation_points(store, t
         assert [s for s, _, _ in _points(store, child_id, "val_accuracy")] == [2, 5, 8, 11]
         assert len(_points(store, child_id, "grad_norm")) == 12 - (rank == "1")
         published = [(s, v) for s, _, v in _points(store, child_id, "published_step")]
-        assert published == ([(7, 6.0), (12, 11.0)] if rank == "0" else [(7, 5.0)])
+        assert published == ([(0, 6.0), (0, 11.0)] if rank == "0" else [(0, 5.0)])
     third = tracking.track_run("grown_val", run_dir, manifest, config, store["uri"], EXPERIMENT)
     assert (third["action"], third["num_points_pushed"]) == ("unchanged", 0)
 

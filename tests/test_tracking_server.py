@@ -145,7 +145,11 @@ def test_server_down_fails_fast_with_rerun_hint_and_rerun_after_restart_loses_an
     assert proc.returncode == 0, proc.stderr
     result = json.loads((run_dir / "mlflow.json").read_text())
     assert (result["action"], result["parent_run_id"]) == ("updated", partial.info.run_id)
-    assert result["num_points_pushed"] == 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2
+    # The rest of the histories, each rank's two test metrics, the parent's headline metrics (pushed
+    # after the ranks: the interrupted push had none).
+    (parent,), _ = _parents(server, "outage")
+    expected = 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2 + len(parent.data.metrics)
+    assert result["num_points_pushed"] == expected
     _assert_complete(server, result, num_steps)
     assert _track_cli(server, run_dir, manifest, "outage").returncode == 0
     assert json.loads((run_dir / "mlflow.json").read_text())["action"] == "unchanged"

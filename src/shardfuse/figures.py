@@ -1,17 +1,22 @@
 """Figures of results/summary.csv (merge methods side by side, score vs communication) and the drawing
-helpers every shardfuse figure shares (Agg backend, deterministic atomic PNGs, bars, score labels).
+helpers every shardfuse figure shares (Agg backend, deterministic atomic PNGs, zoomed score axes).
 
 A library, no command line: :mod:`shardfuse.plots` draws these figures (``compare``, ``communication``)
 next to the per-run plots::
 
-    python -m shardfuse.plots communication --summary results/summary.csv \\
-        --out results/plots/communication.png
+    python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
 
 The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`); runs ranked by different
 scores never share a panel, and every axis says which way is better.
 
-``compare`` marks each run's best rank and, when summary.csv has the column, the ranks' output-averaged
-ensemble (the reference a fused model is judged against).
+``compare`` (``merge_methods.png``): a dot plot, one row per run (its name, merge method and training),
+the best merged test score at the top, whichever way the score points. Per row the merged model is a
+dot (its value right of the panel) and the references it is judged against are marks: the ranks' span
+from mean to best rank, the ranks' output-averaged ensemble, and the ddp baseline (one dashed line when
+every run shares it, a square per row otherwise). A row lacking a value lacks its mark. The axis is
+zoomed to the drawn values, never stretched to 0-1: fused models of one training differ by thousandths.
+The initial model (scored before training) is named under the axis, not drawn: it would flatten the rest.
+The legend sits below the panels, never on the data.
 
 ``communication``: the merged model's test score against ``bytes_all_reduced_per_rank`` (the summary's
 column, from train.json) on a log x axis, one labelled point per run, coloured by training mode. Runs
@@ -34,9 +39,9 @@ import numpy as np
 from shardfuse.io import UserError, atomic_path
 from shardfuse.tasks import TASKS, Task, task_for
 
-GROUP_COLUMNS = ("dataset", "world_size", "strategy")
 MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
 ENSEMBLE_COLOR = "#8c564b"  # the ranks' output-averaged ensemble: the reference a fused model aims at
+INITIAL_COLOR = "#a0a0a0"  # the initial model: not the ddp baseline's green, the two read alike otherwise
 # Score -> task, for summary rows (scores differ between tasks); accuracy first: old summaries have no other.
 TASK_OF_SCORE: dict[str, Task] = {task.score: task for task in map(task_for, TASKS)}
 MODE_COLORS = {"ddp": "#1f77b4", "localsgd": "#ff7f0e", "diloco": "#9467bd", "independent": "#2ca02c"}
@@ -73,23 +78,26 @@ def number(value: float, sign: str = "") -> str:
     return f"{value:{sign}.3g}"
 
 
-def value_limits(values: Iterable[float]) -> tuple[float, float]:
-    """y range from the data, always holding 0 (bars start there) and room for the value labels."""
+def zoomed_limits(values: Iterable[float], margin: float = 0.06) -> tuple[float, float]:
+    """An axis range from the data alone plus a small margin: never stretched to 0 or to 1, so scores a
+    few thousandths apart (fused models of one training usually are) stay apart."""
     finite = [v for v in values if math.isfinite(v)]
-    low, high = min([0.0, *finite]), max([0.0, *finite])
-    span = (high - low) or 1.0
-    return (low - 0.08 * span if low < 0 else 0.0), high + 0.08 * span
+    if not finite:
+        return 0.0, 1.0
+    low, high = min(finite), max(finite)
+    pad = margin * (high - low) if high > low else max(0.01 * abs(high), 1e-3)
+    return low - pad, high + pad
 
 
-def bar_chart(ax, bars: list[tuple[str, float, str]], limits: tuple[float, float] | None = None) -> None:
-    positions = np.arange(len(bars))
-    ax.bar(positions, [b[1] for b in bars], color=[b[2] for b in bars])
-    for x, (_, value, _) in zip(positions, bars, strict=True):
-        ax.annotate(number(value), (x, value), ha="center", va="bottom", fontsize="small",
-                    xytext=(0, 2), textcoords="offset points")  # fmt: skip
-    ax.set_xticks(positions, [b[0] for b in bars], rotation=30 if len(bars) > 6 else 0, ha="right")
-    ax.set_ylim(*(limits or value_limits(b[1] for b in bars)))
-    ax.grid(axis="y", alpha=0.3)
+def far_outside(value: float, others: Iterable[float]) -> bool:
+    """Whether ``value`` lies further from the others' range than that range is wide: on one axis with
+    it, the others would share less than half of it (the initial model, scored before any training,
+    usually does that to the trained ones)."""
+    finite = [v for v in others if math.isfinite(v)]
+    if not finite or not math.isfinite(value):
+        return False
+    low, high = min(finite), max(finite)
+    return max(low - value, value - high) > max(high - low, 1e-12)
 
 
 def row_task(row: dict[str, str]) -> Task:
@@ -118,84 +126,143 @@ def read_summary(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def training_groups(rows: Iterable[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
-    """Runs that share their training: by the ``training`` column, else dataset + world size + strategy."""
-    groups: dict[str, list[dict[str, str]]] = {}
+class RunScores(NamedTuple):
+    """One row of the merge-methods plot: a run's merged test score and what it is judged against, in
+    the run's score; None where the summary has no value (that mark is then left out)."""
+
+    label: str
+    merged: float | None
+    best_rank: float | None
+    mean_rank: float | None
+    ensemble: float | None
+    ddp_baseline: float | None
+    initial: float | None  # the initial model, before any training: named under the axis, not drawn
+
+    def drawn(self) -> list[float]:
+        """The values drawn on the axis (not the initial model's)."""
+        marks = (self.merged, self.best_rank, self.mean_rank, self.ensemble, self.ddp_baseline)
+        return [value for value in marks if value is not None]
+
+
+# The merge-methods plot's marks, in legend order.
+MERGED, RANK_SPAN, BEST, MEAN = "merged model", "ranks: mean to best", "best rank", "mean rank"
+ENSEMBLE, DDP_SHARED, DDP = "ensemble of the ranks", "ddp baseline (all runs)", "ddp baseline (per run)"
+LEGEND_ORDER = (MERGED, RANK_SPAN, BEST, MEAN, ENSEMBLE, DDP_SHARED, DDP)
+
+
+def cell(row: dict[str, str], column: str) -> float | None:
+    """A summary cell as a number; None when empty, absent or not finite."""
+    value = row.get(column)
+    if value in (None, ""):
+        return None
+    parsed = float(value)
+    return parsed if math.isfinite(parsed) else None
+
+
+def run_label(row: dict[str, str]) -> str:
+    """The run's name, its merge method (unless the name is the method) and the training it fused."""
+    method = row.get("merge_method") or ""
+    label = row["run"] if method in ("", row["run"]) else f"{row['run']}: {method}"
+    ranks = f"{row['world_size']} ranks" if row.get("world_size") else ""
+    training = ", ".join(part for part in (row.get("mode") or row.get("strategy") or "", ranks) if part)
+    return f"{label} ({training})" if training else label
+
+
+def run_scores(row: dict[str, str], task: Task) -> RunScores:
+    prefix = f"test_{task.score}_"
+    initial = cell(row, prefix + "initial")
+    if initial is None:  # summaries from before the column said what it is
+        initial = cell(row, prefix + "base")
+    kinds = ("merged", "best_rank", "mean_rank", "ensemble", "ddp_baseline")
+    return RunScores(run_label(row), *(cell(row, prefix + kind) for kind in kinds), initial)
+
+
+def score_groups(rows: Iterable[dict[str, str]]) -> list[tuple[Task, list[RunScores]]]:
+    """One group per score (runs of different scores share no axis), in the order the tasks are listed;
+    in each, the runs best merged score first, whichever way the score points, runs without one last."""
+    by_task: dict[str, tuple[Task, list[dict[str, str]]]] = {}
     for row in rows:
-        if row.get("training"):
-            key = row["training"]
-        else:
-            key = " / ".join(f"{c} {row[c]}" if c == "world_size" else row.get(c, "?") for c in GROUP_COLUMNS)
-        groups.setdefault(key, []).append(row)
+        task = row_task(row)
+        by_task.setdefault(task.name, (task, []))[1].append(row)
+    groups = []
+    for task, members in sorted(by_task.values(), key=lambda group: TASKS.index(group[0].name)):
+        runs = [run_scores(row, task) for row in members]
+        runs.sort(key=lambda r: (r.merged is None, 0.0 if r.merged is None else task.sort_key(r.merged)))
+        groups.append((task, runs))
     return groups
 
 
-def score_panels(rows: Iterable[dict[str, str]]) -> list[tuple[Task, list[dict[str, str]]]]:
-    """One panel per training group and score (a group's runs share their data, so normally one
-    score), panels of one score side by side in the order their scores' tasks are listed."""
-    panels = []
-    for members in training_groups(rows).values():
-        by_task: dict[str, tuple[Task, list[dict[str, str]]]] = {}
-        for row in members:
-            task = row_task(row)
-            by_task.setdefault(task.name, (task, []))[1].append(row)
-        panels += by_task.values()
-    return sorted(panels, key=lambda panel: TASKS.index(panel[0].name))  # stable: group order kept
+def _scatter(ax, runs: list[RunScores], field: str, handles: dict, label: str, **style) -> None:
+    """One mark per run that has ``field``; runs without it simply lack the mark."""
+    points = [(getattr(run, field), y) for y, run in enumerate(runs) if getattr(run, field) is not None]
+    if points:
+        handles[label] = ax.scatter(*zip(*points, strict=True), label=label, **style)
 
 
-def ensemble_marks(rows: list[dict[str, str]], task: Task) -> list[tuple[int, float]]:
-    """(position, score) of the ranks' ensemble for the rows that have one (summaries since issue 16)."""
-    cells = [(x, row.get(f"test_{task.score}_ensemble")) for x, row in enumerate(rows)]
-    return [(x, float(cell)) for x, cell in cells if cell not in (None, "")]
+def _initial_note(runs: list[RunScores], limits: tuple[float, float]) -> str:
+    values = [run.initial for run in runs if run.initial is not None]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    shown = number(low) if low == high else f"{number(low)} to {number(high)}"
+    outside = any(not limits[0] <= value <= limits[1] for value in values)
+    return f"\ninitial model (before training): {shown}" + (", off the axis" if outside else ", not drawn")
+
+
+def _merge_methods_panel(ax, task: Task, runs: list[RunScores], handles: dict) -> None:
+    for y in range(1, len(runs), 2):  # stripes keep the eye on a row across a wide panel
+        ax.axhspan(y - 0.5, y + 0.5, color="#f3f3f3", linewidth=0, zorder=0)
+    spans = [
+        (y, r.mean_rank, r.best_rank) for y, r in enumerate(runs) if None not in (r.best_rank, r.mean_rank)
+    ]
+    if spans:
+        ys, means, bests = zip(*spans, strict=True)
+        left, right = np.minimum(means, bests), np.maximum(means, bests)
+        handles[RANK_SPAN] = ax.hlines(ys, left, right, color=RANK_COLOR, linewidth=5, alpha=0.55, zorder=1,
+                                       label=RANK_SPAN)  # fmt: skip
+    baselines = {run.ddp_baseline for run in runs}
+    if len(baselines) == 1 and None not in baselines:  # one ddp training behind every run: one line
+        handles[DDP_SHARED] = ax.axvline(baselines.pop(), color=BASELINE_COLOR, linestyle="--", linewidth=1.5,
+                                         zorder=1, label=DDP_SHARED)  # fmt: skip
+    else:
+        _scatter(ax, runs, "ddp_baseline", handles, DDP, marker="s", s=80, facecolors="none",
+                 edgecolors=BASELINE_COLOR, linewidths=1.5, zorder=2)  # fmt: skip
+    _scatter(ax, runs, "mean_rank", handles, MEAN, marker="o", s=34, facecolors="white",
+             edgecolors=SUMMARY_COLOR, linewidths=1.2, zorder=3)  # fmt: skip
+    _scatter(ax, runs, "best_rank", handles, BEST, marker="|", s=260, color=SUMMARY_COLOR, linewidths=2.5,
+             zorder=3)  # fmt: skip
+    _scatter(ax, runs, "merged", handles, MERGED, marker="o", s=64, color=MERGED_COLOR, zorder=4)
+    # Above the merged dot: a merged model often scores exactly what the ensemble does (a few test rows).
+    _scatter(ax, runs, "ensemble", handles, ENSEMBLE, marker="D", s=30, color=ENSEMBLE_COLOR,
+             edgecolors="white", linewidths=0.6, zorder=5)  # fmt: skip
+    for y, run in enumerate(runs):  # the merged score in figures, a column right of the panel
+        if run.merged is not None:
+            ax.text(1.01, y, number(run.merged), transform=ax.get_yaxis_transform(), va="center",
+                    fontsize="small", color=MERGED_COLOR)  # fmt: skip
+    ax.set_yticks(range(len(runs)), [run.label for run in runs])
+    ax.set_ylim(len(runs) - 0.5, -0.5)  # best at the top
+    limits = zoomed_limits(value for run in runs for value in run.drawn())
+    ax.set_xlim(*limits)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlabel(score_label(task) + _initial_note(runs, limits))
 
 
 def merge_methods_figure(rows: list[dict[str, str]]):
-    """Merged score per merge method, a panel per training, the best rank and (where the summary has
-    it) the ranks' ensemble marked in each."""
-    panels = score_panels(rows)
-    columns = min(3, len(panels))
-    num_rows = math.ceil(len(panels) / columns)
-    widest = max(len(members) for _, members in panels)
-    fig, axes = pyplot().subplots(
-        num_rows, columns, figsize=(columns * max(3.5, 0.9 * widest + 1.5), num_rows * 3.8), squeeze=False
-    )
-    # Panels of one score share a y range, so their bars compare at a glance.
-    values: dict[str, list[float]] = {}
-    for task, members in panels:
-        for row in members:
-            values.setdefault(task.score, []).extend(
-                float(row[f"test_{task.score}_{kind}"]) for kind in ("merged", "best_rank")
-            )
-            values[task.score] += [value for _, value in ensemble_marks([row], task)]
-    previous = ""
-    for index, (ax, (task, members)) in enumerate(zip(axes.flat, panels, strict=False)):
-        score = task.score
-        bars = [(r["merge_method"], float(r[f"test_{score}_merged"]), MERGED_COLOR) for r in members]
-        bar_chart(ax, bars, value_limits(values[score]))
-        ax.tick_params(axis="x", labelrotation=30)
-        ax.set_xlim(-0.6, max(len(bars), 3) - 0.4)  # a lone bar stays bar-sized
-        best = [float(r[f"test_{score}_best_rank"]) for r in members]
-        ax.scatter(
-            range(len(bars)), best, marker="_", s=600, color=SUMMARY_COLOR, zorder=3, label="best rank"
-        )
-        if marks := ensemble_marks(members, task):
-            ax.scatter(*zip(*marks, strict=True), marker="_", s=600, color=ENSEMBLE_COLOR, zorder=3,
-                       label="ensemble")  # fmt: skip
-        first = members[0]
-        title = f"{first.get('dataset', '?')}, world size {first.get('world_size', '?')}, "
-        title += first.get("strategy", "?")
-        if first.get("sync_every") not in (None, ""):
-            title += f" (sync_every {first['sync_every']})"
-        ax.set_title(title, fontsize="medium")
-        ax.legend(fontsize="small", loc="lower right")
-        if index % columns == 0 or score != previous:
-            ax.set_ylabel("merged " + score_label(task))
-            if index % columns:  # a label between panels needs the room
-                fig.subplots_adjust(wspace=0.4)
-        previous = score
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.set_visible(False)
-    fig.suptitle("Merge methods side by side (runs that share their training)")
+    """Every run a row, best merged score first, on an axis zoomed to the scores (see the module
+    docstring); a panel per score, the legend below them all."""
+    groups = score_groups(rows)
+    heights = [len(runs) + 2.5 for _, runs in groups]  # the rows, and room for the axis labels
+    fig, axes = pyplot().subplots(len(groups), 1, figsize=(9.0, 0.3 * sum(heights) + 1.0), squeeze=False,
+                                  layout="constrained", gridspec_kw={"height_ratios": heights})  # fmt: skip
+    handles: dict = {}
+    for ax, (task, runs) in zip(axes.flat, groups, strict=True):
+        _merge_methods_panel(ax, task, runs, handles)
+        if len(groups) > 1:
+            ax.set_title(task.name, loc="left", fontsize="medium")
+    labels = [label for label in LEGEND_ORDER if label in handles]
+    fig.legend([handles[label] for label in labels], labels, loc="outside lower center", fontsize="small",
+               ncol=min(4, len(labels)))  # fmt: skip
+    fig.suptitle("Merge methods: each run's merged model against its ranks and baselines, best first")
     return fig
 
 

@@ -198,7 +198,9 @@ class KarcherPlan(GramPlan):
             step = np.zeros_like(u)
             for k, dot in enumerate(dots):
                 theta = math.acos(dot)
-                if theta >= tol:  # w_k theta / sin(theta) (unit_k - cos(theta) u): the log map
+                # w_k theta / sin(theta) (unit_k - cos(theta) u): the log map. |dot| = 1 (antipodal or
+                # equal) has a zero tangent, which the Gram form would only reach through cancellation.
+                if theta >= tol and dot * dot < 1.0:
                     factor = w[k] * theta / math.sin(theta)
                     step -= factor * dot * u
                     step[k] += factor

@@ -6,7 +6,7 @@ name. MLflow puts ``code/`` on sys.path, imports this module (``loader_module``)
 :func:`_load_pyfunc`, so the model loads in any process with the pinned requirements::
 
     import mlflow, pandas as pd
-    model = mlflow.pyfunc.load_model("runs:/<parent run id>/model")   # or models:/<name>/<version>
+    model = mlflow.pyfunc.load_model("runs:/<parent run id>/<run name>")   # or models:/<name>/<version>
     model.predict(pd.DataFrame({"pixel_0_0": [...], ..., "pixel_7_7": [...]}))  # the data's own names
 
 Columns, by task (the logged signature says the same):
@@ -337,8 +337,16 @@ def _save_pyfunc(path, mlflow_model, validate_serving_input: bool = True, **kwar
 _PYFUNC_FLAVOR = types.SimpleNamespace(__name__="pyfunc", save_model=_save_pyfunc)
 
 
-def log_merged_model(tracking_uri: str, run_id: str, weights_path: Path, weights_sha256: str, spec: dict):
-    """Log ``weights_path`` as a pyfunc model named ``model`` under ``run_id``; return its model id.
+def log_merged_model(
+    tracking_uri: str,
+    run_id: str,
+    weights_path: Path,
+    weights_sha256: str,
+    spec: dict,
+    name: str = MODEL_NAME,
+):
+    """Log ``weights_path`` as a pyfunc model ``name`` (the track stage: the run's name) under ``run_id``;
+    return its model id.
 
     Written as ``mlflow.pyfunc.log_model`` would write it, but without MLflow's check that the saved
     model serves its input example: that check loads the model, i.e. imports torch (bench/tracking.py
@@ -365,7 +373,7 @@ def log_merged_model(tracking_uri: str, run_id: str, weights_path: Path, weights
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
             info = Model.log(
                 artifact_path=None,
-                name=MODEL_NAME,
+                name=name,
                 flavor=_PYFUNC_FLAVOR,
                 tags={WEIGHTS_TAG: weights_sha256},
                 validate_serving_input=False,

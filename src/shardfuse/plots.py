@@ -9,10 +9,12 @@ By hand::
         --out results/plots/communication.png
 
 The run plots read the training's ``metrics/rank-*.parquet`` (under TRAIN_DIR) and the run's
-``eval.json``. ``compare`` groups the rows of ``summary.csv`` that share their training (a ``training``
-column if there is one, else dataset, world size and strategy) and shows each group's merged score per
-run/merge method; ``communication`` shows each run's merged score against the bytes its training
-all-reduced per rank (log scale; independent training at a ``0 B`` tick). Those two figures are drawn by
+``eval.json``. ``fusion.png`` is a dot per model (merged, each rank, best and mean rank, the ranks'
+ensemble, the ddp baseline, the initial model) on an axis zoomed to them, not anchored at 0; an initial
+model far worse than the trained ones is an arrow at the axis's edge with its value. ``compare`` shows
+every run of ``summary.csv`` as a row, best merged score first, against its ranks, ensemble and ddp
+baseline; ``communication`` shows each run's merged score against the bytes its training all-reduced per
+rank (log scale; independent training at a ``0 B`` tick). Those two figures are drawn by
 :mod:`shardfuse.figures`. The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`);
 every axis says which way is better. Matplotlib's Agg backend, no display needed; every PNG is written
 atomically.
@@ -30,22 +32,25 @@ import numpy as np
 from shardfuse.figures import (
     BASELINE_COLOR,
     ENSEMBLE_COLOR,
+    INITIAL_COLOR,
     MERGED_COLOR,
     RANK_COLOR,
     SUMMARY_COLOR,
-    bar_chart,
+    far_outside,
     number,
     plot_communication,
     plot_merge_methods,
     pyplot,
     save_figure,
     score_label,
+    zoomed_limits,
 )
 from shardfuse.io import StageParser, UserError, read_json, run_cli
 from shardfuse.tasks import evaluation_task
 from shardfuse.tracking_inputs import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
+INITIAL = "initial model"  # the model before training: never "base", which reads like the ddp baseline
 # Subcommands that draw one figure of summary.csv: name -> (description, default file name, drawer).
 SUMMARY_PLOTS = {
     "compare": ("Merge methods across runs.", "merge_methods.png", plot_merge_methods),
@@ -122,11 +127,14 @@ def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
         raise UserError(f"eval.json lacks {exc}; re-run the evaluate stage") from None
     if (value := ensemble_score(evaluation, score)) is not None:  # older evaluate stages: no ensemble
         bars.append(("ensemble", value, ENSEMBLE_COLOR))
-    for key, label in (("ddp_baseline", "ddp baseline"), ("base", "initial model")):
-        with_value = evaluation.get(key)
+    references = {"ddp baseline": evaluation.get("ddp_baseline"), INITIAL: evaluation.get("initial")}
+    if references[INITIAL] is None:  # eval.json calls it "base"
+        references[INITIAL] = evaluation.get("base")
+    for label, with_value in references.items():
         if isinstance(with_value, dict) and isinstance(with_value.get(score), (int, float)):
             run = f"\n({with_value['run']})" if with_value.get("run") else ""
-            bars.append((label + run, float(with_value[score]), BASELINE_COLOR))
+            color = INITIAL_COLOR if label == INITIAL else BASELINE_COLOR
+            bars.append((label + run, float(with_value[score]), color))
     return bars
 
 
@@ -137,14 +145,46 @@ def ensemble_score(evaluation: dict[str, Any], score: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def dot_chart(ax, bars: list[tuple[str, float, str]]) -> None:
+    """Each score a labelled dot on an axis zoomed to the scores, a dotted line at the first (the merged
+    model). An initial model far worse than the rest (see :func:`shardfuse.figures.far_outside`) would
+    flatten them: it is an arrow at the axis's edge with its value instead."""
+    values = [value for _, value, _ in bars]
+    off_axis = {
+        x for x, (label, value, _) in enumerate(bars)
+        if label == INITIAL and far_outside(value, values[:x] + values[x + 1 :])
+    }  # fmt: skip
+    low, high = zoomed_limits([v for x, v in enumerate(values) if x not in off_axis], margin=0.1)
+    high += 0.06 * (high - low)  # room for the value labels above the dots
+    ax.axhline(values[0], color=MERGED_COLOR, linestyle=":", linewidth=1, alpha=0.7, zorder=1)
+    for x, (_, value, color) in enumerate(bars):
+        if x in off_axis:
+            below = value < low
+            edge = ax.get_xaxis_transform()  # x in data, y in axes fractions
+            ax.scatter([x], [0.03 if below else 0.97], marker="v" if below else "^", s=90, color=color,
+                       transform=edge, zorder=3, clip_on=False)  # fmt: skip
+            ax.annotate(f"{number(value)}\noff the axis", (x, 0.03 if below else 0.97), xycoords=edge,
+                        xytext=(0, 8 if below else -8), textcoords="offset points", ha="center",
+                        va="bottom" if below else "top", fontsize="small", color=SUMMARY_COLOR)  # fmt: skip
+            continue
+        ax.scatter([x], [value], s=70, color=color, zorder=3)
+        ax.annotate(number(value), (x, value), ha="center", va="bottom", fontsize="small",
+                    xytext=(0, 6), textcoords="offset points")  # fmt: skip
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=30 if len(bars) > 6 else 0, ha="right")
+    ax.set_xlim(-0.6, len(bars) - 0.4)
+    ax.set_ylim(low, high)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def fusion_figure(evaluation: dict[str, Any], title: str):
     """The merged model against each rank, best/mean rank, the ranks' ensemble and baselines, in the
-    run's score; the title gives the fusion gain (over the best rank) and, with an ensemble, the fusion
-    gap (how much better the ensemble scores than the merged model)."""
+    run's score, on an axis zoomed to them (:func:`dot_chart`); the title gives the fusion gain (over the
+    best rank) and, with an ensemble, the fusion gap (how much better the ensemble scores than the
+    merged model)."""
     task = evaluation_task(evaluation)
     bars = fusion_bars(evaluation)
     fig, ax = pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
-    bar_chart(ax, bars)
+    dot_chart(ax, bars)
     gain = task.gain(bars[0][1], next(value for label, value, _ in bars if label == "best rank"))
     ax.set_ylabel(score_label(task))
     figures = f"fusion gain {number(gain, '+')}"

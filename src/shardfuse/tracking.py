@@ -76,6 +76,7 @@ from shardfuse.mlflow_sync import (
 )
 from shardfuse.tracking_inputs import (
     CONFIG_HASH_TAG,
+    LAYOUT_VERSION,
     RankInputs,
     RunInputs,
     config_hash,
@@ -84,6 +85,7 @@ from shardfuse.tracking_inputs import (
     load_inputs,
     provenance_tags,
 )
+from shardfuse.tracking_ui import merge_params, run_datasets, run_times, source_tags
 
 RUN_TAG = "shardfuse.run"
 RANK_TAG = "shardfuse.rank"
@@ -93,6 +95,9 @@ ARTIFACTS_TAG = "shardfuse.artifacts_sha256"
 MODEL_TAG = "shardfuse.model_id"
 REGISTERED_TAG = "shardfuse.registered_model"
 PARENT_TAG = "mlflow.parentRunId"
+LAYOUT_TAG = "shardfuse.layout"  # LAYOUT_VERSION of the push that made the run: another one is replaced
+TRAINING_TAG = "shardfuse.training"  # the training the run merged (runs that share one share it)
+SUMMARY_STEP = 0  # one value per run: the runs chart view draws a bar per run (curves keep their steps)
 
 # What a sync does with the runs already in MLflow (also the ``action`` that ``--out`` records).
 Action = Literal["created", "replaced", "updated", "unchanged"]
@@ -106,6 +111,9 @@ class SyncOptions:
     registered_model: str | None
     fingerprint: str  # of the config, the registry name and every input file
     config_hash: str
+    run_name: str
+    dataset_name: str  # the config's dataset: the name of the datasets logged as run inputs
+    source_tags: dict[str, str]  # mlflow.source.* and mlflow.user (tracking_ui.source_tags)
 
 
 class Plan(NamedTuple):
@@ -162,34 +170,55 @@ def _quote(value: str) -> str:
     return f"{quote}{value}{quote}"
 
 
+def _log_datasets(client, run, refs) -> None:
+    """Log the datasets the run does not list yet as its inputs (MLflow keeps one link per dataset)."""
+    have = set()
+    inputs = getattr(run, "inputs", None)
+    for found in getattr(inputs, "dataset_inputs", None) or []:
+        have.add((found.dataset.name, found.dataset.digest))
+    missing = [ref.entity() for ref in refs if (ref.name, ref.digest) not in have]
+    if missing:
+        client.log_inputs(run.info.run_id, datasets=missing)
+
+
 def _sync_rank(
-    client, experiment_id: str, parent_id: str, run_name: str, rank: RankInputs, child, train: dict
+    client, experiment_id: str, parent_id: str, inputs: RunInputs, rank: RankInputs, child, options
 ) -> tuple[str, int]:
     """Create or complete one rank's child run; return (its id, metric points pushed)."""
     from mlflow.entities import Param, RunTag
 
+    run_name, train = options.run_name, inputs.train
     rows = history_rows(rank.history)
+    times = run_times({rank.rank: rank.history}, None).ranks.get(rank.rank)
     if child is None:
-        tags = {PARENT_TAG: parent_id, RUN_TAG: run_name, RANK_TAG: str(rank.rank)}
-        child = client.create_run(experiment_id, run_name=f"{run_name}/rank-{rank.rank}", tags=tags)
+        tags = {PARENT_TAG: parent_id, RUN_TAG: run_name, RANK_TAG: str(rank.rank), **options.source_tags}
+        child = client.create_run(
+            experiment_id,
+            run_name=f"{run_name}/rank-{rank.rank}",
+            tags=tags,
+            start_time=times[0] if times else None,
+        )
     child_id = child.info.run_id
     pushed = sync_history(client, child_id, rows, synced_rows(child, rows) or 0)
     for metric, points in rank.series.items():
         pushed += sync_series(client, child_id, metric, points, series_synced(child, metric, points) or 0)
     # After the histories, in one request: the tags that vouch for them, final metrics, params, host.
-    num_steps = int(train.get("num_steps", len(rows)))
-    final = changed_metrics(child.data.metrics, {**rank.test_metrics, **rank.train_metrics}, num_steps)
+    final = changed_metrics(child.data.metrics, {**rank.test_metrics, **rank.train_metrics}, SUMMARY_STEP)
     params = {"rank": str(rank.rank), "shard_rows": str(rank.shard_rows)}
     tags = {f"{SYNCED_TAG}.{metric}": synced_tag_value(points) for metric, points in rank.series.items()}
     tags[SYNCED_TAG] = synced_tag_value(rows)
+    tags[TRAINING_TAG] = str(train.get("run", ""))
     if rank.host is not None:
         tags["shardfuse.host"] = rank.host
     params = [Param(k, v) for k, v in params.items() if child.data.params.get(k) != v]
     tags = [RunTag(k, v) for k, v in tags.items() if child.data.tags.get(k) != v]
     if final or params or tags:
         client.log_batch(child_id, metrics=final, params=params, tags=tags)
-    if child.info.status != "FINISHED":
-        client.set_terminated(child_id, "FINISHED")
+    shard = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name).ranks.get(rank.rank)
+    if shard is not None:
+        _log_datasets(client, child, [shard])
+    if child.info.status != "FINISHED" or (times and child.info.end_time != times[1]):
+        client.set_terminated(child_id, "FINISHED", end_time=times[1] if times else None)
     return child_id, pushed + len(final)
 
 
@@ -198,12 +227,15 @@ def _sync_parent_extras(
 ) -> tuple[str, str | None]:
     """Artifacts, the MLflow model and its registration: each skipped when already there.
 
-    Returns (the model id, "NAME/VERSION" if registered)."""
+    The run's plots go under ``plots/`` and also at the artifact root, where MLflow's Compare view
+    finds them (it lists top-level artifacts only). Returns (the model id, "NAME/VERSION" if registered)."""
     parent_id, tags = parent.info.run_id, parent.data.tags
     files = inputs.files
     uploads = [(path, "results") for path in files.results()]
-    uploads += [(path, "plots") for path in files.plots]
-    artifacts_sha = hashlib.sha256("".join(f"{d}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode())
+    uploads += [(path, "plots") for path in files.plots] + [(path, None) for path in files.plots]
+    artifacts_sha = hashlib.sha256(
+        "".join(f"{d or '.'}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode()
+    )
     if tags.get(ARTIFACTS_TAG) != artifacts_sha.hexdigest():
         for path, directory in uploads:
             client.log_artifact(parent_id, str(path), artifact_path=directory)
@@ -213,8 +245,11 @@ def _sync_parent_extras(
     model_id = model.model_id if model is not None else None
     if model_id is None:
         model_id = mlflow_model.log_merged_model(
-            options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec
-        )
+            options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
+            name=options.run_name,
+        )  # fmt: skip
+        described = {"training": str(inputs.train.get("run", "")), **_model_params(inputs)}
+        client.log_model_params(model_id, described)
     if tags.get(MODEL_TAG) != model_id:
         mlflow_model.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
         client.set_tag(parent_id, MODEL_TAG, model_id)
@@ -225,6 +260,44 @@ def _sync_parent_extras(
         if tags.get(REGISTERED_TAG) != registered:
             client.set_tag(parent_id, REGISTERED_TAG, registered)
     return model_id, registered
+
+
+def _model_params(inputs: RunInputs) -> dict[str, str]:
+    """The merge that made the model, as the logged model's params (its page shows them)."""
+    merge = inputs.merge
+    params = {"merge_method": str(merge.get("method", ""))}
+    for name, value in (merge.get("params") or {}).items():
+        if value is not None:
+            params[f"merge_{name}"] = str(value)
+    return params
+
+
+def _model_metrics(client, model_id: str, parent, inputs: RunInputs, options: SyncOptions) -> tuple:
+    """Split the headline metrics: those of the merged model (test_*_merged) are logged linked to the
+    logged model and the test split, so its page lists them; return (model metrics, the others), only
+    those not already there."""
+    from mlflow.entities import Metric
+
+    headline = inputs.headline
+    model_keys = {key for key in headline if key.startswith("test_") and key.endswith("_merged")}
+    linked = {m.key: m.value for m in (client.get_logged_model(model_id).metrics or [])}
+    evaluation = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name).evaluation
+    now = int(time.time() * 1000)
+    model_metrics = [
+        Metric(
+            key,
+            float(headline[key]),
+            now,
+            SUMMARY_STEP,
+            model_id=model_id,
+            dataset_name=evaluation.name if evaluation else None,
+            dataset_digest=evaluation.digest if evaluation else None,
+        )
+        for key in sorted(model_keys)
+        if linked.get(key) != headline[key] or parent.data.metrics.get(key) != headline[key]
+    ]
+    others = {k: v for k, v in headline.items() if k not in model_keys}
+    return model_metrics, changed_metrics(parent.data.metrics, others, SUMMARY_STEP)
 
 
 def _delete_runs(client, experiment_id: str, runs: list) -> None:
@@ -262,7 +335,7 @@ def _plan(runs: list, options: SyncOptions, inputs: RunInputs, params: dict[str,
         if best is None or synced_rows(run, rows) > synced_rows(best, rows):
             children[int(rank)] = run
     tags = parent.data.tags
-    if tags.get(CONFIG_HASH_TAG) != options.config_hash:
+    if tags.get(CONFIG_HASH_TAG) != options.config_hash or tags.get(LAYOUT_TAG) != LAYOUT_VERSION:
         return Plan("replaced", None, {})
     if any(parent.data.params.get(key, value) != value for key, value in params.items()):
         return Plan("replaced", None, {})  # params are immutable: train.json says otherwise now
@@ -278,7 +351,6 @@ def _plan(runs: list, options: SyncOptions, inputs: RunInputs, params: dict[str,
 def _sync(
     client,
     experiment_id: str,
-    run_name: str,
     params: dict[str, str],
     inputs: RunInputs,
     plan: Plan,
@@ -287,35 +359,58 @@ def _sync(
     """Create or complete the parent and its children; the complete tag goes on last."""
     from mlflow.entities import Param, RunTag
 
-    parent, children = plan.parent, plan.children
-    tags = {**provenance_tags(inputs, options.config_hash), COMPLETE_TAG: "false"}
+    parent, children, run_name = plan.parent, plan.children, options.run_name
+    tags = {**provenance_tags(inputs, options.config_hash), **options.source_tags, COMPLETE_TAG: "false"}
+    tags.update({LAYOUT_TAG: LAYOUT_VERSION, TRAINING_TAG: str(inputs.train.get("run", ""))})
+    times = run_times(
+        {rank.rank: rank.history for rank in inputs.ranks}, _seconds(inputs.train.get("train_seconds"))
+    ).parent
     if parent is None:
-        parent = client.create_run(experiment_id, run_name=run_name, tags={RUN_TAG: run_name, **tags})
+        parent = client.create_run(
+            experiment_id,
+            run_name=run_name,
+            tags={RUN_TAG: run_name, **tags},
+            start_time=times[0] if times else None,
+        )
     else:
         client.update_run(parent.info.run_id, status="RUNNING")
         log_batches(client, parent.info.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     parent_id = parent.info.run_id
     try:
         missing = [Param(k, v) for k, v in params.items() if k not in parent.data.params]
-        num_steps = int(inputs.train.get("num_steps", 0))
-        headline = changed_metrics(parent.data.metrics, inputs.headline, num_steps)
-        log_batches(client, parent_id, metrics=headline, params=missing)
-        pushed = len(headline)
-        child_ids = {}
+        log_batches(client, parent_id, params=missing)
+        datasets = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name)
+        _log_datasets(client, parent, datasets.parent)
+        child_ids, pushed = {}, 0
         for rank in inputs.ranks:
             child_ids[rank.rank], count = _sync_rank(
-                client, experiment_id, parent_id, run_name, rank, children.get(rank.rank), inputs.train
+                client, experiment_id, parent_id, inputs, rank, children.get(rank.rank), options
             )
             pushed += count
         model_id, registered = _sync_parent_extras(client, experiment_id, parent, inputs, options)
+        model_metrics, headline = _model_metrics(client, model_id, parent, inputs, options)
+        log_batches(client, parent_id, metrics=model_metrics + headline)
+        pushed += len(model_metrics) + len(headline)
         final_tags = [RunTag(FINGERPRINT_TAG, options.fingerprint), RunTag(COMPLETE_TAG, "true")]
         client.log_batch(parent_id, tags=final_tags)
-        client.set_terminated(parent_id, "FINISHED")
+        client.set_terminated(parent_id, "FINISHED", end_time=times[1] if times else None)
     except BaseException:
         with contextlib.suppress(Exception):
             client.set_terminated(parent_id, "FAILED")
         raise
     return Synced(parent_id, child_ids, model_id, registered, pushed)
+
+
+def _dataset_name(config: dict) -> str:
+    """The config's dataset name (a run config names it; a nested spec carries it as "name")."""
+    dataset = config.get("dataset")
+    if isinstance(dataset, dict):
+        dataset = dataset.get("name")
+    return str(dataset) if dataset else "dataset"
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def track_run(
@@ -329,6 +424,7 @@ def track_run(
     plots_dir: str | os.PathLike | None = None,
     train_dir: str | os.PathLike | None = None,
     gather_path: str | os.PathLike | None = None,
+    snakefile: str | os.PathLike | None = None,
 ) -> TrackResult:
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
@@ -346,9 +442,13 @@ def track_run(
         registered_model=registered_model,
         fingerprint=fingerprint(config, inputs.files, registered_model),
         config_hash=config_hash(config),
+        run_name=run_name,
+        dataset_name=_dataset_name(config),
+        source_tags=source_tags(Path(snakefile) if snakefile else None),
     )
-    # The config says it first: train.json's params only add what it has no key for.
-    params = {**inputs.params, **flatten_params(config)}
+    # The config says it first: train.json's params only add what it has no key for; the merge
+    # settings are those merge.json says were used.
+    params = merge_params({**inputs.params, **flatten_params(config)}, inputs.merge)
     with writer_lock(tracking_uri), tracking_errors(tracking_uri):
         client, experiment_id = connect(tracking_uri, experiment)
         runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {_quote(run_name)}")
@@ -360,7 +460,7 @@ def track_run(
             tags, child_ids = parent.data.tags, {rank: c.info.run_id for rank, c in children.items()}
             synced = Synced(parent.info.run_id, child_ids, tags.get(MODEL_TAG), tags.get(REGISTERED_TAG), 0)
         else:
-            synced = _sync(client, experiment_id, run_name, params, inputs, plan, options)
+            synced = _sync(client, experiment_id, params, inputs, plan, options)
             trained_ms = int(inputs.files.train.stat().st_mtime * 1000)
             _delete_finished_live_runs(client, experiment_id, run_name, trained_ms)
     return TrackResult(
@@ -391,6 +491,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experiment", default="shardfuse", help="MLflow experiment (created if missing)")
     parser.add_argument("--registered-model", help="also register the merged model under this name")
     parser.add_argument("--plots-dir", type=Path, help="upload its *.png under plots/ (skipped if missing)")
+    parser.add_argument(
+        "--snakefile", type=Path, help="the workflow's Snakefile, the runs' Source (default: ./Snakefile)"
+    )
     parser.add_argument("--out", required=True, type=Path, help="where to write the run ids (JSON)")
     args = parser.parse_args(argv)
     config = parse_json_arg(args.config_json, "--config-json")
@@ -398,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     result = track_run(
         args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment,
         registered_model=args.registered_model, plots_dir=args.plots_dir, train_dir=args.train_dir,
-        gather_path=args.gather,
+        gather_path=args.gather, snakefile=args.snakefile,
     )  # fmt: skip
     write_json(args.out, result)
     print(

@@ -35,7 +35,7 @@ from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.tasks import evaluation_task, score_first
 from shardfuse.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
 
-LAYOUT_VERSION = "3"  # part of the fingerprint: a new layout re-syncs every run once
+LAYOUT_VERSION = "4"  # the fingerprint and a parent tag: a new layout replaces every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
 STEP_METRICS = ("loss", "samples_per_second", "lr")  # every step: pushed as whole rows (mlflow_sync)
 PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
@@ -179,6 +179,8 @@ class RunInputs:
     model_spec: dict[str, Any]  # the merged weights' model reference and args
     headline: dict[str, float]  # the parent run's metrics
     params: dict[str, str]  # the parent's params from train.json (:func:`train_params`), besides the config
+    manifest: dict[str, Any]  # the shards' manifest.json
+    merge: dict[str, Any]  # merge.json (the resolved merge settings)
 
     @property
     def world_size(self) -> int:
@@ -260,7 +262,8 @@ def load_inputs(
         for rank in range(world_size)
     )
     headline = headline_metrics(files, train, merge, evaluation, ranks)
-    return RunInputs(files, train, ranks, model_spec, headline, train_params(train))
+    manifest_json = read_json(manifest, "manifest")
+    return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
 
 
 def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
@@ -318,9 +321,14 @@ def headline_metrics(
     if not isinstance(gain, (int, float)):
         gain = task.gain(metrics[f"test_{score}_merged"], best_rank)
     metrics["fusion_gain"] = float(gain)
-    for optional in ("base", "ddp_baseline"):  # written by newer evaluate stages only
+    # Written by newer evaluate stages only. eval.json's "base" is the initial model (before training):
+    # named so in MLflow, where "base" read like the ddp baseline.
+    for optional, name in (("base", "initial"), ("ddp_baseline", "ddp_baseline")):
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            metrics[f"test_{score}_{optional}"] = float(evaluation[optional][score])
+            metrics[f"test_{score}_{name}"] = float(evaluation[optional][score])
+    if f"test_{score}_ddp_baseline" in metrics:  # how much better the ddp baseline scores (task's sign)
+        ddp = metrics[f"test_{score}_ddp_baseline"]
+        metrics["ddp_gap"] = float(task.gain(ddp, metrics[f"test_{score}_merged"]))
     # The ensemble of the ranks (newer evaluate stages only): every metric it has, and how much better
     # than the merged model it scores (the task's sign, as fusion_gain's).
     ensemble = evaluation.get("ensemble")
