@@ -193,18 +193,40 @@ def test_comparison_attaches_both_plots_to_every_parent_once_per_name(tmp_path):
         figures.save_figure(figures.communication_figure([_row("x", "ddp", 1000, 0.9)]), tmp_path / name)
         for name in ("merge_methods.png", "communication.png")
     ]
-    for _ in range(2):  # re-logging overwrites the same two files
-        written = comparison.attach(pngs, [path for path, _ in records])
+    summary = tmp_path / "summary.csv"
+    summary.write_text(
+        "run,merge_method,test_accuracy_merged,test_accuracy_ddp_baseline\na,uniform,0.9,\nb,ties,0.85,0.91\n"
+    )
+    for _ in range(2):  # re-logging overwrites the same files
+        written = comparison.attach(pngs, [path for path, _ in records], summary)
     assert written == {
         "pngs": [str(png) for png in pngs],
-        "artifacts": ["comparison/merge_methods.png", "comparison/communication.png"],
+        "artifacts": [
+            "comparison/merge_methods.png", "comparison/communication.png", "merge_methods.png",
+            "communication.png", "comparison_table.json",
+        ],
         "parent_run_ids": sorted(run_id for _, run_id in records),
-    }
+    }  # fmt: skip
     for _, run_id in records:
         artifacts = sorted(a.path for a in client.list_artifacts(run_id, "comparison"))
         assert artifacts == ["comparison/communication.png", "comparison/merge_methods.png"]
+        root = sorted(a.path for a in client.list_artifacts(run_id) if not a.is_dir)
+        assert root == ["communication.png", "comparison_table.json", "merge_methods.png"]
+        # MLflow's table artifact: the summary's columns, one row per run, numbers as numbers.
+        table = json.loads(
+            Path(client.download_artifacts(run_id, "comparison_table.json", tmp_path)).read_text()
+        )
+        rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+        assert [(r["run"], r["test_accuracy_merged"], r["test_accuracy_ddp_baseline"]) for r in rows] == [
+            ("a", 0.9, None), ("b", 0.85, 0.91),
+        ]  # fmt: skip
+        tag = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+        assert tag == [{"path": "comparison_table.json", "type": "table"}]
     with pytest.raises(UserError, match=r"missing\.png does not exist; run the rule that draws it"):
         comparison.attach([tmp_path / "missing.png"], [records[0][0]])
+    with pytest.raises(UserError, match=r"has no runs; re-run the summary rule"):
+        (tmp_path / "empty.csv").write_text("run,merge_method\n")
+        comparison.attach(pngs, [records[0][0]], tmp_path / "empty.csv")
 
 
 @pytest.mark.integration
@@ -227,7 +249,7 @@ def test_workflow_draws_the_communication_plot_and_attaches_it_with_the_merge_me
     ) in proc.stdout
     assert (
         "python -m shardfuse.comparison --png results/plots/merge_methods.png results/plots/communication.png"
-        " --records results/runs/ddp/mlflow.json results/runs/independent/mlflow.json"
-        " --out results/plots/comparison.mlflow.json"
+        " --summary results/summary.csv --records results/runs/ddp/mlflow.json"
+        " results/runs/independent/mlflow.json --out results/plots/comparison.mlflow.json"
     ) in proc.stdout
     assert (REPO / "workflow" / "report" / "communication.rst").is_file()  # the report's caption

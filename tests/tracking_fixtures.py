@@ -191,6 +191,24 @@ def append_steps(train_dir: Path, num_new: int) -> None:
         pq.write_table(pa.concat_tables([old, new.cast(old.schema)]), path)
 
 
+def write_dataset(out_dir: Path, train_rows: int) -> dict:
+    """What the prepare stage leaves for the dataset the shards were cut from: the train and test
+    splits (tiny stand-ins) and dataset.json with their sha256 and row counts (created once per root)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = {"train": train_rows, "test": 300}
+    for split in rows:
+        path = out_dir / f"{split}.parquet"
+        if not path.exists():
+            pq.write_table(pa.table({"x0": np.zeros(3, dtype=np.float32), "label": [0, 1, 2]}), path)
+    info = {
+        "name": "synthetic",
+        "rows": rows,
+        "sha256": {split: sha256_file(out_dir / f"{split}.parquet") for split in rows},
+    }
+    (out_dir / "dataset.json").write_text(json.dumps(info))
+    return {**info, "train": out_dir / "train.parquet", "rows": train_rows}
+
+
 def _save_mlp(path: Path, seed: int, meta: dict, sidecar: bool = True) -> None:
     torch.manual_seed(seed)
     save_weights(path, build_model(model_spec()).state_dict(), {**meta, "model": model_spec()}, sidecar)
@@ -226,11 +244,22 @@ def make_run_dir(
     shard_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = shard_dir / "manifest.json"
     shard_rows = [719 + rank for rank in range(world_size)]
+    dataset = write_dataset(root / "results" / "datasets" / "synthetic", sum(shard_rows))
+    schema = [{"name": f"x{i}", "type": "float"} for i in range(NUM_FEATURES)]
     manifest = {
         "dataset": "synthetic",
         "world_size": world_size,
         "seed": 0,
-        "shards": [{"rank": r, "path": f"shard-{r}.parquet", "rows": n} for r, n in enumerate(shard_rows)],
+        "source": {
+            "path": str(dataset["train"]),
+            "sha256": dataset["sha256"]["train"],
+            "rows": sum(shard_rows),
+        },
+        "schema": [*schema, {"name": "label", "type": "int64"}],
+        "shards": [
+            {"rank": r, "path": f"shard-{r}.parquet", "rows": n, "sha256": f"{r:02d}" * 32}
+            for r, n in enumerate(shard_rows)
+        ],
     }
     manifest_path.write_text(json.dumps(manifest, indent=2))
 

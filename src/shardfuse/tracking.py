@@ -248,8 +248,11 @@ def _sync_parent_extras(
             options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
             name=options.run_name,
         )  # fmt: skip
+        # MLflow copies the run's params to the model it logs; add what the model page should also say.
         described = {"training": str(inputs.train.get("run", "")), **_model_params(inputs)}
-        client.log_model_params(model_id, described)
+        have = client.get_logged_model(model_id).params or {}
+        if missing := {k: v for k, v in described.items() if k not in have}:
+            client.log_model_params(model_id, missing)
     if tags.get(MODEL_TAG) != model_id:
         mlflow_model.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
         client.set_tag(parent_id, MODEL_TAG, model_id)

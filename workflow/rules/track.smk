@@ -20,19 +20,22 @@ rule track:
         tracking_uri=EXPERIMENT.tracking_uri,
         experiment=EXPERIMENT.mlflow_experiment,
         registered_model=registered_model_args,
+        snakefile=workflow.main_snakefile,
     shell:
         "python -m shardfuse.tracking --run {wildcards.run} --run-dir results/runs/{wildcards.run}"
         " --train-dir {input.ranks} --gather {input.gather}"
         " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
         " {params.registered_model}"
-        " --plots-dir results/runs/{wildcards.run}/plots --out {output.record} > {log} 2>&1"
+        " --plots-dir results/runs/{wildcards.run}/plots --snakefile {params.snakefile:q}"
+        " --out {output.record} > {log} 2>&1"
 
 
 rule track_comparison:
     input:
         png=rules.compare_merge_methods.output.png,
         communication=rules.compare_communication.output.png,
+        summary=rules.summary.output.csv,
         records=expand(rules.track.output.record, run=RUNS),
     output:
         record="results/plots/comparison.mlflow.json",
@@ -42,4 +45,4 @@ rule track_comparison:
         "../../envs/tracking.yaml"
     shell:
         "python -m shardfuse.comparison --png {input.png} {input.communication}"
-        " --records {input.records} --out {output.record} > {log} 2>&1"
+        " --summary {input.summary} --records {input.records} --out {output.record} > {log} 2>&1"
