@@ -173,3 +173,32 @@ def test_source_tags_fall_back_to_the_working_directory_snakefile(tmp_path, monk
     tags = tracking_ui.source_tags(None)
     assert tags["mlflow.source.name"] == str(Path(tmp_path / "Snakefile").resolve())
     assert "mlflow.source.git.repoURL" not in tags  # not a git checkout
+
+
+def test_rank_system_metrics_become_system_series_of_the_child_and_node_peaks_of_the_parent(tmp_path):
+    from shardfuse.sysmetrics import read_system_metrics
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    client.create_experiment(EXPERIMENT, artifact_location=str(tmp_path / "artifacts"))
+    run_dir, manifest = make_run_dir(tmp_path, "sys_run", system_metrics=True)
+    config = flat_config("sys_run", "uniform")
+    result = tracking.track_run("sys_run", run_dir, manifest, config, uri, EXPERIMENT)
+    for rank, child_id in result["child_run_ids"].items():
+        samples = read_system_metrics(run_dir / "train" / "metrics" / f"system-rank-{rank}.parquet")
+        assert len(samples["system/process_rss_megabytes"]) >= 2
+        child = client.get_run(child_id)
+        assert child.data.tags["shardfuse.host"] == f"node{rank}"
+        for name in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+                     "system/process_rss_megabytes"):  # fmt: skip
+            points = sorted(client.get_metric_history(child_id, name), key=lambda m: m.step)
+            assert [(m.step, m.timestamp, m.value) for m in points] == [
+                (i, int(t), pytest.approx(v)) for i, (t, v) in enumerate(samples[name])
+            ]
+    parent = client.get_run(result["parent_run_id"]).data.metrics
+    rss = read_system_metrics(run_dir / "train" / "metrics" / "system-rank-1.parquet")[
+        "system/process_rss_megabytes"
+    ]
+    assert parent["system/node1/peak_process_rss_megabytes"] == pytest.approx(rss[:, 1].max())
+    again = tracking.track_run("sys_run", run_dir, manifest, config, uri, EXPERIMENT)
+    assert again["action"] == "unchanged" and again["num_points_pushed"] == 0

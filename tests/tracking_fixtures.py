@@ -191,6 +191,17 @@ def append_steps(train_dir: Path, num_new: int) -> None:
         pq.write_table(pa.concat_tables([old, new.cast(old.schema)]), path)
 
 
+def sample_system_metrics(metrics_dir: Path, rank: int, seconds: float = 0.3) -> Path:
+    """Real system samples of this process, as a training rank leaves them (consolidated Parquet)."""
+    import time
+
+    from shardfuse.sysmetrics import SystemSampler
+
+    sampler = SystemSampler(metrics_dir, rank, interval_s=0.05).start()
+    time.sleep(seconds)
+    return sampler.consolidate()
+
+
 def write_dataset(out_dir: Path, train_rows: int) -> dict:
     """What the prepare stage leaves for the dataset the shards were cut from: the train and test
     splits (tiny stand-ins) and dataset.json with their sha256 and row counts (created once per root)."""
@@ -223,8 +234,12 @@ def make_run_dir(
     ddp_baseline: bool = False,
     training: str | None = None,
     new_train_fields: bool = False,
+    system_metrics: bool = False,
 ) -> tuple[Path, Path]:
     """Write a complete run directory plus its shard manifest under ``root``; return both paths.
+
+    With ``system_metrics``, each rank's metrics/system-rank-{r}.parquet holds a few real samples of
+    this process (shardfuse.sysmetrics.SystemSampler, 50 ms apart).
 
     With ``training``, the ranks and gather.json go where runs sharing a training keep them:
     results/trainings/{training}/ranks and results/trainings/{training}/gather.json.
@@ -267,6 +282,8 @@ def make_run_dir(
     for rank in range(world_size):
         table = step_table(rank, np.arange(num_steps), num_steps, new_columns=new_train_fields)
         pq.write_table(table, metrics_dir / f"rank-{rank}.parquet")
+        if system_metrics:
+            sample_system_metrics(metrics_dir, rank)
         checkpoint = train_dir / f"rank-{rank}.safetensors"
         _save_mlp(checkpoint, rank + 1, {"run": run_name, "rank": rank, "host": f"node{rank}"})
         ranks.append({"rank": rank, "rows": shard_rows[rank], "checkpoint": str(checkpoint)})

@@ -32,6 +32,7 @@ import numpy as np
 
 from shardfuse.checkpoint import read_metadata
 from shardfuse.io import UserError, read_json, sha256_file
+from shardfuse.sysmetrics import peak, read_system_metrics, system_metrics_path
 from shardfuse.tasks import evaluation_task, score_first
 from shardfuse.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
 
@@ -143,6 +144,7 @@ class RunFiles:
     eval: Path
     metrics: dict[int, Path]  # rank -> metrics/rank-{r}.parquet
     plots: tuple[Path, ...]  # sorted *.png of the plots dir, if any
+    system: dict[int, Path] | None = None  # rank -> metrics/system-rank-{r}.parquet, where the rank wrote one
 
     def results(self) -> tuple[Path, ...]:
         """The JSON results uploaded under ``results/``, in upload order."""
@@ -154,6 +156,7 @@ class RunFiles:
         named.update(merge=self.merge, weights=self.weights, eval=self.eval)
         named.update({f"metrics-{rank}": path for rank, path in self.metrics.items()})
         named.update({f"plot-{path.name}": path for path in self.plots})
+        named.update({f"system-{rank}": path for rank, path in (self.system or {}).items()})
         return named
 
 
@@ -234,7 +237,14 @@ def load_inputs(
             )
         metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
-    files = RunFiles(manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots))
+    system = {
+        rank: path
+        for rank in range(world_size)
+        if (path := system_metrics_path(train_dir / "metrics", rank)).is_file()
+    }
+    files = RunFiles(
+        manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system
+    )
     task = evaluation_task(evaluation, eval_path)
     test_metrics = {
         rank: {
@@ -249,6 +259,7 @@ def load_inputs(
     check_spec_bounds(f"the header of {weights}", *header_spec(weights, RERUN_MERGE), RERUN_MERGE)
     hosts = _rank_hosts(train_dir, train, world_size)
     val_metric = validation_metric(train, task.score)
+    samples = {rank: _read_system(path) for rank, path in system.items()}
     ranks = tuple(
         RankInputs(
             rank,
@@ -257,13 +268,44 @@ def load_inputs(
             test_metrics[rank],
             hosts.get(rank),
             rank_train_metrics(train_ranks[rank]),
-            step_series(histories[rank], val_metric),
+            {**step_series(histories[rank], val_metric), **system_series(samples.get(rank, {}))},
         )
         for rank in range(world_size)
     )
     headline = headline_metrics(files, train, merge, evaluation, ranks)
+    headline.update(node_peaks(samples, hosts))
     manifest_json = read_json(manifest, "manifest")
     return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
+
+
+def _read_system(path: Path) -> dict[str, np.ndarray]:
+    try:
+        return read_system_metrics(path)
+    except (OSError, ValueError, KeyError) as exc:  # pyarrow's errors are ValueErrors or OSErrors
+        raise UserError(f"cannot read {path} ({exc}); re-run the train stage (snakemake -R train)") from None
+
+
+def system_series(samples: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A rank's system metrics (:func:`shardfuse.sysmetrics.read_system_metrics`) as series rows (step =
+    the sample's index, timestamp, value): MLflow's System metrics tab charts ``system/...`` metrics,
+    and MLflow's own sampler numbers its samples the same way."""
+    return {
+        name: np.ascontiguousarray(np.column_stack([np.arange(len(rows)), rows[:, 0], rows[:, 1]]))
+        for name, rows in samples.items()
+    }
+
+
+def node_peaks(samples: dict[int, dict[str, np.ndarray]], hosts: dict[int, str]) -> dict[str, float]:
+    """The parent's per-node peaks: ``system/<host>/peak_<metric>``, the largest sample of any rank on
+    that host (ranks of an unknown host count as host ``rank<r>``)."""
+    by_host: dict[str, list] = {}
+    for rank, metrics in samples.items():
+        by_host.setdefault(hosts.get(rank, f"rank{rank}"), []).append(metrics)
+    return {
+        f"system/{host}/peak_{name.removeprefix('system/')}": value
+        for host, metrics in sorted(by_host.items())
+        for name, value in peak(*metrics).items()
+    }
 
 
 def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
