@@ -191,14 +191,15 @@ def _param_text(value: Any) -> str:
 def merge_params(config_params: dict[str, str], merge: dict[str, Any]) -> dict[str, str]:
     """The run's params with the merge settings merge.json says were used (see the module docstring).
 
-    A config key that sets a merge method's parameter (shardfuse.config.MERGE_PARAMS) stays only when
-    the run's method takes it, with the value the merge stage resolved."""
-    from shardfuse.config import MERGE_PARAMS
+    A config key that sets a merge method's parameter (``merge_<param>`` for a param of
+    shardfuse.merge_methods.PARAMS) stays only when the run's method takes it, with the value the merge
+    stage resolved."""
+    from shardfuse.merge_methods import PARAMS  # numpy only; the config's key for param p is merge_<p>
 
     method = str(merge.get("method", config_params.get("merge_method", "")))
     used = merge.get("params") if isinstance(merge.get("params"), dict) else {}
-    method_keys = {key for mapping in MERGE_PARAMS.values() for key in mapping}
-    taken = MERGE_PARAMS.get(method, {})
+    method_keys = {f"merge_{name}" for spec in PARAMS.values() for name in spec}
+    taken = {f"merge_{name}": name for name in PARAMS.get(method, {})}
     params = {k: v for k, v in config_params.items() if k not in method_keys or k in taken}
     for key, name in taken.items():
         if used.get(name) is not None:

@@ -9,8 +9,9 @@ Not launched by hand with plain python: use the launcher, which wraps torchrun (
 
 Every rank reads only its own shard (streamed by :class:`shardfuse.data.ShardReader`: training starts
 after one row group, the sha256 is checked alongside), starts from the same initial weights (rank 0's,
-saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``) and
-``metrics/rank-{rank}.parquet`` (one row per optimiser step). Rank 0 writes ``train.json`` last.
+saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``),
+``metrics/rank-{rank}.parquet`` (one row per optimiser step) and ``metrics/system-rank-{rank}.parquet``
+(CPU, memory and GPU use every 5 s: :mod:`shardfuse.sysmetrics`). Rank 0 writes ``train.json`` last.
 
 ``train_rank`` runs the phases in order: ``set_up`` (model, optimiser, seeds), ``resume_or_start``,
 ``plan_steps`` (precision, DDP), ``train_loop`` (which calls ``save_checkpoint``), ``publish``.
@@ -51,6 +52,7 @@ from shardfuse.resume import (
     save_rank_state,
 )
 from shardfuse.sync import Sync, make_sync, mode_of
+from shardfuse.sysmetrics import SystemSampler
 from shardfuse.tasks import Task
 from shardfuse.validation import BestTracker, Validator, all_out_of_patience, shared_score
 
@@ -502,9 +504,10 @@ def publish(
     loop_seconds: float,
     stopped_early: bool,
     metrics: MetricsLog | None,
+    system: SystemSampler,
 ) -> None:
-    """Write this rank's weights (the last, or with keep: best the best validated) and metrics; rank 0
-    writes train.json once every rank's files exist."""
+    """Write this rank's weights (the last, or with keep: best the best validated) and metrics (step
+    and system); rank 0 writes train.json once every rank's files exist."""
     ctx, cfg, manifest, tracker = setup.ctx, setup.cfg, setup.manifest, plan.tracker
     seconds = torch.tensor([loop_seconds], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
@@ -521,6 +524,7 @@ def publish(
     save_weights(setup.out_dir / f"rank-{ctx.rank}.safetensors", weights, rank_meta)
     if metrics is not None:
         metrics.consolidate()
+    system.consolidate()  # does nothing when sampling is off
     cuda = ctx.device.type == "cuda"
     peak_memory = int(torch.cuda.max_memory_allocated(ctx.device)) if cuda else None
     best = None if math.isnan(tracker.best_score) else tracker.best_score
@@ -599,9 +603,13 @@ def train_rank(
     position = resume_or_start(setup)
     # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
     metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
-    plan = plan_steps(setup, position)
-    num_steps, loop_seconds, stopped_early = train_loop(setup, plan, position, metrics, live)
-    publish(setup, plan, num_steps, loop_seconds, stopped_early, metrics)
+    # CPU, memory and GPU use every few seconds, from a thread that only reads /proc and NVML (no torch,
+    # so training stays bitwise the same); off with the step metrics. A resumed run appends its samples.
+    gpu = ctx.device.index if ctx.device.type == "cuda" else None
+    with SystemSampler(out_dir / "metrics", ctx.rank, gpu, interval_s=None if step_metrics else 0) as system:
+        plan = plan_steps(setup, position)
+        num_steps, loop_seconds, stopped_early = train_loop(setup, plan, position, metrics, live)
+        publish(setup, plan, num_steps, loop_seconds, stopped_early, metrics, system)
 
 
 def main(argv: list[str] | None = None) -> None:
