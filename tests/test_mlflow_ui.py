@@ -159,6 +159,12 @@ def test_compare_of_three_parents_lists_the_plots_at_the_artifact_root(page, pop
     page.get_by_text("merge_methods.png", exact=True).first.wait_for(timeout=30_000)
     page.get_by_text("fusion_gain", exact=True).first.wait_for(timeout=30_000)
     text = page.inner_text("body")
+    # Pick the comparison plot: each parent's copy loads side by side (an image per run).
+    page.get_by_text("merge_methods.png", exact=True).first.dispatch_event("click")
+    images = "document.querySelectorAll('img[src^=\"blob:\"]')"
+    distinct = f"new Set(Array.from({images}).map(i => i.src)).size"
+    page.wait_for_function(f"{distinct} >= {len(RUNS)}", timeout=30_000)
+    page.locator("img[src^='blob:'] >> visible=true").first.scroll_into_view_if_needed()
     _screenshot(page, tmp_path, "compare.png")
     assert "No common artifacts" not in text
     # The metrics table lists the summary metrics of the three side by side (the chart view test
