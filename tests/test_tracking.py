@@ -133,7 +133,8 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["shardfuse.complete"] == "true"
     assert parent.data.tags["shardfuse.fingerprint"] == result["fingerprint"]
-    assert parent.data.params == tracking_inputs.flatten_params(config)
+    # The config, and the mode an old train.json (no mode field) amounts to.
+    assert parent.data.params == {**tracking_inputs.flatten_params(config), "mode": "ddp"}
     assert parent.data.params["merge.weights"] == "None"
     assert parent.data.params["model.hidden_sizes"] == "[16, 16]"
 
@@ -676,7 +677,11 @@ def test_train_params_and_rank_metrics_take_what_train_json_has_and_skip_nulls()
     assert tracking_inputs.train_params(train) == {
         "mode": "diloco", "grad_accum_steps": "2", "effective_batch_size": "128", "keep": "best",
     }  # fmt: skip
-    assert tracking_inputs.train_params({"strategy": "ddp"}) == {}
+    # A train.json from before the mode field: derived from strategy and sync_every.
+    assert tracking_inputs.train_params({"strategy": "ddp"}) == {"mode": "ddp"}
+    assert tracking_inputs.train_params({"strategy": "localsgd", "sync_every": 0}) == {"mode": "independent"}
+    assert tracking_inputs.train_params({"strategy": "localsgd", "sync_every": 8}) == {"mode": "localsgd"}
+    assert tracking_inputs.train_params({}) == {}
     metrics = tracking_inputs.rank_train_metrics
     assert metrics({"rank": 0, "published_step": 40, "best_val_score": 0.5}) == {
         "published_step": 40.0, "best_val_score": 0.5,

@@ -122,8 +122,13 @@ def _number(value: Any) -> float | None:
 
 
 def train_params(train: dict[str, Any]) -> dict[str, str]:
-    """The :data:`TRAIN_PARAMS` that train.json has (not null), as MLflow params."""
-    return {key: str(train[key]) for key in TRAIN_PARAMS if train.get(key) is not None}
+    """The :data:`TRAIN_PARAMS` that train.json has (not null), as MLflow params; ``mode`` derived from
+    strategy and sync_every for a train.json from before the train stage wrote it."""
+    params = {key: str(train[key]) for key in TRAIN_PARAMS if train.get(key) is not None}
+    if "mode" not in params and isinstance(train.get("strategy"), str):
+        never_syncs = train["strategy"] == "localsgd" and not train.get("sync_every")
+        params["mode"] = "independent" if never_syncs else train["strategy"]
+    return params
 
 
 def rank_train_metrics(entry: dict[str, Any]) -> dict[str, float]:
