@@ -8,18 +8,22 @@ Run by hand (from the workflow's working directory)::
         --tracking-uri sqlite:///mlflow.db --experiment shardfuse [--registered-model NAME] \\
         [--plots-dir results/runs/NAME/plots] --out results/runs/NAME/mlflow.json
 
-Layout in MLflow: one parent run per shardfuse run (run_name NAME; the resolved config as params;
-headline metrics; tags for git commit/dirty, snakemake/torch versions, hosts, SLURM job id, config hash;
-JSON results under ``results/``, plots under ``plots/``; the merged model as an MLflow pyfunc model
-``model``, optionally registered) with one nested child per rank (``NAME/rank-{r}``: loss, throughput and
-lr by step with their original timestamps; grad_norm and val_<score> at the steps that have a finite
-value; its test metrics, and published_step and best_val_score where train.json has them).
+Layout in MLflow: one parent run per shardfuse run (run_name NAME; the resolved config as params, the
+merge settings as merge.json resolved them; headline metrics at step 0, so the chart view draws a bar
+per run; tags for git commit/dirty, snakemake/torch versions, hosts, SLURM job id, config hash, the
+training, Source (the Snakefile) and User; start/end times of the training; the dataset and its test
+split as inputs; JSON results under ``results/``, plots under ``plots/`` and at the artifact root; the
+merged model as an MLflow pyfunc model named NAME with its test metrics linked, optionally registered)
+with one nested child per rank (``NAME/rank-{r}``: loss, throughput and lr by step with their original
+timestamps; grad_norm and val_<score> at the steps that have a finite value; ``system/...`` samples of
+CPU, memory and GPU; its shard as input; its test metrics, and published_step and best_val_score where
+train.json has them). What the UI shows besides metrics is computed in :mod:`shardfuse.tracking_ui`.
 
 The files are the source of truth and this is the only writer, so the push is a sync:
 - inputs unchanged (``shardfuse.fingerprint``, written last with ``shardfuse.complete=true``): nothing
   is written (``unchanged``);
 - same config, histories that only grew (more steps, an interrupted push, a new evaluation): only the
-  missing points are appended, changed headline metrics get a new point at step ``num_steps``, changed
+  missing points are appended, changed headline metrics get a new (later) point at step 0, changed
   files are re-uploaded, changed weights logged as a new model (``updated``);
 - another config or a rewritten history (re-trained): the old runs are soft-deleted and everything is
   pushed afresh (``replaced``).
@@ -29,7 +33,8 @@ stopped, neither losing nor doubling a point (:mod:`shardfuse.mlflow_sync`); eac
 Live runs (``shardfuse.live``) of the same run name that started before the pushed training finished
 are soft-deleted once the push is complete.
 
-This module is the MLflow side (run planning, parent and rank runs, artifacts, the model), built from
+This module is the MLflow side (run planning, parent and rank runs; the artifacts, the model and
+datasets as inputs in :mod:`shardfuse.tracking_parent`), built from
 the paged search, batched writes and history sync of :mod:`shardfuse.mlflow_sync`; the client, writer
 lock and error gate it shares with the comparison stage and the live logger are in
 :mod:`shardfuse.mlflow_common`; what is pushed (the files read and checked, params, headline metrics,
@@ -41,16 +46,14 @@ loading it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict
 
 from shardfuse import mlflow_model
-from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli, write_json
 from shardfuse.mlflow_common import (
     EXPERIMENT_TAGS,
     LIVE_RUN_TAG,
@@ -85,35 +88,27 @@ from shardfuse.tracking_inputs import (
     load_inputs,
     provenance_tags,
 )
+from shardfuse.tracking_parent import (
+    MODEL_TAG,
+    REGISTERED_TAG,
+    SUMMARY_STEP,
+    SyncOptions,
+    log_datasets,
+    merged_model_metrics,
+    sync_parent_extras,
+)
 from shardfuse.tracking_ui import merge_params, run_datasets, run_times, source_tags
 
 RUN_TAG = "shardfuse.run"
 RANK_TAG = "shardfuse.rank"
 FINGERPRINT_TAG = "shardfuse.fingerprint"
 COMPLETE_TAG = "shardfuse.complete"
-ARTIFACTS_TAG = "shardfuse.artifacts_sha256"
-MODEL_TAG = "shardfuse.model_id"
-REGISTERED_TAG = "shardfuse.registered_model"
 PARENT_TAG = "mlflow.parentRunId"
 LAYOUT_TAG = "shardfuse.layout"  # LAYOUT_VERSION of the push that made the run: another one is replaced
 TRAINING_TAG = "shardfuse.training"  # the training the run merged (runs that share one share it)
-SUMMARY_STEP = 0  # one value per run: the runs chart view draws a bar per run (curves keep their steps)
 
 # What a sync does with the runs already in MLflow (also the ``action`` that ``--out`` records).
 Action = Literal["created", "replaced", "updated", "unchanged"]
-
-
-@dataclass(frozen=True)
-class SyncOptions:
-    """What a push is asked for besides the files, fixed for the whole sync."""
-
-    tracking_uri: str
-    registered_model: str | None
-    fingerprint: str  # of the config, the registry name and every input file
-    config_hash: str
-    run_name: str
-    dataset_name: str  # the config's dataset: the name of the datasets logged as run inputs
-    source_tags: dict[str, str]  # mlflow.source.* and mlflow.user (tracking_ui.source_tags)
 
 
 class Plan(NamedTuple):
@@ -170,17 +165,6 @@ def _quote(value: str) -> str:
     return f"{quote}{value}{quote}"
 
 
-def _log_datasets(client, run, refs) -> None:
-    """Log the datasets the run does not list yet as its inputs (MLflow keeps one link per dataset)."""
-    have = set()
-    inputs = getattr(run, "inputs", None)
-    for found in getattr(inputs, "dataset_inputs", None) or []:
-        have.add((found.dataset.name, found.dataset.digest))
-    missing = [ref.entity() for ref in refs if (ref.name, ref.digest) not in have]
-    if missing:
-        client.log_inputs(run.info.run_id, datasets=missing)
-
-
 def _sync_rank(
     client, experiment_id: str, parent_id: str, inputs: RunInputs, rank: RankInputs, child, options
 ) -> tuple[str, int]:
@@ -216,91 +200,10 @@ def _sync_rank(
         client.log_batch(child_id, metrics=final, params=params, tags=tags)
     shard = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name).ranks.get(rank.rank)
     if shard is not None:
-        _log_datasets(client, child, [shard])
+        log_datasets(client, child, [shard])
     if child.info.status != "FINISHED" or (times and child.info.end_time != times[1]):
         client.set_terminated(child_id, "FINISHED", end_time=times[1] if times else None)
     return child_id, pushed + len(final)
-
-
-def _sync_parent_extras(
-    client, experiment_id: str, parent, inputs: RunInputs, options: SyncOptions
-) -> tuple[str, str | None]:
-    """Artifacts, the MLflow model and its registration: each skipped when already there.
-
-    The run's plots go under ``plots/`` and also at the artifact root, where MLflow's Compare view
-    finds them (it lists top-level artifacts only). Returns (the model id, "NAME/VERSION" if registered)."""
-    parent_id, tags = parent.info.run_id, parent.data.tags
-    files = inputs.files
-    uploads = [(path, "results") for path in files.results()]
-    uploads += [(path, "plots") for path in files.plots] + [(path, None) for path in files.plots]
-    artifacts_sha = hashlib.sha256(
-        "".join(f"{d or '.'}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode()
-    )
-    if tags.get(ARTIFACTS_TAG) != artifacts_sha.hexdigest():
-        for path, directory in uploads:
-            client.log_artifact(parent_id, str(path), artifact_path=directory)
-        client.set_tag(parent_id, ARTIFACTS_TAG, artifacts_sha.hexdigest())
-    weights_sha = sha256_file(files.weights)
-    model = mlflow_model.find_logged_model(client, experiment_id, parent_id, weights_sha)
-    model_id = model.model_id if model is not None else None
-    if model_id is None:
-        model_id = mlflow_model.log_merged_model(
-            options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
-            name=options.run_name,
-        )  # fmt: skip
-        # MLflow copies the run's params to the model it logs; add what the model page should also say.
-        described = {"training": str(inputs.train.get("run", "")), **_model_params(inputs)}
-        have = client.get_logged_model(model_id).params or {}
-        if missing := {k: v for k, v in described.items() if k not in have}:
-            client.log_model_params(model_id, missing)
-    if tags.get(MODEL_TAG) != model_id:
-        mlflow_model.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
-        client.set_tag(parent_id, MODEL_TAG, model_id)
-    registered = None
-    if options.registered_model:
-        version = mlflow_model.register_model(client, options.registered_model, parent_id, model_id)
-        registered = f"{options.registered_model}/{version}"
-        if tags.get(REGISTERED_TAG) != registered:
-            client.set_tag(parent_id, REGISTERED_TAG, registered)
-    return model_id, registered
-
-
-def _model_params(inputs: RunInputs) -> dict[str, str]:
-    """The merge that made the model, as the logged model's params (its page shows them)."""
-    merge = inputs.merge
-    params = {"merge_method": str(merge.get("method", ""))}
-    for name, value in (merge.get("params") or {}).items():
-        if value is not None:
-            params[f"merge_{name}"] = str(value)
-    return params
-
-
-def _model_metrics(client, model_id: str, parent, inputs: RunInputs, options: SyncOptions) -> tuple:
-    """Split the headline metrics: those of the merged model (test_*_merged) are logged linked to the
-    logged model and the test split, so its page lists them; return (model metrics, the others), only
-    those not already there."""
-    from mlflow.entities import Metric
-
-    headline = inputs.headline
-    model_keys = {key for key in headline if key.startswith("test_") and key.endswith("_merged")}
-    linked = {m.key: m.value for m in (client.get_logged_model(model_id).metrics or [])}
-    evaluation = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name).evaluation
-    now = int(time.time() * 1000)
-    model_metrics = [
-        Metric(
-            key,
-            float(headline[key]),
-            now,
-            SUMMARY_STEP,
-            model_id=model_id,
-            dataset_name=evaluation.name if evaluation else None,
-            dataset_digest=evaluation.digest if evaluation else None,
-        )
-        for key in sorted(model_keys)
-        if linked.get(key) != headline[key] or parent.data.metrics.get(key) != headline[key]
-    ]
-    others = {k: v for k, v in headline.items() if k not in model_keys}
-    return model_metrics, changed_metrics(parent.data.metrics, others, SUMMARY_STEP)
 
 
 def _delete_runs(client, experiment_id: str, runs: list) -> None:
@@ -383,15 +286,15 @@ def _sync(
         missing = [Param(k, v) for k, v in params.items() if k not in parent.data.params]
         log_batches(client, parent_id, params=missing)
         datasets = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name)
-        _log_datasets(client, parent, datasets.parent)
+        log_datasets(client, parent, datasets.parent)
         child_ids, pushed = {}, 0
         for rank in inputs.ranks:
             child_ids[rank.rank], count = _sync_rank(
                 client, experiment_id, parent_id, inputs, rank, children.get(rank.rank), options
             )
             pushed += count
-        model_id, registered = _sync_parent_extras(client, experiment_id, parent, inputs, options)
-        model_metrics, headline = _model_metrics(client, model_id, parent, inputs, options)
+        model_id, registered = sync_parent_extras(client, experiment_id, parent, inputs, options)
+        model_metrics, headline = merged_model_metrics(client, model_id, parent, inputs, options)
         log_batches(client, parent_id, metrics=model_metrics + headline)
         pushed += len(model_metrics) + len(headline)
         final_tags = [RunTag(FINGERPRINT_TAG, options.fingerprint), RunTag(COMPLETE_TAG, "true")]
