@@ -81,6 +81,20 @@ def test_resume_drops_rows_after_the_checkpoint_and_consolidate_orders_steps(tmp
     assert not resumed.path.exists()
 
 
+def test_a_kill_after_consolidating_resumes_from_the_consolidated_rows(tmp_path):
+    log = MetricsLog(tmp_path, rank=0, flush_seconds=0.0)
+    append_steps(log, range(1, 31))
+    log.consolidate()  # the record file goes; killed here, before train.json: torchrun restarts
+    resumed = MetricsLog(tmp_path, rank=0, resume_step=25, flush_seconds=3600.0)
+    assert steps_on_disk(resumed) == list(range(1, 26))
+    append_steps(resumed, range(26, 31))
+    table = pq.read_table(resumed.consolidate())
+    assert table["step"].to_pylist() == list(range(1, 31))
+    assert table["loss"].to_pylist() == [1.0 / s for s in range(1, 31)]
+    # A fresh start still drops everything (the stale Parquet is replaced at its own consolidation).
+    assert steps_on_disk(MetricsLog(tmp_path, rank=0)) == []
+
+
 def test_a_fresh_start_drops_what_an_attempt_without_checkpoint_logged(tmp_path):
     append_steps(MetricsLog(tmp_path, rank=0, flush_seconds=0.0), range(1, 8))
     fresh = MetricsLog(tmp_path, rank=0)

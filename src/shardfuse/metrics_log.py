@@ -13,7 +13,7 @@ A kill can cut the file mid-record; readers keep only whole records, so what is 
 was logged. When training ends the rows are consolidated into ``metrics/rank-{rank}.parquet`` (the file
 the tracker and the plots read) and the record file goes. Opening the log for a run resumed from step N
 drops the records after N (and a fresh start drops them all), so the history has exactly one row per
-step.
+step; a run killed after consolidating but before train.json resumes from the consolidated rows.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ class MetricsLog:
         self.flush_seconds, self.max_values = flush_seconds, max_rows * len(COLUMNS)
         self.buffer = array.array("d")
         kept = read_records(self.path)
+        if resume_step and kept.num_rows == 0 and self.final_path.is_file():
+            # A kill after consolidate (record file gone) but before train.json: the rows are in Parquet.
+            kept = _consolidated(self.final_path)
         kept = kept.filter(pc.less_equal(kept["step"], resume_step)) if resume_step else kept.slice(0, 0)
         with atomic_path(self.path) as tmp:
             tmp.write_bytes(_to_records(kept))
@@ -130,6 +133,15 @@ class MetricsLog:
         if not self._file.closed:
             self.flush()
             self._file.close()
+
+
+def _consolidated(path: Path) -> pa.Table:
+    """The rows of a consolidated metrics file in :data:`SCHEMA` (none if it is unreadable or older)."""
+    try:
+        table = pq.read_table(path)
+        return table.select(list(COLUMNS)).cast(SCHEMA)
+    except (OSError, ValueError, KeyError, pa.ArrowException):
+        return SCHEMA.empty_table()
 
 
 def _to_records(table: pa.Table) -> bytes:
