@@ -112,11 +112,13 @@ def tracking_errors(tracking_uri: str) -> Iterator[None]:
 
 
 def exit_now() -> NoReturn:
-    """End a tracking stage that has finished its work, skipping the interpreter's teardown.
+    """End a stage that has finished its work (tracking, comparison, a training rank), skipping the
+    interpreter's teardown.
 
     Tearing down the thousands of modules MLflow, SQLAlchemy and pandas load costs a large share of a
-    track job's wall time (bench/tracking.py, bench/RESULTS.md). By now every write is committed, the
-    temporary files are gone and the lock is released; only output buffers are left to flush.
+    track job's wall time (bench/tracking.py, bench/RESULTS.md); a training rank's teardown runs torch's
+    C++ destructors, which can abort a finished rank. By now every write is committed, the temporary
+    files are gone and the locks are released; only output buffers are left to flush.
     """
     sys.stdout.flush()
     sys.stderr.flush()

@@ -41,6 +41,7 @@ from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.live import LiveLogger
 from shardfuse.manifest import read_manifest
 from shardfuse.metrics_log import MetricsLog
+from shardfuse.mlflow_common import exit_now
 from shardfuse.models import build_model, check_output_shape, model_spec, set_data_stats, task_of
 from shardfuse.optim import check_schedule, clip_gradients, lr_at, make_optimizer, set_lr
 from shardfuse.resume import (
@@ -652,3 +653,7 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     run_cli(main)
+    # Every file is written and closed, the process group destroyed and the sampler and live threads
+    # joined: skip the interpreter's teardown, where torch's C++ destructors once aborted a finished rank
+    # ("terminate called without an active exception", SIGABRT) under heavy load in CI.
+    exit_now()
