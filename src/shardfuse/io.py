@@ -125,7 +125,7 @@ HASH_ALGORITHMS = ("sha256", "blake3")
 
 def new_hash(algorithm: str) -> Any:
     """A fresh hasher (``update``, ``hexdigest``) for one of HASH_ALGORITHMS. BLAKE3 runs on the
-    calling thread (``max_threads=1``): callers hash in reader threads already, and both hashes
+    calling thread (``max_threads=1``): callers hash in worker threads already, and both hashes
     release the GIL on large updates."""
     if algorithm == "sha256":
         return hashlib.sha256()

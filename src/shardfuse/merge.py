@@ -20,8 +20,8 @@ Memory: the engine (``shardfuse.merge_engine``) reads every input with explicit 
 safetensors_stream) in blocks of at most BLOCK_BYTES of float64 across all ranks and writes the output
 block by block, so peak memory is a few blocks plus the interpreter, whatever the number of ranks or
 the model size. Exceptions: the TIES scan holds one rank's float64 magnitudes of one tensor; greedy
-soup holds one candidate model (and the copy its evaluation makes). Two reader threads read (and hash)
-a few blocks ahead of the math.
+soup holds one candidate model (and the copy its evaluation makes). Two worker threads read and hash a
+few blocks ahead of the math, and do the math too when it is a plain mean (uniform, greedy soup).
 
 Trust: before anything is read, every checkpoint gather.json lists must lie inside the training
 directory, be listed once, and carry in its header the training and rank of its place in gather.json
@@ -29,7 +29,7 @@ directory, be listed once, and carry in its header the training and rank of its 
 the model gather.json describes fits the tensors (shardfuse.models.check_model_fits).
 
 Checksums: each ingredient's digest (BLAKE3 from gather.json format version 2 on, sha256 before:
-``shardfuse.trust.checksum_algorithm``) is computed by the reader threads from the very bytes that are
+``shardfuse.trust.checksum_algorithm``) is computed by the worker threads from the very bytes that are
 merged and compared with gather.json before the output is renamed into place: one read per file, and
 no window between check and use. merge.json's ``hash`` names the algorithm checked; its ingredients
 carry gather.json's digests, each under its algorithm's name. The base (shared initial weights) is

@@ -3,9 +3,13 @@
 No command line; used by :mod:`shardfuse.merge` (the stage: inputs, checks, greedy soup, merge.json)
 and by bench/merge.py. Each tensor is cut into blocks of at most ``BLOCK_BYTES`` of float64 summed over
 all inputs; a method's plan (``shardfuse.merge_methods``) may scan the whole tensor first (by blocks, or
-rank by rank), then combines block by block into the sink. Reader threads read (and hash) a few blocks
-ahead of the math, so peak memory is a few blocks whatever the number of ranks or the model size.
-:func:`merge_arrays` runs the same plans on whole in-memory arrays (the tests' reference).
+rank by rank), then combines block by block into the sink. Worker threads read and hash a few blocks
+ahead of the consumer (each file's digest fed in file order, whichever worker read the bytes), so peak
+memory is a few blocks whatever the number of ranks or the model size. A plain mean (uniform, greedy
+soup, running statistics) is also merged in the workers, straight from the raw bytes
+(:func:`mean_block`): on a small machine the math is as much CPU as reading and hashing, and both cores
+share it (bench/RESULTS.md, merge). :func:`merge_arrays` runs the same plans on whole in-memory arrays
+(the tests' reference).
 
 Per tensor, by the rules of ``shardfuse.merge_methods``: a non-float tensor (a counter such as
 BatchNorm's ``num_batches_tracked``) is a ``copy`` job: never decoded to float, its bytes are compared
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +35,19 @@ import numpy as np
 
 from shardfuse.io import UserError
 from shardfuse.merge_methods import USES_BASE, Plan, TensorJob, make_plan
-from shardfuse.safetensors_stream import SafetensorsReader, TensorInfo, decode_float, encode_float, to_torch
+from shardfuse.safetensors_stream import (
+    DType,
+    SafetensorsReader,
+    TensorInfo,
+    decode_float,
+    decode_narrow,
+    encode_float,
+    to_torch,
+)
 
 BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
-PREFETCH_DEPTH = 2  # blocks read ahead by the worker threads
-READ_LANES = 2  # reader threads: hashing the inputs costs about as much CPU as the math (bench/merge.py)
+WORKERS = 2
+PREFETCH_DEPTH = 3
 
 
 @dataclass
@@ -119,105 +133,162 @@ class Engine:
             for start, count, last in self._blocks(info.numel):
                 yield Job("combine", name, plan, start, count, with_base, end_tensor=last)
 
-    def _read(self, job: Job, lane: int, buffers: list[np.ndarray]) -> list[tuple[int, np.ndarray]]:
-        """Read the inputs of ``job`` that belong to ``lane``; (position in job.reads, bytes) pairs."""
-        return [
-            (
-                position,
-                self.inputs[index].read_into(
-                    self.inputs[index].tensors[job.name], job.start, job.count, buffers[position]
-                ),
-            )
-            for position, index in enumerate(job.reads)
-            if index % READ_LANES == lane
+    def _load(
+        self, job: Job, index: int, slot: Slot, turns: HashTurns, scratches: queue.SimpleQueue
+    ) -> tuple[list[np.ndarray], tuple[np.ndarray, float] | None]:
+        """In a worker: read ``job`` (the ``index``-th) into ``slot``, hash its bytes in turn, and merge
+        them when its plan is a plain mean (with a scratch set from ``scratches``, one per worker).
+        Returns the raw bytes of each input (in ``job.reads`` order) and, for a plain mean, the merged
+        block's bytes (in ``slot.out``) and the spread between the ranks."""
+        infos = [self.inputs[i].tensors[job.name] for i in job.reads]  # offsets differ between files
+        views = [
+            self.inputs[i].read_into(info, job.start, job.count, buffer, extend_hash=False)
+            for i, info, buffer in zip(job.reads, infos, slot.raw, strict=False)
         ]
+        with turns.turn(index):
+            for i, info, view in zip(job.reads, infos, views, strict=True):
+                self.inputs[i].extend_hash(info, job.start, view)
+        if job.kind != "combine" or not job.plan.plain_mean:
+            return views, None
+        scratch = scratches.get()
+        try:
+            return views, mean_block(views[: self.num_ranks], infos[0].dtype, slot.out, scratch)
+        finally:
+            scratches.put(scratch)
 
-    def _prefetched(self, jobs: Iterator[Job]) -> Iterator[tuple[Job, list[np.ndarray]]]:
-        """Jobs with their raw bytes, read (and hashed) by READ_LANES worker threads, up to PREFETCH_DEPTH
-        jobs ahead of the math.
+    def _prepared(
+        self, jobs: Iterator[Job]
+    ) -> Iterator[tuple[Job, list[np.ndarray], tuple[np.ndarray, float] | None]]:
+        """``jobs`` in order, each with what :meth:`_load` made of it in one of WORKERS threads, up to
+        PREFETCH_DEPTH jobs ahead of the consumer.
 
-        Input i always goes to lane i mod READ_LANES, a single thread, so each file is read in order:
-        that is what lets the readers hash as they go. Job k reads into buffer set k mod (depth + 1):
-        when job k + depth is submitted the consumer has finished job k - 1, the last user of that set."""
-        slots = [
-            [np.empty(self.block_elems * 8, dtype=np.uint8) for _ in self.inputs]
-            for _ in range(PREFETCH_DEPTH + 1)
-        ]
+        Job k uses slot k mod (depth + 1): when job k + depth is submitted the consumer has finished
+        job k - 1, the last user of that slot. Closing the generator stops the workers (none is left
+        waiting for a turn that will not come)."""
+        slots = [Slot(len(self.inputs), self.block_elems) for _ in range(PREFETCH_DEPTH + 1)]
+        scratches: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(WORKERS):
+            scratches.put(MeanScratch(self.num_ranks, self.block_elems))
+        turns = HashTurns()
         pending: deque = deque()
         submitted = 0
-        with contextlib.ExitStack() as stack:
-            lanes = [
-                stack.enter_context(
-                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardfuse-read{i}")
-                )
-                for i in range(READ_LANES)
-            ]
+        with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="shardfuse-merge") as pool:
 
             def submit() -> None:
                 nonlocal submitted
                 job = next(jobs, None)
                 if job is not None:
                     slot = slots[submitted % len(slots)]
-                    pending.append(
-                        (job, [lane.submit(self._read, job, i, slot) for i, lane in enumerate(lanes)])
-                    )
+                    pending.append((job, pool.submit(self._load, job, submitted, slot, turns, scratches)))
                     submitted += 1
 
             try:
                 for _ in range(PREFETCH_DEPTH):
                     submit()
                 while pending:
-                    job, futures = pending.popleft()
-                    views: list[np.ndarray] = [None] * len(job.reads)  # type: ignore[list-item]
-                    for future in futures:
-                        for position, view in future.result():
-                            views[position] = view
-                    yield job, views
+                    job, future = pending.popleft()
+                    yield job, *future.result()
                     submit()
             finally:
-                for _, futures in pending:
-                    for future in futures:
-                        future.cancel()
+                turns.stop()
+                for _, future in pending:
+                    future.cancel()
 
     def run(self, names: list[str], sink) -> dict[str, dict[str, Any]]:
         """Merge ``names`` in this order into ``sink`` (anything with ``write(name, bytes)``)."""
-        scratch = [np.empty(self.block_elems) for _ in self.inputs]
+        scratch = [np.empty(self.block_elems) for _ in self.inputs]  # plans other than a plain mean
         out = np.empty(self.block_elems * 8, dtype=np.uint8)
         stats: dict[str, dict[str, Any]] = {}
-        for job, views in self._prefetched(self.schedule(names)):
-            info = self.inputs[0].tensors[job.name]
-            if job.kind == "copy":
-                for index, view in enumerate(views[1:], start=1):
-                    if not np.array_equal(view, views[0]):
-                        raise copy_rule_error(job.name, info.dtype.name, self.rank_numbers[index])
-                sink.write(job.name, views[0])
-                if job.end_tensor:
-                    stats[job.name] = {"max_abs_diff": 0.0, "copied_from_rank": self.rank_numbers[0]}
-                continue
-            values = [
-                decode_float(view, info.dtype, buffer) for view, buffer in zip(views, scratch, strict=False)
-            ]
-            plan = job.plan
-            if job.kind == "scan_rank":
-                plan.scan_rank(job.rank_index, job.start, values[0], values[1] if len(values) > 1 else None)
-                if job.end_rank:
-                    plan.end_rank(job.rank_index)
-            else:
-                blocks, base = (
-                    values[: self.num_ranks],
-                    (values[self.num_ranks] if len(values) > self.num_ranks else None),
-                )
-                if job.kind == "scan":
-                    plan.scan_blocks(job.start, blocks, base)
+        with contextlib.closing(self._prepared(self.schedule(names))) as prepared:
+            for job, views, merged in prepared:
+                info = self.inputs[0].tensors[job.name]
+                if job.kind == "copy":
+                    for index, view in enumerate(views[1:], start=1):
+                        if not np.array_equal(view, views[0]):
+                            raise copy_rule_error(job.name, info.dtype.name, self.rank_numbers[index])
+                    sink.write(job.name, views[0])
+                    if job.end_tensor:
+                        stats[job.name] = {"max_abs_diff": 0.0, "copied_from_rank": self.rank_numbers[0]}
+                    continue
+                plan = job.plan
+                if merged is not None:
+                    data, spread = merged
+                    record_spread(plan, spread)
+                    sink.write(job.name, data)
                 else:
-                    sink.write(
-                        job.name, encode_float(merge_block(plan, job.start, blocks, base), info.dtype, out)
-                    )
-            if job.end_scan:
-                plan.end_scan()
-            if job.end_tensor:
-                stats[job.name] = tensor_stats(plan)
+                    self._compute(job, info, views, scratch, out, sink)
+                if job.end_scan:
+                    plan.end_scan()
+                if job.end_tensor:
+                    stats[job.name] = tensor_stats(plan)
         return stats
+
+    def _compute(
+        self, job: Job, info: TensorInfo, views: list[np.ndarray], scratch: list[np.ndarray], out, sink
+    ) -> None:
+        """A scan or combine step of any plan, in the consumer, on the inputs decoded to float64."""
+        values = [decode_float(view, info.dtype, into) for view, into in zip(views, scratch, strict=False)]
+        plan = job.plan
+        if job.kind == "scan_rank":
+            plan.scan_rank(job.rank_index, job.start, values[0], values[1] if len(values) > 1 else None)
+            if job.end_rank:
+                plan.end_rank(job.rank_index)
+            return
+        blocks = values[: self.num_ranks]
+        base = values[self.num_ranks] if len(values) > self.num_ranks else None
+        if job.kind == "scan":
+            plan.scan_blocks(job.start, blocks, base)
+        else:
+            sink.write(job.name, encode_float(merge_block(plan, job.start, blocks, base), info.dtype, out))
+
+
+class Slot:
+    """The buffers of one job in flight: each input's raw bytes, and a plain mean's merged bytes."""
+
+    def __init__(self, num_inputs: int, block_elems: int) -> None:
+        nbytes = block_elems * 8  # of the widest dtype; the pages a block does not fill stay unallocated
+        self.raw = [np.empty(nbytes, dtype=np.uint8) for _ in range(num_inputs)]
+        self.out = np.empty(nbytes, dtype=np.uint8)
+
+
+class MeanScratch:
+    """One worker's scratch for :func:`mean_block`: float32 copies of F16/BF16 inputs, the running max
+    and min over ranks, and the float64 sum (first the spread's differences)."""
+
+    def __init__(self, num_ranks: int, block_elems: int) -> None:
+        self.narrow = [np.empty(block_elems * 4, dtype=np.uint8) for _ in range(num_ranks)]
+        self.high = np.empty(block_elems * 8, dtype=np.uint8)
+        self.low = np.empty(block_elems * 8, dtype=np.uint8)
+        self.total = np.empty(block_elems)
+
+
+class HashTurns:
+    """Makes the workers hash jobs in schedule order, whichever worker read which: job k hashes its
+    bytes once job k - 1 has, so every file's digest is fed in file order, as with a single reader."""
+
+    def __init__(self) -> None:
+        self._hashed = 0  # jobs whose turn is over
+        self._stopped = False
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, index: int) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._hashed == index or self._stopped)
+            if self._stopped:
+                raise RuntimeError("the merge stopped before this block's turn to hash")
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._hashed = index + 1
+                self._changed.notify_all()
+
+    def stop(self) -> None:
+        """Release the workers still waiting (the consumer failed, or is done)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
 
 
 # ---------------------------------------------------------------- running a plan
@@ -241,12 +312,64 @@ def max_abs_diff(blocks: list[np.ndarray]) -> float:
     return worst
 
 
-def merge_block(plan: Plan, start: int, blocks: list[np.ndarray], base: np.ndarray | None) -> np.ndarray:
-    """One block of the merged tensor; records the spread between ranks before combine reuses blocks."""
-    spread = max_abs_diff(blocks)
+def record_spread(plan: Plan, spread: float) -> None:
+    """Fold one block's spread between the ranks into ``plan``'s statistics, and let the plan check it."""
     plan.max_abs_diff = max(plan.max_abs_diff, spread)
     plan.check(spread)
+
+
+def merge_block(plan: Plan, start: int, blocks: list[np.ndarray], base: np.ndarray | None) -> np.ndarray:
+    """One block of the merged tensor; records the spread between ranks before combine reuses blocks."""
+    record_spread(plan, max_abs_diff(blocks))
     return plan.combine(start, blocks, base)
+
+
+def mean_block(
+    views: list[np.ndarray], dtype: DType, out: np.ndarray, scratch: MeanScratch
+) -> tuple[np.ndarray, float]:
+    """The plain mean of the rank blocks ``views`` (raw bytes of ``dtype``) encoded to ``dtype`` in the
+    uint8 buffer ``out``, and the spread between them: bit for bit what decoding to float64,
+    :func:`merge_block` and the uniform plan give, in fewer passes over half the bytes (F32).
+
+    The sum runs in float64 in rank order, numpy widening each input as it adds it (decode_narrow); the
+    spread comes from the elementwise max and min over ranks 1.., which round nothing, set against rank
+    0 (:func:`spread_from_extremes`)."""
+    values = [decode_narrow(view, dtype, into) for view, into in zip(views, scratch.narrow, strict=False)]
+    spread = spread_from_extremes(values, scratch)
+    total = scratch.total[: len(values[0])]
+    if len(values) == 1:
+        np.copyto(total, values[0])
+    else:
+        np.add(values[0], values[1], out=total, dtype=np.float64)
+        for value in values[2:]:
+            np.add(total, value, out=total)
+    total /= len(values)
+    return encode_float(total, dtype, out), spread
+
+
+def spread_from_extremes(values: list[np.ndarray], scratch: MeanScratch) -> float:
+    """:func:`max_abs_diff` of float32 or float64 ``values``, from their elementwise max and min.
+
+    Rounding is monotone, so max_i fl(x_i - x_0) = fl(max_i x_i - x_0) and likewise for the min: two
+    float64 subtractions (into ``scratch.total``) instead of one per rank. A NaN on the way (a NaN input,
+    or inf - inf) sends the block to max_abs_diff itself, whose NaN rules this does not repeat."""
+    first, others = values[0], values[1:]
+    if not others or not len(first):
+        return 0.0
+    high = low = others[0]
+    if len(others) > 1:
+        nbytes = first.nbytes
+        high = np.maximum(others[0], others[1], out=scratch.high[:nbytes].view(first.dtype))
+        low = np.minimum(others[0], others[1], out=scratch.low[:nbytes].view(first.dtype))
+        for value in others[2:]:
+            np.maximum(high, value, out=high)
+            np.minimum(low, value, out=low)
+    diff = scratch.total[: len(first)]
+    up = float(np.subtract(high, first, out=diff, dtype=np.float64).max())
+    down = float(np.subtract(first, low, out=diff, dtype=np.float64).max())
+    if math.isnan(up) or math.isnan(down):
+        return max_abs_diff([value.astype(np.float64) for value in values])
+    return max(0.0, up, down)
 
 
 def tensor_stats(plan: Plan) -> dict[str, Any]:

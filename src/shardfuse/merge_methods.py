@@ -62,7 +62,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -198,6 +198,10 @@ class Plan:
     scan_order: str | None = None  # None, "blocks" (all ranks per block) or "ranks" (rank by rank)
     max_abs_diff: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    # True for a plan whose combine is the plain mean of the rank blocks and nothing else: the engine
+    # then merges its blocks in its worker threads, from the raw bytes (merge_engine.mean_block), bit for
+    # bit as combine would.
+    plain_mean: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         pass
@@ -266,6 +270,8 @@ class ConsolidatePlan(Plan):
 
 
 class UniformPlan(Plan):
+    plain_mean = True
+
     def combine(self, start, blocks, base):
         return _mean(blocks)
 

@@ -14,7 +14,8 @@ RSS than the whole merge engine needs for a model of a hundred megabytes.
 
 The reader hashes the bytes it reads (sha256 or BLAKE3, ``hash_algorithm``) while they stream past in
 file order, so a merge checks its inputs against their recorded checksums without a second pass over the
-files; the merge engine reads, and so hashes, in its reader threads, off the math's thread.
+files; the merge engine reads in several threads and feeds the hash itself, in file order
+(``read_into(..., extend_hash=False)``, then ``extend_hash``).
 
 The writer computes the header up front (names, dtypes, shapes, offsets, metadata), then takes the
 tensor bytes in file order, in as many chunks as the caller likes. Its output is byte-identical to
@@ -190,17 +191,26 @@ class SafetensorsReader:
         self._digest.update(prefix + raw)
         self._hashed_upto = self.data_start
 
-    def read_into(self, info: TensorInfo, start: int, count: int, out: np.ndarray) -> np.ndarray:
+    def read_into(
+        self, info: TensorInfo, start: int, count: int, out: np.ndarray, *, extend_hash: bool = True
+    ) -> np.ndarray:
         """Read elements [start, start + count) of ``info`` into the uint8 buffer ``out``; returns the
-        filled prefix. Bytes read at the point up to which the file has been hashed extend the hash."""
-        nbytes = count * info.dtype.itemsize
+        filled prefix. Bytes read at the point up to which the file has been hashed extend the hash,
+        unless ``extend_hash`` is false: then the caller passes them to :meth:`extend_hash` itself."""
+        view = out[: count * info.dtype.itemsize]
+        self._pread(view, info.begin + start * info.dtype.itemsize)
+        if extend_hash:
+            self.extend_hash(info, start, view)
+        return view
+
+    def extend_hash(self, info: TensorInfo, start: int, view: np.ndarray) -> None:
+        """Hash ``view``, the bytes of ``info`` from element ``start`` on, if they begin where the
+        hashed prefix of the file ends (bytes read again, or out of order, are not hashed). Not
+        thread-safe: callers that read in several threads call it in file order (the merge engine)."""
         offset = info.begin + start * info.dtype.itemsize
-        view = out[:nbytes]
-        self._pread(view, offset)
         if offset == self._hashed_upto and self.hash_reads:
             self._digest.update(view)
-            self._hashed_upto += nbytes
-        return view
+            self._hashed_upto += len(view)
 
     def read_array(self, info: TensorInfo) -> np.ndarray:
         """The whole tensor as a new array of its holder dtype and shape."""
@@ -332,6 +342,24 @@ def decode_float(raw: np.ndarray, dtype: DType, out: np.ndarray) -> np.ndarray:
         wide = raw.view("<u2").astype(np.uint32)
         wide <<= 16
         np.copyto(target, wide.view(np.float32))
+    else:
+        np.copyto(target, raw.view(dtype.holder))
+    return target
+
+
+def decode_narrow(raw: np.ndarray, dtype: DType, out: np.ndarray) -> np.ndarray:
+    """Raw little-endian bytes of a float dtype -> its values in the narrowest numpy float type that
+    holds each of them exactly: F32 and F64 as views of ``raw`` (no copy), F16 and BF16 as float32 in
+    the uint8 buffer ``out``. Numpy's cast of the result to float64 gives :func:`decode_float`'s values,
+    so float64 arithmetic on these (``dtype=np.float64``) is bit for bit that on decoded values, and
+    reads half the bytes."""
+    if dtype.name in ("F32", "F64"):
+        return raw.view(dtype.holder)
+    target = out[: len(raw) // dtype.itemsize * 4].view(np.float32)
+    if dtype.name == "BF16":  # bfloat16 is the top half of a float32
+        bits = target.view(np.uint32)
+        np.copyto(bits, raw.view("<u2"))
+        bits <<= 16
     else:
         np.copyto(target, raw.view(dtype.holder))
     return target
