@@ -31,16 +31,16 @@ run: $(STAMP)
 # test file per worker at a time (module fixtures are built once).
 TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS) or $(SLOW_TESTS))" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS) or $(SLOW_TESTS))" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # The slow tier: whole experiments, no service; two workers, one test file each.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m "$(SLOW_TESTS)" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "$(SLOW_TESTS)" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # The service tier: SLURM clusters, the PostgreSQL-backed tracking server, the browser (.ci/run starts
 # the single-node cluster first; the others are started by their tests), and the benchmark smoke run.
 test-services: $(STAMP)
-	$(BIN)/python -m pytest -m "$(SERVICE_TESTS)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "$(SERVICE_TESTS)" --durations=15 $(PYTEST_ARGS)
 
 # Everything (CI): the fast tier, the slow tier, then the service tier.
 test-all: test test-slow test-services

@@ -15,7 +15,9 @@ import pytest
 from tests.helpers import REPO, run_in, snakemake_failure, subprocess_env
 from tests.test_slurm import checkout_copy
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Four whole experiments in one fixture: about 9 min on a 2-core machine shared with the other test
+# worker, past the suite's default limit of 900 s (counted with the first test's fixture).
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def readme_block(marker: str) -> str:
@@ -30,14 +32,11 @@ def summary(checkout: Path) -> dict[str, dict[str, str]]:
         return {row["run"]: row for row in csv.DictReader(fh)}
 
 
-@pytest.fixture(scope="module")
-def examples(tmp_path_factory) -> dict[str, dict[str, dict[str, str]]]:
-    """Each example command of the README, in one checkout copy (as a user runs them one after the
-    other): its summary rows by example name."""
-    checkout = checkout_copy(tmp_path_factory.mktemp("checkout"))
+def run_readme_examples(checkout: Path, marker: str) -> dict[str, dict[str, dict[str, str]]]:
+    """Each example command of the README block after ``<!-- marker -->``, one after the other in
+    ``checkout`` (as a user runs them): its summary rows by example name."""
     found = {}
-    lines = [*readme_block("examples").splitlines(), *readme_block("examples-kinds").splitlines()]
-    for line in lines:
+    for line in readme_block(marker).splitlines():
         command = shlex.split(line.split("#")[0])
         if not command:
             continue
@@ -45,12 +44,18 @@ def examples(tmp_path_factory) -> dict[str, dict[str, dict[str, str]]]:
         proc = run_in(checkout, command)
         assert proc.returncode == 0, snakemake_failure(checkout, proc)
         found[Path(command[-1]).stem] = summary(checkout)
-    found["checkout"] = checkout
     return found
 
 
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> dict:
+    """The tabular examples (regression, multi-output, your model, fine-tuning), in one checkout copy."""
+    checkout = checkout_copy(tmp_path_factory.mktemp("checkout"))
+    return {**run_readme_examples(checkout, "examples"), "checkout": checkout}
+
+
 def test_every_example_of_the_readme_runs_and_learns(examples):
-    assert {"diabetes", "multi_output", "user_model", "finetune", "digits_cnn", "stdlib_lm"} <= set(examples)
+    assert {"diabetes", "multi_output", "user_model", "finetune"} <= set(examples)
     diabetes = examples["diabetes"]
     assert all(float(row["test_r2_merged"]) > 0.4 for row in diabetes.values())
     assert float(diabetes["diabetes_soup"]["fusion_gain"]) > 0  # the soup beats its best rank's mse
@@ -61,17 +66,6 @@ def test_every_example_of_the_readme_runs_and_learns(examples):
     assert all(float(finetune[run]["test_accuracy_merged"]) > 0.9 for run in ("ft_ddp", "ft_ties"))
     # Fine-tuning starts from the pretrained model, which knows half the classes.
     assert 0.3 < float(finetune["ft_uniform"]["test_accuracy_base"]) < 0.7
-    cnn = examples["digits_cnn"]
-    assert float(cnn["cnn_ddp"]["test_accuracy_merged"]) > 0.9
-    assert float(cnn["cnn_soup"]["test_accuracy_merged"]) > 0.7
-    language = examples["stdlib_lm"]
-    for run in ("lm_ddp", "lm_localsgd", "lm_soup"):
-        # Bytes are 8 bits; an untrained model is near log2(256) = 8 bits, a trained one well below.
-        assert float(language[run]["test_bits_per_byte_merged"]) < 4.5
-        # Synchronised training halves the initial loss; a soup of independently trained transformers
-        # loses part of that (README figures).
-        bound = 0.6 if run == "lm_soup" else 0.5
-        assert float(language[run]["test_loss_merged"]) < float(language[run]["test_loss_base"]) * bound
 
 
 def test_the_readme_loads_the_user_model_back_from_mlflow_in_a_fresh_process(examples):

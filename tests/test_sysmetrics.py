@@ -4,7 +4,6 @@ MLflow's names, and a real torchrun training that samples without changing a bit
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import signal
@@ -35,7 +34,7 @@ from shardfuse.sysmetrics import (
     system_metrics_path,
 )
 from tests import test_resume, test_train
-from tests.helpers import run_stage, subprocess_env
+from tests.helpers import subprocess_env
 
 CPU_METRICS = {
     "system/cpu_utilization_percentage",
@@ -279,23 +278,7 @@ TRAIN_CFG = {**test_train.TRAIN_CFG, "strategy": "localsgd", "sync_every": 5, "e
 
 
 def train(out: Path, dataset: Path, shards: Path) -> Path:
-    proc = run_stage(
-        "launch",
-        "--nproc-per-node",
-        2,
-        "--out-dir",
-        out,
-        "--",
-        "--run-name",
-        "sys",
-        "--shard-dir",
-        shards,
-        "--dataset-dir",
-        dataset,
-        "--config-json",
-        json.dumps(TRAIN_CFG),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = test_train.launch_training(out, dataset, shards, "sys", TRAIN_CFG)
     assert "sysmetrics: warning" not in proc.stderr
     return out
 

@@ -29,9 +29,8 @@ TRAIN_CFG = {
 }
 
 
-def run_training(tmp_path, digits_dataset, digits_shards, name, **overrides):
-    out = tmp_path / name / "train"
-    cfg = json.dumps({**TRAIN_CFG, **overrides})
+def launch_training(out, digits_dataset, digits_shards, name, cfg: dict):
+    """A real 2-rank gloo training of ``cfg`` through the launcher, into ``out``; its process."""
     proc = run_stage(
         "launch",
         "--nproc-per-node",
@@ -46,9 +45,15 @@ def run_training(tmp_path, digits_dataset, digits_shards, name, **overrides):
         "--dataset-dir",
         digits_dataset,
         "--config-json",
-        cfg,
+        json.dumps(cfg),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def run_training(tmp_path, digits_dataset, digits_shards, name, **overrides):
+    out = tmp_path / name / "train"
+    launch_training(out, digits_dataset, digits_shards, name, {**TRAIN_CFG, **overrides})
     return out
 
 
