@@ -384,15 +384,25 @@ def report(results: list[dict], repeats: int, regimes: list[str]) -> bool:
     return verdicts(results, regimes)
 
 
+# The columns both regimes' tables start with: (header, key of the row dict without the regime prefix)
+HEAD_COLUMNS = [
+    ("stream (BLAKE3 checked) s", "stream_s"),
+    ("baseline s", "baseline_s"),
+    ("speedup", "speedup"),
+    ("read-once floor s", "floor_s"),
+    ("stream / floor", "over_floor"),
+]
+
+
+def head_cells(r: dict, prefix: str) -> list:
+    return [r["model_mb"], r["ranks"], *(r[prefix + key] for _, key in HEAD_COLUMNS)]
+
+
 def warm_table(results: list[dict]) -> tuple[list[str], list[list]]:
     header = [
         "model MiB",
         "N",
-        "stream (BLAKE3 checked) s",
-        "baseline s",
-        "speedup",
-        "read-once floor s",
-        "stream / floor",
+        *(name for name, _ in HEAD_COLUMNS),
         "stream, sha256 checked s",
         "speedup, sha256",
         "stream w/o checksums s",
@@ -404,13 +414,7 @@ def warm_table(results: list[dict]) -> tuple[list[str], list[list]]:
     ]
     rows = [
         [
-            r["model_mb"],
-            r["ranks"],
-            r["stream_s"],
-            r["baseline_s"],
-            r["speedup"],
-            r["floor_s"],
-            r["over_floor"],
+            *head_cells(r, ""),
             r["sha256_s"],
             r["speedup_sha256"],
             r["nohash_s"],
@@ -429,11 +433,7 @@ def cold_table(results: list[dict]) -> tuple[list[str], list[list]]:
     header = [
         "model MiB",
         "N",
-        "stream (BLAKE3 checked) s",
-        "baseline s",
-        "speedup",
-        "read-once floor s",
-        "stream / floor",
+        *(name for name, _ in HEAD_COLUMNS),
         "stream w/o checksums s",
         "speedup w/o checksums",
         "floor GB/s",
@@ -442,16 +442,10 @@ def cold_table(results: list[dict]) -> tuple[list[str], list[list]]:
     ]
     rows = [
         [
-            r["model_mb"],
-            r["ranks"],
-            r["cold_stream_s"],
-            r["cold_baseline_s"],
-            r["cold_speedup"],
-            r["cold_floor_s"],
-            r["cold_over_floor"],
+            *head_cells(r, "cold_"),
             r["cold_nohash_s"],
             r["cold_speedup_nohash"],
-            r["files_mb"] * 2**20 / r["cold_floor_s"] / 1e9,
+            r["files_mb"] * 2**20 / r["cold_floor_s"] / 1000000000.0,
             r["cold_stream_rss_mb"],
             "not checked (no fincore)"
             if r["resident_mb"] is None
