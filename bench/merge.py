@@ -289,6 +289,7 @@ REGIMES = {  # regime: the variants measured in it
     "warm": tuple(CHILDREN),
     "cold": ("stream", "nohash", "baseline", "floor"),
 }
+PREFIX = {"warm": "", "cold": "cold_"}  # regime -> the prefix of its keys in a result row
 RATIOS = {  # name: (numerator, denominator) of per-repetition time ratios, in every regime both exist
     "speedup": ("baseline", "stream"),
     "speedup_sha256": ("baseline", "sha256"),
@@ -337,7 +338,7 @@ def bench(
         row["resident_mb"] = max(resident) if resident else None
         row["files_mb"] = sum(Path(path).stat().st_size for path in paths) / 2**20
         for regime in measured_regimes:
-            prefix = "" if regime == "warm" else "cold_"
+            prefix = PREFIX[regime]
             for kind in REGIMES[regime]:
                 values = samples[regime, kind]
                 row[f"{prefix}{kind}_s"] = median([s for s, _ in values])
@@ -348,7 +349,7 @@ def bench(
                     row[prefix + name] = median([t / b for (t, _), (b, _) in pairs])
         results.append(row)
         for regime in measured_regimes:
-            prefix = "" if regime == "warm" else "cold_"
+            prefix = PREFIX[regime]
             print(
                 f"  N={num_ranks} {regime}: stream {row[prefix + 'stream_s']:.2f} s / "
                 f"{row[prefix + 'stream_rss_mb']:.0f} MB, baseline {row[prefix + 'baseline_s']:.2f} s, "
@@ -461,8 +462,8 @@ def verdicts(results: list[dict], regimes: list[str]) -> bool:
     """Print a verdict per target; true when the targets pass (the speedup warm, the floor cold)."""
     ok = True
     for r in results:
-        for prefix in ("", "cold_") if "cold" in regimes else ("",):
-            key = prefix + "stream_rss_mb"
+        for regime in regimes:
+            key = PREFIX[regime] + "stream_rss_mb"
             if key not in r:
                 continue
             limit = 1.5 * r["model_mb"] + 64
@@ -470,13 +471,13 @@ def verdicts(results: list[dict], regimes: list[str]) -> bool:
             ok &= passed
             print(
                 f"{verdict(passed)}  {r['model_mb']:.0f} MB, N={r['ranks']}: stream peak RSS "
-                f"{r[key]:.0f} MB <= 1.5 x model + 64 MB = {limit:.0f} MB ({prefix.rstrip('_') or 'warm'})"
+                f"{r[key]:.0f} MB <= 1.5 x model + 64 MB = {limit:.0f} MB ({regime})"
             )
     for r in results:
         if r["ranks"] != 8:
             continue
         for regime in regimes:
-            prefix = "" if regime == "warm" else "cold_"
+            prefix = PREFIX[regime]
             if prefix + "speedup" not in r:
                 continue
             if regime == "cold" and r["resident_mb"] is not None and r["resident_mb"] > 0.05 * r["files_mb"]:
