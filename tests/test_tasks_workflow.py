@@ -18,7 +18,8 @@ import yaml
 from shardfuse.checkpoint import load_weights
 from tests.test_workflow import planned_jobs, snakemake
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# A whole experiment in one fixture: 530-610 s on a slow 2-core machine, near the default 900 s limit.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # A user module, as a researcher would write one: a classifier/regressor and a tiny causal LM.
 USER_MODELS = '''

@@ -15,7 +15,8 @@ from tests.helpers import run_in, snakemake_failure
 from tests.test_examples import readme_block
 from tests.test_slurm import checkout_copy
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# A whole experiment in one fixture: 530-610 s on a slow 2-core machine, near the default 900 s limit.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # The MLP of config/examples/communication.yaml: 32 -> 128 -> 128 -> 10, float32.
 PARAMETER_BYTES = (32 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10) * 4
