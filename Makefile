@@ -8,13 +8,18 @@ CORES ?= all
 export PATH := $(BIN):$(PATH)
 STAMP := $(VENV)/.installed
 
-# Tests that need a root daemon, a cluster, a server or a browser, and the benchmark smoke run; and the
-# end-to-end experiments that take minutes (slow: the README's examples, every task through the
-# workflow). `make test-all` (CI) runs them.
-SERVICE_TESTS := slurm or server or browser or bench
-SLOW_TESTS := slow
+# Test tiers are folders of tests/ (README "Tests"). Budgets in seconds of wall time on a 2-core machine;
+# each tier prints its time against its budget (scripts/test-tier.sh) and keeps a JUnit XML report in
+# .test-reports/ for `python3 scripts/test-report.py`.
+FAST_TESTS := tests/unit tests/contracts tests/stages tests/workflow
+SLOW_TESTS := tests/slow
+SERVICE_TESTS := tests/services
+REPORTS := .test-reports
+TIER := bash scripts/test-tier.sh
+PYTEST := $(BIN)/python -m pytest --durations=15
+TEST_WORKERS ?= 2
 
-.PHONY: venv run test test-slow test-services test-all lint format ui clean
+.PHONY: venv run test test-fast test-slow test-services test-all lint format ui clean
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -26,24 +31,34 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 
-# The fast tier, for every change: lint + every test that needs no root daemon, cluster, server or browser.
-# Two pytest-xdist workers (a third on 2 cores was no faster and starves timing-sensitive tests), one
-# test file per worker at a time (module fixtures are built once).
-TEST_WORKERS ?= 2
-test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not ($(SERVICE_TESTS) or $(SLOW_TESTS))" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+# The fast tier, for every change (budget 180 s, lint included): lint, then unit, contract, stage and
+# workflow tests. Two pytest-xdist workers (a third on 2 cores was no faster); whole files per worker, so
+# a module's fixture is built once; the expensive shared fixtures are built once per run (tests/conftest.py).
+test: $(STAMP)
+	@rm -f $(REPORTS)/fast.xml
+	@$(TIER) fast 180 $(MAKE) --no-print-directory lint test-fast
 
-# The slow tier: whole experiments, no service; two workers, one test file each.
+# The fast tier without lint (narrow it with PYTEST_ARGS="-k merge").
+test-fast: $(STAMP)
+	$(PYTEST) $(FAST_TESTS) -n $(TEST_WORKERS) --dist loadfile --junitxml=$(REPORTS)/fast.xml $(PYTEST_ARGS)
+
+# The slow tier (budget 10 min): the README's example experiments exactly as it shows them, every task
+# through the workflow, the kill points of every model and strategy, the whole-workflow kill races.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -m "$(SLOW_TESTS)" -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	@$(TIER) slow 600 $(PYTEST) $(SLOW_TESTS) -n $(TEST_WORKERS) --dist loadfile \
+		--junitxml=$(REPORTS)/slow.xml $(PYTEST_ARGS)
 
-# The service tier: SLURM clusters, the PostgreSQL-backed tracking server, the browser (.ci/run starts
-# the single-node cluster first; the others are started by their tests), and the benchmark smoke run.
+# The service tier (budget 12 min): SLURM clusters, the PostgreSQL-backed tracking server, the browser
+# (.ci/run starts the single-node cluster first; the others are started by their tests), the benchmark
+# smoke run and the mergekit cross-check. One worker: the cluster and the servers are shared.
 test-services: $(STAMP)
-	$(BIN)/python -m pytest -m "$(SERVICE_TESTS)" --durations=15 $(PYTEST_ARGS)
+	@$(TIER) services 720 $(PYTEST) $(SERVICE_TESTS) --junitxml=$(REPORTS)/services.xml $(PYTEST_ARGS)
 
-# Everything (CI): the fast tier, the slow tier, then the service tier.
-test-all: test test-slow test-services
+# Everything (CI): the fast tier, the slow tier, then the service tier; then the table of tier times.
+test-all:
+	@rm -rf $(REPORTS)
+	@$(MAKE) --no-print-directory test test-slow test-services; status=$$?; \
+		python3 scripts/test-report.py; exit $$status
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -62,4 +77,4 @@ ui: $(STAMP)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
-	rm -rf results logs benchmarks .snakemake mlflow.db mlruns mlartifacts
+	rm -rf results logs benchmarks .snakemake mlflow.db mlruns mlartifacts $(REPORTS)

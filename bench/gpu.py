@@ -8,7 +8,7 @@ dataset with ``precision: fp32`` and ``precision: auto`` (bf16 autocast where th
 interleaved, and reports samples/s (rows x epochs / train_seconds of train.json: the training loop of
 the slowest rank) and rank 0's peak GPU memory (``torch.cuda.max_memory_allocated``, in train.json).
 Exits 2 with one line when this machine has no CUDA device; on a CPU machine the same code path is
-covered by tests/test_dist.py (device, backend and precision selection).
+covered by tests/unit/rank/test_dist.py (device, backend and precision selection).
 """
 
 from __future__ import annotations

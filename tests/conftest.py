@@ -1,18 +1,30 @@
-"""Shared fixtures: a tiny real dataset and shard set, made with the project's own stages.
+"""Shared fixtures: small real datasets, shard sets and trainings made with the project's own stages.
 
-Helpers and constants live in tests/helpers.py.
+Each is built once per test run and shared by every pytest-xdist worker (``built_once``), and the tests
+only read it; a test that writes copies what it needs into its own tmp_path first.
+Helpers and constants live in tests/support/ (never in a test module).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
-from tests.helpers import MEASUREMENTS, slurm_state_dir, subprocess_env
+from shardfuse.sysmetrics import INTERVAL_ENV
+from tests.support.data import prepare_and_partition
+from tests.support.helpers import MEASUREMENTS, built_once, run_stage
+from tests.support.tracking import TRACK_EXPERIMENT
+from tests.support.training import (
+    DDP_RESUME_CFG,
+    SMALL_TRAIN_CFG,
+    SMALL_TRAININGS,
+    launch_training,
+    train_reference,
+)
+
+DIGITS_SPEC = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -22,103 +34,88 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
-@pytest.fixture(scope="session")
-def digits_dataset(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("datasets") / "digits"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardfuse.prepare",
-            "--name",
-            "digits",
-            "--spec-json",
-            '{"source": "digits", "test_fraction": 0.2, "seed": 0}',
-            "--out-dir",
-            str(out),
-        ],
-        check=True,
-        env=subprocess_env(),
-    )
-    return out
+def prepared(tmp_path_factory, name: str, spec: str) -> tuple[Path, Path]:
+    """(dataset dir, 2-shard dir) of ``spec`` made by the prepare and partition stages, once per run."""
+    root = built_once(tmp_path_factory, name, lambda out: prepare_and_partition(out, name, spec))
+    return root / name, root / f"{name}-shards" / "w2-seed0"
 
 
 @pytest.fixture(scope="session")
-def digits_shards(digits_dataset, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("shards") / "w2-seed0"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardfuse.partition",
-            "--input",
-            str(digits_dataset / "train.parquet"),
-            "--world-size",
-            "2",
-            "--seed",
-            "0",
-            "--out-dir",
-            str(out),
-        ],
-        check=True,
-        env=subprocess_env(),
+def digits_data(tmp_path_factory) -> tuple[Path, Path]:
+    """scikit-learn's digits (64 features, 10 classes), prepared and partitioned into 2 shards."""
+    return prepared(tmp_path_factory, "digits", DIGITS_SPEC)
+
+
+@pytest.fixture(scope="session")
+def digits_dataset(digits_data) -> Path:
+    return digits_data[0]
+
+
+@pytest.fixture(scope="session")
+def digits_shards(digits_data) -> Path:
+    return digits_data[1]
+
+
+@pytest.fixture(scope="session")
+def small_trainings(tmp_path_factory, digits_dataset, digits_shards) -> Path:
+    """A working directory holding results/trainings/{ddp,independent,localsgd}/ranks: real 2-rank
+    trainings of SMALL_TRAIN_CFG on digits, system metrics off; the independent one also has its
+    gather.json with relative paths, as the workflow writes it (a copy of results/ is a working training)."""
+
+    def build(root: Path) -> None:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(INTERVAL_ENV, "0")
+            for name, keys in SMALL_TRAININGS.items():
+                out = root / "results" / "trainings" / name / "ranks"
+                launch_training(out, digits_dataset, digits_shards, name, {**SMALL_TRAIN_CFG, **keys})
+        gather = run_stage(
+            "gather", "--train-dir", "results/trainings/independent/ranks", "--world-size", 2,
+            "--out", "results/trainings/independent/gather.json", cwd=root,
+        )  # fmt: skip
+        assert gather.returncode == 0, gather.stderr
+
+    return built_once(tmp_path_factory, "small-trainings", build)
+
+
+@pytest.fixture(scope="session")
+def ddp_resume_reference(tmp_path_factory, digits_dataset, digits_shards) -> Path:
+    """The uninterrupted ddp training (tests/support/training.py DDP_RESUME_CFG) that the kill tests of
+    the fast tier must end bitwise identical to."""
+    return (
+        built_once(
+            tmp_path_factory,
+            "ddp-resume-reference",
+            lambda out: train_reference(out / "ranks", digits_dataset, digits_shards, DDP_RESUME_CFG),
+        )
+        / "ranks"
     )
-    return out
-
-
-def prepare_and_partition(out_root: Path, name: str, spec: str, world_size: int = 2) -> tuple[Path, Path]:
-    """(dataset dir, shard dir) made by the prepare and partition stages."""
-    dataset, shards = out_root / name, out_root / f"{name}-shards" / f"w{world_size}-seed0"
-    for stage, *args in (
-        ("prepare", "--name", name, "--spec-json", spec, "--out-dir", dataset),
-        (
-            "partition",
-            "--input",
-            dataset / "train.parquet",
-            "--world-size",
-            world_size,
-            "--seed",
-            0,
-            "--out-dir",
-            shards,
-        ),
-    ):
-        command = [sys.executable, "-m", f"shardfuse.{stage}", *map(str, args)]
-        subprocess.run(command, check=True, env=subprocess_env(), capture_output=True)
-    return dataset, shards
 
 
 @pytest.fixture(scope="session")
 def diabetes_data(tmp_path_factory) -> tuple[Path, Path]:
     """scikit-learn's diabetes data (regression, 10 features, one float target), prepared and in 2 shards."""
-    return prepare_and_partition(tmp_path_factory.mktemp("datasets"), "diabetes", '{"source": "diabetes"}')
+    return prepared(tmp_path_factory, "diabetes", '{"source": "diabetes"}')
 
 
 @pytest.fixture(scope="session")
 def digits_images_data(tmp_path_factory) -> tuple[Path, Path]:
     """scikit-learn's digits as 1x8x8 images (a tensor column), prepared and in 2 shards."""
-    spec = '{"source": "digits_images"}'
-    return prepare_and_partition(tmp_path_factory.mktemp("datasets"), "digits_images", spec)
+    return prepared(tmp_path_factory, "digits_images", '{"source": "digits_images"}')
 
 
 @pytest.fixture(scope="session")
 def stdlib_tokens_data(tmp_path_factory) -> tuple[Path, Path]:
     """The Python standard library's json package as byte tokens in blocks of 33, in 2 shards."""
     spec = '{"source": "text", "paths": ["{stdlib}/json/*.py"], "block_size": 32, "max_tokens": 40000}'
-    return prepare_and_partition(tmp_path_factory.mktemp("datasets"), "stdlib", spec)
+    return prepared(tmp_path_factory, "stdlib", spec)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Path:
-    """The single-node cluster of scripts/slurm-up.sh. CI must have it: there a missing cluster fails."""
-    try:
-        sinfo = ["sinfo", "-h", "-o", "%T"]
-        states = subprocess.run(sinfo, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        states = ""
-    if not any(state.strip().rstrip("*") in {"idle", "mixed", "allocated"} for state in states.splitlines()):
-        message = "no SLURM cluster answers sinfo; start one with `bash scripts/slurm-up.sh` (as root)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return slurm_state_dir()
+@pytest.fixture(scope="module")
+def track_store(tmp_path_factory) -> dict:
+    """A migrated SQLite MLflow store and its experiment, one per test module (a fresh one costs seconds);
+    the tests of a module use distinct run names."""
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.create_experiment(TRACK_EXPERIMENT, artifact_location=str(root / "artifacts"))
+    return {"uri": uri, "client": client, "experiment_id": experiment_id}

@@ -269,7 +269,7 @@ def shapes_of(tensors: dict[str, dict[str, Any]]) -> Shapes:
 
 def mlp_state_shapes(spec: dict[str, Any]) -> Shapes:
     """The state dict of the built-in mlp that a normalized spec describes, laid out as
-    ``shardfuse.models.MLP`` lays it out (tests/test_trust.py holds the two together)."""
+    ``shardfuse.models.MLP`` lays it out (tests/stages/test_trust.py holds the two together)."""
     args, description = spec["args"], spec["description"]
     features, outputs = int(description["num_features"]), int(description["num_outputs"])
     hidden = [int(size) for size in args.get("hidden_sizes", (64,))]

@@ -1,0 +1,50 @@
+"""Print the test tiers' wall times against their budgets and the slowest tests over every tier.
+
+Reads what `make test`, `make test-slow` and `make test-services` leave in .test-reports/ (or
+$SHARDFUSE_TEST_REPORTS): tiers.tsv from scripts/test-tier.sh and one JUnit XML per tier. A test's time is
+its setup, call and teardown together, so a fixture shows at the first test that uses it. Standard
+library only: .ci/run calls it with any python3, also after a failed tier.
+
+    python3 scripts/test-report.py [--slowest N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slowest", type=int, default=10, help="how many of the slowest tests to list")
+    args = parser.parse_args(argv)
+    reports = Path(os.environ.get("SHARDFUSE_TEST_REPORTS", ".test-reports"))
+    tiers = reports / "tiers.tsv"
+    if not tiers.is_file():
+        print(f"test-report: no tier has run yet ({tiers} is missing)", file=sys.stderr)
+        return 1
+    print(f"{'tier':<10} {'wall s':>7} {'budget s':>9}  result")
+    total = 0
+    for line in tiers.read_text().splitlines():
+        name, elapsed, budget, status = line.split("\t")
+        total += int(elapsed)
+        verdict = "passed" if status == "0" else f"FAILED (exit status {status})"
+        over = "  OVER BUDGET" if int(elapsed) > int(budget) else ""
+        print(f"{name:<10} {elapsed:>7} {budget:>9}  {verdict}{over}")
+    print(f"{'all':<10} {total:>7}")
+    cases = []
+    for xml in sorted(reports.glob("*.xml")):
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            cases.append((float(case.get("time") or 0), xml.stem, test))
+    print(f"\nthe {args.slowest} slowest tests (setup + call + teardown):")
+    for seconds, tier, test in sorted(cases, reverse=True)[: args.slowest]:
+        print(f"{seconds:8.1f} s  {tier:<9} {test}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

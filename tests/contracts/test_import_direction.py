@@ -1,0 +1,145 @@
+"""Dependencies point down: a library module never imports a stage module, a stage never imports another.
+
+A stage is a module with a command line: it has an ``if __name__ == "__main__"`` block, or the workflow
+runs it as ``-m shardfuse.<name>``. Every import counts, also one deferred into a function body or
+under ``if TYPE_CHECKING``: a deferred import is still a dependency, only a later one.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = REPO / "src" / "shardfuse"
+PACKAGE = PACKAGE_DIR.name
+WORKFLOW_FILES = [REPO / "Snakefile", *sorted((REPO / "workflow").rglob("*.smk"))]
+RUN_AS_MODULE = re.compile(rf"-m\s+{PACKAGE}\.([A-Za-z_][\w.]*)")
+# Known stages: a floor for the derivation below, so a change that breaks it cannot empty the list
+# and make the checks pass vacuously.
+KNOWN_STAGES = {"prepare", "partition", "launch", "train", "gather", "merge", "evaluate", "tracking"}
+
+
+class Import(NamedTuple):
+    importer: str  # dotted module name, e.g. shardfuse.data
+    imported: str  # dotted module name, e.g. shardfuse.partition
+    where: str  # file:line
+    statement: str  # the import as written
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def has_main_block(tree: ast.Module) -> bool:
+    return any(
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators)
+        for node in tree.body
+    )
+
+
+def stage_modules() -> set[str]:
+    stages = {name for name, path in MODULES.items() if has_main_block(ast.parse(path.read_text()))}
+    for path in WORKFLOW_FILES:
+        stages |= {f"{PACKAGE}.{name}" for name in RUN_AS_MODULE.findall(path.read_text())}
+    return stages
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``from X import ...`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = importer if is_package else importer.rpartition(".")[0]
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
+def _import_module_target(node: ast.Call) -> str | None:
+    """``importlib.import_module("shardfuse.x")`` with a literal name imports shardfuse.x too."""
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    if name == "import_module" and node.args and isinstance(node.args[0], ast.Constant):
+        return node.args[0].value if isinstance(node.args[0].value, str) else None
+    return None
+
+
+def imports_in(importer: str, source: str, filename: str, is_package: bool = False) -> list[Import]:
+    """Every module of the package that ``source`` (module ``importer``) imports, wherever the import
+    statement sits: top level, function body, ``if TYPE_CHECKING``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(importer, is_package, node)
+            # ``from shardfuse import tracking`` imports the module shardfuse.tracking.
+            targets = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES]
+            targets = targets or [base]
+        elif isinstance(node, ast.Call):
+            targets = [target] if (target := _import_module_target(node)) else []
+        for target in targets:
+            if target in MODULES and target != importer:
+                statement = " ".join((ast.get_source_segment(source, node) or ast.unparse(node)).split())
+                found.append(Import(importer, target, f"{filename}:{node.lineno}", statement))
+    return found
+
+
+def imports_of(importer: str) -> list[Import]:
+    path = MODULES[importer]
+    return imports_in(importer, path.read_text(), str(path.relative_to(REPO)), path.name == "__init__.py")
+
+
+def describe(offenders: list[Import]) -> str:
+    return "\n".join(
+        f"  {imp.where}: {imp.importer} imports stage {imp.imported} ({imp.statement})" for imp in offenders
+    )
+
+
+def test_stage_modules_are_derived_from_main_blocks_and_workflow_commands():
+    stages = stage_modules()
+    missing = {f"{PACKAGE}.{name}" for name in KNOWN_STAGES} - stages
+    assert not missing, f"stage detection lost {sorted(missing)}; is the `__main__` check still right?"
+    unknown = stages - set(MODULES)
+    assert not unknown, f"the workflow runs {sorted(unknown)}, which are not modules of {PACKAGE_DIR}"
+    assert set(MODULES) - stages, "every module counts as a stage: the library side was not found"
+
+
+def test_no_stage_module_imports_another_stage_module():
+    stages = stage_modules()
+    offenders = [imp for name in sorted(stages) for imp in imports_of(name) if imp.imported in stages]
+    assert not offenders, (
+        "a stage imports another stage; move what they share into a library module:\n" + describe(offenders)
+    )
+
+
+def test_no_library_module_imports_a_stage_module():
+    stages = stage_modules()
+    libraries = sorted(set(MODULES) - stages)
+    offenders = [imp for name in libraries for imp in imports_of(name) if imp.imported in stages]
+    assert not offenders, (
+        "a library module imports a stage; move what it needs into a library module:\n" + describe(offenders)
+    )
+
+
+def test_deferred_relative_and_dynamic_imports_are_seen():
+    """The checks above would pass vacuously if the scan missed imports inside functions."""
+    source = (
+        "import importlib\n"
+        "def f():\n"
+        "    from . import partition\n"
+        "    from .evaluate import evaluate\n"
+        "    import shardfuse.merge\n"
+        "    importlib.import_module('shardfuse.gather')\n"
+    )
+    seen = [imp.imported for imp in imports_in("shardfuse.probe", source, "probe.py")]
+    assert seen == ["shardfuse.partition", "shardfuse.evaluate", "shardfuse.merge", "shardfuse.gather"]

@@ -1,1 +1,0 @@
-"""A user causal language model for tests/test_mlflow_model.py, in a package (``sf_lm.bag:build``)."""

@@ -1,0 +1,56 @@
+"""The benchmarks run end to end at smoke size and write their report (timings are not checked here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.helpers import REPO, subprocess_env
+
+pytestmark = pytest.mark.bench
+
+SECTIONS = (
+    "## Machine",
+    "## Targets",
+    "## 1. Partition at scale",
+    "## 2. Shard reader",
+    "## 3. Scaling on this machine",
+    "## 4. Pipeline overhead",
+    "## 5. Metric logging during training",
+    "## 6. GPU",
+)
+
+
+def test_run_all_smoke_writes_every_benchmark_table(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "run_all.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = out.read_text()
+    for heading in SECTIONS:
+        assert heading in text, heading
+    assert "crashed" not in text
+    for fragment in (
+        "| partition MB/s",
+        "| time to first batch s",
+        "| samples/s W=1",
+        "| whole DAG, wall",
+        "| metrics + live |",
+    ):
+        assert fragment in text, fragment
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md"]  # work files cleaned up

@@ -1,0 +1,416 @@
+"""The same DAG on a real SLURM cluster (scripts/slurm-up.sh): jobs, failures, cancellation, geometry.
+
+Required in CI (the `slurm_cluster` fixture fails there when no cluster answers); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from shardfuse.checkpoint import load_weights
+from tests.support.helpers import (
+    MEASUREMENTS,
+    REPO,
+    SLURM_FAST_STATUS,
+    checkout_copy,
+    run_in,
+    snakemake_command,
+    snakemake_failure,
+    subprocess_env,
+)
+
+pytestmark = pytest.mark.slurm
+
+FAST_STATUS = SLURM_FAST_STATUS
+
+
+def snakemake_cmd(workdir: Path, *args: str, profile: bool = True) -> list[str]:
+    if profile:
+        return snakemake_command(workdir, "--profile", REPO / "profiles" / "slurm", *FAST_STATUS, *args)
+    return snakemake_command(workdir, *args)
+
+
+def run_snakemake(workdir: Path, *args: str, profile: bool = True, timeout: float = 600):
+    started = time.perf_counter()
+    proc = subprocess.run(
+        snakemake_cmd(workdir, *args, profile=profile),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=timeout,
+    )
+    return proc, time.perf_counter() - started
+
+
+def default_experiment(path: Path) -> Path:
+    """A working directory holding the repository's default experiment config."""
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(REPO / "config", path / "config")
+    return path
+
+
+def tiny_experiment(path: Path, **run) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "runs": {"tiny": {"strategy": "ddp", "merge_method": "consolidate", **run}},
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2, "hidden_sizes": [16], "epochs": 1},
+        "mlflow": {"tracking_uri": f"sqlite:///{path}/mlflow.db"},
+    }
+    (path / "config").mkdir()
+    (path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+def job_records(state_dir: Path) -> dict[str, str]:
+    """JobId -> JobState from the cluster's job-completion log."""
+    log = state_dir / "jobcomp.log"
+    text = log.read_text() if log.exists() else ""
+    return dict(re.findall(r"JobId=(\d+) .*?JobState=(\S+)", text))
+
+
+def slurm_job_ids(workdir: Path, rule: str) -> list[str]:
+    return sorted(p.stem for p in (workdir / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))
+
+
+@pytest.fixture(scope="module")
+def slurm_and_local_runs(slurm_cluster, tmp_path_factory):
+    """The default experiment exactly as the README runs it on a cluster — the profile linked into
+    ~/.config/snakemake/slurm and a bare `snakemake --profile slurm` in the checkout, nothing else on
+    the command line — and locally only the ddp run the bitwise comparison reads."""
+    checkout = checkout_copy(tmp_path_factory.mktemp("checkout"))
+    home = tmp_path_factory.mktemp("home")
+    (home / ".config" / "snakemake").mkdir(parents=True)
+    (home / ".config" / "snakemake" / "slurm").symlink_to(checkout / "profiles" / "slurm")
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "snakemake"), "--profile", "slurm"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        env={**subprocess_env(), "HOME": str(home)},
+        timeout=1500,
+    )
+    slurm_seconds = time.perf_counter() - started
+    assert proc.returncode == 0, snakemake_failure(checkout, proc)
+    local_dir = default_experiment(tmp_path_factory.mktemp("local") / "work")
+    local_proc, local_seconds = run_snakemake(
+        local_dir, "--cores", "all", "results/runs/ddp/merged.safetensors", profile=False
+    )
+    assert local_proc.returncode == 0, snakemake_failure(local_dir, local_proc)
+    timing = {"slurm_seconds": round(slurm_seconds, 1), "local_ddp_merge_seconds": round(local_seconds, 1)}
+    MEASUREMENTS.append(f"default experiment, bare `snakemake --profile slurm`: {json.dumps(timing)}")
+    return {"slurm": checkout, "local": local_dir, "slurm_log": proc.stderr}
+
+
+def test_user_model_from_a_code_path_trains_inside_slurm_jobs(slurm_cluster, tmp_path):
+    """The README's user-model example on the cluster: the factory is imported from its code path by
+    the ranks inside the SLURM job, and the checkpoint records that file's digest."""
+    checkout = checkout_copy(tmp_path / "checkout")
+    (checkout / "one_epoch.yaml").write_text("run_defaults: {epochs: 1}\n")
+    target = "results/runs/resmlp_soup/eval.json"
+    # As the README runs an example: in the checkout, config files relative to it.
+    configs = ["--configfile", "config/examples/user_model.yaml", "one_epoch.yaml"]
+    proc = run_in(checkout, ["snakemake", "--profile", "profiles/slurm", *FAST_STATUS, target, *configs])
+    assert proc.returncode == 0, snakemake_failure(checkout, proc)
+    assert slurm_job_ids(checkout, "train"), "the training did not run as a SLURM job"
+    evaluation = json.loads((checkout / target).read_text())
+    gather = json.loads((checkout / "results/trainings" / evaluation["training"] / "gather.json").read_text())
+    assert gather["model"]["model"] == "resmlp:build"
+    assert list(gather["model"]["code"]["files"]) == ["config/examples/models/resmlp.py"]
+    assert evaluation["merged"]["accuracy"] > 0.5
+
+
+def test_default_experiment_runs_partition_and_train_as_slurm_jobs(slurm_and_local_runs, slurm_cluster):
+    workdir = slurm_and_local_runs["slurm"]
+    records = job_records(slurm_cluster)
+    num_runs = len((workdir / "results" / "summary.csv").read_text().splitlines()) - 1
+    num_trainings = len(list((workdir / "results" / "trainings").glob("*/ranks")))
+    for rule, expected in (
+        ("partition", 2),
+        ("train", num_trainings),
+        ("gather", num_trainings),
+        ("merge", num_runs),
+        ("evaluate", num_runs),
+    ):
+        job_ids = slurm_job_ids(workdir, rule)
+        assert len(job_ids) == expected, rule
+        assert all(records.get(job_id) == "COMPLETED" for job_id in job_ids), (rule, job_ids)
+    # track and summary are local rules: they never went to the cluster.
+    assert slurm_job_ids(workdir, "track") == [] and slurm_job_ids(workdir, "summary") == []
+    assert num_runs == 18 and num_trainings == 5  # config/runs.tsv
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    experiment = client.get_experiment_by_name("shardfuse")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == num_runs
+    world_sizes = sum(int(r.data.params["world_size"]) for r in parents)
+    assert len(runs) == num_runs + world_sizes
+
+
+def test_ddp_merged_model_under_slurm_is_bitwise_identical_to_local(slurm_and_local_runs):
+    slurm, _ = load_weights(slurm_and_local_runs["slurm"] / "results/runs/ddp/merged.safetensors")
+    local, _ = load_weights(slurm_and_local_runs["local"] / "results/runs/ddp/merged.safetensors")
+    assert slurm.keys() == local.keys()
+    assert all(torch.equal(slurm[name], local[name]) for name in slurm)
+
+
+def test_jobs_say_their_rule_and_wildcards_in_squeue(slurm_and_local_runs):
+    """The README's squeue command: every job carries the profile's name prefix and, in its comment,
+    its rule and wildcards (the plugin keeps the job name for its own status checks)."""
+    workdir = slurm_and_local_runs["slurm"]
+    train_ids = slurm_job_ids(workdir, "train")
+    listing = subprocess.run(
+        ["squeue", "--states=all", "-h", "-j", ",".join(train_ids), "-O", "JobID:10,Name:60,Comment:120"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    rows = [line.split() for line in listing if line.strip()]
+    trainings = {path.name for path in (workdir / "results" / "trainings").iterdir()}
+    assert sorted(row[0] for row in rows) == sorted(train_ids)
+    assert all(row[1].startswith("shardfuse_") for row in rows)
+    assert {row[2].removeprefix("rule_train_wildcards_") for row in rows} == trainings
+
+
+def cluster_profile(path: Path, **keys) -> Path:
+    """profiles/slurm with some top-level keys replaced, as a user edits it."""
+    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump({**profile, **keys}))
+    return path
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True
+    ).stdout
+    return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+
+def test_partition_account_and_gpus_from_the_cluster_profile_reach_sbatch(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work")
+    profile = cluster_profile(
+        tmp_path / "profile",
+        **{
+            "default-resources": {
+                "slurm_partition": "debug",
+                "slurm_account": "shardfuse_test",
+                "mem_mb": 1500,
+                "runtime": 20,
+            },
+            "set-resources": {"train": {"slurm_partition": "gpu", "gres": "gpu:2"}},
+        },
+    )
+    proc = subprocess.run(
+        snakemake_command(workdir, "--profile", profile, *FAST_STATUS, "--until", "train"),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    (partition_job,) = slurm_job_ids(workdir, "partition")
+    (train_job,) = slurm_job_ids(workdir, "train")
+    partition, train = scontrol_job(partition_job), scontrol_job(train_job)
+    assert (partition["Partition"], partition["Account"]) == ("debug", "shardfuse_test")
+    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("1500M", "00:20:00")
+    # The second partition and per-node GPUs for train only; the rule's own memory and time stay.
+    assert (train["Partition"], train["Account"]) == ("gpu", "shardfuse_test")
+    assert train["TresPerNode"] == "gres:gpu:2"
+    assert (train["MinMemoryNode"], train["TimeLimit"]) == ("4000M", "02:00:00")
+
+
+def test_set_resources_on_the_command_line_keeps_the_rules_memory_and_runtime(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work")
+    proc, _ = run_snakemake(workdir, "--until", "train", "--set-resources", "train:gres=gpu:1")
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    (train_job,) = slurm_job_ids(workdir, "train")
+    (partition_job,) = slurm_job_ids(workdir, "partition")
+    train = scontrol_job(train_job)
+    assert train["TresPerNode"] == "gres:gpu:1"
+    assert (train["MinMemoryNode"], train["TimeLimit"]) == ("4000M", "02:00:00")
+    assert train["NumCPUs"] == "2"  # one CPU per rank
+    partition = scontrol_job(partition_job)
+    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("2000M", "00:30:00")
+
+
+def corrupt_keeping_mtime(path: Path) -> None:
+    """Flip bytes in the middle of ``path`` without changing its size or times (Snakemake sees nothing)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work")
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    corrupt_keeping_mtime(workdir / "results/shards/digits/w2-seed0/shard-1.parquet")
+
+    proc, _ = run_snakemake(workdir, "--until", "train")
+    assert proc.returncode != 0
+    (job_id,) = slurm_job_ids(workdir, "train")
+    (training,) = [p.name for p in (workdir / ".snakemake" / "slurm_logs" / "rule_train").iterdir()]
+    assert "Error in rule train" in proc.stderr
+    assert f"SLURM-job '{job_id}' failed" in proc.stderr
+    assert f"logs/train/{training}.log" in proc.stderr
+    assert f".snakemake/slurm_logs/rule_train/{training}/{job_id}.log" in proc.stderr
+    assert job_records(slurm_cluster)[job_id] == "FAILED"
+    assert "shard of rank 1" in (workdir / f"logs/train/{training}.log").read_text()
+    assert not (workdir / f"results/trainings/{training}/ranks").exists()
+
+
+def test_cancelled_train_job_is_reported_as_cancelled_and_the_rerun_resumes(slurm_cluster, tmp_path):
+    workdir = tiny_experiment(tmp_path / "work", epochs=80, checkpoint_every=40)
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    with subprocess.Popen(
+        snakemake_cmd(workdir, "--until", "train"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    ) as snakemake:
+        job_id = wait_for_running_job(workdir, "train", timeout=120)
+        wait_for(
+            lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
+            "a complete checkpoint",
+            timeout=180,
+        )
+        subprocess.run(["scancel", job_id], check=True)
+        output, _ = snakemake.communicate(timeout=180)
+    assert snakemake.returncode != 0
+    assert f"SLURM-job '{job_id}' failed, SLURM status is: 'CANCELLED'" in output
+    assert not list(workdir.glob("results/trainings/*/ranks"))
+
+    (cancelled,) = (workdir / "logs" / "train").glob("*.attempt-1.log")
+    cancelled_text = cancelled.read_text()
+    assert "launch: " in cancelled_text  # the command it ran, and the ranks' output up to the kill
+
+    rerun, _ = run_snakemake(workdir, "--until", "train")
+    assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
+    # Snakemake deleted the declared log before the re-run; the cancelled attempt's log is kept.
+    assert cancelled.read_text() == cancelled_text
+    log = cancelled.with_name(cancelled.name.replace(".attempt-1.log", ".log"))
+    log_text = log.read_text()
+    assert "resuming from checkpoint step" in log_text
+    assert f"attempt 2; earlier attempts' logs: {cancelled.name}" in log_text
+    assert list(workdir.glob("results/trainings/*/ranks/train.json"))
+
+
+def wait_for(condition, what: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def wait_for_running_job(workdir: Path, rule: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for job_id in slurm_job_ids(workdir, rule):
+            state = subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True
+            ).stdout.strip()
+            if state == "RUNNING":
+                return job_id
+        time.sleep(1)
+    raise AssertionError(f"no {rule} job reached RUNNING within {timeout} s")
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (
+            {"nodes": 2, "nproc_per_node": 2},
+            "nodes x nproc_per_node = 2 x 2 = 4 but world_size (the number of shards) is 2",
+        ),
+        ({"nodes": 2, "world_size": 3}, "world_size 3 (the number of shards) cannot be split evenly over 2"),
+        # 8 ranks on one node of a cluster whose nodes have 4 CPUs: stopped before the first sbatch.
+        (
+            {"world_size": 8},
+            "the train job asks for 8 CPUs per node (threads = nproc_per_node) but the largest node of "
+            "default partition 'debug' has 4; lower it in the SLURM profile (set-resources: train: "
+            "cpus_per_task: 4) or pick a partition with larger nodes (slurm_partition)",
+        ),
+    ],
+)
+def test_geometry_errors_fail_before_any_sbatch(slurm_cluster, tmp_path, run, message):
+    workdir = tiny_experiment(tmp_path / "work", **run)
+    jobs_before = set(job_records(slurm_cluster))
+    queued_before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout
+    proc, _ = run_snakemake(workdir)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (workdir / ".snakemake" / "slurm_logs").exists()
+    assert not (workdir / "results").exists()
+    assert set(job_records(slurm_cluster)) == jobs_before
+    assert (
+        subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout == queued_before
+    )
+
+
+def test_kill_9_of_snakemake_with_the_job_running_then_an_immediate_rerun_takes_over_its_result(
+    slurm_cluster, tmp_path
+):
+    # The race of issue 18 on SLURM: the train job outlives the killed snakemake by design; the rerun's
+    # job must neither train beside it on the same checkpoints nor throw its result away.
+    workdir = tiny_experiment(tmp_path / "work", epochs=500, checkpoint_every=40)
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    with subprocess.Popen(
+        snakemake_cmd(workdir, "--until", "train"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+    ) as snakemake:
+        first_job = wait_for_running_job(workdir, "train", timeout=120)
+        wait_for(
+            lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
+            "a complete checkpoint",
+            timeout=180,
+        )
+        os.kill(snakemake.pid, signal.SIGKILL)  # snakemake only: the job runs on
+        snakemake.wait(timeout=60)
+    still_running = subprocess.run(
+        ["squeue", "-h", "-j", first_job, "-o", "%T"], capture_output=True, text=True
+    )
+    assert still_running.stdout.strip() == "RUNNING"
+    subprocess.run(snakemake_cmd(workdir, "--unlock"), check=True, capture_output=True, env=subprocess_env())
+    rerun = subprocess.run(
+        snakemake_cmd(workdir, "--until", "train"),
+        capture_output=True,
+        text=True,
+        env={**subprocess_env(), "SHARDFUSE_OWNER_WAIT": "600"},
+        timeout=900,
+    )
+    assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
+    (log,) = [p for p in (workdir / "logs" / "train").glob("*.log") if ".attempt-" not in p.name]
+    text = log.read_text()
+    assert "waiting up to 600 s for the current owner of" in text and f"SLURM job {first_job}" in text
+    assert "was published by its previous owner; nothing to train" in text
+    assert job_records(slurm_cluster).get(first_job) == "COMPLETED"
+    (ranks,) = workdir.glob("results/trainings/*/ranks")
+    info = json.loads((ranks / "train.json").read_text())
+    assert info["slurm_job_id"] == first_job and info["num_steps"] == 500 * info["steps_per_epoch"]

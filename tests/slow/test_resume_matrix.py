@@ -1,0 +1,68 @@
+"""Kill-and-resume for every model, task and training-loop feature: a rank killed after a checkpoint is
+restarted by torchrun and ends bitwise identical to an uninterrupted training (the fast tier kills ddp
+on digits once, in tests/stages/test_resume.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.helpers import REPO
+from tests.support.training import RESUME_CFG, assert_resumed_bitwise, kill_a_rank_and_resume, train_reference
+
+# A user model (config/examples/models/resmlp.py, imported from its code path in every rank) and a
+# regression task resume as bitwise as the built-in classifier.
+USER_MODEL = {"model": "resmlp:build", "code_paths": [str(REPO / "config/examples/models")]}
+# The built-in CNN (BatchNorm: running statistics and a counter in every checkpoint) on images and the
+# built-in transformer on byte tokens resume as bitwise too.
+CNN = {"model": "cnn", "model_args": {"channels": [8, 16]}, "epochs": 6, "dropout": 0.0}
+TRANSFORMER = {"model": "transformer", "model_args": {"width": 32, "layers": 1, "heads": 2}, "epochs": 3}
+# The training loop's state resumes bitwise too: the schedule (a function of the step), accumulation
+# (checkpoints fall between optimiser steps), clipping, and DiLoCo's outer parameters and momentum with
+# validation's best weights and patience (keep: best publishes a step before the end).
+SCHEDULE_ACCUM = {
+    "lr_schedule": "cosine",
+    "warmup_steps": 15,
+    "min_lr": 0.0003,
+    "grad_accum_steps": 3,
+    "grad_clip_norm": 0.5,
+    "decay_rule": "ndim>=2",
+    "checkpoint_every": 13,
+}
+DILOCO = {
+    "sync_every": 5,
+    "grad_accum_steps": 2,
+    "eval_every": 12,
+    "keep": "best",
+    "patience": 40,
+    "checkpoint_every": 20,
+}
+DATA_FIXTURES = {
+    "digits": "digits_data",
+    "diabetes": "diabetes_data",
+    "digits_images": "digits_images_data",
+    "stdlib": "stdlib_tokens_data",
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "data", "extra"),
+    [
+        ("localsgd", "digits", {}),
+        ("localsgd", "digits", {**USER_MODEL, "model_args": {"width": 16, "blocks": 1}, "epochs": 6}),
+        ("ddp", "diabetes", {"loss": "huber", "epochs": 16, "checkpoint_every": 20}),
+        ("ddp", "digits_images", CNN),
+        ("localsgd", "stdlib", {**TRANSFORMER, "checkpoint_every": 10}),
+        ("ddp", "digits", SCHEDULE_ACCUM),
+        ("diloco", "digits", DILOCO),
+    ],
+    ids=["localsgd", "user-model", "regression", "cnn", "transformer", "schedule-accum", "diloco"],
+)
+def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
+    tmp_path, request, strategy, data, extra
+):
+    dataset, shards = request.getfixturevalue(DATA_FIXTURES[data])
+    cfg = {**RESUME_CFG, "strategy": strategy, "sync_every": 7 if strategy == "localsgd" else 0, **extra}
+    reference = train_reference(tmp_path / "reference", dataset, shards, cfg)
+    killed = tmp_path / "killed"
+    kill_a_rank_and_resume(killed, dataset, shards, cfg)
+    assert_resumed_bitwise(reference, killed)

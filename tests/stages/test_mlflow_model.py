@@ -1,0 +1,340 @@
+"""The merged model as an MLflow pyfunc model, for every task and for user models with their code.
+
+Models are built from hand-written dataset descriptions (no training), logged with the track stage's
+function into a SQLite store, then loaded with ``mlflow.pyfunc.load_model`` (user models and the causal
+LM in a fresh Python process whose working directory is elsewhere) and compared with the same weights
+run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from shardfuse import mlflow_model
+from shardfuse.checkpoint import save_weights
+from shardfuse.io import UserError
+from shardfuse.models import build_model, model_spec, set_data_stats
+from tests.support.helpers import subprocess_env
+
+USER_CODE = Path(__file__).resolve().parents[1] / "support" / "mlflow_user_model"
+IRIS = {
+    "task": "classification",
+    "num_features": 4,
+    "num_classes": 3,
+    "feature_names": ["sepal length (cm)", "sepal width (cm)", "petal_length", "petal_width"],
+    "label_names": ["setosa", "versicolor", "virginica"],
+}
+PRICES = {
+    "task": "regression",
+    "num_features": 3,
+    "feature_names": ["age", "bmi", "bp"],
+    "target_names": ["progression", "cost"],
+}
+TEXT = {"task": "causal_lm", "num_features": 6, "vocab_size": 11, "block_size": 6}
+PREDICT_ELSEWHERE = """
+import sys, mlflow, pandas as pd
+out = mlflow.pyfunc.load_model(sys.argv[1]).predict(pd.read_parquet(sys.argv[2]))
+out.to_parquet(sys.argv[3])
+"""
+LOG_WITHOUT_TORCH = """
+import json, sys
+from shardfuse import mlflow_model
+from shardfuse.checkpoint import read_metadata
+uri, run_id, weights, sha = sys.argv[1:]
+model_id = mlflow_model.log_merged_model(uri, run_id, weights, sha, read_metadata(weights)["model"])
+heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "sf_")))
+print(json.dumps({"model_id": model_id, "heavy": heavy}))
+"""
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.create_experiment("models", artifact_location=str(root / "artifacts"))
+    return {"uri": uri, "client": client, "experiment_id": experiment_id}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """The workflow's directory, holding the user code under code/ (a relative code path, as in a
+    run); this process's sys.path and user modules are restored afterwards."""
+    work = tmp_path / "work"
+    shutil.copytree(USER_CODE, work / "code")
+    (work / "code" / "notes.txt").write_text("not code: stays out of the model\n")
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield work
+    for name in [m for m in sys.modules if m.startswith("sf_")]:
+        del sys.modules[name]
+
+
+def _save(path: Path, spec: dict, seed: int = 0):
+    """A freshly initialised model with non-trivial data statistics, saved as a merged checkpoint."""
+    torch.manual_seed(seed)
+    model = build_model(spec)
+    num_features, num_outputs = spec["description"]["num_features"], spec["description"]["num_outputs"]
+    set_data_stats(
+        model,
+        (torch.randn(num_features), torch.rand(num_features) + 0.5),
+        (torch.randn(num_outputs) * 100, torch.rand(num_outputs) * 50 + 1),
+    )
+    sha = save_weights(path, model.state_dict(), {"model": spec})
+    return model.eval(), sha
+
+
+def _log(store, weights: Path, sha: str, spec: dict) -> str:
+    run_id = store["client"].create_run(store["experiment_id"]).info.run_id
+    return f"models:/{mlflow_model.log_merged_model(store['uri'], run_id, weights, sha, spec)}"
+
+
+def _env(store) -> dict[str, str]:
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("MLFLOW_")}
+    return {**env, "MLFLOW_TRACKING_URI": store["uri"]}
+
+
+def _predict_elsewhere(store, uri: str, frame: pd.DataFrame, cwd: Path) -> pd.DataFrame:
+    cwd.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(cwd / "input.parquet")
+    proc = subprocess.run(
+        [sys.executable, "-c", PREDICT_ELSEWHERE, uri, "input.parquet", "output.parquet"],
+        cwd=cwd, env=_env(store), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return pd.read_parquet(cwd / "output.parquet")
+
+
+def _predict_here(store, uri: str, frame: pd.DataFrame, monkeypatch) -> pd.DataFrame:
+    """Load and predict in this process: for the built-in models, whose logged model carries no code
+    (the user-model and causal-LM tests load theirs in a fresh process in another directory)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    return mlflow.pyfunc.load_model(uri).predict(frame)
+
+
+def _features(info: dict, rows: int = 25, seed: int = 0) -> pd.DataFrame:
+    values = np.random.default_rng(seed).normal(size=(rows, info["num_features"]))
+    return pd.DataFrame(values, columns=info["feature_names"])
+
+
+def _outputs(model, frame: pd.DataFrame) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(frame.to_numpy(), dtype=torch.float32)).numpy()
+
+
+def _model_dir(store, uri: str) -> Path:
+    location = store["client"].get_logged_model(uri.removeprefix("models:/")).artifact_location
+    return Path(urllib.parse.urlparse(location).path)
+
+
+def test_classifier_predicts_the_data_labels_and_a_probability_column_per_label(store, tmp_path, monkeypatch):
+    spec = model_spec("mlp", {"hidden_sizes": [8]}, [], IRIS)
+    model, sha = _save(tmp_path / "merged.safetensors", spec)
+    uri = _log(store, tmp_path / "merged.safetensors", sha, spec)
+    frame = _features(IRIS)
+    # Columns are found by name: another order and an extra column change nothing.
+    shuffled = frame[frame.columns[::-1]].assign(row_id=np.arange(len(frame)))
+    predicted = _predict_here(store, uri, shuffled, monkeypatch)
+
+    expected = torch.softmax(torch.from_numpy(_outputs(model, frame)), dim=1).numpy()
+    probability_columns = [f"probability_{label}" for label in IRIS["label_names"]]
+    assert list(predicted.columns) == ["prediction", *probability_columns]
+    assert predicted["prediction"].tolist() == [IRIS["label_names"][c] for c in expected.argmax(1)]
+    np.testing.assert_allclose(predicted[probability_columns].to_numpy(), expected, rtol=1e-6, atol=1e-6)
+    signature = mlflow.models.get_model_info(uri).signature
+    assert signature.inputs.input_names() == IRIS["feature_names"]
+    assert signature.outputs.to_dict()[0] == {"type": "string", "name": "prediction", "required": True}
+
+
+def test_regressor_returns_one_column_per_named_target_in_the_target_units(store, tmp_path, monkeypatch):
+    spec = model_spec("mlp", {"hidden_sizes": [8]}, [], PRICES)
+    model, sha = _save(tmp_path / "merged.safetensors", spec)
+    uri = _log(store, tmp_path / "merged.safetensors", sha, spec)
+    frame = _features(PRICES)
+    predicted = _predict_here(store, uri, frame, monkeypatch)
+
+    assert list(predicted.columns) == PRICES["target_names"]
+    expected = _outputs(model, frame)
+    assert np.abs(expected).mean() > 10  # the target scale is applied: not standardised outputs
+    np.testing.assert_allclose(predicted.to_numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_user_model_loads_from_its_logged_code_where_the_original_code_is_unreachable(
+    store, tmp_path, workdir
+):
+    info = {**IRIS, "feature_names": ["a", "b", "c", "d"], "label_names": ["cat", "dog", "emu"]}
+    spec = model_spec("sf_resmlp:build", {"width": 12}, ["code"], info)
+    model, sha = _save(workdir / "merged.safetensors", spec)
+    # Logged as the track job logs it: a process that imports neither torch nor the user's code.
+    run_id = store["client"].create_run(store["experiment_id"]).info.run_id
+    proc = subprocess.run(
+        [sys.executable, "-c", LOG_WITHOUT_TORCH, store["uri"], run_id, "merged.safetensors", sha],
+        cwd=workdir, env=_env(store), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert logged["heavy"] == []
+    uri = f"models:/{logged['model_id']}"
+    code = _model_dir(store, uri) / "code"
+    assert sorted(p.name for p in code.iterdir()) == ["sf_blocks.py", "sf_lm", "sf_resmlp.py", "shardfuse"]
+
+    (workdir / "code").rename(workdir / "code-moved")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "code").mkdir(parents=True)  # the spec's relative code path, here holding a decoy
+    for name in ("sf_resmlp.py", "sf_blocks.py"):
+        (elsewhere / "code" / name).write_text("raise RuntimeError('decoy: not the logged code')\n")
+    frame = _features(info)
+    predicted = _predict_elsewhere(store, uri, frame, elsewhere)
+
+    expected = torch.softmax(torch.from_numpy(_outputs(model, frame)), dim=1).numpy()
+    assert predicted["prediction"].tolist() == [info["label_names"][c] for c in expected.argmax(1)]
+    np.testing.assert_allclose(predicted.iloc[:, 1:].to_numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_causal_lm_user_model_gives_next_token_probabilities_of_the_last_block(store, tmp_path, workdir):
+    spec = model_spec("sf_lm.bag:build", {"width": 8}, ["code"], TEXT)
+    model, sha = _save(workdir / "merged.safetensors", spec)
+    uri = _log(store, workdir / "merged.safetensors", sha, spec)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 11, size=n).tolist() for n in (1, 3, 3, 6, 9, 14)]  # 9, 14: truncated
+    predicted = _predict_elsewhere(store, uri, pd.DataFrame({"tokens": sequences}), tmp_path / "elsewhere")
+
+    assert list(predicted.columns) == [f"probability_{token}" for token in range(11)]
+    probabilities = predicted.to_numpy()
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    with torch.no_grad():
+        expected = [torch.softmax(model(torch.tensor([s[-6:]]))[0, -1], dim=0).numpy() for s in sequences]
+    np.testing.assert_allclose(probabilities, np.stack(expected), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the context counts: the last token alone predicts otherwise
+        alone = torch.softmax(model(torch.tensor([sequences[4][-1:]]))[0, -1], dim=0).numpy()
+    assert np.abs(alone - probabilities[4]).max() > 1e-3
+
+
+def _typed_names(schema) -> list[tuple[str, str]]:
+    columns = schema.to_dict()
+    return [
+        (c["name"], c["type"] if c["type"] != "array" else f"array<{c['items']['type']}>") for c in columns
+    ]
+
+
+def _spec(task: str, **description) -> dict:
+    """A hand-written spec: only the description matters to the signature."""
+    return {
+        "model": "mlp",
+        "args": {},
+        "task": task,
+        "code": None,
+        "description": {"task": task, **description},
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "inputs", "outputs"),
+    [
+        (
+            _spec("classification", num_features=2, num_outputs=2, feature_names=["h", "w"],
+                  label_names=["no", "yes"]),
+            [("h", "double"), ("w", "double")],
+            [("prediction", "string"), ("probability_no", "float"), ("probability_yes", "float")],
+        ),
+        (
+            _spec("regression", num_features=2, num_outputs=1, feature_names=[], label_names=["target"]),
+            [("x0", "double"), ("x1", "double")],
+            [("target", "float")],
+        ),
+        (
+            _spec("causal_lm", num_features=4, num_outputs=3, feature_names=[], label_names=[], block_size=4),
+            [("tokens", "array<long>")],
+            [("probability_0", "float"), ("probability_1", "float"), ("probability_2", "float")],
+        ),
+        (
+            {"type": "mlp", "num_features": 2, "num_classes": 2, "hidden_sizes": [], "activation": "relu",
+             "dropout": 0.0},
+            [("x0", "double"), ("x1", "double")],
+            [("prediction", "long"), ("probability_0", "float"), ("probability_1", "float")],
+        ),
+    ],
+    ids=["classification", "regression", "causal_lm", "legacy"],
+)  # fmt: skip
+def test_signature_and_input_example_use_the_data_names_per_task(spec, inputs, outputs):
+    signature = mlflow_model.model_signature(spec)
+    assert _typed_names(signature.inputs) == inputs
+    assert _typed_names(signature.outputs) == outputs
+    assert list(mlflow_model.input_example(spec).columns) == [name for name, _ in inputs]
+
+
+def test_predict_names_the_missing_columns_and_the_expected_ones(tmp_path):
+    names = [f"pixel_{i // 8}_{i % 8}" for i in range(64)]
+    info = {"task": "classification", "num_features": 64, "num_classes": 2, "feature_names": names}
+    spec = model_spec("mlp", {"hidden_sizes": []}, [], {**info, "label_names": ["0", "1"]})
+    _save(tmp_path / "merged.safetensors", spec)
+    model = mlflow_model.MergedModel(tmp_path / "merged.safetensors")
+    legacy = pd.DataFrame(np.zeros((1, 64)), columns=[f"x{i}" for i in range(64)])
+    with pytest.raises(UserError) as err:
+        model.predict(legacy)
+    assert str(err.value) == (
+        "input lacks column(s) pixel_0_0, pixel_0_1, pixel_0_2, pixel_0_3, pixel_0_4 (and 59 more); the "
+        "model takes 64 column(s): pixel_0_0, pixel_0_1, pixel_0_2, pixel_0_3, …, pixel_7_7"
+    )
+    assert model.predict(pd.DataFrame(np.zeros((1, 64)), columns=names))["prediction"].tolist() == ["0"]
+
+
+def test_bad_token_rows_are_refused_with_the_row_named(tmp_path, workdir):
+    spec = model_spec("sf_lm.bag:build", {}, ["code"], TEXT)
+    _save(tmp_path / "merged.safetensors", spec)
+    model = mlflow_model.MergedModel(tmp_path / "merged.safetensors")
+    with pytest.raises(UserError, match=r"^row 1 holds token id 11, outside the vocabulary 0\.\.10$"):
+        model.predict(pd.DataFrame({"tokens": [[1, 2], [3, 11]]}))
+    with pytest.raises(UserError, match=r"^row 0 of column 'tokens' is not a non-empty sequence of int"):
+        model.predict(pd.DataFrame({"tokens": [[]]}))
+
+
+def test_user_code_changed_since_training_is_refused_before_anything_is_logged(tmp_path, workdir):
+    spec = model_spec("sf_resmlp:build", {}, ["code"], IRIS)
+    _, sha = _save(workdir / "merged.safetensors", spec)
+    blocks = workdir / "code" / "sf_blocks.py"
+    blocks.write_text(blocks.read_text().replace("tanh", "relu"))
+    db = tmp_path / "never.db"
+    with pytest.raises(UserError, match=r"^user model code code/sf_blocks\.py changed since training"):
+        mlflow_model.log_merged_model(f"sqlite:///{db}", "0" * 32, workdir / "merged.safetensors", sha, spec)
+    assert not db.exists()
+
+
+def test_a_factory_module_outside_the_code_paths_must_be_importable(tmp_path):
+    spec = {
+        **model_spec("mlp", {}, [], IRIS),
+        "model": "sf_nowhere:build",
+        "code": {"paths": [], "files": {}},
+    }
+    message = (
+        "model 'sf_nowhere:build': module 'sf_nowhere' is neither in the run's code paths nor importable "
+        "here, so the logged model could not import it; add its directory to `code_paths`"
+    )
+    with pytest.raises(UserError) as err:
+        mlflow_model.log_merged_model(f"sqlite:///{tmp_path}/x.db", "0" * 32, tmp_path / "w", "0", spec)
+    assert str(err.value) == message
+
+
+def test_a_factory_module_outside_the_code_paths_is_copied_or_if_installed_pinned(tmp_path, monkeypatch):
+    outside = tmp_path / "on_pythonpath"
+    shutil.copytree(USER_CODE, outside)
+    monkeypatch.syspath_prepend(str(outside))
+    no_code = {"paths": [], "files": {}}
+    staged = mlflow_model._code_paths({"model": "sf_lm.bag:build", "code": no_code}, tmp_path / "a")
+    assert [Path(path).name for path in staged[0]] == ["shardfuse", "sf_lm"] and staged[1] == []
+    assert sorted(p.name for p in (tmp_path / "a" / "sf_lm").iterdir()) == ["__init__.py", "bag.py"]
+    staged = mlflow_model._code_paths({"model": "yaml:safe_load", "code": no_code}, tmp_path / "b")
+    assert [Path(path).name for path in staged[0]] == ["shardfuse"] and staged[1] == ["PyYAML"]
+    assert "PyYAML==" in " ".join(mlflow_model._requirements(staged[1]))

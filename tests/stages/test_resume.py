@@ -1,0 +1,126 @@
+"""Kills and restarts: training resumes from its newest checkpoint and ends bitwise identical."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from shardfuse.sysmetrics import INTERVAL_ENV, read_rows, system_metrics_path
+from tests.support.helpers import run_stage, subprocess_env, write_train_dir
+from tests.support.training import (
+    DDP_RESUME_CFG,
+    RESUME_CFG,
+    assert_resumed_bitwise,
+    kill_a_rank_and_resume,
+    kill_when,
+    launch_args,
+)
+
+
+def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
+    tmp_path, monkeypatch, ddp_resume_reference, digits_dataset, digits_shards
+):
+    # One kill point here (ddp on digits); every other model, task and strategy in tests/slow.
+    # The same launch shows that each rank's system metrics keep the samples of both attempts.
+    monkeypatch.setenv(INTERVAL_ENV, "0.05")
+    killed = tmp_path / "killed"
+    killed_ms = kill_a_rank_and_resume(killed, digits_dataset, digits_shards, DDP_RESUME_CFG)
+    assert_resumed_bitwise(ddp_resume_reference, killed)
+    for rank in (0, 1):
+        stamps = read_rows(system_metrics_path(killed / "metrics", rank))[:, 0]
+        assert np.sum(stamps < killed_ms) >= 1 and np.sum(stamps > killed_ms) >= 2, rank
+
+
+def test_nonfinite_loss_stops_training_naming_rank_and_step(tmp_path, digits_dataset, digits_shards):
+    cfg = {
+        **RESUME_CFG,
+        "strategy": "localsgd",
+        "sync_every": 0,
+        "optimizer": "sgd",
+        "lr": 1e12,
+        "dropout": 0.0,
+    }
+    proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 2
+    assert "loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
+    assert (
+        "; lower lr, check the data for extreme values, or set nonfinite_loss: skip to skip such batches"
+        in proc.stderr
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_nonfinite_loss_skip_policy_finishes(tmp_path, digits_dataset, digits_shards):
+    cfg = {
+        **RESUME_CFG,
+        "strategy": "ddp",
+        "sync_every": 0,
+        "optimizer": "sgd",
+        "lr": 1e12,
+        "dropout": 0.0,
+        "epochs": 1,
+        "nonfinite_loss": "skip",
+    }
+    proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "train.json").is_file()
+
+
+def test_interrupted_partition_leaves_nothing_that_looks_complete(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+
+    rows = 3_000_000
+    source = tmp_path / "train.parquet"
+    rng = np.random.default_rng(0)
+    columns = {f"x{i}": rng.standard_normal(rows, dtype=np.float32) for i in range(8)}
+    pq.write_table(
+        pa.table({**columns, "label": (np.arange(rows) % 10).astype(np.int64)}),
+        source,
+        row_group_size=100_000,
+    )
+    out = tmp_path / "shards"
+    args = ["--input", source, "--world-size", 4, "--seed", 0, "--out-dir", out, "--batch-size", 50_000]
+    with subprocess.Popen(
+        [sys.executable, "-m", "shardfuse.partition", *map(str, args)],
+        env=subprocess_env(),
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        kill_when(proc, lambda: any(p.stat().st_size > 0 for p in tmp_path.glob(".shards.tmp-*/shard-*")))
+    assert not out.exists()
+    rerun = run_stage("partition", *args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["total_rows"] == rows
+
+
+def test_interrupted_merge_leaves_nothing_that_looks_complete(tmp_path):
+    big = {f"w{i}": torch.randn(4096, 4096) for i in range(6)}  # ~400 MB per rank: the merge takes a while
+    ranks = write_train_dir(tmp_path / "ranks", big, 2, lambda rank: {k: v + rank for k, v in big.items()})
+    gathered = run_stage("gather", "--train-dir", ranks, "--world-size", 2, "--out", tmp_path / "gather.json")
+    assert gathered.returncode == 0, gathered.stderr
+    out_weights, out_json = tmp_path / "run" / "merged.safetensors", tmp_path / "run" / "merge.json"
+    args = [
+        "--gather",
+        tmp_path / "gather.json",
+        "--method",
+        "uniform",
+        "--out-weights",
+        out_weights,
+        "--out-json",
+        out_json,
+    ]
+    with subprocess.Popen(
+        [sys.executable, "-m", "shardfuse.merge", *map(str, args)],
+        env=subprocess_env(),
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        kill_when(proc, lambda: any(p.stat().st_size > 0 for p in out_weights.parent.glob(".merged*tmp*")))
+    assert not out_weights.exists() and not out_json.exists()
+    rerun = run_stage("merge", *args)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads(out_json.read_text())["sha256"]

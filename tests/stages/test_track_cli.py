@@ -1,0 +1,140 @@
+"""The track stage's command line as the workflow runs it: one-line errors, an unreachable server, a shared
+training, two tracks at once into one fresh SQLite track_store, no torch import, the parent's tags."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from shardfuse import tracking, tracking_inputs
+from tests.support.tracking import (
+    TRACK_EXPERIMENT,
+    active_runs,
+    git,
+    make_run_dir,
+    metric_history,
+    run_config,
+    track_cli_args,
+    track_into,
+    tracking_env,
+)
+
+
+def test_cli_exits_2_with_one_line_when_a_rank_metrics_file_is_missing(tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "nometrics")
+    (run_dir / "train" / "metrics" / "rank-1.parquet").unlink()
+    uri = f"sqlite:///{tmp_path}/untouched.db"
+    args = track_cli_args("nometrics", run_dir, manifest, uri, run_dir / "mlflow.json")
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1
+    assert "rank-1.parquet does not exist; re-run the train stage" in proc.stderr
+    assert not (run_dir / "mlflow.json").exists()
+    assert not (tmp_path / "untouched.db").exists()  # inputs are checked before MLflow is touched
+
+
+def test_cli_reports_unreachable_tracking_server_in_one_line_quickly(tmp_path):
+    run_dir, manifest = make_run_dir(tmp_path, "offline")
+    args = track_cli_args("offline", run_dir, manifest, "http://127.0.0.1:1", run_dir / "mlflow.json")
+    started = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), timeout=120)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("shardfuse.tracking: error: cannot use tracking URI")
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store, tmp_path):
+    # Runs that differ only in how they merge share one training: ranks and gather.json live there.
+    run_dir, manifest = make_run_dir(tmp_path, "viacli", training="shared")
+    training = tmp_path / "results" / "trainings" / "shared"
+    out = run_dir / "mlflow.json"
+    args = track_cli_args("viacli", run_dir, manifest, track_store["uri"], out)
+    args += ["--train-dir", str(training / "ranks"), "--gather", str(training / "gather.json")]
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads(out.read_text())
+    assert set(written) == {
+        "tracking_uri", "experiment_name", "experiment_id", "parent_run_id", "child_run_ids", "fingerprint",
+        "action", "model_uri", "registered_model", "num_points_pushed",
+    }  # fmt: skip
+    assert written["action"] == "created"
+    assert written["tracking_uri"] == track_store["uri"]
+    (parent,), _ = active_runs(track_store, "viacli")
+    assert written["parent_run_id"] == parent.info.run_id
+    assert set(written["child_run_ids"]) == {"0", "1"}
+    assert proc.stderr.strip().endswith("s)") and "created parent run" in proc.stderr
+
+    other_dir, _ = make_run_dir(tmp_path, "viacli_ties", training="shared")
+    other = tracking.track_run(
+        "viacli_ties", other_dir, manifest, run_config("viacli_ties"), track_store["uri"], TRACK_EXPERIMENT,
+        train_dir=training / "ranks", gather_path=training / "gather.json",
+    )  # fmt: skip
+    assert other["parent_run_id"] != written["parent_run_id"]
+    for rank in ("0", "1"):
+        histories = [
+            metric_history(track_store, ids[rank], "loss")
+            for ids in (written["child_run_ids"], other["child_run_ids"])
+        ]
+        assert histories[0] == histories[1] and len(histories[0]) == 7
+
+
+def test_two_concurrent_cli_tracks_into_one_fresh_sqlite_db_both_succeed(tmp_path):
+    uri = f"sqlite:///{tmp_path}/db/mlflow.db"  # parent dir missing: the stage creates it
+    procs = []
+    for run_name in ("left", "right"):
+        run_dir, manifest = make_run_dir(tmp_path, run_name)
+        args = track_cli_args(run_name, run_dir, manifest, uri, run_dir / "mlflow.json")
+        procs.append(
+            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=tracking_env(), cwd=tmp_path)
+        )  # fmt: skip
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, stderr
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(TRACK_EXPERIMENT)
+    parents = client.search_runs([experiment.experiment_id], "tags.`shardfuse.complete` = 'true'")
+    assert sorted(p.info.run_name for p in parents) == ["left", "right"]
+    assert all(p.data.tags["shardfuse.complete"] == "true" for p in parents)
+
+
+def test_cli_track_never_imports_torch_and_reads_the_model_spec_from_the_header(track_store, tmp_path):
+    # The track job runs once per run on the submit host: torch alone took longer than the whole push.
+    run_dir, manifest = make_run_dir(tmp_path, "torchless")
+    out = run_dir / "mlflow.json"
+    args = track_cli_args("torchless", run_dir, manifest, track_store["uri"], out)
+    args[1:1] = ["-X", "importtime"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = {
+        line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "mlflow" in imported
+    assert not [name for name in imported if name == "torch" or name.startswith("torch.")]
+    written = json.loads(out.read_text())
+    assert written["action"] == "created" and written["model_uri"]
+
+
+def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(track_store, tmp_path):
+    result, _, _, config = track_into(track_store, tmp_path, "provenance", ddp_baseline=True)
+    parent = track_store["client"].get_run(result["parent_run_id"])
+    tags = parent.data.tags
+    assert tags["shardfuse.git_commit"] == tags["mlflow.source.git.commit"] == git("rev-parse", "HEAD")
+    assert tags["shardfuse.git_dirty"] in ("true", "false")
+    assert tags["shardfuse.snakemake_version"] == importlib.metadata.version("snakemake")
+    assert tags["shardfuse.torch_version"] == "2.13.0"  # from train.json, i.e. what the ranks ran
+    assert tags["shardfuse.hosts"] == "node0,node1"
+    assert tags["shardfuse.slurm_job_id"] == "4242"
+    assert tags["shardfuse.config_hash"] == tracking_inputs.config_hash(config)
+    for rank, child_id in result["child_run_ids"].items():
+        assert track_store["client"].get_run(child_id).data.tags["shardfuse.host"] == f"node{rank}"
+    assert parent.data.metrics["test_accuracy_initial"] == pytest.approx(0.34)
+    assert parent.data.metrics["test_accuracy_ddp_baseline"] == pytest.approx(0.83)

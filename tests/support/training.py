@@ -1,0 +1,293 @@
+"""Helpers for tests that run real trainings: configs, the launcher arguments, kill points, bitwise checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import yaml
+
+from shardfuse.checkpoint import load_weights
+from shardfuse.launch import staging_dir
+from tests.support.helpers import run_stage, subprocess_env
+
+RESUME_CFG = {
+    "hidden_sizes": [32],
+    "activation": "relu",
+    "dropout": 0.1,
+    "optimizer": "adamw",
+    "lr": 0.003,
+    "momentum": 0.9,
+    "weight_decay": 0.01,
+    "batch_size": 16,
+    "epochs": 12,
+    "seed": 1,
+    "checkpoint_every": 40,
+    "keep_checkpoints": 2,
+    "nonfinite_loss": "error",
+}
+
+
+def launch_args(out: Path, dataset: Path, shards: Path, cfg: dict, max_restarts: int = 0) -> list:
+    return [
+        "--nproc-per-node",
+        2,
+        "--max-restarts",
+        max_restarts,
+        "--out-dir",
+        out,
+        "--",
+        "--run-name",
+        "r",
+        "--shard-dir",
+        shards,
+        "--dataset-dir",
+        dataset,
+        "--config-json",
+        json.dumps(cfg),
+    ]
+
+
+def assert_same_ranks(left: Path, right: Path) -> None:
+    for rank in (0, 1):
+        a, _ = load_weights(left / f"rank-{rank}.safetensors")
+        b, _ = load_weights(right / f"rank-{rank}.safetensors")
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[name], b[name]) for name in a), f"rank {rank} differs"
+
+
+def wait_for_checkpoint(staging: Path, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = sorted(staging.glob("checkpoints/step-*/COMPLETE"))
+        if done:
+            return int(done[-1].parent.name.split("-")[1])
+        time.sleep(0.1)
+    raise AssertionError(f"no complete checkpoint in {staging} within {timeout} s")
+
+
+def rank_pids(marker: str, rank: int) -> list[int]:
+    """Training processes (python -m shardfuse.train) of one launch, identified by its out dir."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"shardfuse.train" in cmdline
+            and marker.encode() in b" ".join(cmdline)
+            and f"RANK={rank}".encode() in environ
+            and b"torch.distributed.run" not in b" ".join(cmdline)
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_when(proc: subprocess.Popen, condition, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            proc.kill()
+            proc.wait(timeout=30)
+            return
+        if proc.poll() is not None:
+            raise AssertionError("the stage finished before it could be interrupted; make the input larger")
+        time.sleep(0.01)
+    raise AssertionError("the interruption point never came")
+
+
+def wait_for_staging(workdir: Path, timeout: float = 120) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list((workdir / "results" / "trainings").glob("*/.ranks.partial"))
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError("training never started")
+
+
+SMALL_TRAIN_CFG = {
+    "hidden_sizes": [16],
+    "activation": "relu",
+    "dropout": 0.1,
+    "optimizer": "sgd",
+    "lr": 0.05,
+    "momentum": 0.9,
+    "weight_decay": 0.0,
+    "batch_size": 64,
+    "epochs": 2,
+    "seed": 3,
+}
+
+# The session's small trainings of SMALL_TRAIN_CFG (tests/conftest.py small_trainings): name -> keys.
+SMALL_TRAININGS = {
+    "ddp": {"strategy": "ddp", "sync_every": 0},
+    "independent": {"strategy": "localsgd", "sync_every": 0},
+    "localsgd": {"strategy": "localsgd", "sync_every": 5},
+}
+
+
+def launch_training(out, digits_dataset, digits_shards, name, cfg: dict):
+    """A real 2-rank gloo training of ``cfg`` through the launcher, into ``out``; its process."""
+    proc = run_stage(
+        "launch",
+        "--nproc-per-node",
+        2,
+        "--out-dir",
+        out,
+        "--",
+        "--run-name",
+        name,
+        "--shard-dir",
+        digits_shards,
+        "--dataset-dir",
+        digits_dataset,
+        "--config-json",
+        json.dumps(cfg),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def run_training(tmp_path, digits_dataset, digits_shards, name, **overrides):
+    out = tmp_path / name / "train"
+    launch_training(out, digits_dataset, digits_shards, name, {**SMALL_TRAIN_CFG, **overrides})
+    return out
+
+
+# The ddp kill tests' training (the workflow adds decay_rule to every AdamW run with weight decay).
+DDP_RESUME_CFG = {**RESUME_CFG, "strategy": "ddp", "sync_every": 0, "decay_rule": "ndim>=2"}
+
+
+def train_reference(out: Path, dataset: Path, shards: Path, cfg: dict) -> Path:
+    """An uninterrupted 2-rank training of ``cfg``: what a killed and resumed one must equal bitwise."""
+    proc = run_stage("launch", *launch_args(out, dataset, shards, cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def kill_a_rank_and_resume(out: Path, dataset: Path, shards: Path, cfg: dict) -> float:
+    """Train ``cfg`` into ``out`` with one torchrun restart allowed, SIGKILL rank 1 once a checkpoint is
+    complete, and check that torchrun restarted it and it resumed from that checkpoint or a later one.
+    Returns the time of the kill (ms since the epoch)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "shardfuse.launch", *map(str, launch_args(out, dataset, shards, cfg, 1))],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    ) as launcher:
+        step = wait_for_checkpoint(staging_dir(out))
+        (pid,) = rank_pids(str(staging_dir(out)), rank=1)
+        killed_ms = time.time() * 1000
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "exitcode: -9" in stderr  # the rank really died
+    resumed = [line for line in stderr.splitlines() if "resuming from checkpoint step" in line]
+    assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= step
+    return killed_ms
+
+
+def assert_resumed_bitwise(reference: Path, resumed: Path) -> None:
+    """The resumed training's ranks, step metrics and train.json rank records equal the reference's."""
+    assert_same_ranks(reference, resumed)
+    metrics = pq.read_table(resumed / "metrics" / "rank-0.parquet")
+    steps = metrics.column("step").to_pylist()
+    assert steps == list(range(1, len(steps) + 1))  # one row per step, none lost or doubled
+    expected = pq.read_table(reference / "metrics" / "rank-0.parquet")
+    for column in ("loss", "lr", "grad_norm", "val_score"):
+        assert np.array_equal(
+            metrics.column(column).to_numpy(), expected.column(column).to_numpy(), equal_nan=True
+        ), column
+    assert (
+        json.loads((resumed / "train.json").read_text())["ranks"]
+        == json.loads((reference / "train.json").read_text())["ranks"]
+    )
+
+
+def train_and_gather(tmp_path, dataset, shards, name, world_size, **cfg) -> Path:
+    """A localsgd training (MLP [128, 128] by default; ``cfg`` overrides) and its gather.json."""
+    out = tmp_path / name / "ranks"
+    config = {
+        "hidden_sizes": [128, 128], "activation": "relu", "dropout": 0.0, "optimizer": "adamw", "lr": 0.003,
+        "momentum": 0.9, "weight_decay": 0.0, "batch_size": 32, "epochs": 20, "seed": 0,
+        "strategy": "localsgd", "sync_every": 0, **cfg,
+    }  # fmt: skip
+    proc = run_stage(
+        "launch", "--nproc-per-node", world_size, "--out-dir", out, "--", "--run-name", name,
+        "--shard-dir", shards, "--dataset-dir", dataset, "--config-json", json.dumps(config), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gather = tmp_path / name / "gather.json"
+    proc = run_stage("gather", "--train-dir", out, "--world-size", world_size, "--out", gather)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return gather
+
+
+def merge_and_evaluate(tmp_path, dataset, gather, align: str) -> tuple[dict, dict]:
+    """The uniform merge of a gathered training after ``align``, evaluated: (merge.json, eval.json)."""
+    merged, record, evaluation = (
+        tmp_path / f"{gather.parent.name}-{align}{ext}" for ext in (".safetensors", ".json", ".eval.json")
+    )
+    proc = run_stage(
+        "merge", "--gather", gather, "--method", "uniform", "--align", align,
+        "--out-weights", merged, "--out-json", record,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_stage(
+        "evaluate", "--run", "r", "--test", dataset / "test.parquet", "--gather", gather,
+        "--merged", merged, "--out", evaluation,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(record.read_text()), json.loads(evaluation.read_text())
+
+
+def write_resume_config(workdir: Path, **run_defaults) -> None:
+    """``workdir``/config/config.yaml: one ddp run ``r`` of RESUME_CFG (``run_defaults`` override it)."""
+    (workdir / "config").mkdir(parents=True, exist_ok=True)
+    (workdir / "config" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "runs": {"r": {"strategy": "ddp", "merge_method": "consolidate"}},
+                "datasets": {"digits": {"source": "digits"}},
+                "run_defaults": {**RESUME_CFG, **run_defaults},
+                "mlflow": {"tracking_uri": f"sqlite:///{workdir}/mlflow.db"},
+            }
+        )
+    )
+
+
+def training_processes(marker: str) -> list[int]:
+    """Processes (torchrun, ranks, launcher) whose command line names ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+# The system metrics a rank samples on a machine without a GPU (under MLflow's names).
+CPU_METRICS = {
+    "system/cpu_utilization_percentage",
+    "system/system_memory_usage_megabytes",
+    "system/system_memory_usage_percentage",
+    "system/system_memory_total_megabytes",
+    "system/process_cpu_utilization_percentage",
+    "system/process_rss_megabytes",
+}

@@ -1,0 +1,168 @@
+"""Launch geometry: the exact commands and SLURM job resources for local, one node and many nodes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from shardfuse import launch
+from shardfuse.io import UserError
+from shardfuse.launch import (
+    Geometry,
+    attempt_log,
+    job_resources,
+    launch_command,
+    node_step_command,
+    rendezvous_port,
+)
+
+TRAIN = ["--run-name", "t", "--out-dir", "results/trainings/t/.ranks.partial"]
+
+
+def test_local_run_is_standalone_torchrun():
+    cmd = launch_command(Geometry(1, 2), TRAIN, environ={}, python="py")
+    assert cmd == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "-m",
+        "shardfuse.train",
+        *TRAIN,
+    ]
+
+
+def test_one_slurm_node_runs_standalone_torchrun_inside_the_job():
+    cmd = launch_command(Geometry(1, 8), TRAIN, environ={"SLURM_JOB_ID": "77"}, python="py")
+    assert cmd[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=8" in cmd and not any(arg.startswith("--rdzv") for arg in cmd)
+
+
+def test_four_nodes_of_eight_gpus_start_one_srun_task_per_node():
+    cmd = launch_command(Geometry(4, 8), TRAIN, environ={"SLURM_JOB_ID": "77"}, python="py")
+    assert cmd == [
+        "srun",
+        "--nodes=4",
+        "--ntasks=4",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "py",
+        "-m",
+        "shardfuse.launch",
+        "--node-step",
+        "--nodes=4",
+        "--nproc-per-node=8",
+        "--",
+        *TRAIN,
+    ]
+
+
+def test_each_node_step_runs_torchrun_with_its_node_rank_and_the_first_host_rendezvous(monkeypatch):
+    expanded = []
+    monkeypatch.setattr(launch, "first_host", lambda nodelist: expanded.append(nodelist) or "gpu001")
+    environ = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_STEP_NODELIST": "gpu[001-004]",
+    }
+    cmd = node_step_command(Geometry(4, 8), TRAIN, environ, python="py")
+    assert cmd == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=4",
+        "--node-rank=2",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu001:24242",
+        "--rdzv-id=4242",
+        "-m",
+        "shardfuse.train",
+        *TRAIN,
+    ]
+    assert expanded == ["gpu[001-004]"]
+
+
+def test_node_step_refuses_a_step_of_the_wrong_size(monkeypatch):
+    monkeypatch.setattr(launch, "first_host", lambda nodelist: "n1")
+    environ = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
+    with pytest.raises(UserError, match="spans 2 nodes but the run needs 4"):
+        node_step_command(Geometry(4, 8), TRAIN, environ)
+
+
+def test_node_step_outside_srun_says_so():
+    with pytest.raises(UserError, match="runs inside an srun step; SLURM_NODEID, SLURM_NNODES"):
+        node_step_command(Geometry(2, 1), TRAIN, {"SLURM_JOB_ID": "1"})
+
+
+def test_several_nodes_without_a_slurm_allocation_is_a_clear_error():
+    with pytest.raises(UserError, match=r"nodes=4 needs a SLURM allocation of 4 nodes; run with --profile"):
+        launch_command(Geometry(4, 8), TRAIN, environ={})
+
+
+def test_rendezvous_port_follows_the_job_and_can_be_overridden():
+    assert rendezvous_port("123", {}) == 20123
+    assert rendezvous_port("40001", {}) == 20001
+    assert rendezvous_port("123", {"SHARDFUSE_RDZV_PORT": "31000"}) == 31000
+
+
+def test_job_resources_one_task_per_node():
+    assert job_resources(Geometry(1, 2)) == {"nodes": 1, "tasks": 1, "tasks_per_gpu": 0, "mpi": ""}
+    assert job_resources(Geometry(4, 8)) == {"nodes": 4, "tasks": 4, "tasks_per_gpu": 0, "mpi": "srun"}
+
+
+class _Resources(dict):
+    __getattr__ = dict.__getitem__
+
+
+def sbatch_line(geometry: Geometry, threads: int, **profile_resources) -> str:
+    """The sbatch command snakemake-executor-plugin-slurm builds for our train job's resources."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    resources = _Resources({**job_resources(geometry), "mem_mb": 4000, "runtime": 120, **profile_resources})
+    job = SimpleNamespace(resources=resources, threads=threads)
+    params = {
+        "run_uuid": "u",
+        "slurm_logfile": "log",
+        "comment_str": "rule_train",
+        "account": "",
+        "partition": "",
+        "workdir": "/w",
+    }
+    return get_submit_command(job, params) + set_gres_string(job)
+
+
+def test_sbatch_for_four_nodes_of_eight_gpus_asks_gres_per_node_and_one_task_per_node():
+    line = sbatch_line(Geometry(4, 8), threads=8, gres="gpu:8")
+    assert "--nodes=4" in line and "--ntasks=4" in line and "--gres=gpu:8" in line
+    assert "--ntasks-per-gpu" not in line and "--gpus=" not in line
+    assert "--cpus-per-task=8" in line
+
+
+def test_sbatch_for_one_node_is_a_single_task_job():
+    line = sbatch_line(Geometry(1, 2), threads=2)
+    assert "--nodes=1" in line and "--ntasks=1" in line and "--cpus-per-task=2" in line
+
+
+def test_each_rank_gets_its_share_of_the_job_threads():
+    from shardfuse.launch import rank_environ
+
+    assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "2"
+    assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in rank_environ(Geometry(1, 4), {})
+
+
+def test_each_attempt_writes_its_own_log_and_the_declared_log_names_the_latest(tmp_path):
+    log = tmp_path / "logs" / "train" / "t.log"
+    assert attempt_log(log) == (log.with_name("t.attempt-1.log"), 1)
+    log.write_text("attempt 1: killed")
+    log.unlink()  # what Snakemake does to a job's declared log before it runs the job again
+    assert attempt_log(log) == (log.with_name("t.attempt-2.log"), 2)
+    log.write_text("attempt 2: finished")
+    assert log.with_name("t.attempt-1.log").read_text() == "attempt 1: killed"
+    assert log.with_name("t.attempt-2.log").read_text() == "attempt 2: finished"

@@ -1,0 +1,51 @@
+"""Snakemake killed mid-training (kill -9 of its whole process group): the rerun resumes bitwise.
+
+The workflow runs until gather (the training is what the kill interrupts); the uninterrupted reference
+is the session's ddp training (tests/conftest.py), the same one the fast torchrun kill test reads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from tests.support.helpers import snakemake_command, snakemake_failure, subprocess_env
+from tests.support.training import (
+    assert_same_ranks,
+    wait_for_checkpoint,
+    wait_for_staging,
+    write_resume_config,
+)
+
+
+def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, ddp_resume_reference):
+    workdir = tmp_path / "work"
+    write_resume_config(workdir)
+    command = snakemake_command(workdir, "--cores", "2", "--until", "gather")
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=subprocess_env(),
+        start_new_session=True,
+    ) as snakemake:
+        staging = next(iter(wait_for_staging(workdir)))
+        wait_for_checkpoint(staging)
+        os.killpg(snakemake.pid, signal.SIGKILL)  # snakemake, the launcher, torchrun and the ranks
+        snakemake.wait(timeout=60)
+    time.sleep(1)
+    assert not list((workdir / "results" / "trainings").glob("*/ranks"))
+    subprocess.run([*command, "--unlock"], check=True, capture_output=True, env=subprocess_env())
+    rerun = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=600)
+    assert rerun.returncode == 0, snakemake_failure(workdir, rerun)
+    (log,) = [log for log in (workdir / "logs" / "train").glob("*.log") if ".attempt-" not in log.name]
+    assert "resuming from checkpoint step" in log.read_text()
+    # The killed attempt's log is kept beside it (Snakemake deleted the declared log before the rerun).
+    killed = log.with_suffix(".attempt-1.log").read_text()
+    assert "launch: " in killed and "resuming from checkpoint step" not in killed
+    (ranks,) = (workdir / "results" / "trainings").glob("*/ranks")
+    assert_same_ranks(ddp_resume_reference, ranks)
+    assert not (ranks / "checkpoints").exists()
+    assert (workdir / "results" / "trainings" / ranks.parent.name / "gather.json").is_file()

@@ -1,0 +1,204 @@
+"""The whole DAG with real Snakemake, real torchrun processes and a real MLflow store (tiny config)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.helpers import (
+    REPO,
+    file_state,
+    mlflow_state,
+    planned_jobs,
+    ranks_dir,
+    snakemake,
+    snakemake_command,
+    subprocess_env,
+    tiny_config,
+)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("workflow")
+    tiny_config(path)
+    snakemake(path)
+    return path
+
+
+def test_full_run_writes_summary_row_per_run(workdir):
+    rows = list(csv.DictReader((workdir / "results" / "summary.csv").open()))
+    assert [r["run"] for r in rows] == ["ddp", "independent", "independent_ties"]
+    for row in rows:
+        assert row["dataset"] == "digits" and row["world_size"] == "2"
+        assert 0.5 < float(row["test_accuracy_merged"]) <= 1.0
+    ddp = rows[0]
+    assert float(ddp["test_accuracy_merged"]) == float(ddp["test_accuracy_best_rank"])
+    assert float(rows[1]["max_abs_diff_between_ranks"]) > 0
+    assert rows[1]["test_accuracy_ddp_baseline"] == ddp["test_accuracy_merged"]
+
+
+def test_runs_differing_only_in_merge_method_share_one_training(workdir):
+    assert ranks_dir(workdir, "independent") == ranks_dir(workdir, "independent_ties")
+    assert ranks_dir(workdir, "independent") != ranks_dir(workdir, "ddp")
+    logs = sorted(log.name for log in (workdir / "logs" / "train").glob("*.log"))
+    trainings = sorted(log.removesuffix(".log") for log in logs if ".attempt-" not in log)
+    attempts = [f"{name}.attempt-1.log" for name in trainings]
+    assert logs == sorted([f"{name}.log" for name in trainings] + attempts)
+    assert len(trainings) == 2
+    merges = [
+        json.loads((workdir / f"results/runs/{r}/merge.json").read_text())
+        for r in ("independent", "independent_ties")
+    ]
+    assert [m["method"] for m in merges] == ["uniform", "ties"]
+
+
+def test_every_rule_wrote_its_log_and_expensive_rules_a_benchmark(workdir):
+    for rule in ("prepare_dataset", "partition", "train", "gather", "merge", "evaluate", "track", "summary"):
+        assert list((workdir / "logs" / rule).rglob("*.log")), rule
+    for rule in ("prepare_dataset", "partition", "train", "merge", "evaluate"):
+        assert list((workdir / "benchmarks" / rule).rglob("*.tsv")), rule
+
+
+def test_mlflow_has_one_parent_per_run_with_world_size_children(workdir):
+    state = mlflow_state(workdir)
+    assert sorted(r.info.run_name for r in state["parents"]) == ["ddp", "independent", "independent_ties"]
+    assert sorted(r.info.run_name for r in state["children"]) == [
+        f"{run}/rank-{rank}" for run in ("ddp", "independent", "independent_ties") for rank in (0, 1)
+    ]
+    ddp = next(r for r in state["parents"] if r.info.run_name == "ddp")
+    assert ddp.data.params["strategy"] == "ddp" and ddp.data.params["merge_method"] == "consolidate"
+    assert ddp.data.params["dataset_spec.source"] == "digits"
+    assert "test_accuracy_merged" in ddp.data.metrics and "train_seconds" in ddp.data.metrics
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+    for parent in state["parents"]:
+        artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+        assert artifacts == {"comparison/merge_methods.png", "comparison/communication.png"}, (
+            parent.info.run_name
+        )
+    train = json.loads((ranks_dir(workdir, "ddp") / "train.json").read_text())
+    assert len(state["histories"][("ddp/rank-0", "loss")]) == train["num_steps"]
+
+
+def test_rerun_merge_never_retrains_and_track_twice_duplicates_nothing(workdir):
+    train_before = file_state(ranks_dir(workdir, "ddp"))
+    merge_before = (workdir / "results/runs/ddp/merge.json").stat().st_mtime_ns
+    # One run's chain (merge, evaluate, plots, track): enough to show what -R merge re-runs and what not.
+    target = "results/runs/ddp/mlflow.json"
+    snakemake(workdir, target, "-R", "merge")
+    assert file_state(ranks_dir(workdir, "ddp")) == train_before
+    assert (workdir / "results/runs/ddp/merge.json").stat().st_mtime_ns > merge_before
+    # The re-merge replaced each parent once; tracking the same results again must change nothing.
+    mlflow_before = mlflow_state(workdir)
+    assert len(mlflow_before["parents"]) == 3 and len(mlflow_before["children"]) == 6
+    snakemake(workdir, target, "-R", "track")
+    mlflow_after = mlflow_state(workdir)
+    assert len(mlflow_after["parents"]) == 3 and len(mlflow_after["children"]) == 6
+    assert mlflow_after["histories"] == mlflow_before["histories"]
+    assert {r.info.run_id for r in mlflow_after["parents"]} == {
+        r.info.run_id for r in mlflow_before["parents"]
+    }
+
+
+def test_changing_only_merge_method_reruns_merge_and_downstream_only(workdir):
+    tiny_config(workdir, independent_merge="weighted")
+    dry = snakemake(workdir, "--dry-run")
+    assert planned_jobs(dry.stdout) == {
+        "merge": 1,
+        "evaluate": 1,
+        "plots": 1,
+        "track": 1,
+        "summary": 1,
+        "compare_merge_methods": 1,
+        "compare_communication": 1,
+        "track_comparison": 1,
+        "all": 1,
+    }
+    train_before = file_state(ranks_dir(workdir, "independent"))
+    snakemake(workdir)
+    assert file_state(ranks_dir(workdir, "independent")) == train_before
+    assert json.loads((workdir / "results/runs/independent/merge.json").read_text())["method"] == "weighted"
+    state = mlflow_state(workdir)
+    independent = [r for r in state["parents"] if r.info.run_name == "independent"]
+    assert len(independent) == 1 and independent[0].data.params["merge_method"] == "weighted"
+
+
+def test_until_partition_stops_before_training(tmp_path):
+    tiny_config(tmp_path)
+    snakemake(tmp_path, "--until", "partition")
+    manifest = json.loads((tmp_path / "results/shards/digits/w2-seed0/manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert not (tmp_path / "results" / "runs").exists()
+
+
+def test_invalid_config_fails_before_any_job_with_one_clear_line(tmp_path):
+    path = tiny_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["runs"]["ddp"]["world_size"] = 0
+    path.write_text(yaml.safe_dump(config))
+    proc = snakemake(tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "config error at runs[ddp].world_size: 0 is less than the minimum of 1" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_several_nodes_with_the_local_executor_fail_before_any_job(tmp_path):
+    path = tiny_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["runs"]["ddp"].update(nodes=2, nproc_per_node=1)
+    path.write_text(yaml.safe_dump(config))
+    proc = snakemake(tmp_path, check=False)
+    assert proc.returncode != 0
+    assert (
+        "run(s) ddp ask for several nodes, which needs a SLURM allocation; run with --profile "
+        "profiles/slurm or set nodes to 1" in proc.stderr
+    )
+    assert not (tmp_path / "results").exists()
+
+
+def test_workflow_draws_the_communication_plot_and_attaches_it_with_the_merge_methods_plot(tmp_path):
+    config = {
+        "runs": {"ddp": {"strategy": "ddp", "merge_method": "consolidate"},
+                 "independent": {"strategy": "localsgd", "sync_every": 0, "merge_method": "uniform"}},
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2, "epochs": 1},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    }  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    command = snakemake_command(tmp_path, "--configfile", tmp_path / "config.yaml", "--cores", "1",
+                                "--dry-run", "--printshellcmds")  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "python -m shardfuse.plots communication --summary results/summary.csv"
+        " --out results/plots/communication.png > logs/plots/communication.log 2>&1"
+    ) in proc.stdout
+    assert (
+        "python -m shardfuse.comparison --png results/plots/merge_methods.png results/plots/communication.png"
+        " --summary results/summary.csv --records results/runs/ddp/mlflow.json"
+        " results/runs/independent/mlflow.json --out results/plots/comparison.mlflow.json"
+    ) in proc.stdout
+    assert (REPO / "workflow" / "report" / "communication.rst").is_file()  # the report's caption
+
+
+def test_snakemake_refuses_a_config_file_with_a_duplicated_key(tmp_path):
+    from tests.support.helpers import snakemake_command, subprocess_env
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(
+        "datasets:\n  digits: {source: digits}\nruns:\n  r: {strategy: ddp, merge_method: consolidate}\n"
+        "datasets:\n  other: {source: digits}\n"
+    )
+    proc = subprocess.run(
+        snakemake_command(tmp_path, "--dry-run"), capture_output=True, text=True, env=subprocess_env()
+    )
+    assert proc.returncode != 0
+    message = "line 5: key 'datasets' appears twice at the top level (first on line 1)"
+    assert message in proc.stdout + proc.stderr
