@@ -32,8 +32,9 @@ run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 
 # The fast tier, for every change (budget 180 s, lint included): lint, then unit, contract, stage and
-# workflow tests. Two pytest-xdist workers (a third on 2 cores was no faster); whole files per worker, so
-# a module's fixture is built once; the expensive shared fixtures are built once per run (tests/conftest.py).
+# workflow tests. Two pytest-xdist workers (a third on 2 cores was no faster); a test module stays on one
+# worker, so its fixtures are built once, and the trainings shared across modules are built once per run
+# (tests/conftest.py).
 test: $(STAMP)
 	@rm -f $(REPORTS)/fast.xml
 	@$(TIER) fast 180 $(MAKE) --no-print-directory lint test-fast

@@ -72,8 +72,9 @@ NOT_MEASURED = (
     "## 6. GPU\n\nNot measured: this machine has no GPU (CPU-only torch build, gloo). On a GPU machine "
     "run_all.py adds this section by running bench/gpu.py (the train stage under torchrun with NCCL, "
     "precision fp32 vs auto = bf16 autocast, samples/s and peak GPU memory); the device, backend and "
-    "precision selection it relies on is unit-tested on any machine (tests/unit/rank/test_dist.py). The reader's "
-    "share of step time is the figure to re-check there, since a GPU step is far shorter than a CPU one."
+    "precision selection it relies on is unit-tested on any machine (tests/unit/rank/test_dist.py). The "
+    "reader's share of step time is the figure to re-check there, since a GPU step is far shorter than a "
+    "CPU one."
 )
 
 

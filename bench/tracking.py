@@ -49,7 +49,7 @@ import common  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402
 
 from shardfuse import mlflow_common, tracking, tracking_inputs  # noqa: E402
-from tests.tracking_fixtures import make_run_dir, run_config  # noqa: E402
+from tests.support.tracking import make_run_dir, run_config  # noqa: E402
 
 TARGET_VS_PER_POINT = 30.0
 TARGET_VS_LOG_BATCH = 0.9

@@ -15,6 +15,8 @@ status=$?
 elapsed=$(($(date +%s) - start))
 verdict="within budget"
 ((elapsed <= budget)) || verdict="OVER BUDGET"
-printf 'tier %s: %d s wall, budget %d s: %s (exit status %d)\n' "$name" "$elapsed" "$budget" "$verdict" "$status"
+result="passed"
+((status == 0)) || result="FAILED (exit status $status)"
+printf 'tier %s: %s; %d s wall, budget %d s: %s\n' "$name" "$result" "$elapsed" "$budget" "$verdict"
 printf '%s\t%d\t%d\t%d\n' "$name" "$elapsed" "$budget" "$status" >>"$reports/tiers.tsv"
 exit "$status"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from xdist.scheduler import LoadFileScheduling
 
 from shardfuse.sysmetrics import INTERVAL_ENV
 from tests.support.data import prepare_and_partition
@@ -25,6 +26,40 @@ from tests.support.training import (
 )
 
 DIGITS_SPEC = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
+
+
+# The test modules that read a training built once per run (built_once): pytest-xdist runs the modules
+# of one training on one worker, which builds it, so the other worker never sits waiting on its lock.
+SHARED_TRAINING_MODULES = {
+    "tests/stages/test_train.py": "small_trainings",
+    "tests/stages/test_trust.py": "small_trainings",
+    "tests/stages/test_align.py": "small_trainings",
+    "tests/stages/test_ensemble.py": "small_trainings",
+    "tests/stages/test_resume.py": "ddp_resume_reference",
+    "tests/workflow/test_resume_snakemake.py": "ddp_resume_reference",
+    "tests/slow/test_ownership.py": "ddp_resume_reference",
+}
+
+
+class SharedTrainingScheduling(LoadFileScheduling):
+    """`--dist loadfile` (a module and its fixtures on one worker), with the modules of one shared
+    training as one unit. (pytest-xdist's own loadgroup renames node ids, which pytest 9.2 ignores.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return SHARED_TRAINING_MODULES.get(path, path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return SharedTrainingScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+def pytest_itemcollected(item) -> None:
+    """A test module that reads a shared training must be in SHARED_TRAINING_MODULES."""
+    path = item.nodeid.split("::", 1)[0]
+    for name in set(SHARED_TRAINING_MODULES.values()) & set(item.fixturenames):
+        if SHARED_TRAINING_MODULES.get(path) != name:
+            raise pytest.UsageError(f"{path} uses the fixture {name}: add it to SHARED_TRAINING_MODULES")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

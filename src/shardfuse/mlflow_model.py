@@ -351,8 +351,8 @@ def log_merged_model(
     Written as ``mlflow.pyfunc.log_model`` would write it, but without MLflow's check that the saved
     model serves its input example: that check loads the model, i.e. imports torch (bench/tracking.py
     measures the difference) in a stage that otherwise only reads files. The evaluate stage has already
-    built and scored this model from the same header, and tests/unit/track/test_tracking.py loads the logged model
-    and compares its predictions with the weights'.
+    built and scored this model from the same header, and tests/unit/track/test_tracking.py loads the
+    logged model and compares its predictions with the weights'.
     """
     import mlflow
     from mlflow.models import Model

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,24 +15,8 @@ from shardfuse.data import load_table
 from shardfuse.evaluate import evaluate_weights
 from shardfuse.models import build_model
 from shardfuse.tasks import Totals, task_for
-from tests.support.helpers import run_in, subprocess_env
 from tests.support.tracking import make_run_dir, regression_evaluation, run_config
-
-TRAIN_CFG = {
-    "hidden_sizes": [16],
-    "activation": "relu",
-    "dropout": 0.0,
-    "optimizer": "sgd",
-    "lr": 0.05,
-    "momentum": 0.9,
-    "weight_decay": 0.0,
-    "batch_size": 64,
-    "epochs": 1,
-    "seed": 3,
-    "strategy": "localsgd",
-    "sync_every": 0,
-}
-BATCH_SIZE = 97  # several batches, the last one short: the ensemble is combined batch by batch
+from tests.support.training import EVAL_BATCH_SIZE, train_merge_evaluate
 
 
 def score(task, outputs, targets):
@@ -105,34 +86,6 @@ def test_the_ensemble_of_one_model_is_that_model(name):
         task.combine([])
 
 
-def _train_and_evaluate(root, digits_dataset, shard_dir, world_size, trained_ranks=None):
-    """A real training of ``world_size`` ranks (or a copy of ``trained_ranks``), gathered, merged
-    (uniform) and evaluated by the stages."""
-    ranks, gather, run_dir = "training/ranks", "training/gather.json", "run"
-    launch = ["shardfuse.launch", "--nproc-per-node", world_size, "--out-dir", ranks, "--",
-              "--run-name", "t", "--shard-dir", shard_dir, "--dataset-dir", digits_dataset,
-              "--config-json", json.dumps(TRAIN_CFG)]  # fmt: skip
-    steps = [
-        launch,
-        ["shardfuse.gather", "--train-dir", ranks, "--world-size", world_size, "--out", gather],
-        ["shardfuse.merge", "--gather", gather, "--method", "uniform", "--params-json", "{}", "--run", "r",
-         "--out-weights", f"{run_dir}/merged.safetensors", "--out-json", f"{run_dir}/merge.json"],
-        ["shardfuse.evaluate", "--run", "r", "--test", digits_dataset / "test.parquet", "--gather", gather,
-         "--merged", f"{run_dir}/merged.safetensors", "--batch-size", BATCH_SIZE,
-         "--out", f"{run_dir}/eval.json"],
-    ]  # fmt: skip
-    if trained_ranks is not None:
-        shutil.copytree(trained_ranks, root / ranks)
-        steps = steps[1:]
-    (root / run_dir).mkdir()  # as snakemake makes an output's directory
-    for command in steps:
-        proc = run_in(root, command)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    evaluation = json.loads((root / run_dir / "eval.json").read_text())
-    paths = [root / ranks / f"rank-{rank}.safetensors" for rank in range(world_size)]
-    return evaluation, paths
-
-
 @torch.no_grad()
 def _independent_ensemble(paths, test_path):
     """Loss and accuracy of the mean softmax probability of the models, the whole split at once."""
@@ -153,7 +106,7 @@ def test_evaluate_scores_the_ensemble_of_the_ranks_as_an_independent_computation
     tmp_path, small_trainings, digits_dataset, digits_shards
 ):
     trained = small_trainings / "results" / "trainings" / "independent" / "ranks"
-    evaluation, paths = _train_and_evaluate(tmp_path, digits_dataset, digits_shards, 2, trained)
+    evaluation, paths = train_merge_evaluate(tmp_path, digits_dataset, digits_shards, 2, trained)
     expected = _independent_ensemble(paths, digits_dataset / "test.parquet")
     ensemble = evaluation["ensemble"]
     assert set(ensemble) == {"loss", "accuracy"}
@@ -163,21 +116,8 @@ def test_evaluate_scores_the_ensemble_of_the_ranks_as_an_independent_computation
     # One pass scores the ranks too, exactly as scoring each rank on its own does.
     features, labels = load_table(digits_dataset / "test.parquet")
     for rank, path in enumerate(paths):
-        own = evaluate_weights(path, features, labels, BATCH_SIZE)
+        own = evaluate_weights(path, features, labels, EVAL_BATCH_SIZE)
         assert evaluation["ranks"][rank] == {"rank": rank, **own}
-
-
-def test_the_ensemble_of_a_world_size_one_run_is_its_single_rank(tmp_path, digits_dataset):
-    shards = tmp_path / "shards"
-    subprocess.run(
-        [sys.executable, "-m", "shardfuse.partition", "--input", str(digits_dataset / "train.parquet"),
-         "--world-size", "1", "--seed", "0", "--out-dir", str(shards)],
-        check=True, env=subprocess_env(), capture_output=True,
-    )  # fmt: skip
-    evaluation, _ = _train_and_evaluate(tmp_path, digits_dataset, shards, 1)
-    (rank,) = evaluation["ranks"]
-    assert evaluation["ensemble"] == {k: v for k, v in rank.items() if k != "rank"}
-    assert evaluation["fusion_gap"] == evaluation["ensemble"]["accuracy"] - evaluation["merged"]["accuracy"]
 
 
 def test_track_pushes_the_ensemble_headline_once_and_an_old_eval_json_pushes_none(tmp_path):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 from shardfuse.checkpoint import load_weights, read_metadata
 from shardfuse.launch import staging_dir
 from shardfuse.sysmetrics import INTERVAL_ENV, peak, read_system_metrics, system_metrics_path
-from tests.support.helpers import run_stage, subprocess_env
+from tests.support.helpers import run_stage
 from tests.support.training import (
     CPU_METRICS,
     SMALL_TRAIN_CFG,
@@ -145,45 +143,6 @@ def test_ddp_broadcasts_buffers_only_for_models_whose_forward_updates_them():
     assert not forward_updates_buffers(build_model({**spec, "dropout": 0.0}))  # input stats: set once
     batch_norm = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
     assert forward_updates_buffers(batch_norm)  # running statistics change every forward
-
-
-# torchrun's entry point for one rank, with rank 1 reaching the training loop late (a slow start-up).
-LATE_RANK = """
-import time
-import shardfuse.train as train
-
-start = train.resume_or_start
-
-def late_start(setup):
-    if setup.ctx.rank == 1:
-        time.sleep({delay})
-    return start(setup)
-
-train.resume_or_start = late_start
-train.run_cli(train.main)
-"""
-
-
-def test_train_seconds_leave_out_a_rank_that_reaches_the_loop_late(tmp_path, digits_dataset, digits_shards):
-    # localsgd's ranks first meet at a sync inside the loop, so without a common start rank 0 would
-    # wait out rank 1's delay in its own loop time, and train_seconds (the slowest rank's loop) would
-    # count it. (ddp's wrapper meets the ranks before the loop.)
-    delay = 2.0
-    script = tmp_path / "late_rank.py"
-    script.write_text(LATE_RANK.format(delay=delay))
-    out = tmp_path / "train"
-    cfg = json.dumps({**SMALL_TRAIN_CFG, "strategy": "localsgd", "sync_every": 5})
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(script),
-            "--run-name", "late", "--shard-dir", str(digits_shards), "--dataset-dir", str(digits_dataset),
-            "--config-json", cfg, "--out-dir", str(out),
-        ],
-        capture_output=True, text=True, env=subprocess_env(), timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "train.json").read_text())["train_seconds"] < delay
 
 
 def test_bytes_all_reduced_per_rank_follow_the_strategy(trained):

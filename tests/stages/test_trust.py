@@ -26,7 +26,7 @@ from shardfuse.models import build_model, check_model_fits
 from shardfuse.specs import normalized_spec
 from shardfuse.tracking_inputs import load_inputs
 from shardfuse.trust import check_spec_bounds, mlp_state_shapes
-from tests.support.helpers import subprocess_env
+from tests.support.helpers import call_stage, subprocess_env
 
 TRAINING, RUN = "independent", "r0"  # the session's small independent training
 TRAINING_DIR = f"results/trainings/{TRAINING}"
@@ -53,6 +53,12 @@ def stage(cwd: Path, name: str, *args: object) -> subprocess.CompletedProcess:
         timeout=300,
         preexec_fn=_limit_memory,
     )
+
+
+def in_process(cwd: Path, name: str, *args: object) -> subprocess.CompletedProcess:
+    """The stage's command line called in this process (tests/support/helpers.py call_stage): for the
+    refusals that happen before any tensor is read, where no allocation can run away."""
+    return call_stage(name, *args, cwd=cwd)
 
 
 def merge_args(method: str = "ties") -> list[object]:
@@ -84,17 +90,23 @@ def workdir(trained, tmp_path) -> Path:
     return tmp_path
 
 
-def run_stage_in(workdir: Path, which: str, digits_dataset: Path) -> tuple[subprocess.CompletedProcess, list]:
-    """Run merge (ties, which reads the base) or evaluate; (its result, the outputs it must not leave)."""
+def run_stage_in(
+    workdir: Path, which: str, digits_dataset: Path, runner=None
+) -> tuple[subprocess.CompletedProcess, list]:
+    """Run merge (ties, which reads the base) or evaluate, as a command (``runner``: default a child
+    process under the memory limit); (its result, the outputs it must not leave)."""
+    stage_runner = runner or stage
     if which == "merge":
         outputs = [
             workdir / "results/runs/again/merged.safetensors",
             workdir / "results/runs/again/merge.json",
         ]
-        proc = stage(workdir, "merge", *merge_args(), "--out-weights", outputs[0], "--out-json", outputs[1])
+        proc = stage_runner(
+            workdir, "merge", *merge_args(), "--out-weights", outputs[0], "--out-json", outputs[1]
+        )
     else:
         outputs = [workdir / RUN_DIR / "eval-again.json"]
-        proc = stage(
+        proc = stage_runner(
             workdir, "evaluate", "--run", RUN, "--test", digits_dataset / "test.parquet",
             "--gather", GATHER, "--merged", MERGED, "--out", outputs[0],
         )  # fmt: skip
@@ -237,7 +249,7 @@ def test_a_tampered_gather_json_is_refused_naming_the_file_and_gather(
 ):
     tamper, fragments = TAMPERINGS[tampering]
     tamper(workdir)
-    proc, outputs = run_stage_in(workdir, which, digits_dataset)
+    proc, outputs = run_stage_in(workdir, which, digits_dataset, runner=in_process)
     assert_refused(proc, which, (*fragments, STALE), outputs)
 
 

@@ -3,8 +3,11 @@ fixtures and hooks)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
+import importlib
+import io
 import json
 import os
 import re
@@ -12,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -283,3 +287,30 @@ def base_config(runs) -> dict:
         "datasets": {"digits": {"source": "digits"}},
         "run_defaults": {"dataset": "digits", "world_size": 2},
     }
+
+
+def call_stage(stage: str, *args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m shardfuse.<stage> ARGS`` (in ``cwd``) called in this process: the stage's own ``main``
+    through the same ``run_cli`` wrapper, its stdout and stderr captured, its exit status returned (an
+    exception that is not a UserError is printed as a traceback, status 1). For tests about what a stage
+    decides, not about the process boundary: each subprocess costs a second or more of imports."""
+    from shardfuse.io import run_cli
+
+    module = importlib.import_module(f"shardfuse.{stage}")
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    previous = Path.cwd()
+    try:
+        os.chdir(cwd or previous)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                run_cli(module.main, [str(arg) for arg in args])
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else 1
+            except Exception:
+                traceback.print_exc()
+                status = 1
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(
+        [f"shardfuse.{stage}", *map(str, args)], status, out.getvalue(), err.getvalue()
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import yaml
 
 from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
-from tests.support.helpers import run_stage, subprocess_env
+from tests.support.helpers import run_in, run_stage, subprocess_env
 
 RESUME_CFG = {
     "hidden_sizes": [32],
@@ -291,3 +292,51 @@ CPU_METRICS = {
     "system/process_cpu_utilization_percentage",
     "system/process_rss_megabytes",
 }
+
+
+# The ensemble tests' training: one epoch, no dropout, independent ranks.
+ENSEMBLE_TRAIN_CFG = {
+    "hidden_sizes": [16],
+    "activation": "relu",
+    "dropout": 0.0,
+    "optimizer": "sgd",
+    "lr": 0.05,
+    "momentum": 0.9,
+    "weight_decay": 0.0,
+    "batch_size": 64,
+    "epochs": 1,
+    "seed": 3,
+    "strategy": "localsgd",
+    "sync_every": 0,
+}
+
+
+EVAL_BATCH_SIZE = 97  # several batches, the last one short: the ensemble is combined batch by batch
+
+
+def train_merge_evaluate(root, digits_dataset, shard_dir, world_size, trained_ranks=None):
+    """A real training of ``world_size`` ranks (or a copy of ``trained_ranks``), gathered, merged
+    (uniform) and evaluated by the stages."""
+    ranks, gather, run_dir = "training/ranks", "training/gather.json", "run"
+    launch = ["shardfuse.launch", "--nproc-per-node", world_size, "--out-dir", ranks, "--",
+              "--run-name", "t", "--shard-dir", shard_dir, "--dataset-dir", digits_dataset,
+              "--config-json", json.dumps(ENSEMBLE_TRAIN_CFG)]  # fmt: skip
+    steps = [
+        launch,
+        ["shardfuse.gather", "--train-dir", ranks, "--world-size", world_size, "--out", gather],
+        ["shardfuse.merge", "--gather", gather, "--method", "uniform", "--params-json", "{}", "--run", "r",
+         "--out-weights", f"{run_dir}/merged.safetensors", "--out-json", f"{run_dir}/merge.json"],
+        ["shardfuse.evaluate", "--run", "r", "--test", digits_dataset / "test.parquet", "--gather", gather,
+         "--merged", f"{run_dir}/merged.safetensors", "--batch-size", EVAL_BATCH_SIZE,
+         "--out", f"{run_dir}/eval.json"],
+    ]  # fmt: skip
+    if trained_ranks is not None:
+        shutil.copytree(trained_ranks, root / ranks)
+        steps = steps[1:]
+    (root / run_dir).mkdir()  # as snakemake makes an output's directory
+    for command in steps:
+        proc = run_in(root, command)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluation = json.loads((root / run_dir / "eval.json").read_text())
+    paths = [root / ranks / f"rank-{rank}.safetensors" for rank in range(world_size)]
+    return evaluation, paths
