@@ -51,9 +51,12 @@ test-slow: $(STAMP)
 
 # The service tier (budget 12 min): SLURM clusters, the PostgreSQL-backed tracking server, the browser
 # (.ci/run starts the single-node cluster first; the others are started by their tests), the benchmark
-# smoke run and the mergekit cross-check. One worker: the cluster and the servers are shared.
+# smoke run and the mergekit cross-check. Two workers, a module each: the single-node cluster's tests
+# spend most of their time waiting on SLURM, while the other worker runs the two-node cluster (a cluster
+# of its own), the servers, the browser and the benchmarks.
 test-services: $(STAMP)
-	@$(TIER) services 720 $(PYTEST) $(SERVICE_TESTS) --junitxml=$(REPORTS)/services.xml $(PYTEST_ARGS)
+	@$(TIER) services 720 $(PYTEST) $(SERVICE_TESTS) -n $(TEST_WORKERS) --dist loadfile \
+		--junitxml=$(REPORTS)/services.xml $(PYTEST_ARGS)
 
 # Everything (CI): the fast tier, the slow tier, then the service tier; then the table of tier times.
 test-all:

@@ -7,6 +7,7 @@ Helpers and constants live in tests/support/ (never in a test module).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,24 @@ def pytest_itemcollected(item) -> None:
             raise pytest.UsageError(f"{path} uses the fixture {name}: add it to SHARED_TRAINING_MODULES")
 
 
+def pytest_sessionfinish(session) -> None:
+    """A pytest-xdist worker hands its measurements to the controller through a file in the run's
+    directory (the controller prints them; its own MEASUREMENTS stay empty)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and MEASUREMENTS:
+        run_dir = session.config._tmp_path_factory.getbasetemp().parent
+        (run_dir / f"measurements-{worker}.txt").write_text("\n".join(MEASUREMENTS) + "\n")
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    if MEASUREMENTS:
+    lines = list(MEASUREMENTS)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        run_dir = terminalreporter.config._tmp_path_factory.getbasetemp()
+        for path in sorted(run_dir.glob("measurements-*.txt")):
+            lines += path.read_text().splitlines()
+    if lines:
         terminalreporter.section("measurements")
-        for line in MEASUREMENTS:
+        for line in lines:
             terminalreporter.write_line(line)
 
 
