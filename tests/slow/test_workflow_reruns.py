@@ -9,15 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import file_state, mlflow_state, planned_jobs, ranks_dir, snakemake, tiny_config
+from tests.support.helpers import (
+    file_state,
+    mlflow_state,
+    planned_jobs,
+    ranks_dir,
+    snakemake,
+    tiny_config,
+    tiny_experiment_run,
+)
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("workflow")
-    tiny_config(path)
-    snakemake(path)
-    return path
+    return tiny_experiment_run(tmp_path_factory.mktemp("workflow"))
 
 
 def test_rerun_merge_never_retrains_and_track_twice_duplicates_nothing(workdir):

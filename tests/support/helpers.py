@@ -177,6 +177,13 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
     return proc
 
 
+def tiny_experiment_run(path: Path) -> Path:
+    """``path`` holding the tiny experiment (tiny_config), run to the end by Snakemake."""
+    tiny_config(path)
+    snakemake(path)
+    return path
+
+
 def file_state(directory: Path) -> dict[str, tuple[int, str]]:
     """mtime_ns and sha256 of every file below ``directory``."""
     return {

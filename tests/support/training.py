@@ -20,6 +20,8 @@ from shardfuse.checkpoint import load_weights
 from shardfuse.launch import staging_dir
 from tests.support.helpers import run_in, run_stage, subprocess_env
 
+# The kill tests' training: long enough (12 epochs, a checkpoint every 40 steps) that the ranks still run
+# when the first checkpoint is complete.
 RESUME_CFG = {
     "hidden_sizes": [32],
     "activation": "relu",

@@ -18,15 +18,13 @@ from tests.support.helpers import (
     snakemake_command,
     subprocess_env,
     tiny_config,
+    tiny_experiment_run,
 )
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("workflow")
-    tiny_config(path)
-    snakemake(path)
-    return path
+    return tiny_experiment_run(tmp_path_factory.mktemp("workflow"))
 
 
 def test_full_run_writes_summary_row_per_run(workdir):
