@@ -36,7 +36,7 @@ onstart:
     fail_train_jobs_larger_than_their_partition()
 
 
-# A failed job's own one-line error (in its log) is the last thing printed (shardfuse.console).
+# A failed job's own one-line error (in its log) is the last thing printed (shardfuse.io).
 onerror:
     print_failed_job_errors(log)
 

@@ -14,7 +14,7 @@ modes, interleaved per repetition in a rotating order so drift of a shared machi
   checkpoint) and the rank-0 progress reporter, with the system metrics sampler off;
 - ``metrics + live``: also ``tracking.live``: rank 0 streams points to MLflow (a SQLite store here) from
   a background thread. The store exists before the timed runs: its one-off creation is not a step cost;
-- ``metrics + system 5 s`` (the default of a training: ``shardfuse.sysmetrics`` samples CPU, memory and
+- ``metrics + system 5 s`` (the default of a training: ``shardfuse.metrics.system`` samples CPU, memory and
   GPU from a daemon thread at start, every 5 s and at stop) and ``metrics + system 0.1 s`` (a stress
   setting, 50 times the rate, to see what one sample costs): compared with ``metrics``, their only
   difference. The sampler thread's own CPU time inside its samples is accounted too (a share of the
@@ -118,9 +118,9 @@ def _timer_cost(calls: int = 200_000) -> float:
 def timed_logging_calls() -> Iterator[list[float]]:
     """Accumulate the seconds spent inside every per-step logging call while the block runs
     (``[seconds, calls]``)."""
-    from shardfuse.live import LiveLogger
-    from shardfuse.metrics_log import MetricsLog
-    from shardfuse.progress import Progress
+    from shardfuse.metrics.steps import MetricsLog
+    from shardfuse.rank.progress import Progress
+    from shardfuse.track.live import LiveLogger
 
     spent = [0.0, 0]
     targets = [(MetricsLog, "append"), (MetricsLog, "flush"), (Progress, "update"), (LiveLogger, "log")]
@@ -138,7 +138,7 @@ def timed_logging_calls() -> Iterator[list[float]]:
 def system_sampling(interval_s: float) -> Iterator[list]:
     """Training in the block samples system metrics every ``interval_s`` s (0: off, through the
     environment variable train_rank's sampler reads); yields the samplers started, for their CPU time."""
-    from shardfuse.sysmetrics import INTERVAL_ENV, SystemSampler
+    from shardfuse.metrics.system import INTERVAL_ENV, SystemSampler
 
     started: list[SystemSampler] = []
     original_start, previous = SystemSampler.start, os.environ.get(INTERVAL_ENV)
@@ -163,8 +163,8 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
     import torch
     import torch.distributed as torch_dist
 
-    from shardfuse.dist import DistContext
-    from shardfuse.live import LiveLogger
+    from shardfuse.rank.dist import DistContext
+    from shardfuse.track.live import LiveLogger
     from shardfuse.tracking import connect
     from shardfuse.train import train_rank
 
@@ -342,7 +342,7 @@ def system_metrics_report(
         rows_out,
     )
     markdown += (
-        f"\n\nThe system metrics sampler (shardfuse.sysmetrics) at the production interval of "
+        f"\n\nThe system metrics sampler (shardfuse.metrics.system) at the production interval of "
         f"{PRODUCTION_INTERVAL_S:g} s and at 0.1 s, each against step metrics alone in the same "
         "repetition (the A/B figures are reported, not checked: a shared machine moves them by more "
         "than the target). Its thread's CPU time inside its samples (the start and stop samples "

@@ -71,8 +71,8 @@ def write_ranks(root: Path, size_mb: int, num_ranks: int) -> dict:
     """Rank checkpoints of a model of ``size_mb`` MB and a gather.json listing all of them."""
     from safetensors.numpy import save_file
 
+    from shardfuse.checkpoints.stream import SafetensorsReader
     from shardfuse.io import file_digests
-    from shardfuse.safetensors_stream import SafetensorsReader
 
     small = sum(int(np.prod(shape)) for shape in SMALL_SHAPES)
     big = -(-(size_mb * 2**20 // 4 - small - 1) // NUM_BIG)  # at least size_mb MiB in all
@@ -211,8 +211,8 @@ def child_floor(gather: Path, out: Path) -> float:
 
 def child_nohash(gather: Path, out: Path) -> float:
     """The stream engine without the input checksums: what verification costs."""
+    from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter
     from shardfuse.merge import Engine
-    from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter
 
     ranks = json.loads(gather.read_text())["ranks"]
     started = time.perf_counter()
@@ -247,7 +247,7 @@ def child_baseline(gather: Path, out: Path) -> float:
 def child_mmap(gather: Path, out: Path) -> float:
     from safetensors import safe_open
 
-    from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter
+    from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter
 
     paths = [r["path"] for r in json.loads(gather.read_text())["ranks"]]
     started = time.perf_counter()

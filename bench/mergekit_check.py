@@ -18,7 +18,7 @@ Run (a few seconds; exit status 1 if a matched method disagrees beyond tolerance
 What it compares. For every shardfuse method with a mergekit counterpart, on seeded random tensors
 (shapes (1000,), (64, 48) and (); N = 2 and 4 ranks where the method allows; two or three parameter
 settings; ranks around a shared base, and for the base-free methods also independent ranks), it runs
-``shardfuse.merge_engine.merge_arrays`` on float32 inputs (shardfuse merges in float64 and rounds to
+``shardfuse.fusion.engine.merge_arrays`` on float32 inputs (shardfuse merges in float64 and rounds to
 float32) and mergekit's method (``mergekit.merge_methods.merge_tensors``, or the function named) on the
 same values in float64, with the conventions matched as each check's ``match`` says. Per method it
 prints the largest |difference| and the largest difference in float32 ulps (ulp of the float32 binade
@@ -64,15 +64,9 @@ from mergekit.merge_methods.karcher import karcher_merge_tensors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from shardfuse.merge_engine import merge_arrays
-from shardfuse.merge_methods import (
-    USES_BASE,
-    TensorJob,
-    make_plan,
-    rank_weights,
-    resolve_params,
-    stream_seed,
-)
+from shardfuse.fusion.engine import merge_arrays
+from shardfuse.fusion.methods.plan import TensorJob, stream_seed
+from shardfuse.fusion.methods.registry import USES_BASE, make_plan, rank_weights, resolve_params
 
 SHAPES = ((1000,), (64, 48), ())
 GRID = 2.0**-24  # every input is k * GRID with |k| < 2^23: exact in float32, and so is theta - base

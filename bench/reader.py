@@ -21,7 +21,7 @@ default batch size). Then the default MLP trains ``--steps`` steps on each in-pr
 epoch 1 (ShardReader's streamed and cached halves), and the time spent waiting for the next batch is
 reported as a share of the step time (the larger of the two epochs).
 
-Two more sample kinds (``shardfuse.shard_format``):
+Two more sample kinds (``shardfuse.data.shard_format``):
 
 * token blocks: a causal-LM shard (``tokens``, uint16, block size 256; ``--token-blocks`` blocks,
   default ``--rows`` / 64), read in batches of 32 blocks as int64 from ShardReader's cache (epoch 1;
@@ -109,8 +109,8 @@ def batches_of(path_name: str, shard_dir: Path, batch_size: int, seed: int = 0, 
     """An iterator over (features, labels) batches of ``epochs`` epochs of rank 0's shard, started now."""
     import torch
 
-    from shardfuse.data import ShardReader, load_shard
-    from shardfuse.manifest import read_manifest
+    from shardfuse.data.manifest import read_manifest
+    from shardfuse.data.reader import ShardReader, load_shard
 
     num_rows = read_manifest(shard_dir)["shards"][0]["rows"]
     num_batches = max(1, -(-num_rows // batch_size))
@@ -194,9 +194,9 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardfuse.data import read_dataset_info
-    from shardfuse.manifest import read_manifest
-    from shardfuse.models import build_model, model_spec
+    from shardfuse.data.manifest import read_manifest
+    from shardfuse.data.reader import read_dataset_info
+    from shardfuse.models.registry import build_model, model_spec
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -223,9 +223,9 @@ def measure_model_training(kind: str, shard_dir: Path, num_steps: int) -> dict:
     reads); the share of wall time spent waiting for batches, as :func:`measure_training`."""
     import torch
 
-    from shardfuse.manifest import read_manifest
-    from shardfuse.models import build_model, model_spec
-    from shardfuse.tasks import task_for
+    from shardfuse.data.manifest import read_manifest
+    from shardfuse.models.registry import build_model, model_spec
+    from shardfuse.models.tasks import task_for
 
     run_cfg = MODEL_RUNS[kind]
     torch.set_num_threads(1)
@@ -253,8 +253,8 @@ def token_batches(path_name: str, shard_dir: Path, batch_size: int, seed: int = 
     started now: epochs 0, 1, ... (ShardReader: epoch 0 streams and fills the cache)."""
     import torch
 
-    from shardfuse.data import ShardReader
-    from shardfuse.manifest import read_manifest
+    from shardfuse.data.manifest import read_manifest
+    from shardfuse.data.reader import ShardReader
 
     num_rows = read_manifest(shard_dir)["shards"][0]["rows"]
     num_batches = max(1, num_rows // batch_size)
@@ -282,7 +282,7 @@ def measure_tokens(path_name: str, shard_dir: Path, batch_size: int, max_batches
     ``max_batches`` batches) of the cached shard (ShardReader's epoch 1; naive: its second epoch)."""
     import torch
 
-    from shardfuse.manifest import read_manifest
+    from shardfuse.data.manifest import read_manifest
 
     torch.set_num_threads(1)
     num_batches = max(1, read_manifest(shard_dir)["shards"][0]["rows"] // batch_size)
@@ -306,7 +306,7 @@ def measure_images(num_images: int, reps: int, work_dir: Path) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardfuse.shard_format import SHAPE_KEY, list_values, recognise_layout
+    from shardfuse.data.shard_format import SHAPE_KEY, list_values, recognise_layout
 
     size = int(np.prod(IMAGE_SHAPE))
     pixels = np.random.default_rng(0).integers(0, 256, num_images * size).astype(np.float32)
@@ -339,7 +339,7 @@ def write_model_split(kind: str, path: Path, num_rows: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shardfuse.shard_format import SHAPE_KEY
+    from shardfuse.data.shard_format import SHAPE_KEY
 
     rng = np.random.default_rng(0)
     if kind == "tokens":

@@ -48,7 +48,9 @@ sys.path[:0] = [str(REPO / "src"), str(REPO), str(REPO / "bench")]
 import common  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402
 
-from shardfuse import mlflow_common, tracking, tracking_inputs  # noqa: E402
+from shardfuse import tracking  # noqa: E402
+from shardfuse.track import client as mlflow_common  # noqa: E402
+from shardfuse.track import inputs as tracking_inputs  # noqa: E402
 from tests.support.tracking import make_run_dir, run_config  # noqa: E402
 
 TARGET_VS_PER_POINT = 30.0
@@ -136,7 +138,7 @@ def bench_ours(uri: str, experiment: str, root: Path, name: str) -> tuple[float,
 def bench_live(uri: str, experiment: str, seconds: float, rounds: int) -> None:
     import torch
 
-    from shardfuse.live import LiveLogger
+    from shardfuse.track.live import LiveLogger
 
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))

@@ -14,7 +14,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from xdist.scheduler import LoadFileScheduling
 
-from shardfuse.sysmetrics import INTERVAL_ENV
+from shardfuse.metrics.system import INTERVAL_ENV
 from tests.support.data import prepare_and_partition
 from tests.support.helpers import MEASUREMENTS, built_once, run_stage
 from tests.support.tracking import TRACK_EXPERIMENT

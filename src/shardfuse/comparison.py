@@ -21,7 +21,7 @@ import csv
 from pathlib import Path
 
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.mlflow_common import exit_now, tracking_client, tracking_errors, writer_lock
+from shardfuse.track.client import exit_now, tracking_client, tracking_errors, writer_lock
 
 ARTIFACT_PATH = "comparison"
 TABLE_FILE = "comparison_table.json"

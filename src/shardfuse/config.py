@@ -26,8 +26,9 @@ from typing import Any
 import jsonschema
 import yaml
 
+from shardfuse.fusion.methods.registry import RECORDS, WEIGHTED_METHODS
 from shardfuse.io import StageParser, UserError, run_cli
-from shardfuse.usercode import code_fingerprint, is_builtin, load_factory
+from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 # Run and dataset names become directory names; matched in full (``$`` would accept a trailing newline).
@@ -78,34 +79,9 @@ TRAIN_KEYS = (
     "nonfinite_loss",
     "precision",
 )
-# What each merge method reads from the run config (config key -> merge param); other keys do not
-# reach the merge rule, so changing them does not re-run it.
-MERGE_PARAMS = {
-    "consolidate": {"merge_tolerance": "tolerance"},
-    "weighted": {"merge_weights": "weights"},
-    "task_arithmetic": {"merge_scale": "scale"},
-    "ties": {"merge_density": "density", "merge_scale": "scale"},
-    "dare": {
-        "merge_density": "density",
-        "merge_seed": "seed",
-        "merge_sign_election": "sign_election",
-        "merge_scale": "scale",
-    },
-    "slerp": {"merge_t": "t"},
-    "breadcrumbs": {"merge_density": "density", "merge_gamma": "gamma", "merge_scale": "scale"},
-    "breadcrumbs_ties": {"merge_density": "density", "merge_gamma": "gamma", "merge_scale": "scale"},
-    "della": {
-        "merge_density": "density",
-        "merge_epsilon": "epsilon",
-        "merge_seed": "seed",
-        "merge_scale": "scale",
-    },
-    "sce": {"merge_topk": "topk", "merge_scale": "scale"},
-    "nuslerp": {"merge_t": "t"},
-    "multislerp": {"merge_weights": "weights"},
-    "karcher": {"merge_weights": "weights", "merge_max_iter": "max_iter", "merge_tol": "tol"},
-}
-WEIGHTED_METHODS = ("weighted", "multislerp", "karcher")  # the methods that read merge_weights
+# What each merge method reads from the run config (config key merge_<param> -> merge param), from the
+# methods' own records; other keys do not reach the merge rule, so changing them does not re-run it.
+MERGE_PARAMS = {record.name: {f"merge_{param}": param for param in record.params} for record in RECORDS}
 # Train keys added after the first release (the model registry, then the training loop). They join a
 # training's identity (and its command) only when set to something other than their default, so
 # trainings configured before they existed keep their names and are not re-run. The defaults are the
@@ -662,10 +638,11 @@ def _check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: st
         )
     if run["merge_weights"] is not None and method not in WEIGHTED_METHODS:
         raise ConfigError(
-            f"{where}.merge_weights: only merge_method weighted, multislerp or karcher uses weights; "
+            f"{where}.merge_weights: only merge_method {', '.join(WEIGHTED_METHODS[:-1])} or "
+            f"{WEIGHTED_METHODS[-1]} uses weights; "
             "remove them or set merge_method weighted"
         )
-    if method == "nuslerp" and world_size != 2:
+    if method == "nuslerp" and world_size > 2:  # one rank: nuslerp returns it (as the method does)
         raise ConfigError(
             f"{where}.merge_method: nuslerp interpolates exactly two models but world_size is "
             f"{world_size}; use world_size 2, or multislerp or karcher"

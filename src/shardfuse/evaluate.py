@@ -7,12 +7,13 @@ By hand::
         --out results/runs/ddp/eval.json [--ddp-baseline results/runs/<ddp run>/eval.json]
 
 Before any model is built: every checkpoint gather.json lists must be this training's
-(shardfuse.trust.read_gather), the merged model a merge of it, and each file's model spec must fit its
-tensors (shardfuse.models.check_model_fits), so no model larger than its file is ever allocated.
+(shardfuse.checkpoints.trust.read_gather), the merged model a merge of it, and each file's model spec must fit
+its tensors (shardfuse.models.registry.check_model_fits), so no model larger than its file is ever allocated.
 
 The ensemble is the reference a fused single model is judged against: the ranks' outputs averaged as the
-task says (shardfuse.tasks: ``combine``; mean probability, mean prediction, renormalised mean log-probs),
-scored with the task's metrics. One pass over the test split runs every rank on each batch, scores each
+task says (shardfuse.models.tasks: ``combine``; mean probability, mean prediction, renormalised mean
+log-probs), scored with the task's metrics. One pass over the test split runs every rank on each batch, scores
+each
 rank's outputs and their combination, and drops them before the next batch: memory holds every rank's
 model at once, but only one batch of outputs. eval.json records it as ``ensemble`` ({metric: value}),
 ``ensemble_<score>``, and ``fusion_gap`` = how much better the ensemble scores than the merged model
@@ -26,13 +27,19 @@ from typing import Any
 
 import torch
 
-from shardfuse.checkpoint import load_weights
-from shardfuse.data import load_table
+from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
+from shardfuse.checkpoints.weights import load_weights
+from shardfuse.data.reader import load_table
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
-from shardfuse.models import build_model, check_model_fits, normalized_spec, score_state_dict, task_of
-from shardfuse.tasks import Task, Totals, task_for
-from shardfuse.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
-from shardfuse.usercode import check_code_unchanged
+from shardfuse.models.registry import (
+    build_model,
+    check_model_fits,
+    normalized_spec,
+    score_state_dict,
+    task_of,
+)
+from shardfuse.models.tasks import Task, Totals, task_for
+from shardfuse.models.usercode import check_code_unchanged
 
 
 def evaluate_weights(

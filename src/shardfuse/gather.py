@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardfuse.checkpoint import read_header, read_metadata
+from shardfuse.checkpoints.weights import read_header, read_metadata
 from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, write_json
 
 RERUN = "re-run training (snakemake -R train)"

@@ -40,8 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_json
-from shardfuse.ownership import (
+from shardfuse.cluster.ownership import (
     keep_published,
     launch_identity,
     own_group_with_parent_death_signal,
@@ -52,6 +51,7 @@ from shardfuse.ownership import (
     snakemake_ancestor,
     watch_ancestor,
 )
+from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_json
 
 TRAIN_MODULE = "shardfuse.train"
 RDZV_PORT_ENV = "SHARDFUSE_RDZV_PORT"
@@ -261,7 +261,7 @@ def run_and_forward_signals(
 ) -> int:
     """Run ``cmd`` in its own process group (with a parent-death signal); a SIGTERM/SIGINT to us (job
     cancelled, Ctrl-C) goes to the whole group, and if ``watch`` (the snakemake that started us) dies
-    the group is terminated, so no rank outlives the workflow (:mod:`shardfuse.ownership`)."""
+    the group is terminated, so no rank outlives the workflow (:mod:`shardfuse.cluster.ownership`)."""
     print("launch:", shlex.join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=own_group_with_parent_death_signal)
     if watch is not None:
@@ -282,7 +282,7 @@ def run_and_forward_signals(
 def _shard_world_size(train_args: list[str]) -> int | None:
     if "--shard-dir" not in train_args:
         return None
-    from shardfuse.manifest import read_manifest  # JSON only: the launcher never imports torch
+    from shardfuse.data.manifest import read_manifest  # JSON only: the launcher never imports torch
 
     return int(read_manifest(train_args[train_args.index("--shard-dir") + 1])["world_size"])
 

@@ -6,8 +6,8 @@ By hand (as the merge rule runs it)::
         --method ties --params-json '{"density": 0.2}' --val-split results/datasets/digits/val.parquet \\
         --out-weights results/runs/<run>/merged.safetensors --out-json results/runs/<run>/merge.json
 
-Methods and their parameters: ``shardfuse.merge_methods`` (consolidate, uniform, weighted, greedy_soup,
-task_arithmetic, ties, dare, slerp, model_stock). ``--val-split`` is read by greedy_soup only, and only
+Methods and their parameters: ``shardfuse.fusion.methods.registry`` (one record per method: its plan,
+parameters and defaults). ``--val-split`` is read by greedy_soup only, and only
 a validation split is accepted (a file whose sha256 is the sibling dataset.json's test split is
 refused). ``--dcp-dir DIR`` (consolidate only) builds the output from a sharded
 torch.distributed.checkpoint saved in DCP's safetensors format instead of the rank files; DCP's
@@ -16,7 +16,7 @@ names the run in merge.json when several runs fuse one training. The two paths a
 ``merge_rank_files`` (every method) and ``merge_from_dcp``; ``merge`` checks the arguments and writes
 merge.json around either.
 
-Memory: the engine (``shardfuse.merge_engine``) reads every input with explicit reads (no mmap, see
+Memory: the engine (``shardfuse.fusion.engine``) reads every input with explicit reads (no mmap, see
 safetensors_stream) in blocks of at most BLOCK_BYTES of float64 across all ranks and writes the output
 block by block, so peak memory is a few blocks plus the interpreter, whatever the number of ranks or
 the model size. Exceptions: the TIES scan holds one rank's float64 magnitudes of one tensor; greedy
@@ -25,12 +25,12 @@ few blocks ahead of the math, and do the math too when it is a plain mean (unifo
 
 Trust: before anything is read, every checkpoint gather.json lists must lie inside the training
 directory, be listed once, and carry in its header the training and rank of its place in gather.json
-(shardfuse.trust.read_gather); greedy soup, the one method that builds the model, first checks that
-the model gather.json describes fits the tensors (shardfuse.models.check_model_fits).
+(shardfuse.checkpoints.trust.read_gather); greedy soup, the one method that builds the model, first checks
+that the model gather.json describes fits the tensors (shardfuse.models.registry.check_model_fits).
 
 Checksums: each ingredient's digest (BLAKE3 from gather.json format version 2 on, sha256 before:
-``shardfuse.trust.checksum_algorithm``) is computed by the worker threads from the very bytes that are
-merged and compared with gather.json before the output is renamed into place: one read per file, and
+``shardfuse.checkpoints.trust.checksum_algorithm``) is computed by the worker threads from the very bytes that
+are merged and compared with gather.json before the output is renamed into place: one read per file, and
 no window between check and use. merge.json's ``hash`` names the algorithm checked; its ingredients
 carry gather.json's digests, each under its algorithm's name. The base (shared initial weights) is
 checked against the sha256 of its sidecar base.json.
@@ -49,6 +49,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
+from shardfuse.checkpoints.trust import STALE, checksum_algorithm, read_gather, shapes_of
+from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
+from shardfuse.fusion.methods.registry import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
 from shardfuse.io import (
     HASH_ALGORITHMS,
     StageParser,
@@ -60,13 +64,9 @@ from shardfuse.io import (
     sha256_file,
     write_json,
 )
-from shardfuse.merge_engine import BLOCK_BYTES, Engine, MemorySink
-from shardfuse.merge_methods import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
-from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
-from shardfuse.trust import STALE, checksum_algorithm, read_gather, shapes_of
-from shardfuse.usercode import check_code_unchanged
+from shardfuse.models.usercode import check_code_unchanged
 
-METADATA_KEY = "shardfuse"  # as shardfuse.checkpoint (not imported: it would import torch)
+METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: it would import torch)
 RERUN_GATHER = "re-run gather (snakemake -R gather)"
 
 
@@ -83,7 +83,7 @@ def _open_checked(
 
 def _check_digest(reader: SafetensorsReader, entry: dict[str, Any], what: str) -> None:
     """The rank file's bytes, as merged, must match the digest its gather.json entry records for the
-    reader's algorithm (alignment's permuted copies carry their own digests: shardfuse.align)."""
+    reader's algorithm (alignment's permuted copies carry their own digests: shardfuse.fusion.align)."""
     algorithm = reader.hash_algorithm
     if reader.hexdigest() != entry[algorithm]:
         raise UserError(f"{what}: {entry['path']} is missing or changed since gather; {RERUN_GATHER}")
@@ -157,9 +157,9 @@ def greedy_soup(
     validation score does not get worse (ties accepted, as in the paper).
 
     Candidates are merged from the files as the engine would write them, one in memory at a time."""
-    from shardfuse.data import load_table  # deferred: these import torch
-    from shardfuse.models import normalized_spec, score_state_dict
-    from shardfuse.tasks import task_for
+    from shardfuse.data.reader import load_table  # deferred: these import torch
+    from shardfuse.models.registry import normalized_spec, score_state_dict
+    from shardfuse.models.tasks import task_for
 
     _refuse_test_split(val_split)
     features, labels = load_table(val_split)
@@ -349,7 +349,7 @@ def merge(
     recalibrate: bool = False,
 ) -> dict[str, Any]:
     """Merge the ranks listed in gather.json with ``method`` (after aligning them to rank 0 with
-    ``align: weight_matching``, :mod:`shardfuse.align`); write the weights and merge.json."""
+    ``align: weight_matching``, :mod:`shardfuse.fusion.align`); write the weights and merge.json."""
     started = time.perf_counter()
     info = read_gather(
         gather_path,
@@ -373,7 +373,7 @@ def merge(
             "val.parquet; never the test split)"
         )
     if method in USES_VAL:
-        from shardfuse.models import check_model_fits  # deferred: imports torch
+        from shardfuse.models.registry import check_model_fits  # deferred: imports torch
 
         check_model_fits(str(gather_path), info["model"], shapes_of(info["tensors"]), STALE)
     weights = rank_weights(method, resolved, rows)
@@ -390,7 +390,7 @@ def merge(
         with tempfile.TemporaryDirectory(prefix=".align-", dir=out_weights.parent) as work:
             engine_info, alignment = info, None
             if align == "weight_matching":
-                from shardfuse.align import align_gather  # deferred: imports torch and scipy
+                from shardfuse.fusion.align import align_gather  # deferred: imports torch and scipy
 
                 engine_info, alignment = align_gather(info, spec, Path(work), align_max_iter)
             fused = merge_rank_files(
@@ -414,7 +414,7 @@ def merge(
     record.update(fused.inputs)
     output_sha256 = fused.sha256
     if recalibrate:
-        from shardfuse.recalibrate import recalibrate_file  # deferred: imports torch
+        from shardfuse.fusion.recalibrate import recalibrate_file  # deferred: imports torch
 
         record["recalibration"] = recalibrate_file(out_weights, spec, val_split, batch_size)
         output_sha256 = record["recalibration"]["sha256"]

@@ -23,7 +23,7 @@ dictionary encoding for floating-point columns whose values do not repeat (hashi
 dictionary that is never useful only made writing slower and the files larger), and with the
 count, sum and sum of squares of every numeric column in the manifest, so training can normalise
 features without a pass over the data. Tensor and token columns (fixed_size_list, see
-``shardfuse.shard_format``) are streamed as they are, field metadata (their shape) included; the
+``shardfuse.data.shard_format``) are streamed as they are, field metadata (their shape) included; the
 manifest's ``columns`` records every column's kind, dtype and row shape.
 """
 
@@ -43,6 +43,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shardfuse.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
+from shardfuse.data.shard_format import (
+    LABEL_COLUMN,
+    column_values,
+    describe_columns,
+    open_parquet,
+    prefetched,
+    read_batches,
+    shard_name,
+)
 from shardfuse.io import (
     StageParser,
     UserError,
@@ -51,16 +61,6 @@ from shardfuse.io import (
     run_cli,
     sha256_file,
     write_json,
-)
-from shardfuse.manifest import MANIFEST_FORMAT, MANIFEST_NAME
-from shardfuse.shard_format import (
-    LABEL_COLUMN,
-    column_values,
-    describe_columns,
-    open_parquet,
-    prefetched,
-    read_batches,
-    shard_name,
 )
 
 WRITE_BUFFER_BYTES = 128 << 20

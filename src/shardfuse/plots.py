@@ -15,8 +15,9 @@ model far worse than the trained ones is an arrow at the axis's edge with its va
 every run of ``summary.csv`` as a row, best merged score first, against its ranks, ensemble and ddp
 baseline; ``communication`` shows each run's merged score against the bytes its training all-reduced per
 rank (log scale; independent training at a ``0 B`` tick). Those two figures are drawn by
-:mod:`shardfuse.figures`. The score is the task's (accuracy, mse, loss: see :mod:`shardfuse.tasks`);
-every axis says which way is better. Matplotlib's Agg backend, no display needed; every PNG is written
+:mod:`shardfuse.report.figures`. The score is the task's (accuracy, mse, loss: see
+:mod:`shardfuse.models.tasks`); every axis says which way is better. Matplotlib's Agg backend, no display
+needed; every PNG is written
 atomically.
 """
 
@@ -29,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from shardfuse.figures import (
+from shardfuse.io import StageParser, UserError, read_json, run_cli
+from shardfuse.models.tasks import evaluation_task
+from shardfuse.report.figures import (
     BASELINE_COLOR,
     ENSEMBLE_COLOR,
     INITIAL_COLOR,
@@ -45,9 +48,7 @@ from shardfuse.figures import (
     score_label,
     zoomed_limits,
 )
-from shardfuse.io import StageParser, UserError, read_json, run_cli
-from shardfuse.tasks import evaluation_task
-from shardfuse.tracking_inputs import read_step_metrics
+from shardfuse.track.inputs import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
 INITIAL = "initial model"  # the model before training: never "base", which reads like the ddp baseline
@@ -147,7 +148,7 @@ def ensemble_score(evaluation: dict[str, Any], score: str) -> float | None:
 
 def dot_chart(ax, bars: list[tuple[str, float, str]]) -> None:
     """Each score a labelled dot on an axis zoomed to the scores, a dotted line at the first (the merged
-    model). An initial model far worse than the rest (see :func:`shardfuse.figures.far_outside`) would
+    model). An initial model far worse than the rest (see :func:`shardfuse.report.figures.far_outside`) would
     flatten them: it is an arrow at the axis's edge with its value instead."""
     values = [value for _, value, _ in bars]
     off_axis = {

@@ -40,8 +40,9 @@ Any classification source also takes ``classes``: keep only the rows whose label
 [0, 1, 2] for digits). The label space stays the whole data's: num_classes, label_names and the label
 codes are unchanged, so a model trained on a subset has the full output layer.
 
-The sources are library modules (:mod:`shardfuse.sources`, :mod:`shardfuse.synthetic`,
-:mod:`shardfuse.image_sources`), each checking its own keys; this stage validates the spec, splits the
+The sources are library modules (:mod:`shardfuse.data.sources.tables`,
+:mod:`shardfuse.data.sources.synthetic`, :mod:`shardfuse.data.sources.images`), each checking its own keys;
+this stage validates the spec, splits the
 rows and writes the files.
 """
 
@@ -58,19 +59,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardfuse.image_sources import LOADED_HERE, TENSOR_SOURCES, check_tensor_spec, load_tensor_source
-from shardfuse.io import (
-    StageParser,
-    UserError,
-    atomic_path,
-    parse_json_arg,
-    run_cli,
-    sha256_file,
-    write_json,
-    write_stamps,
-)
-from shardfuse.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
-from shardfuse.sources import (
+from shardfuse.data.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
+from shardfuse.data.sources.images import LOADED_HERE, TENSOR_SOURCES, check_tensor_spec, load_tensor_source
+from shardfuse.data.sources.synthetic import Chunk, check_synthetic_spec, synthetic_data
+from shardfuse.data.sources.tables import (
     MAX_SEED,
     SPEC_FIX,
     VOCAB_SIZE,
@@ -83,7 +75,16 @@ from shardfuse.sources import (
     require_int,
     require_number,
 )
-from shardfuse.synthetic import Chunk, check_synthetic_spec, synthetic_data
+from shardfuse.io import (
+    StageParser,
+    UserError,
+    atomic_path,
+    parse_json_arg,
+    run_cli,
+    sha256_file,
+    write_json,
+    write_stamps,
+)
 
 DEFAULTS = {
     "test_fraction": 0.2,

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.io import StageParser, atomic_path, parse_json_arg, read_json, run_cli
-from shardfuse.tasks import TASKS, evaluation_task, score_first, task_for
+from shardfuse.models.tasks import TASKS, evaluation_task, score_first, task_for
 
 # The header when every run classifies: the one summary.csv has always had, kept byte for byte.
 COLUMNS = (

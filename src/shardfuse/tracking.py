@@ -17,7 +17,7 @@ merged model as an MLflow pyfunc model named NAME with its test metrics linked, 
 with one nested child per rank (``NAME/rank-{r}``: loss, throughput and lr by step with their original
 timestamps; grad_norm and val_<score> at the steps that have a finite value; ``system/...`` samples of
 CPU, memory and GPU; its shard as input; its test metrics, and published_step and best_val_score where
-train.json has them). What the UI shows besides metrics is computed in :mod:`shardfuse.tracking_ui`.
+train.json has them). What the UI shows besides metrics is computed in :mod:`shardfuse.track.ui`.
 
 The files are the source of truth and this is the only writer, so the push is a sync:
 - inputs unchanged (``shardfuse.fingerprint``, written last with ``shardfuse.complete=true``): nothing
@@ -28,17 +28,17 @@ The files are the source of truth and this is the only writer, so the push is a 
 - another config or a rewritten history (re-trained): the old runs are soft-deleted and everything is
   pushed afresh (``replaced``).
 Histories go in step order, whole rows per log_batch, and a push killed midway goes on where it
-stopped, neither losing nor doubling a point (:mod:`shardfuse.mlflow_sync`); each sparse series
+stopped, neither losing nor doubling a point (:mod:`shardfuse.track.push`); each sparse series
 (grad_norm, val_<score>) the same way, vouched for by its own ``shardfuse.synced.<metric>`` tag.
-Live runs (``shardfuse.live``) of the same run name that started before the pushed training finished
+Live runs (``shardfuse.track.live``) of the same run name that started before the pushed training finished
 are soft-deleted once the push is complete.
 
 This module is the MLflow side (run planning, parent and rank runs; the artifacts, the model and
-datasets as inputs in :mod:`shardfuse.tracking_parent`), built from
-the paged search, batched writes and history sync of :mod:`shardfuse.mlflow_sync`; the client, writer
+datasets as inputs in :mod:`shardfuse.track.parent`), built from
+the paged search, batched writes and history sync of :mod:`shardfuse.track.push`; the client, writer
 lock and error gate it shares with the comparison stage and the live logger are in
-:mod:`shardfuse.mlflow_common`; what is pushed (the files read and checked, params, headline metrics,
-provenance tags, the fingerprint) comes from :mod:`shardfuse.tracking_inputs`. The stage imports no
+:mod:`shardfuse.track.client`; what is pushed (the files read and checked, params, headline metrics,
+provenance tags, the fingerprint) comes from :mod:`shardfuse.track.inputs`. The stage imports no
 torch: the model spec comes from the merged weights' JSON header, and the model is logged without
 loading it.
 """
@@ -52,9 +52,9 @@ import time
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from shardfuse import mlflow_model
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli, write_json
-from shardfuse.mlflow_common import (
+from shardfuse.track import model as mlflow_model
+from shardfuse.track.client import (
     EXPERIMENT_TAGS,
     LIVE_RUN_TAG,
     check_no_password,
@@ -64,8 +64,28 @@ from shardfuse.mlflow_common import (
     tracking_errors,
     writer_lock,
 )
-from shardfuse.mlflow_sync import ROWS_PER_BATCH as ROWS_PER_BATCH  # re-exported for the tests
-from shardfuse.mlflow_sync import (
+from shardfuse.track.inputs import (
+    CONFIG_HASH_TAG,
+    LAYOUT_VERSION,
+    RankInputs,
+    RunInputs,
+    config_hash,
+    fingerprint,
+    flatten_params,
+    load_inputs,
+    provenance_tags,
+)
+from shardfuse.track.parent import (
+    MODEL_TAG,
+    REGISTERED_TAG,
+    SUMMARY_STEP,
+    SyncOptions,
+    log_datasets,
+    merged_model_metrics,
+    sync_parent_extras,
+)
+from shardfuse.track.push import ROWS_PER_BATCH as ROWS_PER_BATCH  # re-exported for the tests
+from shardfuse.track.push import (
     SYNCED_TAG,
     changed_metrics,
     history_rows,
@@ -77,27 +97,7 @@ from shardfuse.mlflow_sync import (
     synced_rows,
     synced_tag_value,
 )
-from shardfuse.tracking_inputs import (
-    CONFIG_HASH_TAG,
-    LAYOUT_VERSION,
-    RankInputs,
-    RunInputs,
-    config_hash,
-    fingerprint,
-    flatten_params,
-    load_inputs,
-    provenance_tags,
-)
-from shardfuse.tracking_parent import (
-    MODEL_TAG,
-    REGISTERED_TAG,
-    SUMMARY_STEP,
-    SyncOptions,
-    log_datasets,
-    merged_model_metrics,
-    sync_parent_extras,
-)
-from shardfuse.tracking_ui import merge_params, run_datasets, run_times, source_tags
+from shardfuse.track.ui import merge_params, run_datasets, run_times, source_tags
 
 RUN_TAG = "shardfuse.run"
 RANK_TAG = "shardfuse.rank"

@@ -7,11 +7,11 @@ Not launched by hand with plain python: use the launcher, which wraps torchrun (
         --run-name <training> --shard-dir results/shards/digits/w2-seed0 \\
         --dataset-dir results/datasets/digits --config-json '{"strategy": "ddp", ...}'
 
-Every rank reads only its own shard (streamed by :class:`shardfuse.data.ShardReader`: training starts
+Every rank reads only its own shard (streamed by :class:`shardfuse.data.reader.ShardReader`: training starts
 after one row group, the sha256 is checked alongside), starts from the same initial weights (rank 0's,
 saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``),
 ``metrics/rank-{rank}.parquet`` (one row per optimiser step) and ``metrics/system-rank-{rank}.parquet``
-(CPU, memory and GPU use every 5 s: :mod:`shardfuse.sysmetrics`). Rank 0 writes ``train.json`` last.
+(CPU, memory and GPU use every 5 s: :mod:`shardfuse.metrics.system`). Rank 0 writes ``train.json`` last.
 
 ``train_rank`` runs the phases in order: ``set_up`` (model, optimiser, seeds), ``resume_or_start``,
 ``plan_steps`` (precision, DDP), ``train_loop`` (which calls ``save_checkpoint``), ``publish``.
@@ -34,17 +34,17 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
-from shardfuse.checkpoint import save_weights
-from shardfuse.data import ShardReader, column_stats, feature_stats, read_dataset_info
-from shardfuse.dist import DistContext, RankGate, autocast, distributed, gate_for, step_dtype
+from shardfuse.checkpoints.weights import save_weights
+from shardfuse.data.manifest import read_manifest
+from shardfuse.data.reader import ShardReader, column_stats, feature_stats, read_dataset_info
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
-from shardfuse.live import LiveLogger
-from shardfuse.manifest import read_manifest
-from shardfuse.metrics_log import MetricsLog
-from shardfuse.mlflow_common import exit_now
-from shardfuse.models import build_model, check_output_shape, model_spec, set_data_stats, task_of
-from shardfuse.optim import check_schedule, clip_gradients, lr_at, make_optimizer, set_lr
-from shardfuse.resume import (
+from shardfuse.metrics.steps import MetricsLog
+from shardfuse.metrics.system import SystemSampler
+from shardfuse.models.registry import build_model, check_output_shape, model_spec, set_data_stats, task_of
+from shardfuse.models.tasks import Task
+from shardfuse.rank.dist import DistContext, RankGate, autocast, distributed, gate_for, step_dtype
+from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer, set_lr
+from shardfuse.rank.resume import (
     Position,
     complete_steps,
     load_rank_extras,
@@ -52,10 +52,10 @@ from shardfuse.resume import (
     mark_complete,
     save_rank_state,
 )
-from shardfuse.sync import Sync, make_sync, mode_of
-from shardfuse.sysmetrics import SystemSampler
-from shardfuse.tasks import Task
-from shardfuse.validation import BestTracker, Validator, all_out_of_patience, shared_score
+from shardfuse.rank.sync import Sync, make_sync, mode_of
+from shardfuse.rank.validation import BestTracker, Validator, all_out_of_patience, shared_score
+from shardfuse.track.client import exit_now
+from shardfuse.track.live import LiveLogger
 
 
 @torch.no_grad()
@@ -175,7 +175,7 @@ def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path)
 def load_init_weights(model: torch.nn.Module, path: Path) -> None:
     """Load ``init_from`` weights into ``model``; the first key, shape or dtype that differs is a
     one-line error (nothing is loaded by name guessing or partially)."""
-    from shardfuse.checkpoint import load_weights
+    from shardfuse.checkpoints.weights import load_weights
 
     tensors, _ = load_weights(path)
     expected = model.state_dict()

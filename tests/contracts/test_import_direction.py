@@ -23,7 +23,7 @@ KNOWN_STAGES = {"prepare", "partition", "launch", "train", "gather", "merge", "e
 
 
 class Import(NamedTuple):
-    importer: str  # dotted module name, e.g. shardfuse.data
+    importer: str  # dotted module name, e.g. shardfuse.data.reader
     imported: str  # dotted module name, e.g. shardfuse.partition
     where: str  # file:line
     statement: str  # the import as written
@@ -143,3 +143,50 @@ def test_deferred_relative_and_dynamic_imports_are_seen():
     )
     seen = [imp.imported for imp in imports_in("shardfuse.probe", source, "probe.py")]
     assert seen == ["shardfuse.partition", "shardfuse.evaluate", "shardfuse.merge", "shardfuse.gather"]
+
+
+# Top-level modules that are not stages: the shared plumbing, and the loader named by MLflow models
+# logged before the package layout. Every other library module lives in a package.
+TOP_LEVEL_LIBRARIES = {f"{PACKAGE}.io", f"{PACKAGE}.mlflow_model"}
+
+
+def test_libraries_live_in_packages_and_stages_at_the_top():
+    stages = stage_modules()
+    top_level = {
+        name for name, path in MODULES.items() if name.count(".") == 1 and path.name != "__init__.py"
+    }
+    assert top_level - stages == TOP_LEVEL_LIBRARIES, "a library module belongs in a package (README: Layout)"
+    nested_stages = {name for name in stages if name.count(".") > 1}
+    assert not nested_stages, f"stages stay at the top level (python -m shardfuse.<stage>): {nested_stages}"
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py" and name != PACKAGE}
+    stage_names = {name.rpartition(".")[2] for name in stages}
+    assert not {name.rpartition(".")[2] for name in packages} & stage_names, "a package is named like a stage"
+
+
+def test_package_init_files_are_docstrings_only():
+    """An import in an __init__.py runs for every module of the package (torch in a torch-free one)."""
+    for name, path in MODULES.items():
+        if path.name == "__init__.py" and name != PACKAGE:
+            body = ast.parse(path.read_text()).body
+            assert len(body) == 1 and isinstance(body[0], ast.Expr), f"{path}: keep it a docstring"
+
+
+def test_no_import_cycle_between_modules():
+    graph = {name: {imp.imported for imp in imports_of(name)} for name in MODULES}
+    for name in MODULES:
+        graph[name] = {target for target in graph[name] if MODULES[target].name != "__init__.py"}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycle = [*path[path.index(target) :], target] if target in path else [node, target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if not state.get(target):
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for name in sorted(MODULES):
+        if not state.get(name):
+            visit(name, [name])

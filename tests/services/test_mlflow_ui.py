@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from shardfuse import comparison, figures, tracking
+from shardfuse import comparison, tracking
+from shardfuse.report import figures
 from tests.support.tracking import make_run_dir, mlflow_service, run_config, service_unavailable
 
 pytestmark = pytest.mark.browser

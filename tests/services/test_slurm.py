@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from shardfuse.checkpoint import load_weights
+from shardfuse.checkpoints.weights import load_weights
 from tests.support.helpers import (
     MEASUREMENTS,
     REPO,

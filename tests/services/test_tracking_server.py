@@ -18,8 +18,9 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shardfuse import plots, tracking, tracking_inputs
+from shardfuse import plots, tracking
 from shardfuse.io import UserError
+from shardfuse.track import inputs as tracking_inputs
 from tests.support.tracking import NUM_FEATURES, make_run_dir, mlflow_service, run_config, run_script
 
 pytestmark = pytest.mark.server

@@ -3,7 +3,7 @@ and recover most of the best rank's accuracy when aligned by weight matching fir
 
 from __future__ import annotations
 
-from shardfuse.checkpoint import load_weights
+from shardfuse.checkpoints.weights import load_weights
 from tests.support.data import prepare_and_partition
 from tests.support.training import merge_and_evaluate, train_and_gather
 

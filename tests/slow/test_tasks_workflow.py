@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from shardfuse.checkpoint import load_weights
+from shardfuse.checkpoints.weights import load_weights
 from tests.support.helpers import planned_jobs, snakemake
 
 # A whole experiment in one fixture: 530-610 s on a slow 2-core machine, near the default 900 s limit.
@@ -128,7 +128,7 @@ def evaluation(workdir: Path, run: str) -> dict:
 @pytest.mark.parametrize("data", sorted(TASK_OF))
 @pytest.mark.parametrize("strategy", ["ddp", "indep"])
 def test_every_task_trains_merges_and_evaluates_with_its_own_metrics(workdir, data, strategy):
-    from shardfuse.tasks import task_for
+    from shardfuse.models.tasks import task_for
 
     task = task_for(TASK_OF[data])
     found = evaluation(workdir, f"{data}_{strategy}")

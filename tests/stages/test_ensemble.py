@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from shardfuse.checkpoint import load_weights
-from shardfuse.data import load_table
+from shardfuse.checkpoints.weights import load_weights
+from shardfuse.data.reader import load_table
 from shardfuse.evaluate import evaluate_weights
-from shardfuse.models import build_model
-from shardfuse.tasks import Totals, task_for
+from shardfuse.models.registry import build_model
+from shardfuse.models.tasks import Totals, task_for
 from tests.support.tracking import make_run_dir, regression_evaluation, run_config
 from tests.support.training import EVAL_BATCH_SIZE, train_merge_evaluate
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardfuse.checkpoint import load_weights
+from shardfuse.checkpoints.weights import load_weights
+from shardfuse.fusion.methods.registry import USES_BASE
 from shardfuse.merge import merge
-from shardfuse.merge_methods import USES_BASE
 from tests.support.fusion import (
     CASES,
     MLP_SPEC,
@@ -149,7 +149,7 @@ def test_merge_cli_runs_each_new_method(tmp_path, method):
         tmp_path / "merge.json",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    from shardfuse.checkpoint import load_weights
+    from shardfuse.checkpoints.weights import load_weights
 
     merged, _ = load_weights(out)
     record = json.loads((tmp_path / "merge.json").read_text())

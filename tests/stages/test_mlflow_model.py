@@ -22,10 +22,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from shardfuse import mlflow_model
-from shardfuse.checkpoint import save_weights
+from shardfuse.checkpoints.weights import save_weights
 from shardfuse.io import UserError
-from shardfuse.models import build_model, model_spec, set_data_stats
+from shardfuse.models.registry import build_model, model_spec, set_data_stats
+from shardfuse.track import model as mlflow_model
 from tests.support.helpers import subprocess_env
 
 USER_CODE = Path(__file__).resolve().parents[1] / "support" / "mlflow_user_model"
@@ -50,8 +50,8 @@ out.to_parquet(sys.argv[3])
 """
 LOG_WITHOUT_TORCH = """
 import json, sys
-from shardfuse import mlflow_model
-from shardfuse.checkpoint import read_metadata
+from shardfuse.track import model as mlflow_model
+from shardfuse.checkpoints.weights import read_metadata
 uri, run_id, weights, sha = sys.argv[1:]
 model_id = mlflow_model.log_merged_model(uri, run_id, weights, sha, read_metadata(weights)["model"])
 heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "sf_")))
@@ -169,6 +169,24 @@ def test_regressor_returns_one_column_per_named_target_in_the_target_units(store
     expected = _outputs(model, frame)
     assert np.abs(expected).mean() > 10  # the target scale is applied: not standardised outputs
     np.testing.assert_allclose(predicted.to_numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_logged_before_the_package_layout_loads_in_a_process_that_imported_this_version(
+    store, tmp_path, monkeypatch
+):
+    """Models logged before the package layout name ``shardfuse.mlflow_model`` as their loader."""
+    spec = model_spec("mlp", {"hidden_sizes": [8]}, [], IRIS)
+    model, sha = _save(tmp_path / "merged.safetensors", spec)
+    logged = _model_dir(store, _log(store, tmp_path / "merged.safetensors", sha, spec))
+    old = shutil.copytree(logged, tmp_path / "old-layout")
+    mlmodel = (old / "MLmodel").read_text()
+    assert "loader_module: shardfuse.track.model" in mlmodel
+    (old / "MLmodel").write_text(mlmodel.replace("shardfuse.track.model", "shardfuse.mlflow_model"))
+    frame = _features(IRIS)
+    predicted = _predict_here(store, str(old), frame, monkeypatch)
+    expected = torch.softmax(torch.from_numpy(_outputs(model, frame)), dim=1).numpy()
+    probability_columns = [f"probability_{label}" for label in IRIS["label_names"]]
+    np.testing.assert_allclose(predicted[probability_columns].to_numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_user_model_loads_from_its_logged_code_where_the_original_code_is_unreachable(

@@ -8,7 +8,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from shardfuse.manifest import read_manifest
+from shardfuse.data.manifest import read_manifest
 from tests.support.data import write_rows, write_token_split
 from tests.support.helpers import run_stage
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.data import load_table, read_dataset_info
-from shardfuse.models import build_model, model_spec
-from shardfuse.recalibrate import recalibrate_batchnorm
+from shardfuse.data.reader import load_table, read_dataset_info
+from shardfuse.fusion.recalibrate import recalibrate_batchnorm
+from shardfuse.models.registry import build_model, model_spec
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ import sys
 
 import matplotlib
 
-from shardfuse import figures, summary
+from shardfuse import summary
+from shardfuse.report import figures
 from tests.support.helpers import subprocess_env
 from tests.support.report import points_by_mode, summary_row, write_summary_csv
 from tests.support.tracking import regression_evaluation

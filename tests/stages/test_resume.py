@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 
-from shardfuse.sysmetrics import INTERVAL_ENV, read_rows, system_metrics_path
+from shardfuse.metrics.system import INTERVAL_ENV, read_rows, system_metrics_path
 from tests.support.helpers import run_stage, subprocess_env
 from tests.support.training import (
     DDP_RESUME_CFG,

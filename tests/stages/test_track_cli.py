@@ -11,7 +11,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shardfuse import tracking, tracking_inputs
+from shardfuse import tracking
+from shardfuse.track import inputs as tracking_inputs
 from tests.support.tracking import (
     TRACK_EXPERIMENT,
     active_runs,

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardfuse.checkpoint import load_weights, read_metadata
+from shardfuse.checkpoints.weights import load_weights, read_metadata
 from shardfuse.launch import staging_dir
-from shardfuse.sysmetrics import INTERVAL_ENV, peak, read_system_metrics, system_metrics_path
+from shardfuse.metrics.system import INTERVAL_ENV, peak, read_system_metrics, system_metrics_path
 from tests.support.helpers import run_stage
 from tests.support.training import (
     CPU_METRICS,
@@ -136,7 +136,7 @@ def test_geometry_that_disagrees_with_the_shards_fails_before_starting_ranks(
 
 
 def test_ddp_broadcasts_buffers_only_for_models_whose_forward_updates_them():
-    from shardfuse.models import build_model
+    from shardfuse.models.registry import build_model
     from shardfuse.train import forward_updates_buffers
 
     spec = {"type": "mlp", "num_features": 8, "num_classes": 3, "hidden_sizes": [4], "activation": "relu"}

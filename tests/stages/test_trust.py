@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfuse.checkpoint import load_weights, save_weights
+from shardfuse.checkpoints.trust import check_spec_bounds, mlp_state_shapes
+from shardfuse.checkpoints.weights import load_weights, save_weights
 from shardfuse.io import UserError, file_digests
-from shardfuse.models import build_model, check_model_fits
-from shardfuse.specs import normalized_spec
-from shardfuse.tracking_inputs import load_inputs
-from shardfuse.trust import check_spec_bounds, mlp_state_shapes
+from shardfuse.models.registry import build_model, check_model_fits
+from shardfuse.models.spec import normalized_spec
+from shardfuse.track.inputs import load_inputs
 from tests.support.helpers import call_stage, subprocess_env
 
 TRAINING, RUN = "independent", "r0"  # the session's small independent training
@@ -391,7 +391,7 @@ def test_built_in_size_arguments_beyond_the_file_are_refused_without_building():
 def test_a_user_model_that_cannot_build_on_the_meta_device_is_left_to_the_real_build(monkeypatch):
     """A factory that needs real tensors to build fails on the meta device: that is no verdict on the
     spec, so the check steps aside (the real build's strict load still refuses a mismatch)."""
-    from shardfuse import models
+    from shardfuse.models import registry as models
 
     def needs_data(spec):
         if torch.empty(0).device.type == "meta":

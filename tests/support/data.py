@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shardfuse.shard_format import SHAPE_KEY
+from shardfuse.data.shard_format import SHAPE_KEY
 from tests.support.helpers import subprocess_env
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from shardfuse.checkpoint import save_weights
+from shardfuse.checkpoints.weights import save_weights
+from shardfuse.fusion.engine import merge_arrays
+from shardfuse.fusion.methods.registry import resolve_params
 from shardfuse.gather import gather
 from shardfuse.io import write_json
-from shardfuse.merge_engine import merge_arrays
-from shardfuse.merge_methods import resolve_params
 from tests.support.helpers import write_train_dir
 
 MLP_SPEC = {

@@ -91,7 +91,7 @@ def write_train_dir(
 ) -> Path:
     """A train directory as training writes it (base and rank checkpoints, train.json) from hand-made
     tensors: ``base`` for the base model, ``rank_tensors(rank)`` (default: ``base``) for each rank."""
-    from shardfuse.checkpoint import save_weights
+    from shardfuse.checkpoints.weights import save_weights
 
     spec = {
         "type": "mlp",

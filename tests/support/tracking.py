@@ -25,9 +25,9 @@ import torch
 from mlflow.entities import ViewType
 
 from shardfuse import tracking
-from shardfuse.checkpoint import save_weights
+from shardfuse.checkpoints.weights import save_weights
 from shardfuse.io import sha256_file
-from shardfuse.models import build_model
+from shardfuse.models.registry import build_model
 from tests.support.helpers import REPO
 
 NUM_FEATURES, NUM_CLASSES = 8, 3
@@ -198,7 +198,7 @@ def sample_system_metrics(metrics_dir: Path, rank: int, seconds: float = 0.3) ->
     """Real system samples of this process, as a training rank leaves them (consolidated Parquet)."""
     import time
 
-    from shardfuse.sysmetrics import SystemSampler
+    from shardfuse.metrics.system import SystemSampler
 
     sampler = SystemSampler(metrics_dir, rank, interval_s=0.05).start()
     time.sleep(seconds)
@@ -242,7 +242,7 @@ def make_run_dir(
     """Write a complete run directory plus its shard manifest under ``root``; return both paths.
 
     With ``system_metrics``, each rank's metrics/system-rank-{r}.parquet holds a few real samples of
-    this process (shardfuse.sysmetrics.SystemSampler, 50 ms apart).
+    this process (shardfuse.metrics.system.SystemSampler, 50 ms apart).
 
     With ``training``, the ranks and gather.json go where runs sharing a training keep them:
     results/trainings/{training}/ranks and results/trainings/{training}/gather.json.

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 import yaml
 
-from shardfuse.checkpoint import load_weights
+from shardfuse.checkpoints.weights import load_weights
 from shardfuse.launch import staging_dir
 from tests.support.helpers import run_in, run_stage, subprocess_env
 

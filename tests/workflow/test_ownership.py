@@ -11,16 +11,15 @@ import time
 import pytest
 import yaml
 
-from shardfuse.console import failed_job_errors
-from shardfuse.io import UserError
-from shardfuse.ownership import own_training, owner_path
+from shardfuse.cluster.ownership import own_training, owner_path
+from shardfuse.io import UserError, failed_job_errors
 from tests.support.helpers import REPO, snakemake_command, subprocess_env
 from tests.support.training import write_resume_config
 
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from shardfuse.ownership import own_training
+from shardfuse.cluster.ownership import own_training
 with own_training(Path(sys.argv[1]), wait_seconds=0):
     print("owned", flush=True)
     time.sleep(60)

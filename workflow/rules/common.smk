@@ -16,7 +16,7 @@ shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
 )
 
-from shardfuse.cluster import (  # noqa: E402
+from shardfuse.cluster.slurm import (  # noqa: E402
     CpuRequest,
     cpus_per_node,
     oversized_cpu_requests,
@@ -61,7 +61,7 @@ wildcard_constraints:
 def print_failed_job_errors(snakemake_logs):
     """onerror: each failed job's one-line error, after Snakemake's own messages (``log`` is the
     Snakemake log's path, or a list of them)."""
-    from shardfuse.console import failed_job_errors
+    from shardfuse.io import failed_job_errors
 
     paths = (
         [snakemake_logs] if isinstance(snakemake_logs, (str, Path)) else snakemake_logs

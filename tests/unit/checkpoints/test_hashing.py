@@ -8,8 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 
+from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter
 from shardfuse.io import HASH_ALGORITHMS, file_digests, new_hash
-from shardfuse.safetensors_stream import SafetensorsReader, SafetensorsWriter
 
 # BLAKE3 of b"" and b"abc" (the BLAKE3 specification's reference implementation); sha256 from FIPS 180-2.
 VECTORS = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from shardfuse.cluster import CpuRequest, cpus_per_node, oversized_cpu_requests, partition_cpus
+from shardfuse.cluster.slurm import CpuRequest, cpus_per_node, oversized_cpu_requests, partition_cpus
 
 
 def test_cpus_per_node_follows_the_plugin_rule():

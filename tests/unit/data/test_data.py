@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shardfuse import partition
-from shardfuse.data import (
+from shardfuse.data.manifest import read_manifest
+from shardfuse.data.reader import (
     ShardReader,
     feature_stats,
     load_shard,
@@ -22,11 +23,10 @@ from shardfuse.data import (
     read_dataset_info,
     verify_shard,
 )
+from shardfuse.data.shard_format import SHAPE_KEY, ColumnSpec, list_values, recognise_layout
 from shardfuse.io import UserError
-from shardfuse.manifest import read_manifest
 from shardfuse.partition import partition_parquet
 from shardfuse.prepare import prepare
-from shardfuse.shard_format import SHAPE_KEY, ColumnSpec, list_values, recognise_layout
 from tests.support.data import write_tensor_split, write_token_split
 
 NUM_FEATURES = 12  # > 10, so a string sort of x0..x11 would put x10 before x2

@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardfuse import partition
+from shardfuse.data.manifest import ColumnSpec, manifest_columns, read_manifest
+from shardfuse.data.shard_format import SHAPE_KEY, prefetched
 from shardfuse.io import UserError, recorded_sha256, sha256_file, write_stamps
-from shardfuse.manifest import ColumnSpec, manifest_columns, read_manifest
 from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
-from shardfuse.shard_format import SHAPE_KEY, prefetched
 from tests.support.data import write_rows, write_tensor_split, write_token_split
 
 REPO = Path(__file__).resolve().parents[3]

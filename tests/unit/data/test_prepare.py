@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardfuse import prepare as prepare_module
-from shardfuse import synthetic as synthetic_module
+from shardfuse.data.sources import synthetic as synthetic_module
 from shardfuse.io import UserError, sha256_file
 from shardfuse.prepare import prepare
 from tests.support.helpers import run_stage
@@ -919,7 +919,7 @@ def test_numeric_columns_reshaped_by_feature_shape_become_a_tensor(digits_dir, t
     ids=["numeric", "tensor", "tokens"],
 )
 def test_dataset_json_input_is_the_layout_the_shard_reader_recognises(tmp_path, monkeypatch, spec):
-    from shardfuse.shard_format import recognise_layout
+    from shardfuse.data.shard_format import recognise_layout
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus").mkdir()
@@ -937,7 +937,7 @@ def test_dataset_json_input_is_the_layout_the_shard_reader_recognises(tmp_path, 
 def test_stdlib_placeholder_reads_the_standard_library_without_site_packages_or_tests(tmp_path):
     import sysconfig
 
-    from shardfuse.sources import text_files
+    from shardfuse.data.sources.tables import text_files
 
     spec = {"source": "text", "paths": ["{stdlib}/**/*.py"], "exclude": ["*/site-packages/*", "*/test/*"],
             "block_size": 31, "max_tokens": 2000}  # fmt: skip

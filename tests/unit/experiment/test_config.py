@@ -425,7 +425,7 @@ def test_seed_bounds_are_what_torch_and_the_rank_seeds_take():
     is a 64-bit integer; the other seeds are 64-bit integers too. torch itself checks the first."""
     import torch
 
-    from shardfuse import sources
+    from shardfuse.data.sources import tables as sources
 
     run_props = load_schema()["$defs"]["run"]["properties"]
     dataset_props = load_schema()["$defs"]["dataset"]["properties"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.align import (
+from shardfuse.fusion.align import (
     apply_permutations,
     cnn_groups,
     is_identity,
@@ -16,9 +16,9 @@ from shardfuse.align import (
     permutation_groups,
     weight_matching,
 )
-from shardfuse.builtin_models import CNN
 from shardfuse.io import UserError
-from shardfuse.models import MLP
+from shardfuse.models.builtin import CNN
+from shardfuse.models.registry import MLP
 
 
 def _shuffled(state: dict[str, torch.Tensor], groups, seed: int) -> tuple[dict, dict]:
@@ -77,8 +77,8 @@ def test_a_model_matched_with_itself_keeps_the_identity():
 
 
 def test_a_user_model_without_permutation_groups_cannot_be_aligned(digits_dataset):
-    from shardfuse.data import read_dataset_info
-    from shardfuse.models import model_spec
+    from shardfuse.data.reader import read_dataset_info
+    from shardfuse.models.registry import model_spec
     from tests.support.helpers import REPO
 
     code = [str(REPO / "config/examples/models")]

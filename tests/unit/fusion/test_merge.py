@@ -12,14 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardfuse import data as data_module
-from shardfuse.checkpoint import load_weights, save_weights
+from shardfuse.checkpoints.weights import load_weights, save_weights
+from shardfuse.data import reader as data_module
+from shardfuse.fusion.engine import merge_arrays
+from shardfuse.fusion.methods.registry import rank_weights, resolve_params
 from shardfuse.gather import gather
 from shardfuse.io import UserError, file_digests, sha256_file, write_json
 from shardfuse.merge import merge
-from shardfuse.merge_engine import merge_arrays
-from shardfuse.merge_methods import rank_weights, resolve_params
-from shardfuse.models import build_model, model_spec
+from shardfuse.models.registry import build_model, model_spec
 from tests.support.fusion import MLP_SPEC, gather_to, make_run, random_rank_tensors
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardfuse.io import file_digests
-from shardfuse.merge_engine import (
+from shardfuse.checkpoints.stream import DTYPES, SafetensorsReader, decode_float, encode_float
+from shardfuse.fusion.engine import (
     Engine,
     HashTurns,
     MeanScratch,
@@ -19,8 +19,9 @@ from shardfuse.merge_engine import (
     mean_block,
     merge_block,
 )
-from shardfuse.merge_methods import TensorJob, make_plan
-from shardfuse.safetensors_stream import DTYPES, SafetensorsReader, decode_float, encode_float
+from shardfuse.fusion.methods.plan import TensorJob
+from shardfuse.fusion.methods.registry import make_plan
+from shardfuse.io import file_digests
 
 TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

@@ -16,15 +16,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardfuse.io import UserError
-from shardfuse.merge_engine import merge_arrays
-from shardfuse.merge_methods import (
-    METHODS,
-    rank_weights,
-    resolve_params,
-    stream_seed,
-)
-from shardfuse.safetensors_stream import (
+from shardfuse.checkpoints.stream import (
     DTYPES,
     TORCH_NAMES,
     SafetensorsReader,
@@ -32,6 +24,10 @@ from shardfuse.safetensors_stream import (
     decode_float,
     encode_float,
 )
+from shardfuse.fusion.engine import merge_arrays
+from shardfuse.fusion.methods.plan import stream_seed
+from shardfuse.fusion.methods.registry import METHODS, rank_weights, resolve_params
+from shardfuse.io import UserError
 
 
 def params(method, num_ranks=3, **given_params):

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from shardfuse.config import ConfigError, load_experiment
+from shardfuse.fusion.engine import merge_arrays
+from shardfuse.fusion.methods.plan import stream_seed
+from shardfuse.fusion.methods.registry import METHODS, USES_BASE, resolve_params
 from shardfuse.io import UserError
 from shardfuse.merge import merge
-from shardfuse.merge_engine import merge_arrays
-from shardfuse.merge_methods import METHODS, USES_BASE, resolve_params, stream_seed
 from tests.support.fusion import CASES, NEW_METHODS, expected_of, train_dir
 
 
@@ -347,7 +348,7 @@ def test_streaming_by_tiny_blocks_equals_the_whole_tensor_merge(tmp_path, method
     num_ranks, given = CASES[method]
     base, per_rank, gather_path = train_dir(tmp_path, num_ranks)
     merge(gather_path, method, tmp_path / "m.safetensors", tmp_path / "m.json", given, block_bytes=8 * 4 * 2)
-    from shardfuse.checkpoint import load_weights
+    from shardfuse.checkpoints.weights import load_weights
 
     merged, meta = load_weights(tmp_path / "m.safetensors")
     for name in base:

@@ -7,7 +7,7 @@ import time
 
 import pyarrow.parquet as pq
 
-from shardfuse.metrics_log import RECORD_BYTES, MetricsLog, read_records
+from shardfuse.metrics.steps import RECORD_BYTES, MetricsLog, read_records
 
 
 def append_steps(log: MetricsLog, steps: range) -> None:

@@ -14,8 +14,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from shardfuse import sysmetrics
-from shardfuse.sysmetrics import (
+from shardfuse.metrics import system as sysmetrics
+from shardfuse.metrics.system import (
     COLUMNS,
     GPU_COLUMNS,
     INTERVAL_ENV,

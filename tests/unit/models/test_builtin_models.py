@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.checkpoint import load_weights, save_weights
+from shardfuse.checkpoints.weights import load_weights, save_weights
 from shardfuse.io import UserError
-from shardfuse.models import build_model, check_output_shape, model_spec, set_data_stats
+from shardfuse.models.registry import build_model, check_output_shape, model_spec, set_data_stats
 
 IMAGE_INFO = {
     "task": "classification",

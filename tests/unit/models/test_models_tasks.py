@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-from shardfuse.checkpoint import save_weights
+from shardfuse.checkpoints.weights import save_weights
 from shardfuse.config import ConfigError, load_experiment, train_config, training_name
 from shardfuse.io import UserError
-from shardfuse.models import (
+from shardfuse.models.registry import (
     DataDescription,
     Standardized,
     build_model,
@@ -20,8 +20,8 @@ from shardfuse.models import (
     model_spec,
     score_state_dict,
 )
-from shardfuse.tasks import Totals, task_for
-from shardfuse.usercode import check_code_unchanged, code_fingerprint, load_factory
+from shardfuse.models.tasks import Totals, task_for
+from shardfuse.models.usercode import check_code_unchanged, code_fingerprint, load_factory
 from tests.support.helpers import REPO
 
 CLASSIFICATION_INFO = {

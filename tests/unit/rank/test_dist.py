@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from shardfuse.dist import autocast, select_device, step_dtype
 from shardfuse.io import UserError
+from shardfuse.rank.dist import autocast, select_device, step_dtype
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 1)

@@ -15,11 +15,11 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from shardfuse.optim import check_schedule, clip_gradients, lr_at, make_optimizer
-from shardfuse.sync import DiLoCo, LocalSGD, mode_of
-from shardfuse.tasks import Classification
+from shardfuse.models.tasks import Classification
+from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer
+from shardfuse.rank.sync import DiLoCo, LocalSGD, mode_of
+from shardfuse.rank.validation import BestTracker
 from shardfuse.train import accumulate_gradients
-from shardfuse.validation import BestTracker
 
 CFG = {"lr": 0.1, "min_lr": 0.01}
 

@@ -13,8 +13,9 @@ import matplotlib.image
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shardfuse import comparison, figures
+from shardfuse import comparison
 from shardfuse.io import UserError
+from shardfuse.report import figures
 from tests.support.report import points_by_mode
 
 FIELDS = ("run", "training", "dataset", "world_size", "strategy", "merge_method", "test_accuracy_merged",

@@ -9,7 +9,8 @@ import itertools
 import numpy as np
 import pytest
 
-from shardfuse import figures, plots
+from shardfuse import plots
+from shardfuse.report import figures
 from tests.support.tracking import make_run_dir, regression_evaluation
 
 # The default experiment's summary as it came out (digits, 18 runs): w2 runs judged against ddp, w4 runs

@@ -6,8 +6,9 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from shardfuse import figures, plots
+from shardfuse import plots
 from shardfuse.io import UserError
+from shardfuse.report import figures
 from tests.support.report import summary_row, write_summary_csv
 from tests.support.tracking import make_run_dir, regression_evaluation
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from shardfuse import figures, summary, tracking_inputs
+from shardfuse import summary
 from shardfuse.io import UserError
+from shardfuse.report import figures
+from shardfuse.track import inputs as tracking_inputs
 from tests.support.tracking import make_run_dir, regression_evaluation
 
 # The header summary.csv had before tasks existed, spelled out so that no edit to COLUMNS can move it.

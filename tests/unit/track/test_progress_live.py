@@ -11,8 +11,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from shardfuse import tracking
-from shardfuse.live import LiveLogger
-from shardfuse.progress import Progress
+from shardfuse.rank.progress import Progress
+from shardfuse.track.live import LiveLogger
 from tests.support.tracking import make_run_dir, run_config
 
 EXPERIMENT = "shardfuse-live"

@@ -16,10 +16,13 @@ import torch
 from mlflow.entities import ViewType
 from safetensors.torch import save_file
 
-from shardfuse import mlflow_common, mlflow_sync, tracking, tracking_inputs
-from shardfuse.checkpoint import load_weights, read_metadata
+from shardfuse import tracking
+from shardfuse.checkpoints.weights import load_weights, read_metadata
 from shardfuse.io import UserError
-from shardfuse.models import build_model
+from shardfuse.models.registry import build_model
+from shardfuse.track import client as mlflow_common
+from shardfuse.track import inputs as tracking_inputs
+from shardfuse.track import push as mlflow_sync
 from tests.support.tracking import (
     NEW_TRAIN_FIELDS,
     NUM_FEATURES,

@@ -1,4 +1,4 @@
-"""What the MLflow UI shows of a pushed run besides its curves (shardfuse.tracking_ui, issue 17):
+"""What the MLflow UI shows of a pushed run besides its curves (shardfuse.track.ui, issue 17):
 summary metrics at step 0, the training's times, Source and User, datasets as inputs, the logged model
 named after its run with its metrics, the merge settings that were used, the plots at the artifact root;
 and a second push of unchanged files writes none of it again."""
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from shardfuse import tracking, tracking_ui
-from shardfuse.tracking_inputs import LAYOUT_VERSION
+from shardfuse import tracking
+from shardfuse.track import ui as tracking_ui
+from shardfuse.track.inputs import LAYOUT_VERSION
 from tests.support.tracking import T0_MS, make_run_dir
 
 EXPERIMENT = "shardfuse-ui-items"
@@ -175,7 +176,7 @@ def test_source_tags_fall_back_to_the_working_directory_snakefile(tmp_path, monk
 
 
 def test_rank_system_metrics_become_system_series_of_the_child_and_node_peaks_of_the_parent(tmp_path):
-    from shardfuse.sysmetrics import read_system_metrics
+    from shardfuse.metrics.system import read_system_metrics
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)

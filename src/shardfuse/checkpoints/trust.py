@@ -1,0 +1,357 @@
+"""Trust nothing we did not write: the checkpoints gather.json lists, and the model a checkpoint's header
+describes, are checked before any tensor is read or any model is built.
+
+A library module: merge, evaluate and the track stage read gather.json through :func:`read_gather`; no
+command line. By hand::
+
+    python -c "import shardfuse.checkpoints.trust as t; \\
+        print(t.read_gather('results/trainings/<training>/gather.json', base=True)['ranks'])"
+
+gather.json is a plain file. Edited by hand, stale or copied, it could send merge and evaluate to any
+file, with a sha256 to match (whoever edits it can recompute one), and they would "succeed" with
+another model. So each checkpoint it lists (the ranks; the base where present, and it must be present
+where a stage reads it) must
+
+- lie inside the training directory, the directory that holds gather.json, symlinks resolved (the
+  layout: ``results/trainings/<training>/{gather.json,ranks/base.safetensors,ranks/rank-<r>.safetensors}``);
+- be listed once (same resolved file, hard links included);
+- be safetensors whose shardfuse header names the training gather.json names, the rank of its place
+  in gather.json (the base: none) and, where both say, the same world size.
+
+Only headers are read (no torch, no tensor data); merge still checks every input's checksum against
+gather.json on the bytes it merges: the digest ``hash`` names (:func:`checksum_algorithm`; BLAKE3
+from format version 2 on), sha256 in a gather.json without ``format_version``.
+
+A header's model spec is checked against the header's tensors before a model is built
+(:func:`check_spec_bounds` here, torch-free: the exact state dict of the built-in mlp, and for the other
+built-ins no size argument beyond what the file holds; ``shardfuse.models.registry.check_model_fits`` adds a
+build on torch's meta device, which allocates no tensor memory). The reader checks that the header's
+tensors cover the file exactly, so a model whose state dict matches them is no larger than the file: a
+spec saying ``hidden_sizes: [2e9]`` is refused, never allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from shardfuse.checkpoints.stream import InvalidSafetensors, SafetensorsReader
+from shardfuse.io import HASH_ALGORITHMS, UserError, read_json
+from shardfuse.models.spec import normalized_spec
+from shardfuse.models.usercode import is_builtin
+
+METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: keep this module light)
+STALE = "gather.json was edited or is stale: re-run gather (snakemake -R gather)"
+RERUN_TRAIN = "re-run training (snakemake -R train)"
+RERUN_MERGE = "re-run merge (snakemake -R merge)"
+GATHER_FORMAT_VERSION = 2  # the newest gather.json this module reads (as shardfuse.gather writes)
+
+# The entries gather writes and their types. Each is checked where present; a stage names the ones it
+# reads (``need``), which must then be present.
+GATHER_FIELDS: dict[str, type] = {
+    "format_version": int,
+    "hash": str,
+    "run": str,
+    "world_size": int,
+    "strategy": str,
+    "model": dict,
+    "tensors": dict,
+    "ranks": list,
+    "base": str,
+}
+RANK_FIELDS: dict[str, type] = {
+    "rank": int,
+    "path": str,
+    "sha256": str,
+    "blake3": str,
+    "bytes": int,
+    "rows": int,
+    "num_steps": int,
+}
+
+JSON_TYPES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    dict: "an object",
+    list: "a list",
+    type(None): "null",
+}
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+# ---------------------------------------------------------------- gather.json
+
+
+def _is(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _check_fields(
+    gather_path: Path, where: str, record: Any, fields: dict[str, type], need: tuple[str, ...]
+) -> None:
+    if not isinstance(record, dict):
+        raise UserError(f"{gather_path}: {where or 'the record'} is not a JSON object; {STALE}")
+    for key, kind in fields.items():
+        if record.get(key) is None and key not in need:
+            continue  # absent, or null: the same to a stage that does not read it
+        if key not in record or not _is(record[key], kind):
+            found = "missing" if key not in record else JSON_TYPES.get(type(record[key]), "malformed")
+            name = f"{where}{key}"
+            raise UserError(f"{gather_path}: {name!r} is {found}, not {JSON_TYPES[kind]}; {STALE}")
+
+
+def read_gather(
+    gather_path: str | os.PathLike,
+    *,
+    base: bool = False,
+    need: tuple[str, ...] = (),
+    need_in_ranks: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """gather.json, once every checkpoint it lists is known to be this training's (see the module
+    docstring). ``base``: the caller reads the base, so gather.json must name one. ``need`` and
+    ``need_in_ranks``: the entries of gather.json and of each rank that the caller reads."""
+    gather_path = Path(gather_path)
+    info = read_json(gather_path, "gather record")
+    _check_fields(gather_path, "", info, GATHER_FIELDS, ("run", "ranks", *need))
+    version = info.get("format_version") or 1
+    if version > GATHER_FORMAT_VERSION:
+        raise UserError(
+            f"{gather_path} has format version {version}, newer than this shardfuse reads "
+            f"({GATHER_FORMAT_VERSION}); re-run gather with this version (snakemake -R gather)"
+        )
+    algorithm = checksum_algorithm(info)
+    if algorithm not in HASH_ALGORITHMS:
+        raise UserError(
+            f"{gather_path}: 'hash' is {algorithm!r}, not one of {', '.join(HASH_ALGORITHMS)}; {STALE}"
+        )
+    ranks = info["ranks"]
+    if not ranks:
+        raise UserError(f"{gather_path} lists no ranks; {STALE}")
+    # The digest ``hash`` names must be there for every rank (whoever reads it).
+    rank_need = ("rank", "path", *need_in_ranks, *((algorithm,) if "hash" in info else ()))
+    for index, entry in enumerate(ranks):
+        _check_fields(gather_path, f"ranks[{index}].", entry, RANK_FIELDS, rank_need)
+    numbers = [entry["rank"] for entry in ranks]
+    for number in numbers:
+        if number < 0 or numbers.count(number) > 1:
+            what = "a negative rank" if number < 0 else "twice"
+            raise UserError(f"{gather_path} lists rank {number} {what}; {STALE}")
+    world_size = info.get("world_size")
+    if world_size is not None and world_size != len(ranks):
+        raise UserError(f"{gather_path} lists {len(ranks)} ranks for world size {world_size}; {STALE}")
+    if base and not info.get("base"):
+        raise UserError(f"{gather_path} names no base checkpoint ('base' is missing, null or empty); {STALE}")
+    entries: list[tuple[str, str, int | None]] = [
+        (f"rank {entry['rank']}", entry["path"], entry["rank"]) for entry in ranks
+    ]
+    if info.get("base"):
+        entries.append(("the base", info["base"], None))
+    training_dir = gather_path.absolute().parent.resolve()
+    seen: dict[tuple[int, int], str] = {}
+    for label, path, rank in entries:
+        _check_entry(gather_path, training_dir, label, path, rank, info, seen)
+    return info
+
+
+def checksum_algorithm(info: dict[str, Any]) -> str:
+    """The hash whose digest merge verifies for each rank: gather.json's ``hash`` (format version 2:
+    blake3); sha256 for a gather.json without one (version 1). The rank entry's field has its name."""
+    return info.get("hash") or "sha256"
+
+
+def _check_entry(
+    gather_path: Path,
+    training_dir: Path,
+    label: str,
+    path_text: str,
+    rank: int | None,
+    info: dict[str, Any],
+    seen: dict[tuple[int, int], str],
+) -> None:
+    """One listed checkpoint: inside the training directory, listed once, its header naming the
+    training and its rank (``rank`` None: the base)."""
+    path = Path(path_text)
+    resolved = path.resolve()
+    shown = path_text if resolved == path.absolute() else f"{path_text} (a link to {resolved})"
+    where = f"{label} in {gather_path} points at {shown}"
+    if not resolved.is_relative_to(training_dir):
+        shown_dir = gather_path.parent if str(gather_path.parent) != "." else training_dir
+        raise UserError(
+            f"{where}, which lies outside the training directory {shown_dir}: it is not a checkpoint "
+            f"of this training; {STALE}"
+        )
+    if not resolved.is_file():
+        raise UserError(f"{where}, which is not a file; {STALE}")
+    status = resolved.stat()
+    key = (status.st_dev, status.st_ino)
+    if key in seen:
+        raise UserError(f"{where}, the file {seen[key]} points at too; {STALE}")
+    seen[key] = label
+    try:
+        metadata = checkpoint_metadata(resolved)
+    except InvalidSafetensors as exc:
+        raise UserError(f"{where}, which is not a safetensors checkpoint ({exc.reason}); {STALE}") from None
+    except UserError:
+        raise UserError(f"{where}, which cannot be read as a checkpoint; {STALE}") from None
+    if metadata is None:
+        raise UserError(
+            f"{where}, which has no shardfuse header: it is not a checkpoint of this training; {STALE}"
+        )
+    said = metadata.get("run")
+    if said != info["run"]:
+        raise UserError(f"{where}, whose header says training {said!r}, not {info['run']!r}; {STALE}")
+    said = metadata.get("rank")
+    if said != rank or isinstance(said, bool):
+        if rank is None:
+            says = f"rank {said!r}, not the base"
+        elif said is None:
+            says = f"it is the base, not rank {rank}"
+        else:
+            says = f"rank {said!r}"
+        raise UserError(f"{where}, whose header says {says}; {STALE}")
+    said, world_size = metadata.get("world_size"), info.get("world_size")
+    if said is not None and world_size is not None and said != world_size:
+        raise UserError(f"{where}, whose header says world size {said!r}, not {world_size}; {STALE}")
+
+
+def checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The shardfuse metadata in a safetensors header (None if it has none); reads the header only."""
+    with SafetensorsReader(path, hash_reads=False) as reader:
+        raw = reader.metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        metadata = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return metadata if isinstance(metadata, dict) else None
+
+
+def check_merged(path: str | os.PathLike, info: dict[str, Any]) -> None:
+    """The merged model evaluate scores must be a merge of gather.json's training (rank None)."""
+    metadata = checkpoint_metadata(path)
+    said_run = None if metadata is None else metadata.get("run")
+    said_rank = None if metadata is None else metadata.get("rank")
+    if metadata is None or said_run != info["run"] or said_rank is not None:
+        says = "no shardfuse header" if metadata is None else f"training {said_run!r}, rank {said_rank!r}"
+        raise UserError(
+            f"merged model {path} is not a merge of training {info['run']!r} (its header says {says}); "
+            f"{RERUN_MERGE}"
+        )
+
+
+# ---------------------------------------------------------------- model specs against tensors
+
+
+def header_spec(path: str | os.PathLike, rerun: str) -> tuple[dict[str, Any], Shapes]:
+    """(model spec, tensor shapes) of a checkpoint, from its header alone."""
+    with SafetensorsReader(path, hash_reads=False) as reader:
+        shapes = {name: tuple(info.shape) for name, info in reader.tensors.items()}
+    metadata = checkpoint_metadata(path)
+    if metadata is None or not isinstance(metadata.get("model"), dict):
+        raise UserError(f"checkpoint {path} has no model spec in its shardfuse header; {rerun}")
+    return metadata["model"], shapes
+
+
+def shapes_of(tensors: dict[str, dict[str, Any]]) -> Shapes:
+    """Tensor shapes from gather.json's ``tensors`` ({name: {shape, dtype}})."""
+    try:
+        return {name: tuple(int(d) for d in entry["shape"]) for name, entry in tensors.items()}
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"gather.json's 'tensors' entry is malformed; {STALE}") from None
+
+
+def mlp_state_shapes(spec: dict[str, Any]) -> Shapes:
+    """The state dict of the built-in mlp that a normalized spec describes, laid out as
+    ``shardfuse.models.registry.MLP`` lays it out (tests/stages/test_trust.py holds the two together)."""
+    args, description = spec["args"], spec["description"]
+    features, outputs = int(description["num_features"]), int(description["num_outputs"])
+    hidden = [int(size) for size in args.get("hidden_sizes", (64,))]
+    if min([features, outputs, *hidden]) < 0:
+        raise ValueError("a negative size")
+    step = 3 if float(args.get("dropout", 0.0)) > 0 else 2  # Linear, activation (, Dropout)
+    shapes: Shapes = {}
+    width = features
+    for index, size in enumerate(hidden):
+        shapes[f"net.{step * index}.weight"] = (size, width)
+        shapes[f"net.{step * index}.bias"] = (size,)
+        width = size
+    shapes[f"net.{step * len(hidden)}.weight"] = (outputs, width)
+    shapes[f"net.{step * len(hidden)}.bias"] = (outputs,)
+    shapes["input_mean"] = shapes["input_scale"] = (features,)
+    if description.get("task") == "regression":
+        shapes["target_mean"] = shapes["target_scale"] = (outputs,)
+    return shapes
+
+
+def shape_mismatch(expected: Shapes, held: Shapes) -> str | None:
+    """How the model's state dict (``expected``) differs from the tensors held; None if it does not."""
+    for name in expected:
+        if name not in held:
+            return f"the model has a tensor {name!r} that the file lacks"
+        if tuple(expected[name]) != tuple(held[name]):
+            return f"tensor {name!r} is {list(expected[name])} in the model, {list(held[name])} in the file"
+    extra = sorted(set(held) - set(expected))
+    return f"the file has a tensor {extra[0]!r} that the model lacks" if extra else None
+
+
+def _oversized_argument(value: Any, name: str, num_values: int, num_tensors: int) -> str | None:
+    """A built-in's size argument beyond the file: each unit of a width, a depth or a channel count adds
+    at least one value (each list entry at least one tensor) to the model."""
+    if isinstance(value, dict):
+        items = [(f"{name}.{key}", item) for key, item in value.items()]
+    elif isinstance(value, list):
+        if len(value) > num_tensors:
+            return f"{name} has {len(value)} entries, more than the file's {num_tensors} tensors"
+        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+    else:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > num_values:
+            return f"{name} is {value!r}, more than the {num_values} values the file holds"
+        return None
+    for item_name, item in items:
+        if found := _oversized_argument(item, item_name, num_values, num_tensors):
+            return found
+    return None
+
+
+def spec_error(
+    source: str, ref: str, held: Shapes, detail: str, rerun: str, expected: Shapes | None = None
+) -> UserError:
+    size = f", {sum(math.prod(s) for s in expected.values())} values" if expected is not None else ""
+    return UserError(
+        f"the model spec in {source} ({ref}{size}) does not fit the tensors in the file "
+        f"({sum(math.prod(s) for s in held.values())} values): {detail}; {rerun}"
+    )
+
+
+def check_spec_bounds(source: str, spec: Any, held: Shapes, rerun: str) -> dict[str, Any]:
+    """Refuse, without torch, a spec whose model cannot be the tensors ``held``: the built-in mlp's
+    exact state dict; for cnn and transformer, no size argument beyond the file. Returns the normalized
+    spec. ``source`` names where the spec was read (e.g. "the header of PATH")."""
+    try:
+        spec = normalized_spec(spec)
+    except UserError as exc:
+        raise UserError(f"{source}: {exc}") from None
+    try:
+        ref = str(spec["model"])
+        if ref == "mlp":
+            hidden = spec["args"].get("hidden_sizes", (64,))
+            if isinstance(hidden, list) and 2 * (len(hidden) + 1) > len(held):
+                detail = f"hidden_sizes has {len(hidden)} layers, the file {len(held)} tensors"
+                raise spec_error(source, ref, held, detail, rerun)
+            expected = mlp_state_shapes(spec)
+            if detail := shape_mismatch(expected, held):
+                raise spec_error(source, ref, held, detail, rerun, expected)
+        elif is_builtin(ref):
+            num_values = sum(math.prod(shape) for shape in held.values())
+            if detail := _oversized_argument(spec["args"], "model_args", num_values, len(held)):
+                raise spec_error(source, ref, held, detail, rerun)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"the model spec in {source} is malformed ({exc!r}); {rerun}") from None
+    return spec

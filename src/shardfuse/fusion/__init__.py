@@ -1,0 +1,4 @@
+"""Fusion: the streaming merge engine, alignment, recalibration; the methods in methods/.
+
+A library package: it never imports a stage. This file stays a docstring (no imports).
+"""

@@ -1,0 +1,254 @@
+"""Every merge method, one record each: its plan, its parameters with their defaults, whether it needs the
+base weights or the validation split, its cross-parameter check and its reference.
+
+The merge stage's ``--method`` choices, the config schema's ``merge_method`` enum, the config's
+``merge_<param>`` keys and their checks all derive from ``RECORDS`` (tests/contracts hold them equal).
+Adding a method is its plan in a family module (linear, sparse, spherical) and one record here.
+No command line; by hand::
+
+    python -c "import numpy as np; from shardfuse.fusion.methods import registry; \\
+        from shardfuse.fusion import engine; \\
+        p = registry.resolve_params('ties', {'density': 0.5}, [10, 10]); \\
+        print(engine.merge_arrays('ties', p, [np.ones(4), -np.ones(4)], base=np.zeros(4))[0])"
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardfuse.fusion.methods.linear import (
+    ConsolidatePlan,
+    ModelStockPlan,
+    TaskArithmeticPlan,
+    UniformPlan,
+    WeightedPlan,
+)
+from shardfuse.fusion.methods.plan import (
+    SCALE,
+    UNIT_DENSITY,
+    WEIGHTS,
+    Param,
+    Plan,
+    TensorJob,
+    is_running_statistic,
+)
+from shardfuse.fusion.methods.sparse import (
+    BreadcrumbsPlan,
+    BreadcrumbsTiesPlan,
+    DarePlan,
+    DellaPlan,
+    ScePlan,
+    TiesPlan,
+)
+from shardfuse.fusion.methods.spherical import KarcherPlan, MultislerpPlan, NuslerpPlan, SlerpPlan
+from shardfuse.io import UserError
+
+Check = Callable[[str, dict[str, Any], int], None]  # (method, resolved params, number of ranks)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    plan: type[Plan]
+    reference: str
+    params: dict[str, Param] = field(default_factory=dict)
+    uses_base: bool = False  # reads the run's base weights (task vectors)
+    uses_val: bool = False  # reads the validation split (the merge stage selects ranks)
+    check: Check | None = None  # checks across parameters and ranks, after each parameter passed its own
+
+
+def _two_ranks(fallback: str) -> Check:
+    def check(method: str, params: dict[str, Any], num_ranks: int) -> None:
+        if num_ranks > 2:
+            raise UserError(
+                f"{method} interpolates exactly 2 models but the run has {num_ranks} ranks; use world_size 2 "
+                f"or {fallback}"
+            )
+
+    return check
+
+
+def _exactly_two_ranks(method: str, params: dict[str, Any], num_ranks: int) -> None:
+    if num_ranks != 2:
+        raise UserError(
+            f"{method} interpolates exactly 2 models but the run has {num_ranks} ranks; use world_size 2 "
+            "or another merge method"
+        )
+
+
+def _della_window(method: str, params: dict[str, Any], num_ranks: int) -> None:
+    if params["density"] < 1:
+        low, high = params["density"] - params["epsilon"], params["density"] + params["epsilon"]
+        if not (low > 0 and high < 1):
+            raise UserError(
+                f"merge method della: density +- epsilon must lie in (0, 1) but is [{low:g}, {high:g}]; "
+                "lower merge_epsilon or move merge_density towards 0.5"
+            )
+
+
+DENSITY = {
+    "ties": Param(0.2, "number", "a number in (0, 1]", lambda v: 0 < v <= 1),
+    "dare": Param(0.5, "number", "a number in (0, 1]", lambda v: 0 < v <= 1),
+}
+SEED = Param(0, "integer", "an integer >= 0", lambda v: v >= 0)
+T = Param(0.5, "number", "a number in [0, 1]", lambda v: 0 <= v <= 1)
+BREADCRUMBS = {
+    "density": UNIT_DENSITY,
+    "gamma": Param(0.01, "number", "a number in [0, 1)", lambda v: 0 <= v < 1),
+    "scale": SCALE,
+}
+
+RECORDS: tuple[Method, ...] = (
+    Method(
+        "consolidate",
+        ConsolidatePlan,
+        "rank 0 after checking the ranks agree (synchronous training)",
+        {"tolerance": Param(1e-6, "number", "a number >= 0", lambda v: v >= 0)},
+    ),
+    Method("uniform", UniformPlan, "Wortsman et al. 2022, model soups (uniform)"),
+    Method("weighted", WeightedPlan, "McMahan et al. 2017, FedAvg", {"weights": WEIGHTS}),
+    Method("greedy_soup", UniformPlan, "Wortsman et al. 2022, model soups (greedy)", uses_val=True),
+    Method("task_arithmetic", TaskArithmeticPlan, "Ilharco et al. 2023", {"scale": SCALE}, uses_base=True),
+    Method(
+        "ties", TiesPlan, "Yadav et al. 2023", {"density": DENSITY["ties"], "scale": SCALE}, uses_base=True
+    ),
+    Method(
+        "dare",
+        DarePlan,
+        "Yu et al. 2024",
+        {
+            "density": DENSITY["dare"],
+            "seed": SEED,
+            "sign_election": Param(False, "boolean", "true or false"),
+            "scale": SCALE,
+        },
+        uses_base=True,
+    ),
+    Method("slerp", SlerpPlan, "Shoemake 1985; mergekit's slerp", {"t": T}, check=_exactly_two_ranks),
+    Method("model_stock", ModelStockPlan, "Jang et al. 2024", uses_base=True),
+    Method("breadcrumbs", BreadcrumbsPlan, "Davari & Belilovsky 2023", BREADCRUMBS, uses_base=True),
+    Method(
+        "breadcrumbs_ties",
+        BreadcrumbsTiesPlan,
+        "Davari & Belilovsky 2023 + TIES",
+        BREADCRUMBS,
+        uses_base=True,
+    ),
+    Method(
+        "della",
+        DellaPlan,
+        "Deep et al. 2024",
+        {
+            "density": UNIT_DENSITY,
+            "epsilon": Param(0.15, "number", "a number in [0, 0.5)", lambda v: 0 <= v < 0.5),
+            "seed": SEED,
+            "scale": SCALE,
+        },
+        uses_base=True,
+        check=_della_window,
+    ),
+    Method(
+        "sce", ScePlan, "Wan et al. 2025, FuseChat-2", {"topk": UNIT_DENSITY, "scale": SCALE}, uses_base=True
+    ),
+    Method("nuslerp", NuslerpPlan, "mergekit's nuslerp", {"t": T}, check=_two_ranks("multislerp/karcher")),
+    Method("multislerp", MultislerpPlan, "mergekit's multislerp", {"weights": WEIGHTS}),
+    Method(
+        "karcher",
+        KarcherPlan,
+        "mergekit's karcher (Karcher 1977)",
+        {
+            "weights": WEIGHTS,
+            "max_iter": Param(10, "integer", "an integer >= 1", lambda v: v >= 1),
+            "tol": Param(1e-5, "number", "a number > 0", lambda v: v > 0),
+        },
+    ),
+)
+
+BY_NAME: dict[str, Method] = {record.name: record for record in RECORDS}
+METHODS = tuple(BY_NAME)
+PARAMS: dict[str, dict[str, Param]] = {record.name: record.params for record in RECORDS}
+USES_BASE = frozenset(record.name for record in RECORDS if record.uses_base)
+USES_VAL = frozenset(record.name for record in RECORDS if record.uses_val)
+WEIGHTED_METHODS = tuple(record.name for record in RECORDS if "weights" in record.params)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _valid_type(param: Param, value: Any, num_ranks: int) -> bool:
+    if param.kind == "number":
+        return _is_number(value)
+    if param.kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if param.kind == "boolean":
+        return isinstance(value, bool)
+    return value is None or (
+        isinstance(value, list) and len(value) == num_ranks and all(_is_number(w) and w > 0 for w in value)
+    )
+
+
+def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
+    """Check ``params`` of ``method`` for a run whose ranks have ``rows`` rows; fill in defaults."""
+    if method not in BY_NAME:
+        raise UserError(f"unknown merge method {method!r}; use one of {', '.join(METHODS)}")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise UserError(
+            f"merge parameters must be a JSON object, got {type(params).__name__}; "
+            "pass e.g. --params-json '{\"density\": 0.2}'"
+        )
+    record = BY_NAME[method]
+    unknown = sorted(set(params) - set(record.params))
+    if unknown:
+        valid = f"valid: {', '.join(record.params)}" if record.params else "it takes none"
+        raise UserError(
+            f"merge method {method} has no parameter {', '.join(map(repr, unknown))} ({valid}); "
+            "remove it from --params-json"
+        )
+    num_ranks = len(rows)
+    resolved = {}
+    for name, param in record.params.items():
+        value = params.get(name, param.default)
+        if not (_valid_type(param, value, num_ranks) and (value is None or param.accept(value))):
+            need = (
+                f"{param.describe} (the run has {num_ranks} ranks)"
+                if param.kind == "weights"
+                else param.describe
+            )
+            raise UserError(
+                f"merge method {method}: parameter {name!r} must be {need}, got {value!r}; "
+                f"fix it in --params-json (run key merge_{name})"
+            )
+        resolved[name] = float(value) if param.kind == "number" else value
+    if record.check is not None:
+        record.check(method, resolved, num_ranks)
+    return resolved
+
+
+def rank_weights(method: str, params: dict[str, Any], rows: list[int]) -> list[float] | None:
+    """The normalised weights of weighted (explicit, else shard rows) and uniform; None otherwise."""
+    if method == "uniform":
+        return [1.0 / len(rows)] * len(rows)
+    if method != "weighted":
+        return None
+    raw = params["weights"] if params["weights"] is not None else rows
+    total = float(sum(raw))
+    if total <= 0:
+        raise UserError("weighted merge needs ranks with rows > 0; use merge_method uniform")
+    return [w / total for w in raw]
+
+
+def make_plan(method: str, params: dict[str, Any], job: TensorJob) -> Plan:
+    if method == "consolidate" or not is_running_statistic(job.name):
+        return BY_NAME[method].plan(job, params)
+    # Statistics of activations, not weights: their "task vector" means nothing, so trimming, dropping,
+    # scaling or a spherical path would give statistics that no rank measured. The (weighted) mean is
+    # what a soup of the ranks would carry.
+    plan = (WeightedPlan if method == "weighted" else UniformPlan)(job, params)
+    plan.stats["running_statistic"] = "weighted mean" if method == "weighted" else "mean"
+    return plan

@@ -1,0 +1,288 @@
+"""The model registry: a run names its model, every stage rebuilds it from a small JSON-able spec.
+
+A run's ``model`` is a built-in name (``mlp`` here; ``cnn`` and ``transformer`` in
+:mod:`shardfuse.models.builtin`) or an import path ``package.module:function`` (the function is
+called as ``function(description, **model_args)`` with the dataset's :class:`DataDescription` and must
+return an ``nn.Module`` mapping a batch of inputs ``[N, *input_shape]`` to ``[N, num_outputs]``, or
+for causal_lm a token batch ``[N, T]`` to logits ``[N, T, vocab_size]``).
+User code lives in the run's ``code_paths`` (directories put on ``sys.path`` in every job) or in an
+installed package. By hand::
+
+    python -c "import json, shardfuse.models.registry as m
+    info = json.load(open('results/datasets/digits/dataset.json'))
+    print(m.build_model(m.model_spec('mlp', {}, [], info)))"
+
+The spec travels inside every checkpoint's metadata: the reference, its args, the task, the dataset
+description and the sha256 of every user code file, so gather, merge, evaluate and MLflow rebuild the
+exact architecture without trusting pickles, and a code change between training and a later stage is
+an error naming the file rather than weights silently loaded into another network. The spec itself
+(:func:`model_spec`, :class:`DataDescription`) lives in the torch-free :mod:`shardfuse.models.spec`.
+
+The framework owns input standardisation (the features' training-split mean and std, as buffers saved
+with the weights) and, for regression, the targets' scale: a user model sees standardised features
+and its outputs are mapped back to the targets' units, so a user's ``build`` stays plain PyTorch.
+:func:`score_state_dict` scores a model on a split with its task; evaluate and merge's greedy soup
+share it, so neither stage imports the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardfuse.checkpoints.trust import Shapes, check_spec_bounds, shape_mismatch, spec_error
+from shardfuse.io import UserError
+from shardfuse.models.builtin import cnn, transformer
+
+# Specs are read in the torch-free shardfuse.models.spec; model_spec and normalized_spec stay importable here.
+from shardfuse.models.spec import DataDescription, description_of, normalized_spec
+from shardfuse.models.spec import model_spec as model_spec
+from shardfuse.models.tasks import Task, Totals, task_for
+from shardfuse.models.usercode import load_factory
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+
+
+# ---------------------------------------------------------------- built-ins
+
+
+class MLP(nn.Module):
+    """The built-in ``mlp``: Linear layers with an activation (and dropout) between them."""
+
+    def __init__(
+        self,
+        num_features: int,
+        num_classes: int,
+        hidden_sizes: list[int],
+        activation: str,
+        dropout: float,
+        scale_targets: bool = False,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = num_features
+        for hidden in hidden_sizes:
+            layers += [nn.Linear(width, hidden), ACTIVATIONS[activation]()]
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
+            width = hidden
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+        # Input standardisation lives in the model (as buffers, saved with the weights) so every
+        # consumer of a checkpoint sees the same features the ranks trained on.
+        self.register_buffer("input_mean", torch.zeros(num_features))
+        self.register_buffer("input_scale", torch.ones(num_features))
+        self.scale_targets = scale_targets
+        if scale_targets:
+            _register_target_buffers(self, num_classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        outputs = self.net((features - self.input_mean) * self.input_scale)
+        return _unscale(self, outputs) if self.scale_targets else outputs
+
+
+class Standardized(nn.Module):
+    """A user model behind the framework's input standardisation (and regression target scale).
+
+    Its state dict holds ``input_mean``, ``input_scale`` (and ``target_mean``, ``target_scale``) beside
+    the user model's own tensors under ``model.``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_features: int,
+        num_outputs: int,
+        scale_targets: bool,
+        standardize_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.standardize_inputs = standardize_inputs  # numeric columns only, not images or tokens
+        if standardize_inputs:
+            self.register_buffer("input_mean", torch.zeros(num_features))
+            self.register_buffer("input_scale", torch.ones(num_features))
+        self.scale_targets = scale_targets
+        if scale_targets:
+            _register_target_buffers(self, num_outputs)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.standardize_inputs:
+            features = (features - self.input_mean) * self.input_scale
+        outputs = self.model(features)
+        return _unscale(self, outputs) if self.scale_targets else outputs
+
+
+def _register_target_buffers(module: nn.Module, num_outputs: int) -> None:
+    module.register_buffer("target_mean", torch.zeros(num_outputs))
+    module.register_buffer("target_scale", torch.ones(num_outputs))
+
+
+def _unscale(module: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    # The network predicts standardised targets; the model's outputs are in the targets' units.
+    return outputs * module.target_scale + module.target_mean
+
+
+def build_mlp(
+    description: DataDescription,
+    hidden_sizes: list[int] = (64,),
+    activation: str = "relu",
+    dropout: float = 0.0,
+) -> nn.Module:
+    if description.task == "causal_lm":
+        raise UserError(
+            "the built-in mlp takes numeric features, not token blocks; name a model for causal_lm"
+        )
+    if activation not in ACTIVATIONS:
+        raise UserError(f"unknown activation {activation!r}; use one of {', '.join(ACTIVATIONS)}")
+    return MLP(
+        description.num_features,
+        description.num_outputs,
+        [int(h) for h in hidden_sizes],
+        activation,
+        float(dropout),
+        scale_targets=description.task == "regression",
+    )
+
+
+# Built-ins standardise their inputs themselves; other factories get the Standardized wrapper.
+# shardfuse.models.usercode.BUILTIN_MODELS lists the same names for the torch-free config check.
+BUILTINS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "cnn": cnn, "transformer": transformer}
+
+
+def build_model(spec: dict[str, Any]) -> nn.Module:
+    """The model a spec describes, freshly initialised (with torch's current RNG). Stages that rebuild
+    a trained model check its code first (shardfuse.models.usercode.check_code_unchanged)."""
+    spec = normalized_spec(spec)
+    description = description_of(spec)
+    code_paths = spec["code"]["paths"] if spec.get("code") else []
+    factory = BUILTINS.get(spec["model"]) or load_factory(spec["model"], code_paths)
+    try:
+        model = factory(description, **spec["args"])
+    except TypeError as exc:
+        raise UserError(
+            f"model {spec['model']!r} rejected its arguments ({exc}); fix `model_args` in the run"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise UserError(
+            f"model {spec['model']!r} returned {type(model).__name__}, not a torch.nn.Module; make the "
+            "factory return the network"
+        )
+    scale_targets = description.task == "regression"
+    numeric = description.input_kind == "numeric"
+    if spec["model"] in BUILTINS or description.task == "causal_lm" or not (numeric or scale_targets):
+        return model
+    return Standardized(
+        model, description.num_features, description.num_outputs, scale_targets, standardize_inputs=numeric
+    )
+
+
+def check_model_fits(source: str, spec: dict[str, Any], held: Shapes, rerun: str) -> None:
+    """Refuse a spec whose model is not exactly the tensors ``held`` (a checkpoint's), before building
+    it for real: the torch-free bounds of shardfuse.checkpoints.trust first, then a build on the meta device
+    (no memory for tensors) whose state dict must have these names and shapes. The header's tensors cover
+    its file, so a model that passes is no larger than the file. ``source`` names where the spec was
+    read, ``rerun`` the stage that writes it."""
+    spec = check_spec_bounds(source, spec, held, rerun)
+    try:
+        with torch.device("meta"):
+            model = build_model(spec)
+    except (RuntimeError, NotImplementedError):
+        # A user factory that cannot build without data (``.item()`` on a tensor, say; the built-ins
+        # can): left to the real build, whose strict load_state_dict refuses a mismatch, but only once
+        # the model is allocated.
+        return
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if detail := shape_mismatch(expected, held):
+        raise spec_error(source, spec["model"], held, detail, rerun, expected)
+
+
+@torch.no_grad()
+def set_data_stats(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, torch.Tensor] | None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Store the training split's (mean, std) of the inputs and (regression) the targets in the model.
+
+    Constant columns (std 0) are left unscaled rather than divided by zero."""
+    if inputs is not None and hasattr(model, "input_mean"):
+        mean, std = inputs
+        model.input_mean.copy_(mean)
+        model.input_scale.copy_(torch.where(std > 1e-8, 1.0 / std.clamp_min(1e-8), torch.ones_like(std)))
+    if targets is not None and hasattr(model, "target_mean"):
+        mean, std = targets
+        model.target_mean.copy_(mean)
+        model.target_scale.copy_(torch.where(std > 1e-8, std, torch.ones_like(std)))
+
+
+def task_of(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None, loss: str = "mse") -> Task:
+    """The spec's task; for regression the loss is measured in units of the targets' std (from the
+    model's ``target_scale``)."""
+    spec = normalized_spec(spec)
+    scale = None if tensors is None else tensors.get("target_scale")
+    bytes_per_token = description_of(spec).bytes_per_token
+    return task_for(spec["task"], loss=loss, target_scale=scale, bytes_per_token=bytes_per_token)
+
+
+def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.device) -> None:
+    """One forward pass on a dummy batch: a model whose outputs do not fit the task fails here, before
+    training starts, with the shapes named. Runs in eval mode without gradients, so it changes no
+    state and draws no random numbers."""
+    description = description_of(spec)
+    task = task_for(description.task)
+    rows = 2
+    if description.task == "causal_lm":
+        dummy = torch.zeros(rows, *description.input_shape, dtype=torch.long, device=device)
+    else:
+        dummy = torch.zeros(rows, *description.input_shape, device=device)
+    expected = task.expected_output_shape(rows, description.num_outputs, description.block_size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = model(dummy)
+    except Exception as exc:
+        raise UserError(
+            f"model {spec['model']!r} fails on a batch shaped {list(dummy.shape)} "
+            f"({type(exc).__name__}: {exc}); make it accept the dataset's inputs"
+        ) from None
+    finally:
+        model.train(was_training)
+    shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None
+    if shape != expected:
+        got = f"shape {list(shape)}" if shape is not None else type(outputs).__name__
+        raise UserError(
+            f"model {spec['model']!r} returns {got} for {rows} rows but task {description.task} needs "
+            f"{list(expected)} "
+            f"({description.num_outputs} outputs); make its last layer produce num_outputs values"
+        )
+
+
+@torch.no_grad()
+def score_state_dict(
+    tensors: dict[str, torch.Tensor],
+    spec: dict[str, Any],
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int = 4096,
+) -> dict[str, float]:
+    """The task's metrics of model ``spec`` with weights ``tensors`` on (features, labels)."""
+    description = description_of(spec)
+    expected = tuple(description.feature_shape) or (description.num_features,)
+    if tuple(features.shape[1:]) != expected:
+        raise UserError(
+            f"the model expects inputs shaped {list(expected)} per row but the data has "
+            f"{list(features.shape[1:])}; evaluate with a split of the run's dataset"
+        )
+    model = build_model(spec)
+    model.load_state_dict(tensors)
+    model.eval()
+    task = task_of(spec, tensors)
+    totals = Totals()
+    for start in range(0, features.shape[0], batch_size):
+        inputs, targets = task.batch(features[start : start + batch_size], labels[start : start + batch_size])
+        task.accumulate(totals, model(inputs), targets)
+    return task.finish(totals)

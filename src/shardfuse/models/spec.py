@@ -1,0 +1,140 @@
+"""Model specs: what a checkpoint's metadata says about its model, read without torch.
+
+A spec is the small JSON-able record every checkpoint carries in its header: the model reference, its
+args, the task, the dataset's :class:`DataDescription` and the fingerprint of the user code.
+:mod:`shardfuse.models.registry` builds the network from it; the track stage reads the model's columns from it
+without importing torch (a torch import took longer than the whole push), so this module must not
+import torch either. A library module, e.g.::
+
+    python -c "import json, shardfuse.models.spec as s
+    info = json.load(open('results/datasets/digits/dataset.json'))
+    print(s.description_of(s.model_spec('mlp', {}, [], info)))"
+
+:func:`normalized_spec` is the one reader of specs: it also reads the specs written before the model
+registry (``{"type": "mlp", num_features, num_classes, ...}``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardfuse.io import UserError
+from shardfuse.models.usercode import code_fingerprint
+
+# The run keys the built-in MLP reads (model_args may override them).
+MLP_KEYS = ("hidden_sizes", "activation", "dropout")
+
+
+@dataclass(frozen=True)
+class DataDescription:
+    """What a model factory learns about the data (from dataset.json)."""
+
+    task: str
+    num_features: int  # input values per row (tokens per block for causal_lm)
+    num_outputs: int  # classes, regression targets, or the vocabulary size
+    feature_names: tuple[str, ...]
+    label_names: tuple[str, ...]  # class names (classification) or target names (regression)
+    num_classes: int | None = None
+    vocab_size: int | None = None
+    block_size: int | None = None  # causal_lm: tokens a model sees per row
+    # How a row's input is stored (shardfuse.data.shard_format): "numeric" columns x0..x{F-1}, a "tensor"
+    # column (e.g. images [1, 8, 8]) or a "tokens" block of block_size + 1 token ids.
+    input_kind: str = "numeric"
+    feature_shape: tuple[int, ...] = ()  # one row's input: (F,), (C, H, W), (block_size + 1,)
+    bytes_per_token: float = 1.0  # causal_lm: the corpus's bytes per token (1 for byte-level tokens)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One row's input as a model sees it (tokens: block_size, the last one being a target)."""
+        if self.input_kind == "tokens":
+            return (int(self.block_size or 0),)
+        return tuple(self.feature_shape) or (self.num_features,)
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> DataDescription:
+        task = info.get("task", "classification")
+        labels = tuple(str(name) for name in info.get("label_names", []))
+        if task == "classification":
+            num_outputs = int(info["num_classes"])
+        elif task == "regression":
+            num_outputs = len(info["target_names"])
+            labels = tuple(info["target_names"])
+        else:
+            num_outputs = int(info["vocab_size"])
+        return cls(
+            task=task,
+            num_features=int(info["num_features"]),
+            num_outputs=num_outputs,
+            feature_names=tuple(info.get("feature_names", [])),
+            label_names=labels,
+            num_classes=int(info["num_classes"]) if task == "classification" else None,
+            vocab_size=int(info["vocab_size"]) if task == "causal_lm" else None,
+            block_size=int(info["block_size"]) if task == "causal_lm" else None,
+            bytes_per_token=float(info.get("bytes_per_token", 1.0)),
+            input_kind=str(info.get("input", {}).get("kind", "tokens" if task == "causal_lm" else "numeric")),
+            feature_shape=tuple(int(n) for n in info.get("input", {}).get("shape", [info["num_features"]])),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()
+        }
+
+
+def model_spec(
+    ref: str,
+    model_args: dict[str, Any],
+    code_paths: list[str],
+    info: dict[str, Any],
+    run_cfg: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The spec of a run's model on a prepared dataset (``info`` is its dataset.json)."""
+    args = dict(model_args)
+    if ref == "mlp" and run_cfg is not None:
+        args = {**{key: run_cfg[key] for key in MLP_KEYS if key in run_cfg}, **args}
+    return {
+        "model": ref,
+        "args": args,
+        "task": info.get("task", "classification"),
+        "description": DataDescription.from_info(info).to_dict(),
+        "code": code_fingerprint(ref, code_paths),
+    }
+
+
+def _legacy_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before the registry: {"type": "mlp", num_features, num_classes, ...}."""
+    return {
+        "model": "mlp",
+        "args": {key: spec[key] for key in MLP_KEYS},
+        "task": "classification",
+        "description": DataDescription(
+            task="classification",
+            num_features=int(spec["num_features"]),
+            num_outputs=int(spec["num_classes"]),
+            feature_names=(),
+            label_names=(),
+            num_classes=int(spec["num_classes"]),
+        ).to_dict(),
+        "code": None,
+    }
+
+
+def normalized_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(spec, dict):
+        raise UserError("checkpoint metadata has no model spec; re-run the stage that wrote it")
+    if spec.get("type") == "mlp":
+        return _legacy_spec(spec)
+    if "model" not in spec or "description" not in spec:
+        raise UserError(
+            f"unknown model spec {sorted(spec)} in checkpoint metadata; it was written by another "
+            "version of shardfuse — re-train with this one"
+        )
+    return spec
+
+
+def description_of(spec: dict[str, Any]) -> DataDescription:
+    fields = normalized_spec(spec)["description"]
+    return DataDescription(
+        **{key: tuple(value) if isinstance(value, list) else value for key, value in fields.items()}
+    )

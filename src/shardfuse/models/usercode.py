@@ -1,0 +1,232 @@
+"""User model code: import a model factory by its path, and fingerprint the files it comes from.
+
+No torch here (the Snakefile imports it to check model references before any job starts; importing the
+user's own module may of course import torch). A library module, e.g.::
+
+    python -c "from shardfuse.models import usercode; \\
+        print(usercode.code_fingerprint('nets:build', ['workflow/models']))"
+
+A model reference is a built-in name (``mlp``) or ``package.module:function``. ``code_paths`` are
+directories (relative to the working directory) put in front of ``sys.path`` in every process that
+builds the model, so the same files are imported locally and inside SLURM jobs. The fingerprint is the
+sha256 of every .py file under the code paths and of the package the factory's module comes from
+(an installed package counts too): the training name and every checkpoint carry it, so editing a user
+model re-trains instead of silently mixing networks, and a later stage finds the changed file by name.
+:func:`stage_code` copies that code for a logged MLflow model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+import sys
+import sysconfig
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from shardfuse.io import UserError
+
+BUILTIN_MODELS = ("mlp", "cnn", "transformer")
+FIX_MODEL = "fix `model` in the run (a built-in name or package.module:function)"
+
+
+def is_builtin(ref: str) -> bool:
+    return ref in BUILTIN_MODELS
+
+
+def add_code_paths(code_paths: list[str] | tuple[str, ...]) -> None:
+    for entry in reversed(list(code_paths)):
+        resolved = str(Path(entry).resolve())
+        if resolved not in sys.path:
+            sys.path.insert(0, resolved)
+
+
+def _python_files(root: Path) -> list[Path]:
+    if root.is_file():
+        return [root]
+    return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_root(module_name: str) -> Path | None:
+    """The file or top-level package directory a module comes from, found without importing it (only
+    its parent packages are imported)."""
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    if found is None or found.origin in (None, "built-in", "frozen"):
+        return None
+    origin = Path(found.origin)
+    top = module_name.split(".")[0]
+    for parent in origin.parents:  # a change anywhere in the package counts
+        if parent.name == top and (parent / "__init__.py").is_file():
+            return parent
+    return origin
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _display(path: Path) -> str:
+    """A path relative to the working directory where possible (stable across checkouts)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def check_reference(ref: str) -> None:
+    if is_builtin(ref):
+        return
+    module_name, sep, attribute = ref.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UserError(
+            f"model {ref!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor an import path "
+            f"package.module:function; {FIX_MODEL}"
+        )
+
+
+def code_fingerprint(ref: str, code_paths: list[str] | tuple[str, ...]) -> dict[str, Any] | None:
+    """{"paths", "files": {path: sha256}, "digest"} of the code a model may run; None for a built-in
+    without code paths."""
+    check_reference(ref)
+    if is_builtin(ref) and not code_paths:
+        return None
+    for entry in code_paths:
+        if not Path(entry).is_dir():
+            raise UserError(
+                f"code path {entry!r} is not a directory; fix `code_paths` (directories relative to the "
+                "working directory)"
+            )
+    add_code_paths(code_paths)
+    roots = [Path(entry) for entry in code_paths]
+    if not is_builtin(ref):
+        module_root = _module_root(ref.partition(":")[0])
+        if module_root is not None and not any(_inside(module_root, root) for root in roots):
+            roots.append(module_root)
+    files: dict[str, str] = {}
+    for root in roots:
+        for path in _python_files(root):
+            files[_display(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"paths": list(code_paths), "files": files, "digest": digest}
+
+
+def check_code_unchanged(ref: str, code: dict[str, Any] | None, stage: str) -> None:
+    """UserError naming the first user code file that changed (or vanished) since training."""
+    if not code:
+        return
+    now = code_fingerprint(ref, code["paths"])
+    current = now["files"] if now else {}
+    for name, digest in sorted(code["files"].items()):
+        if current.get(name) != digest:
+            state = "is missing" if name not in current else "changed"
+            raise UserError(
+                f"user model code {name} {state} since training (sha256 {digest[:12]}); {stage} would "
+                "rebuild another network from it — restore the file, or re-train (snakemake -R train)"
+            )
+
+
+def load_factory(ref: str, code_paths: list[str] | tuple[str, ...] = ()) -> Callable[..., Any]:
+    """The callable a (non-built-in) model reference names; UserError if it does not import or is not
+    callable."""
+    check_reference(ref)
+    module_name, _, attribute = ref.partition(":")
+    add_code_paths(code_paths)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any error while importing user code is the user's to fix
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        raise UserError(
+            f"model {ref!r}: module {module_name!r} does not import ({reason}); add its directory to "
+            "`code_paths` or install the package"
+        ) from None
+    factory = getattr(module, attribute, None)
+    if factory is None or not callable(factory):
+        raise UserError(
+            f"model {ref!r}: module {module_name} has no callable {attribute!r}; name a function that "
+            "returns an nn.Module"
+        )
+    return factory
+
+
+# ---------------------------------------------------------------- staging (for the logged MLflow model)
+
+
+def _not_python(directory: str, names: list[str]) -> set[str]:
+    """copytree's ignore: all but .py files and the directories that may hold them."""
+    keep = {n for n in names if n.endswith(".py") or Path(directory, n).is_dir()}
+    return {n for n in names if n not in keep or n.startswith(".") or n == "__pycache__"}
+
+
+def _stage(source: Path, staging: Path) -> Path:
+    target = staging / source.name
+    if source.is_dir():
+        shutil.copytree(source, target, ignore=_not_python)
+    else:
+        shutil.copy2(source, target)
+    return target
+
+
+def _installed(origin: Path) -> bool:
+    roots = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
+    return any(root in origin.resolve().parents for root in roots)
+
+
+def _origin(ref: str, top: str) -> Path:
+    """Where top-level module ``top`` comes from (finding it imports nothing)."""
+    found = importlib.util.find_spec(top)
+    if found is not None and found.origin and found.origin not in ("built-in", "frozen"):
+        return Path(found.origin)
+    if found is not None and found.submodule_search_locations:  # a namespace package
+        return Path(next(iter(found.submodule_search_locations)), "__init__.py")
+    raise UserError(
+        f"model {ref!r}: module {top!r} is neither in the run's code paths nor importable here, so the "
+        "logged model could not import it; add its directory to `code_paths`"
+    )
+
+
+def stage_code(
+    spec: dict[str, Any], staging: Path, reserved: Collection[str] = ()
+) -> tuple[list[str], list[str]]:
+    """(paths, extra requirements): copies of a user model's code in ``staging``, for MLflow's code_paths.
+
+    MLflow copies each entry into ``code/`` under its own name and puts ``code/`` on sys.path, so a
+    code path ``X/models`` itself would import as ``models.*``: the entries are the modules and packages
+    *inside* each code path (their .py files), and the first code path holding a name wins, as on the
+    sys.path training used. A factory module outside the code paths is copied too, unless it is an
+    installed distribution: that one is pinned instead. Names in ``reserved`` (staged by the caller)
+    are never copied. A built-in model without code paths stages nothing."""
+    code = spec.get("code")
+    if not code:
+        return [], []
+    # Only the trained code may go into the model (a user package's __init__ is imported to find it).
+    check_code_unchanged(spec["model"], code, "the logged model")
+    staging.mkdir(parents=True, exist_ok=True)
+    taken, staged = set(reserved), []
+    for entry in code["paths"]:
+        for source in sorted(Path(entry).iterdir()):
+            is_code = source.suffix == ".py" if source.is_file() else any(source.rglob("*.py"))
+            name = source.stem if source.is_file() else source.name
+            if is_code and not name.startswith(".") and name not in taken:
+                taken.add(name)
+                staged.append(_stage(source, staging))
+    top = spec["model"].partition(":")[0].split(".")[0]
+    extra: list[str] = []
+    if top not in taken:
+        origin = _origin(spec["model"], top)
+        if _installed(origin):
+            extra = importlib.metadata.packages_distributions().get(top, [])[:1]
+        else:
+            staged.append(_stage(origin.parent if origin.name == "__init__.py" else origin, staging))
+    return [str(path) for path in staged], extra

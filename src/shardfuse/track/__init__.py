@@ -1,0 +1,4 @@
+"""MLflow: the client and writer lock, idempotent pushes, the logged model, inputs, UI, live runs.
+
+A library package: it never imports a stage. This file stays a docstring (no imports).
+"""

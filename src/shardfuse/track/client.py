@@ -1,0 +1,126 @@
+"""What every MLflow writer shares: the client, the writer lock, the error gate, limits and tags.
+
+A library, no command line: the track stage (:mod:`shardfuse.tracking`), the comparison stage
+(:mod:`shardfuse.comparison`) and the live logger (:mod:`shardfuse.track.live`) import it; none of them
+imports another. Importing it costs no MLflow import; :func:`tracking_client` does that the first time it is
+called::
+
+    from shardfuse.track.client import tracking_client, tracking_errors, writer_lock
+    with writer_lock(uri), tracking_errors(uri):
+        tracking_client(uri).log_artifact(run_id, "plot.png")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+from shardfuse.io import UserError
+
+LIVE_TAG = "shardfuse.live"
+LIVE_RUN_TAG = "shardfuse.live_run"
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}  # the UI's "model training" kind
+# MLflow's per-request limits (mlflow.utils.validation); a larger batch is rejected outright.
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+# MLflow's defaults (7 retries, 120 s timeout) make an unreachable server hang for minutes.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+RERUN_HINT = "start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`"
+
+
+def redact_uri(uri: str) -> str:
+    """``scheme://user:secret@host`` -> ``scheme://***@host``: URIs end up in logs and mlflow.json."""
+    return re.sub(r"^([A-Za-z][\w+.-]*://)[^/@]*@", r"\1***@", uri)
+
+
+def check_no_password(tracking_uri: str) -> None:
+    """Credentials come from the environment only: a URI ends up in logs, outputs and MLflow's messages."""
+    if re.match(r"^[A-Za-z][\w+.-]*://[^/@]*:[^/@]*@", tracking_uri):
+        raise UserError(
+            f"tracking URI {redact_uri(tracking_uri)} has a password in it; remove it and set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or PGPASSFILE for a database) instead"
+        )
+
+
+def set_http_defaults() -> None:
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+@functools.cache
+def tracking_client(tracking_uri: str):
+    """The process's one MlflowClient for ``tracking_uri``.
+
+    Building a client opens the store: for a database, an engine plus a check of its schema (and, on
+    an empty database, every migration). One client per process pays that once.
+    """
+    from mlflow.tracking import MlflowClient
+
+    set_http_defaults()
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a sqlite:///PATH URI (relative or, with four slashes, absolute)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    path = tracking_uri[len("sqlite:///") :].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+@contextlib.contextmanager
+def writer_lock(tracking_uri: str) -> Iterator[None]:
+    """Serialise writers of one SQLite store: concurrent writers (and migrations) hit 'database is locked'."""
+    db_path = _sqlite_path(tracking_uri)
+    if db_path is None:
+        yield
+        return
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db_path}.lock", "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def tracking_errors(tracking_uri: str) -> Iterator[None]:
+    """A dead server or broken store is one line that says how to finish the job later."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except (MlflowException, requests.RequestException, ConnectionError) as exc:
+        text = str(getattr(exc, "message", exc)).strip() or type(exc).__name__
+        reason = text.splitlines()[0][:300]
+        raise UserError(
+            f"cannot use tracking URI {redact_uri(tracking_uri)} ({reason}); {RERUN_HINT}: "
+            "the local results are kept and only what is missing in MLflow is uploaded"
+        ) from None
+
+
+def exit_now() -> NoReturn:
+    """End a stage that has finished its work (tracking, comparison, a training rank), skipping the
+    interpreter's teardown.
+
+    Tearing down the thousands of modules MLflow, SQLAlchemy and pandas load costs a large share of a
+    track job's wall time (bench/tracking.py, bench/RESULTS.md); a training rank's teardown runs torch's
+    C++ destructors, which can abort a finished rank. By now every write is committed, the temporary
+    files are gone and the locks are released; only output buffers are left to flush.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,445 @@
+"""What a run's MLflow push carries, read from its files and computed without talking to MLflow.
+
+:func:`load_inputs` reads and checks every file the track stage needs (manifest, train.json, gather.json,
+merge.json, the merged weights, eval.json, each rank's ``metrics/rank-{r}.parquet`` and any plots) before
+MLflow is touched, so a missing or malformed file is one error that names it and the stage to re-run;
+it returns them as a :class:`RunInputs` (the :class:`RunFiles`, one :class:`RankInputs` per rank).
+gather.json is only uploaded, but the checkpoints it lists must still be the training's
+(shardfuse.checkpoints.trust.read_gather), and the merged weights' model spec must fit their tensors (the
+torch-free shardfuse.checkpoints.trust.check_spec_bounds): MLflow would otherwise record another model, or log
+one whose spec builds a network larger than the file.
+From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`) and
+the training's own (:data:`TRAIN_PARAMS`), the headline metrics, each rank's sparse step series
+(:func:`step_series`), the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash)
+and the fingerprint that tells an unchanged run from one to sync again.
+
+train.json and the metrics files of older trainings lack what later train stages added (mode, bytes
+all-reduced, the grad_norm and val_score columns, ...): what is absent is not pushed, never an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from shardfuse.checkpoints.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
+from shardfuse.checkpoints.weights import read_metadata
+from shardfuse.io import UserError, read_json, sha256_file
+from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
+from shardfuse.models.tasks import evaluation_task, score_first
+
+LAYOUT_VERSION = "4"  # the fingerprint and a parent tag: a new layout replaces every run once
+CONFIG_HASH_TAG = "shardfuse.config_hash"
+STEP_METRICS = ("loss", "samples_per_second", "lr")  # every step: pushed as whole rows (mlflow_sync)
+PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
+# Columns of newer metrics files, NaN on the steps without a value: pushed where finite, as series.
+OPTIONAL_COLUMNS = ("grad_norm", "val_score")
+# train.json fields that become parent params, when the train stage wrote them.
+TRAIN_PARAMS = ("mode", "grad_accum_steps", "effective_batch_size", "init", "keep")
+MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected
+
+
+def flatten_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten a nested config into MLflow params: dotted keys, lists as JSON, None as "None"."""
+    params: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            params.update(flatten_params(value, prefix=f"{name}."))
+            continue
+        text = json.dumps(value, sort_keys=True) if isinstance(value, (list, tuple, dict)) else str(value)
+        # MLflow rejects longer values; a truncated param beats a failed push.
+        if len(text) > MAX_PARAM_VALUE_CHARS:
+            text = text[: MAX_PARAM_VALUE_CHARS - 3] + "..."
+        params[name] = text
+    return params
+
+
+def _require_file(path: Path, stage: str) -> Path:
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; re-run the {stage} stage for this run first")
+    return path
+
+
+def _field(obj: dict, key: str, path: Path) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it")
+    return obj[key]
+
+
+def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
+    """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file, and those
+    of :data:`OPTIONAL_COLUMNS` that it has."""
+    import pyarrow.parquet as pq
+
+    # ParquetFile, not read_table: read_table imports pyarrow.dataset, a cost paid by every track job.
+    try:
+        with pq.ParquetFile(path) as parquet:
+            names = parquet.schema_arrow.names
+            missing = [c for c in PARQUET_COLUMNS if c not in names]
+            columns = [*PARQUET_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in names)]
+            table = None if missing else parquet.read(columns=columns)
+    except Exception as exc:
+        raise UserError(f"{path} is not a readable Parquet file ({exc}); re-run the train stage") from None
+    if missing:
+        raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
+    return {c: table.column(c).to_numpy() for c in columns}
+
+
+def validation_metric(train: dict[str, Any], default_score: str) -> str:
+    """The name the val_score column goes by: ``val_`` + train.json's validation score (else the task's)."""
+    validation = train.get("validation")
+    score = validation.get("score") if isinstance(validation, dict) else None
+    return f"val_{score if isinstance(score, str) and score else default_score}"
+
+
+def step_series(history: dict[str, np.ndarray], val_metric: str) -> dict[str, np.ndarray]:
+    """Metric name -> (step, timestamp_ms, value) float64 rows of the steps where it is finite, for each
+    optional column with at least one such step (grad_norm, the val_score column as ``val_metric``)."""
+    series = {}
+    for column, name in (("grad_norm", "grad_norm"), ("val_score", val_metric)):
+        if column not in history:
+            continue
+        values = history[column].astype(np.float64)
+        finite = np.isfinite(values)
+        if finite.any():
+            columns = (history["step"][finite], history["timestamp_ms"][finite], values[finite])
+            series[name] = np.ascontiguousarray(np.column_stack(columns).astype(np.float64))
+    return series
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as float; None for null, booleans and anything else."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def train_params(train: dict[str, Any]) -> dict[str, str]:
+    """The :data:`TRAIN_PARAMS` that train.json has (not null), as MLflow params; ``mode`` derived from
+    strategy and sync_every for a train.json from before the train stage wrote it."""
+    params = {key: str(train[key]) for key in TRAIN_PARAMS if train.get(key) is not None}
+    if "mode" not in params and isinstance(train.get("strategy"), str):
+        never_syncs = train["strategy"] == "localsgd" and not train.get("sync_every")
+        params["mode"] = "independent" if never_syncs else train["strategy"]
+    return params
+
+
+def rank_train_metrics(entry: dict[str, Any]) -> dict[str, float]:
+    """published_step and best_val_score of a train.json ``ranks`` entry, where they are numbers."""
+    values = {key: _number(entry.get(key)) for key in ("published_step", "best_val_score")}
+    return {key: value for key, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Every file a push reads, checked to exist; their names and hashes make up the fingerprint."""
+
+    manifest: Path
+    train: Path
+    gather: Path
+    merge: Path
+    weights: Path
+    eval: Path
+    metrics: dict[int, Path]  # rank -> metrics/rank-{r}.parquet
+    plots: tuple[Path, ...]  # sorted *.png of the plots dir, if any
+    system: dict[int, Path] | None = None  # rank -> metrics/system-rank-{r}.parquet, where the rank wrote one
+
+    def results(self) -> tuple[Path, ...]:
+        """The JSON results uploaded under ``results/``, in upload order."""
+        return (self.manifest, self.train, self.gather, self.merge, self.eval)
+
+    def by_name(self) -> dict[str, Path]:
+        """Name -> path as the fingerprint hashes them (the names are part of the hashed text)."""
+        named = {"manifest": self.manifest, "train": self.train, "gather": self.gather}
+        named.update(merge=self.merge, weights=self.weights, eval=self.eval)
+        named.update({f"metrics-{rank}": path for rank, path in self.metrics.items()})
+        named.update({f"plot-{path.name}": path for path in self.plots})
+        named.update({f"system-{rank}": path for rank, path in (self.system or {}).items()})
+        return named
+
+
+class RankInputs(NamedTuple):
+    """What one rank's child run carries."""
+
+    rank: int
+    shard_rows: int
+    history: dict[str, np.ndarray]  # columns of metrics/rank-{r}.parquet (:func:`read_step_metrics`)
+    test_metrics: dict[str, float]  # test_<metric> of the rank's own model, for every task metric
+    host: str | None  # None when neither train.json nor the rank's sidecar names it
+    train_metrics: dict[str, float]  # published_step, best_val_score (:func:`rank_train_metrics`)
+    series: dict[str, np.ndarray]  # grad_norm, val_<score>: finite points only (:func:`step_series`)
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """Everything a push needs, read and checked before MLflow is touched."""
+
+    files: RunFiles
+    train: dict[str, Any]  # train.json as the train stage wrote it (num_steps, provenance)
+    ranks: tuple[RankInputs, ...]  # ranks[r].rank == r
+    model_spec: dict[str, Any]  # the merged weights' model reference and args
+    headline: dict[str, float]  # the parent run's metrics
+    params: dict[str, str]  # the parent's params from train.json (:func:`train_params`), besides the config
+    manifest: dict[str, Any]  # the shards' manifest.json
+    merge: dict[str, Any]  # merge.json (the resolved merge settings)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def hosts(self) -> dict[int, str]:
+        return {r.rank: r.host for r in self.ranks if r.host is not None}
+
+
+def load_inputs(
+    run_dir: Path,
+    manifest_path: Path,
+    plots_dir: Path | None = None,
+    train_dir: Path | None = None,
+    gather_path: Path | None = None,
+) -> RunInputs:
+    """Read and check every file the push needs before MLflow is touched.
+
+    ``train_dir`` (train.json, metrics/rank-{r}.parquet; default RUN_DIR/train) and ``gather_path``
+    (default RUN_DIR/gather.json) may be shared by runs that differ only in how they merge.
+    """
+    train_dir = train_dir if train_dir is not None else run_dir / "train"
+    manifest = _require_file(manifest_path, "partition")
+    train_path = _require_file(train_dir / "train.json", "train")
+    gather = _require_file(gather_path if gather_path is not None else run_dir / "gather.json", "gather")
+    merge_path = _require_file(run_dir / "merge.json", "merge")
+    weights = _require_file(run_dir / "merged.safetensors", "merge")
+    eval_path = _require_file(run_dir / "eval.json", "evaluate")
+    train, merge, evaluation = (
+        read_json(path, what)
+        for path, what in ((train_path, "train"), (merge_path, "merge"), (eval_path, "eval"))
+    )
+    read_gather(gather)  # only uploaded, but it must list this training's checkpoints
+    try:
+        world_size = int(_field(train, "world_size", train_path))
+        train_ranks = {int(r["rank"]): r for r in _field(train, "ranks", train_path)}
+        shard_rows = {rank: int(entry["rows"]) for rank, entry in train_ranks.items()}
+        eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", eval_path)}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(
+            f"malformed 'ranks' entry in {train_path} or {eval_path} ({exc!r}); "
+            "re-run the train and evaluate stages"
+        ) from None
+    metrics = {}
+    for rank in range(world_size):
+        if rank not in shard_rows or rank not in eval_ranks:
+            raise UserError(
+                f"rank {rank} of world size {world_size} is missing from {train_path} "
+                f"or {eval_path}; re-run the train and evaluate stages"
+            )
+        metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
+    plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
+    system = {
+        rank: path
+        for rank in range(world_size)
+        if (path := system_metrics_path(train_dir / "metrics", rank)).is_file()
+    }
+    files = RunFiles(
+        manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system
+    )
+    task = evaluation_task(evaluation, eval_path)
+    test_metrics = {
+        rank: {
+            f"test_{k}": float(_field(eval_ranks[rank], k, eval_path))
+            for k in score_first(task)
+            if k == task.score or k in eval_ranks[rank]
+        }
+        for rank in range(world_size)
+    }
+    histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
+    model_spec = _field(read_metadata(weights), "model", weights)
+    check_spec_bounds(f"the header of {weights}", *header_spec(weights, RERUN_MERGE), RERUN_MERGE)
+    hosts = _rank_hosts(train_dir, train, world_size)
+    val_metric = validation_metric(train, task.score)
+    samples = {rank: _read_system(path) for rank, path in system.items()}
+    ranks = tuple(
+        RankInputs(
+            rank,
+            shard_rows[rank],
+            histories[rank],
+            test_metrics[rank],
+            hosts.get(rank),
+            rank_train_metrics(train_ranks[rank]),
+            {**step_series(histories[rank], val_metric), **system_series(samples.get(rank, {}))},
+        )
+        for rank in range(world_size)
+    )
+    headline = headline_metrics(files, train, merge, evaluation, ranks)
+    headline.update(node_peaks(samples, hosts))
+    manifest_json = read_json(manifest, "manifest")
+    return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
+
+
+def _read_system(path: Path) -> dict[str, np.ndarray]:
+    try:
+        return read_system_metrics(path)
+    except (OSError, ValueError, KeyError) as exc:  # pyarrow's errors are ValueErrors or OSErrors
+        raise UserError(f"cannot read {path} ({exc}); re-run the train stage (snakemake -R train)") from None
+
+
+def system_series(samples: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A rank's system metrics (:func:`shardfuse.metrics.system.read_system_metrics`) as series rows (step =
+    the sample's index, timestamp, value): MLflow's System metrics tab charts ``system/...`` metrics,
+    and MLflow's own sampler numbers its samples the same way."""
+    return {
+        name: np.ascontiguousarray(np.column_stack([np.arange(len(rows)), rows[:, 0], rows[:, 1]]))
+        for name, rows in samples.items()
+    }
+
+
+def node_peaks(samples: dict[int, dict[str, np.ndarray]], hosts: dict[int, str]) -> dict[str, float]:
+    """The parent's per-node peaks: ``system/<host>/peak_<metric>``, the largest sample of any rank on
+    that host (ranks of an unknown host count as host ``rank<r>``)."""
+    by_host: dict[str, list] = {}
+    for rank, metrics in samples.items():
+        by_host.setdefault(hosts.get(rank, f"rank{rank}"), []).append(metrics)
+    return {
+        f"system/{host}/peak_{name.removeprefix('system/')}": value
+        for host, metrics in sorted(by_host.items())
+        for name, value in peak(*metrics).items()
+    }
+
+
+def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
+    """Host per rank from train.json's "hosts", else the rank sidecars' "host" (both optional)."""
+    hosts = train.get("hosts")
+    if isinstance(hosts, list) and len(hosts) == world_size:
+        return {rank: str(host) for rank, host in enumerate(hosts)}
+    found = {}
+    for rank in range(world_size):
+        sidecar = train_dir / f"rank-{rank}.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if host := json.loads(sidecar.read_text()).get("host"):
+                found[rank] = str(host)
+    return found
+
+
+def fingerprint(config: dict, files: RunFiles, registered_model: str | None = None) -> str:
+    """sha256 over the layout version, the config (sorted keys), the registry name and every file's sha256."""
+    digest = hashlib.sha256(f"{LAYOUT_VERSION}\n{registered_model}\n".encode())
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    named = files.by_name()
+    for name in sorted(named):
+        digest.update(f"\n{name}:{sha256_file(named[name])}".encode())
+    return digest.hexdigest()
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def headline_metrics(
+    files: RunFiles, train: dict, merge: dict, evaluation: dict, ranks: tuple[RankInputs, ...]
+) -> dict[str, float]:
+    """The parent run's metrics, named after the task's metrics and score (classification: the
+    test_accuracy_* names runs have always carried)."""
+    eval_path = files.eval
+    task = evaluation_task(evaluation, eval_path)
+    score = task.score
+    merged = _field(evaluation, "merged", eval_path)
+    # An eval.json from before a task gained a metric lacks it: the score is required, the rest optional.
+    names = [m for m in score_first(task) if m == score or m in merged]
+    metrics = {f"test_{m}_merged": float(_field(merged, m, eval_path)) for m in names}
+    best_rank = float(_field(evaluation, f"best_rank_{score}", eval_path))
+    metrics.update(
+        {
+            f"test_{score}_best_rank": best_rank,
+            f"test_{score}_mean_rank": float(_field(evaluation, f"mean_rank_{score}", eval_path)),
+            "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
+            "train_seconds": float(_field(train, "train_seconds", files.train)),
+            "merge_seconds": float(_field(merge, "seconds", files.merge)),
+        }
+    )
+    # eval.json's gain is already signed by the task; files without one get the same formula here.
+    gain = evaluation.get("fusion_gain")
+    if not isinstance(gain, (int, float)):
+        gain = task.gain(metrics[f"test_{score}_merged"], best_rank)
+    metrics["fusion_gain"] = float(gain)
+    # Written by newer evaluate stages only. eval.json's "base" is the initial model (before training):
+    # named so in MLflow, where "base" read like the ddp baseline.
+    for optional, name in (("base", "initial"), ("ddp_baseline", "ddp_baseline")):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            metrics[f"test_{score}_{name}"] = float(evaluation[optional][score])
+    if f"test_{score}_ddp_baseline" in metrics:  # how much better the ddp baseline scores (task's sign)
+        ddp = metrics[f"test_{score}_ddp_baseline"]
+        metrics["ddp_gap"] = float(task.gain(ddp, metrics[f"test_{score}_merged"]))
+    # The ensemble of the ranks (newer evaluate stages only): every metric it has, and how much better
+    # than the merged model it scores (the task's sign, as fusion_gain's).
+    ensemble = evaluation.get("ensemble")
+    if isinstance(ensemble, dict) and isinstance(ensemble.get(score), (int, float)):
+        for m in score_first(task):
+            if (value := _number(ensemble.get(m))) is not None:
+                metrics[f"test_{m}_ensemble"] = value
+        gap = _number(evaluation.get("fusion_gap"))
+        gap = (
+            task.gain(metrics[f"test_{score}_ensemble"], metrics[f"test_{score}_merged"])
+            if gap is None
+            else gap
+        )
+        metrics["fusion_gap"] = float(gap)
+    for rank in ranks:
+        metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
+    # Unknown (absent) in train.json of older train stages; 0 for independent training.
+    if (communicated := _number(train.get("bytes_all_reduced_per_rank"))) is not None:
+        metrics["bytes_all_reduced_per_rank"] = communicated
+    throughputs = [float(np.mean(r.history["samples_per_second"])) for r in ranks if len(r.history["step"])]
+    if throughputs:
+        metrics["samples_per_second"] = sum(throughputs)  # all ranks together
+    return metrics
+
+
+def _git_state(directory: Path) -> tuple[str | None, bool | None]:
+    def git(*args: str) -> str | None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            proc = subprocess.run(
+                ["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10
+            )
+            return proc.stdout.strip() if proc.returncode == 0 else None
+        return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return commit, None if status is None else bool(status)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def provenance_tags(inputs: RunInputs, run_config_hash: str) -> dict[str, str]:
+    """Where the results came from: code, tools, machines, scheduler."""
+    train = inputs.train
+    commit, dirty = train.get("git_commit"), train.get("git_dirty")
+    if commit is None:  # the code that is pushing is the code that ran, unless train.json says otherwise
+        commit, dirty = _git_state(Path(__file__).resolve().parent)
+    tags = {
+        CONFIG_HASH_TAG: run_config_hash,
+        "shardfuse.git_commit": commit or "unknown",
+        "shardfuse.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower(),
+        "shardfuse.snakemake_version": _version("snakemake"),
+        "shardfuse.torch_version": str(train.get("torch_version") or _version("torch")),
+        "shardfuse.mlflow_version": _version("mlflow"),
+    }
+    if commit:
+        tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
+    if hosts := inputs.hosts:
+        tags["shardfuse.hosts"] = ",".join(sorted(set(hosts.values())))
+    if train.get("slurm_job_id"):
+        tags["shardfuse.slurm_job_id"] = str(train["slurm_job_id"])
+    return tags

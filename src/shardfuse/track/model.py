@@ -1,0 +1,415 @@
+"""The merged model as an MLflow pyfunc model: logged by the track rule, loadable anywhere, never pickled.
+
+The model directory holds ``data/merged.safetensors`` (weights, with the model spec in its header) and
+``code/``: this package and, for a user model, the user's modules and packages, each under its own
+name. MLflow puts ``code/`` on sys.path, imports this module (``loader_module``) and calls
+:func:`_load_pyfunc`, so the model loads in any process with the pinned requirements::
+
+    import mlflow, pandas as pd
+    model = mlflow.pyfunc.load_model("runs:/<parent run id>/<run name>")   # or models:/<name>/<version>
+    model.predict(pd.DataFrame({"pixel_0_0": [...], ..., "pixel_7_7": [...]}))  # the data's own names
+
+Columns, by task (the logged signature says the same):
+
+- classification: input the features; output ``prediction`` (the label as the data spelled it) and
+  ``probability_<label>`` per class
+- regression: input the features; output one column per target, named after it, in its units
+- causal_lm: input ``tokens``, one token id sequence per row (the last block_size count); output
+  ``probability_0`` .. ``probability_{V-1}``, the distribution of the next token (no generation)
+
+Features are named as in the dataset (x0..x{F-1} when it names none). A checkpoint from before the
+model registry knows no names: it takes x0..x{F-1} and predicts the class index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardfuse.io import UserError
+from shardfuse.models.spec import description_of, normalized_spec
+from shardfuse.models.usercode import stage_code
+
+WEIGHTS_FILE = "merged.safetensors"
+MODEL_NAME = "model"
+WEIGHTS_TAG = "shardfuse.weights_sha256"
+REQUIREMENTS = ("torch", "safetensors", "numpy", "pandas")
+TOKENS = "tokens"  # causal_lm's input column
+TENSOR = "x"  # a tensor-input model's input (images): an array [N, *shape], or a column of arrays
+PACKAGE = Path(__file__).resolve().parents[1]  # the shardfuse package, shipped with the model
+BATCH_ROWS = 1024  # causal_lm rows per forward pass: logits are [rows, T, vocab]
+
+
+@dataclass(frozen=True)
+class Interface:
+    """The columns a logged model takes and returns, read from its spec without torch (the track job
+    logs models without importing it, so this reads shardfuse.models.spec, not shardfuse.models.registry)."""
+
+    task: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    labels: tuple[str, ...] | None  # classification: what ``prediction`` says per class (None: its index)
+    block_size: int | None
+    tensor_shape: tuple[int, ...] | None = None  # tensor inputs (images): one row's shape, e.g. (1, 8, 8)
+
+
+def _names(given: tuple[str, ...], count: int, prefix: str) -> tuple[str, ...]:
+    names = tuple(str(name) for name in given)
+    return names if len(names) == count else tuple(f"{prefix}{i}" for i in range(count))
+
+
+def interface(spec: dict[str, Any]) -> Interface:
+    """The model's columns; names the data lacks are numbered (x0.., target_0.., probability_0..)."""
+    description = description_of(spec)
+    task, num_outputs = description.task, int(description.num_outputs)
+    inputs = _names(description.feature_names, int(description.num_features), "x")
+    names = description.label_names
+    labels = tuple(str(name) for name in names) if len(names) == num_outputs else None
+    if task == "classification":
+        outputs = ("prediction", *(f"probability_{name}" for name in labels or range(num_outputs)))
+    elif task == "regression":
+        outputs = _names(names, num_outputs, "target_")
+    elif task == "causal_lm":
+        inputs, outputs = (TOKENS,), tuple(f"probability_{token}" for token in range(num_outputs))
+    else:
+        raise UserError(f"unknown task {task!r} in the checkpoint's model spec; re-train with this shardfuse")
+    # causal_lm: the tokens a row sees (num_features holds the same for a token block)
+    block_size = int(description.block_size or description.num_features)
+    tensor_shape = None
+    if description.input_kind == "tensor":
+        inputs, tensor_shape = (TENSOR,), tuple(int(n) for n in description.feature_shape)
+    return Interface(
+        task,
+        inputs,
+        outputs,
+        labels if task == "classification" else None,
+        block_size if task == "causal_lm" else None,
+        tensor_shape,
+    )
+
+
+def feature_names(spec: dict[str, Any]) -> list[str]:
+    """The input columns ``predict`` reads."""
+    return list(interface(spec).inputs)
+
+
+def _columns(frame, names: tuple[str, ...]):
+    missing = [name for name in names if name not in frame.columns]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        expected = ", ".join(names) if len(names) <= 8 else f"{', '.join(names[:4])}, …, {names[-1]}"
+        raise UserError(
+            f"input lacks column(s) {', '.join(missing[:5])}{more}; the model takes {len(names)} "
+            f"column(s): {expected}"
+        )
+    return frame[list(names)]
+
+
+def _tensor_rows(model_input: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 [N, *shape] from an array, or from a DataFrame column ``x`` holding one array per row."""
+    if isinstance(model_input, np.ndarray):
+        values = model_input
+    else:
+        cells = _columns(model_input, (TENSOR,))[TENSOR]
+        values = np.stack([np.asarray(cell, dtype=np.float32) for cell in cells]) if len(cells) else None
+    if values is None or values.size % int(np.prod(shape)) or values.shape[0] == 0:
+        raise UserError(
+            f"the model takes inputs shaped [N, {', '.join(map(str, shape))}]; pass such an array"
+        )
+    values = np.asarray(values, dtype=np.float32).reshape(-1, *shape)
+    return np.ascontiguousarray(values)
+
+
+def _token_ids(cell: Any, row: int, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(cell)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise UserError(f"row {row} of column {TOKENS!r} is not a non-empty sequence of int token ids")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise UserError(f"row {row} holds token id {outside[0]}, outside the vocabulary 0..{vocab_size - 1}")
+    return ids.astype(np.int64)
+
+
+class MergedModel:
+    """A shardfuse model on CPU; ``predict`` takes and returns the columns of :class:`Interface`.
+
+    ``code_dir`` replaces the user code paths recorded in the spec (relative to the workflow's
+    directory): there the logged model keeps its copy of that code, the code that now counts."""
+
+    def __init__(self, weights_path: str | Path, code_dir: str | Path | None = None) -> None:
+        from shardfuse.checkpoints.weights import load_weights
+        from shardfuse.models.registry import build_model
+
+        tensors, metadata = load_weights(weights_path)
+        self.spec = metadata["model"]
+        self.interface = interface(self.spec)
+        spec = normalized_spec(self.spec)
+        if spec.get("code") and code_dir is not None:
+            spec = {**spec, "code": {**spec["code"], "paths": [str(code_dir)]}}
+        self.model = build_model(spec)
+        self.model.load_state_dict(tensors)
+        self.model.eval()
+        self.columns = list(self.interface.inputs)
+
+    def predict(self, model_input: Any, params: dict[str, Any] | None = None):
+        import pandas as pd
+        import torch
+
+        frame = model_input
+        if not isinstance(model_input, (pd.DataFrame, np.ndarray)):
+            frame = pd.DataFrame(model_input)
+        if self.interface.task == "causal_lm":
+            return self._next_token(frame)
+        if self.interface.tensor_shape is not None:
+            values = _tensor_rows(model_input, self.interface.tensor_shape)
+        else:
+            values = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
+        with torch.no_grad():
+            outputs = self.model(torch.from_numpy(values)).float()
+        if self.interface.task == "regression":
+            return pd.DataFrame(outputs.numpy(), columns=list(self.interface.outputs))
+        probabilities = torch.softmax(outputs, dim=1).numpy()
+        out = pd.DataFrame(probabilities, columns=list(self.interface.outputs[1:]))
+        classes = probabilities.argmax(axis=1).astype(np.int64)
+        labels = self.interface.labels
+        out.insert(0, "prediction", np.asarray(labels, dtype=object)[classes] if labels else classes)
+        return out
+
+    def _next_token(self, frame):
+        import pandas as pd
+        import torch
+
+        vocab_size, block_size = len(self.interface.outputs), self.interface.block_size
+        cells = _columns(frame, (TOKENS,))[TOKENS]
+        sequences = [_token_ids(cell, row, vocab_size)[-block_size:] for row, cell in enumerate(cells)]
+        probabilities = np.empty((len(sequences), vocab_size), dtype=np.float32)
+        by_length: dict[int, list[int]] = {}
+        for row, ids in enumerate(sequences):
+            by_length.setdefault(len(ids), []).append(row)
+        # Rows of one length form a batch: no padding, which a model with positions would misread.
+        with torch.no_grad():
+            for rows in by_length.values():
+                for start in range(0, len(rows), BATCH_ROWS):
+                    chunk = rows[start : start + BATCH_ROWS]
+                    tokens = torch.from_numpy(np.stack([sequences[row] for row in chunk]))
+                    logits = self.model(tokens)[:, -1].float()
+                    probabilities[chunk] = torch.softmax(logits, dim=-1).numpy()
+        return pd.DataFrame(probabilities, columns=list(self.interface.outputs))
+
+
+def _load_pyfunc(data_path: str) -> MergedModel:
+    """MLflow's entry point: ``data_path`` is the logged data directory (or the weights file itself)."""
+    path = Path(data_path).resolve()
+    # The model's code/ (MLflow has put it on sys.path) is beside MLmodel, data_path is <model>/data/data.
+    code_dir = next((p / "code" for p in path.parents if (p / "MLmodel").is_file()), None)
+    weights = path / WEIGHTS_FILE if path.is_dir() else path
+    return MergedModel(weights, code_dir if code_dir is not None and code_dir.is_dir() else None)
+
+
+def model_signature(spec: dict[str, Any]):
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema, TensorSpec
+    from mlflow.types.schema import Array
+
+    shape = interface(spec)
+    if shape.tensor_shape is not None:
+        inputs = Schema([TensorSpec(np.dtype(np.float32), (-1, *shape.tensor_shape))])
+    elif shape.task == "causal_lm":
+        inputs = Schema([ColSpec(Array("long"), TOKENS)])
+    else:
+        # "double" inputs: MLflow rejects float64 columns for a float32 schema; predict casts to float32.
+        inputs = Schema([ColSpec("double", name) for name in shape.inputs])
+    outputs = [ColSpec("float", name) for name in shape.outputs]
+    if shape.task == "classification":
+        outputs[0] = ColSpec("string" if shape.labels else "long", "prediction")
+    return ModelSignature(inputs=inputs, outputs=Schema(outputs))
+
+
+def input_example(spec: dict[str, Any]):
+    """One row of zeros (for causal_lm, one block of token 0): shown in the UI and as the serving example."""
+    import pandas as pd
+
+    shape = interface(spec)
+    if shape.tensor_shape is not None:
+        return np.zeros((1, *shape.tensor_shape), dtype=np.float32)
+    if shape.task == "causal_lm":
+        return pd.DataFrame({TOKENS: [[0] * int(shape.block_size or 1)]})
+    return pd.DataFrame([[0.0] * len(shape.inputs)], columns=list(shape.inputs))
+
+
+def _code_paths(spec: dict[str, Any], staging: Path) -> tuple[list[str], list[str]]:
+    """(code_paths, extra requirements): this package and, for a user model, its code
+    (:func:`shardfuse.models.usercode.stage_code` says which entries and why)."""
+    package = staging / PACKAGE.name
+    shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    user_paths, extra = stage_code(spec, staging, reserved={PACKAGE.name})
+    return [str(package), *user_paths], extra
+
+
+def _requirements(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Pinned explicitly: MLflow would otherwise load the model in a subprocess to infer them (slow)."""
+    pins = []
+    for name in ("mlflow", *REQUIREMENTS, *extra):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            pins.append(f"{name}=={importlib.metadata.version(name).split('+')[0]}")
+    return pins
+
+
+def _quoted(value: str, what: str) -> str:
+    if "'" in value:
+        raise UserError(f"{what} {value!r} contains a quote; choose a name without quotes")
+    return f"'{value}'"
+
+
+def find_logged_model(client, experiment_id: str, run_id: str, weights_sha256: str):
+    """The READY logged model of ``run_id`` made from these weights, or None."""
+    found = client.search_logged_models(
+        [experiment_id],
+        filter_string=f"source_run_id = '{run_id}' AND tags.`{WEIGHTS_TAG}` = '{weights_sha256}'",
+    )
+    ready = [m for m in found if str(m.status).endswith("READY")]
+    return ready[0] if ready else None
+
+
+@contextlib.contextmanager
+def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's model logging only knows the global tracking URI: set it, then restore it exactly.
+
+    set_tracking_uri also writes (or, for None, removes) $MLFLOW_TRACKING_URI, so that is restored too.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    saved_global, saved_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved_global)
+        if saved_env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+@contextlib.contextmanager
+def _no_site_packages_scan() -> Iterator[None]:
+    """Spare Model.log its scan of every installed distribution (a share of each track job's time).
+
+    MLflow checks the pinned requirements against the installed packages, and first maps every
+    importable module to its distribution by reading all of site-packages. Our pins are read from the
+    installed versions (:func:`_requirements`), so the check cannot fail; with an empty map (private to
+    MLflow, hence guarded and restored) it reads each pin's version from the package metadata instead.
+    """
+    try:
+        from mlflow.utils import requirements_utils
+    except ImportError:
+        yield
+        return
+    if getattr(requirements_utils, "_MODULES_TO_PACKAGES", "") is not None:
+        yield  # already built in this process (or renamed): nothing to spare
+        return
+    requirements_utils._MODULES_TO_PACKAGES = {}
+    try:
+        yield
+    finally:
+        requirements_utils._MODULES_TO_PACKAGES = None
+        requirements_utils._PACKAGES_TO_MODULES = None
+
+
+def _save_pyfunc(path, mlflow_model, validate_serving_input: bool = True, **kwargs):
+    """``mlflow.pyfunc.save_model``, taking the ``validate_serving_input`` flag that Model.log reads."""
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
+
+
+# The pyfunc flavor as Model.log sees it ("pyfunc" names the logged model's flavor, as log_model does),
+# with a save_model that accepts validate_serving_input (MLflow's transformers flavor does the same).
+_PYFUNC_FLAVOR = types.SimpleNamespace(__name__="pyfunc", save_model=_save_pyfunc)
+
+
+def log_merged_model(
+    tracking_uri: str,
+    run_id: str,
+    weights_path: Path,
+    weights_sha256: str,
+    spec: dict,
+    name: str = MODEL_NAME,
+):
+    """Log ``weights_path`` as a pyfunc model ``name`` (the track stage: the run's name) under ``run_id``;
+    return its model id.
+
+    Written as ``mlflow.pyfunc.log_model`` would write it, but without MLflow's check that the saved
+    model serves its input example: that check loads the model, i.e. imports torch (bench/tracking.py
+    measures the difference) in a stage that otherwise only reads files. The evaluate stage has already
+    built and scored this model from the same header, and tests/unit/track/test_tracking.py loads the
+    logged model and compares its predictions with the weights'.
+    """
+    import mlflow
+    from mlflow.models import Model
+
+    signature = model_signature(spec)  # first: a malformed spec fails before anything is written
+    with (
+        tempfile.TemporaryDirectory(prefix="shardfuse-model-") as tmp,
+        _global_tracking_uri(tracking_uri),
+        _no_site_packages_scan(),
+    ):
+        staging, data_dir = Path(tmp) / "code", Path(tmp) / "data"
+        staging.mkdir()
+        code_paths, extra_requirements = _code_paths(spec, staging)
+        data_dir.mkdir()
+        shutil.copy2(weights_path, data_dir / WEIGHTS_FILE)
+        # Model.log puts the model in the active run's experiment: resume our run (the caller sets its
+        # status afterwards).
+        with mlflow.start_run(run_id=run_id, log_system_metrics=False):
+            info = Model.log(
+                artifact_path=None,
+                name=name,
+                flavor=_PYFUNC_FLAVOR,
+                tags={WEIGHTS_TAG: weights_sha256},
+                validate_serving_input=False,
+                loader_module=__name__,
+                data_path=str(data_dir),
+                code_paths=code_paths,
+                signature=signature,
+                input_example=input_example(spec),
+                pip_requirements=_requirements(extra_requirements),
+            )
+    return info.model_id
+
+
+def register_model(client, name: str, run_id: str, model_id: str) -> str:
+    """Ensure a version of registered model ``name`` holds ``model_id``; return its version."""
+    from mlflow.exceptions import MlflowException
+
+    # The artifact location, not models:/<id>: the registry would resolve that against the global URI.
+    source = client.get_logged_model(model_id).artifact_location
+    for version in client.search_model_versions(f"name = {_quoted(name, 'registered model name')}"):
+        if version.source == source:
+            return str(version.version)
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    return str(client.create_model_version(name, source=source, run_id=run_id, model_id=model_id).version)
+
+
+def delete_unregistered_models(client, experiment_id: str, run_id: str, keep: str | None = None) -> None:
+    """Soft-delete the logged models of ``run_id`` (but ``keep``) that no registry version uses."""
+    models = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'")
+    if not models:
+        return
+    sources = {v.source for v in client.search_model_versions(f"run_id = '{run_id}'")}
+    for model in models:
+        if model.model_id != keep and model.artifact_location not in sources:
+            client.delete_logged_model(model.model_id)

@@ -1,0 +1,66 @@
+"""The records of the merge methods are the one source of what the config accepts: the schema's
+merge_method enum, the merge_<param> keys and their defaults, the keys that reach the merge rule, and
+the config's checks agree with the methods' own (tests/unit hold each method's math)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardfuse.config import MERGE_PARAMS, ConfigError, load_experiment
+from shardfuse.fusion.methods.registry import BY_NAME, METHODS, RECORDS, resolve_params
+from shardfuse.io import UserError
+from tests.support.helpers import base_config
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+RUN_KEYS = SCHEMA["$defs"]["run"]["properties"]
+
+
+def test_the_schema_enum_of_merge_methods_is_the_registry():
+    assert RUN_KEYS["merge_method"]["enum"] == list(METHODS)
+
+
+def test_every_method_param_is_a_config_key_whose_schema_default_is_the_methods_default():
+    params = {name for record in RECORDS for name in record.params}
+    schema_keys = {key.removeprefix("merge_") for key in RUN_KEYS if key.startswith("merge_")}
+    assert params <= schema_keys, f"no config key for {sorted(params - schema_keys)}"
+    for record in RECORDS:
+        for name, param in record.params.items():
+            default = RUN_KEYS[f"merge_{name}"].get("default")
+            if default is not None:  # null: each method's own default
+                assert default == param.default, (
+                    f"merge_{name}: schema {default!r}, {record.name} {param.default!r}"
+                )
+
+
+def test_the_keys_that_reach_the_merge_rule_are_the_methods_params():
+    assert {method: sorted(keys.values()) for method, keys in MERGE_PARAMS.items()} == {
+        record.name: sorted(record.params) for record in RECORDS
+    }
+
+
+def _verdicts(method: str, world_size: int) -> tuple[bool, bool]:
+    """(config accepts, merge stage accepts) a run of ``method`` on ``world_size`` ranks."""
+    config = base_config({"r": {"merge_method": method, "strategy": "localsgd", "sync_every": 0}})
+    config["run_defaults"]["world_size"] = world_size
+    try:
+        load_experiment(config, environ={})
+        by_config = True
+    except ConfigError:
+        by_config = False
+    try:
+        resolve_params(method, {}, [10] * world_size)
+        by_method = True
+    except UserError:
+        by_method = False
+    return by_config, by_method
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if BY_NAME[m].check is not None])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_config_accepts_a_world_size_exactly_when_the_method_does(method, world_size):
+    by_config, by_method = _verdicts(method, world_size)
+    assert by_config == by_method, f"{method} on {world_size} ranks: config {by_config}, method {by_method}"
