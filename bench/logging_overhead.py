@@ -65,7 +65,8 @@ SYSTEM_MODES = ("metrics + system 5 s", "metrics + system 0.1 s")
 
 def train_config(epochs: int) -> dict:
     """The run defaults of the config schema for a one-rank ddp run (as the train rule passes them)."""
-    from shardfuse.config import TRAIN_KEYS, load_experiment
+    from shardfuse.experiment.keys import TRAIN_KEYS
+    from shardfuse.experiment.load import load_experiment
 
     experiment = load_experiment(
         {

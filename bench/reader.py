@@ -196,7 +196,8 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
 
     from shardfuse.data.manifest import read_manifest
     from shardfuse.data.reader import read_dataset_info
-    from shardfuse.models.registry import build_model, model_spec
+    from shardfuse.models.registry import build_model
+    from shardfuse.models.spec import model_spec
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -224,7 +225,8 @@ def measure_model_training(kind: str, shard_dir: Path, num_steps: int) -> dict:
     import torch
 
     from shardfuse.data.manifest import read_manifest
-    from shardfuse.models.registry import build_model, model_spec
+    from shardfuse.models.registry import build_model
+    from shardfuse.models.spec import model_spec
     from shardfuse.models.tasks import task_for
 
     run_cfg = MODEL_RUNS[kind]

@@ -103,7 +103,8 @@ if mode != "train":
 def train_config(strategy: str, epochs: int) -> dict:
     """The run defaults of the config schema for a variant of STRATEGIES, as the train rule would
     pass them."""
-    from shardfuse.config import TRAIN_KEYS, load_experiment
+    from shardfuse.experiment.keys import TRAIN_KEYS
+    from shardfuse.experiment.load import load_experiment
 
     name, sync_every = STRATEGIES[strategy]
     experiment = load_experiment(

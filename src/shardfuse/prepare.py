@@ -61,6 +61,7 @@ import pyarrow.parquet as pq
 
 from shardfuse.data.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
 from shardfuse.data.sources.images import LOADED_HERE, TENSOR_SOURCES, check_tensor_spec, load_tensor_source
+from shardfuse.data.sources.registry import SOURCES, TASKS
 from shardfuse.data.sources.synthetic import Chunk, check_synthetic_spec, synthetic_data
 from shardfuse.data.sources.tables import (
     MAX_SEED,
@@ -101,36 +102,12 @@ DEFAULTS = {
     "labels_key": "y",
 }
 SPLITS = ("train", "val", "test")
-SPLIT_KEYS = {"test_fraction", "val_fraction", "seed"}
-COMMON_KEYS = SPLIT_KEYS | {"task"}
-USER_FILE_KEYS = ({"path", "feature_columns"}, COMMON_KEYS | {"label_column", "label_columns", "classes"})
-# source -> (required keys, optional keys) for any of its tasks; "source" itself is always required.
-SOURCE_KEYS: dict[str, tuple[set[str], set[str]]] = {
-    "digits": (set(), COMMON_KEYS | {"classes"}),
-    "digits_images": (set(), COMMON_KEYS | {"classes"}),
-    "diabetes": (set(), COMMON_KEYS),
-    "synthetic": (
-        {"num_rows", "num_features"},
-        COMMON_KEYS | {"num_classes", "class_sep", "classes", "num_outputs", "noise"},
-    ),
-    "parquet": (USER_FILE_KEYS[0], USER_FILE_KEYS[1] | {"feature_shape"}),
-    "csv": USER_FILE_KEYS,
-    "image_folder": ({"path", "image_size"}, COMMON_KEYS | {"mode", "on_bad_image", "classes"}),
-    "npz": ({"path"}, COMMON_KEYS | {"features_key", "labels_key", "classes"}),
-    "text": ({"paths", "block_size"}, COMMON_KEYS | {"exclude", "max_tokens", "tokenizer", "vocab_size"}),
+# source -> (required keys, optional keys) for any of its tasks ("source" itself is always required),
+# and the tasks each source can do, the first its default: from the sources' records.
+SOURCE_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    name: (record.required, record.optional) for name, record in SOURCES.items()
 }
-# The tasks each source can do; the first is its default.
-SOURCE_TASKS = {
-    "digits": ("classification",),
-    "digits_images": ("classification",),
-    "diabetes": ("regression",),
-    "synthetic": ("classification", "regression"),
-    "parquet": ("classification", "regression"),
-    "csv": ("classification", "regression"),
-    "image_folder": ("classification",),
-    "npz": ("classification", "regression"),
-    "text": ("causal_lm",),
-}
+SOURCE_TASKS = {name: record.tasks for name, record in SOURCES.items()}
 # Each source's checks of its own keys (given the validated spec, task filled in).
 SOURCE_CHECKS = {
     "synthetic": check_synthetic_spec,
@@ -139,7 +116,6 @@ SOURCE_CHECKS = {
     "text": check_text_spec,
     **dict.fromkeys(TENSOR_SOURCES, check_tensor_spec),
 }
-TASKS = ("classification", "regression", "causal_lm")
 # Keys that only one task takes (a source's other keys suit all its tasks), and the keys a task requires.
 TASK_ONLY_KEYS = {
     "classification": {"num_classes", "class_sep", "classes", "label_column"},

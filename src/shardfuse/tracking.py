@@ -84,7 +84,6 @@ from shardfuse.track.parent import (
     merged_model_metrics,
     sync_parent_extras,
 )
-from shardfuse.track.push import ROWS_PER_BATCH as ROWS_PER_BATCH  # re-exported for the tests
 from shardfuse.track.push import (
     SYNCED_TAG,
     changed_metrics,

@@ -37,10 +37,12 @@ from torch.nn.parallel import DistributedDataParallel
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import ShardReader, column_stats, feature_stats, read_dataset_info
+from shardfuse.experiment.keys import RANK_SEED_STRIDE
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
-from shardfuse.models.registry import build_model, check_output_shape, model_spec, set_data_stats, task_of
+from shardfuse.models.registry import build_model, check_output_shape, set_data_stats, task_of
+from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Task
 from shardfuse.rank.dist import DistContext, RankGate, autocast, distributed, gate_for, step_dtype
 from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer, set_lr
@@ -82,7 +84,7 @@ def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
     return max(1, math.ceil(smallest / batch_size))
 
 
-def _check_finite(loss_value: float, ctx: DistContext, step: int, policy: str) -> bool:
+def check_finite(loss_value: float, ctx: DistContext, step: int, policy: str) -> bool:
     """True if the step may proceed. 'error' stops the run; 'skip' skips the batch on every rank."""
     if policy == "skip":
         finite = torch.tensor([int(math.isfinite(loss_value))], dtype=torch.int32, device=ctx.device)
@@ -229,7 +231,7 @@ def set_up(
     num_batches = steps_per_epoch(manifest, cfg["batch_size"])
     check_schedule(cfg, cfg["epochs"] * optimizer_steps(num_batches, cfg.get("grad_accum_steps", 1)))
     # Dropout and data order differ per rank; the initial weights do not, unless init: per_rank.
-    rank_seed = cfg["seed"] * 1_000_003 + ctx.rank + 1
+    rank_seed = cfg["seed"] * RANK_SEED_STRIDE + ctx.rank + 1
     per_rank = cfg.get("init", "shared") == "per_rank"
     torch.manual_seed(rank_seed if per_rank else cfg["seed"])
     model = build_model(spec).to(ctx.device)
@@ -387,7 +389,7 @@ def accumulate_gradients(
             with autocast(ctx.device, plan.dtype):
                 loss = task.loss(plan.net(inputs), targets)
             loss_value = loss.item()  # one host sync a micro-step: the finite check and metrics share it
-            if _check_finite(loss_value, ctx, step, plan.nonfinite_policy):
+            if check_finite(loss_value, ctx, step, plan.nonfinite_policy):
                 (loss / group_size if group_size > 1 else loss).backward()
                 # Under DDP only the last backward syncs the accumulated gradients: without it the
                 # ranks' gradients differ, so the whole step is skipped.

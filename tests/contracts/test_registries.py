@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardfuse.config import MERGE_PARAMS, ConfigError, load_experiment
+from shardfuse.experiment.keys import MERGE_PARAMS
+from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import BY_NAME, METHODS, RECORDS, resolve_params
 from shardfuse.io import UserError
 from tests.support.helpers import base_config
@@ -64,3 +66,18 @@ def _verdicts(method: str, world_size: int) -> tuple[bool, bool]:
 def test_the_config_accepts_a_world_size_exactly_when_the_method_does(method, world_size):
     by_config, by_method = _verdicts(method, world_size)
     assert by_config == by_method, f"{method} on {world_size} ranks: config {by_config}, method {by_method}"
+
+
+def test_the_schema_enum_of_dataset_sources_is_the_registry():
+    from shardfuse.data.sources.registry import SOURCES
+
+    assert sorted(SCHEMA["$defs"]["dataset"]["properties"]["source"]["enum"]) == sorted(SOURCES)
+
+
+def test_the_prepare_stage_and_the_config_loader_read_one_table_of_source_tasks():
+    from shardfuse.data.sources.registry import SOURCES
+    from shardfuse.experiment.keys import DEFAULT_TASKS, SOURCE_TASKS
+    from shardfuse.prepare import SOURCE_TASKS as PREPARED_TASKS
+
+    assert SOURCE_TASKS == PREPARED_TASKS == {name: record.tasks for name, record in SOURCES.items()}
+    assert {name: tasks[0] for name, tasks in SOURCE_TASKS.items()} == DEFAULT_TASKS

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from snakemake.utils import update_config
 
-from shardfuse.config import load_experiment
+from shardfuse.experiment.load import load_experiment
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden") / "training_names.json"

@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from shardfuse import plots, tracking
 from shardfuse.io import UserError
 from shardfuse.track import inputs as tracking_inputs
+from shardfuse.track.push import ROWS_PER_BATCH
 from tests.support.tracking import NUM_FEATURES, make_run_dir, mlflow_service, run_config, run_script
 
 pytestmark = pytest.mark.server
@@ -126,9 +127,9 @@ def test_server_down_fails_fast_with_rerun_hint_and_rerun_after_restart_loses_an
     def server_dies_after_one_batch(client, run_id, rows, start):
         if stopped:
             return original(client, run_id, rows, start)
-        original(client, run_id, rows[: start + tracking.ROWS_PER_BATCH], start)
+        original(client, run_id, rows[: start + ROWS_PER_BATCH], start)
         stopped.append(run_script("mlflow-server-down.sh", server["env"]).returncode)
-        return original(client, run_id, rows, start + tracking.ROWS_PER_BATCH)
+        return original(client, run_id, rows, start + ROWS_PER_BATCH)
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setattr(tracking, "sync_history", server_dies_after_one_batch)
@@ -149,7 +150,7 @@ def test_server_down_fails_fast_with_rerun_hint_and_rerun_after_restart_loses_an
     # The rest of the histories, each rank's two test metrics, the parent's headline metrics (pushed
     # after the ranks: the interrupted push had none).
     (parent,), _ = _parents(server, "outage")
-    expected = 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2 + len(parent.data.metrics)
+    expected = 3 * (2 * num_steps - ROWS_PER_BATCH) + 2 * 2 + len(parent.data.metrics)
     assert result["num_points_pushed"] == expected
     _assert_complete(server, result, num_steps)
     assert _track_cli(server, run_dir, manifest, "outage").returncode == 0

@@ -24,7 +24,8 @@ from mlflow.tracking import MlflowClient
 
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.io import UserError
-from shardfuse.models.registry import build_model, model_spec, set_data_stats
+from shardfuse.models.registry import build_model, set_data_stats
+from shardfuse.models.spec import model_spec
 from shardfuse.track import model as mlflow_model
 from tests.support.helpers import subprocess_env
 

@@ -7,7 +7,8 @@ import torch
 
 from shardfuse.data.reader import load_table, read_dataset_info
 from shardfuse.fusion.recalibrate import recalibrate_batchnorm
-from shardfuse.models.registry import build_model, model_spec
+from shardfuse.models.registry import build_model
+from shardfuse.models.spec import model_spec
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,18 @@ from shardfuse.cluster.slurm import (  # noqa: E402
     oversized_cpu_requests,
     partition_cpus,
 )
-from shardfuse.launch import Geometry, job_resources  # noqa: E402
-from shardfuse.config import (  # noqa: E402
-    ConfigError,
-    load_experiment,
+from shardfuse.cluster.torchrun import Geometry, job_resources  # noqa: E402
+from shardfuse.experiment.keys import (  # noqa: E402
     merge_align_args,
     merge_params,
-    run_config_for_tracking,
     shardset_name,
     train_config,
 )
+from shardfuse.experiment.load import (  # noqa: E402
+    load_experiment,
+    run_config_for_tracking,
+)
+from shardfuse.experiment.schema import ConfigError  # noqa: E402
 
 try:
     EXPERIMENT = load_experiment(
@@ -47,7 +49,7 @@ except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
 RUNS = EXPERIMENT.runs
-# Runs that differ only in merge keys share a training (see shardfuse.config.training_name).
+# Runs that differ only in merge keys share a training (see shardfuse.experiment.keys.training_name).
 TRAININGS = EXPERIMENT.trainings
 
 
@@ -185,7 +187,7 @@ def init_from_args(wildcards):
 
 
 def train_job_resource(name):
-    """A resource function for the train rule, from shardfuse.launch.job_resources."""
+    """A resource function for the train rule, from shardfuse.cluster.torchrun.job_resources."""
 
     def resource(wildcards):
         cfg = _cfg(wildcards)

@@ -17,7 +17,7 @@ rule train:
         # Partition, account and GPUs (gres) come from the cluster profile.
         mem_mb=4000,
         runtime=120,
-        # Launch geometry from the run's nodes (shardfuse.launch.job_resources): one SLURM task
+        # Launch geometry from the run's nodes (shardfuse.cluster.torchrun.job_resources): one SLURM task
         # per node.
         nodes=train_job_resource("nodes"),
         tasks=train_job_resource("tasks"),

@@ -170,12 +170,6 @@ def moved_units(perms: dict[str, torch.Tensor]) -> dict[str, int]:
     return {group: int((p != torch.arange(len(p))).sum()) for group, p in perms.items()}
 
 
-def check_align_params(max_iter: Any) -> int:
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise UserError(f"merge_align_max_iter must be an integer >= 1, got {max_iter!r}")
-    return max_iter
-
-
 def align_gather(
     info: dict[str, Any], model_spec: dict[str, Any], work_dir: Path, max_iter: int = 100
 ) -> tuple[dict[str, Any], dict[str, Any]]:

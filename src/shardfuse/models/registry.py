@@ -8,9 +8,9 @@ for causal_lm a token batch ``[N, T]`` to logits ``[N, T, vocab_size]``).
 User code lives in the run's ``code_paths`` (directories put on ``sys.path`` in every job) or in an
 installed package. By hand::
 
-    python -c "import json, shardfuse.models.registry as m
+    python -c "import json, shardfuse.models.registry as m, shardfuse.models.spec as s
     info = json.load(open('results/datasets/digits/dataset.json'))
-    print(m.build_model(m.model_spec('mlp', {}, [], info)))"
+    print(m.build_model(s.model_spec('mlp', {}, [], info)))"
 
 The spec travels inside every checkpoint's metadata: the reference, its args, the task, the dataset
 description and the sha256 of every user code file, so gather, merge, evaluate and MLflow rebuild the
@@ -36,10 +36,7 @@ from torch import nn
 from shardfuse.checkpoints.trust import Shapes, check_spec_bounds, shape_mismatch, spec_error
 from shardfuse.io import UserError
 from shardfuse.models.builtin import cnn, transformer
-
-# Specs are read in the torch-free shardfuse.models.spec; model_spec and normalized_spec stay importable here.
 from shardfuse.models.spec import DataDescription, description_of, normalized_spec
-from shardfuse.models.spec import model_spec as model_spec
 from shardfuse.models.tasks import Task, Totals, task_for
 from shardfuse.models.usercode import load_factory
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from shardfuse.io import UserError
 
@@ -49,7 +49,6 @@ def _functional():
     return torch.nn.functional
 
 
-TaskName = Literal["classification", "regression", "causal_lm"]
 TASKS: tuple[str, ...] = ("classification", "regression", "causal_lm")
 REGRESSION_LOSSES = ("mse", "huber")
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardfuse.experiment.keys import DECAY_RULE
 from shardfuse.io import UserError
 
 DEFAULT_BETAS = (0.9, 0.999)
@@ -36,7 +37,7 @@ DEFAULT_EPS = 1e-8
 def parameter_groups(model: torch.nn.Module, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """One group (every parameter decays) or, under the AdamW decay rule, decay and no-decay groups."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.get("decay_rule") != "ndim>=2":
+    if cfg.get("decay_rule") != DECAY_RULE:
         return [{"params": params}]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

@@ -6,16 +6,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardfuse import launch
-from shardfuse.io import UserError
-from shardfuse.launch import (
+from shardfuse.cluster import torchrun
+from shardfuse.cluster.torchrun import (
     Geometry,
-    attempt_log,
     job_resources,
     launch_command,
     node_step_command,
     rendezvous_port,
 )
+from shardfuse.io import UserError
+from shardfuse.launch import attempt_log
 
 TRAIN = ["--run-name", "t", "--out-dir", "results/trainings/t/.ranks.partial"]
 
@@ -62,7 +62,7 @@ def test_four_nodes_of_eight_gpus_start_one_srun_task_per_node():
 
 def test_each_node_step_runs_torchrun_with_its_node_rank_and_the_first_host_rendezvous(monkeypatch):
     expanded = []
-    monkeypatch.setattr(launch, "first_host", lambda nodelist: expanded.append(nodelist) or "gpu001")
+    monkeypatch.setattr(torchrun, "first_host", lambda nodelist: expanded.append(nodelist) or "gpu001")
     environ = {
         "SLURM_JOB_ID": "4242",
         "SLURM_NNODES": "4",
@@ -88,7 +88,7 @@ def test_each_node_step_runs_torchrun_with_its_node_rank_and_the_first_host_rend
 
 
 def test_node_step_refuses_a_step_of_the_wrong_size(monkeypatch):
-    monkeypatch.setattr(launch, "first_host", lambda nodelist: "n1")
+    monkeypatch.setattr(torchrun, "first_host", lambda nodelist: "n1")
     environ = {"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n[1-2]"}
     with pytest.raises(UserError, match="spans 2 nodes but the run needs 4"):
         node_step_command(Geometry(4, 8), TRAIN, environ)
@@ -150,7 +150,7 @@ def test_sbatch_for_one_node_is_a_single_task_job():
 
 
 def test_each_rank_gets_its_share_of_the_job_threads():
-    from shardfuse.launch import rank_environ
+    from shardfuse.cluster.torchrun import rank_environ
 
     assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "2"
     assert rank_environ(Geometry(1, 4), {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "1"

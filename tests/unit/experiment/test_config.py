@@ -8,21 +8,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardfuse.config import (
+from shardfuse.experiment.keys import (
     DECAY_RULE,
     MAX_RUN_SEED,
     MAX_SEED,
     OPTIONAL_TRAIN_KEYS,
     RANK_SEED_STRIDE,
-    ConfigError,
-    load_experiment,
-    load_schema,
-    read_config_file,
-    read_runs_table,
     shardset_name,
     train_config,
     training_name,
 )
+from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.runs_table import read_runs_table
+from shardfuse.experiment.schema import ConfigError, load_schema, read_config_file
 from tests.support.helpers import base_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -514,7 +512,7 @@ def test_anchors_aliases_and_merge_keys_are_not_duplicates(tmp_path):
 
 
 def test_merge_align_reaches_the_merge_command_only_when_set():
-    from shardfuse.config import merge_align_args
+    from shardfuse.experiment.keys import merge_align_args
 
     plain = {"merge_method": "uniform", "strategy": "localsgd"}
     experiment = load_experiment(

@@ -19,7 +19,8 @@ from shardfuse.fusion.methods.registry import rank_weights, resolve_params
 from shardfuse.gather import gather
 from shardfuse.io import UserError, file_digests, sha256_file, write_json
 from shardfuse.merge import merge
-from shardfuse.models.registry import build_model, model_spec
+from shardfuse.models.registry import build_model
+from shardfuse.models.spec import model_spec
 from tests.support.fusion import MLP_SPEC, gather_to, make_run, random_rank_tensors
 
 

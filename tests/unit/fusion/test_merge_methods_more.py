@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardfuse.config import ConfigError, load_experiment
+from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.engine import merge_arrays
 from shardfuse.fusion.methods.plan import stream_seed
 from shardfuse.fusion.methods.registry import METHODS, USES_BASE, resolve_params
@@ -332,7 +333,7 @@ def test_bad_new_merge_keys_stop_the_config_before_any_job(run, message):
 
 
 def test_new_merge_keys_reach_only_their_method():
-    from shardfuse.config import merge_params
+    from shardfuse.experiment.keys import merge_params
 
     experiment = load_experiment(
         config_of(merge_method="karcher", world_size=2, merge_max_iter=3, merge_gamma=0.2), environ={}

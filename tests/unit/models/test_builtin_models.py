@@ -7,7 +7,8 @@ import torch
 
 from shardfuse.checkpoints.weights import load_weights, save_weights
 from shardfuse.io import UserError
-from shardfuse.models.registry import build_model, check_output_shape, model_spec, set_data_stats
+from shardfuse.models.registry import build_model, check_output_shape, set_data_stats
+from shardfuse.models.spec import model_spec
 
 IMAGE_INFO = {
     "task": "classification",

@@ -23,6 +23,7 @@ from shardfuse.models.registry import build_model
 from shardfuse.track import client as mlflow_common
 from shardfuse.track import inputs as tracking_inputs
 from shardfuse.track import push as mlflow_sync
+from shardfuse.track.push import ROWS_PER_BATCH
 from tests.support.tracking import (
     NEW_TRAIN_FIELDS,
     NUM_FEATURES,
@@ -201,7 +202,7 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
     original = tracking.sync_history
 
     def killed_after_one_batch(client, run_id, rows, start):
-        original(client, run_id, rows[: start + tracking.ROWS_PER_BATCH], start)
+        original(client, run_id, rows[: start + ROWS_PER_BATCH], start)
         raise KeyboardInterrupt  # as if the job were killed while pushing rank 0's history
 
     with monkeypatch.context() as patch:
@@ -211,9 +212,7 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
     (interrupted,), (partial,) = active_runs(track_store, run_name)
     assert interrupted.info.status == "FAILED"
     assert interrupted.data.tags["shardfuse.complete"] == "false"
-    assert (
-        len(track_store["client"].get_metric_history(partial.info.run_id, "loss")) == tracking.ROWS_PER_BATCH
-    )
+    assert len(track_store["client"].get_metric_history(partial.info.run_id, "loss")) == ROWS_PER_BATCH
 
     result = tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert result["action"] == "updated"
@@ -221,7 +220,7 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
     # The rest of the histories, each rank's two test metrics and the parent's headline metrics (logged
     # after the ranks, so the interrupted push had none of them).
     num_headline = len(parents[0].data.metrics)
-    assert result["num_points_pushed"] == 3 * (2 * num_steps - tracking.ROWS_PER_BATCH) + 2 * 2 + num_headline
+    assert result["num_points_pushed"] == 3 * (2 * num_steps - ROWS_PER_BATCH) + 2 * 2 + num_headline
     assert [p.info.run_id for p in parents] == [interrupted.info.run_id] == [result["parent_run_id"]]
     assert parents[0].data.tags["shardfuse.complete"] == "true"
     assert parents[0].info.status == "FINISHED"

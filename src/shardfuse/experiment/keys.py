@@ -1,0 +1,176 @@
+"""The run's keys: what the train and merge rules read of a run, and what names its training."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from shardfuse.data.sources.registry import SOURCES
+from shardfuse.fusion.methods.registry import RECORDS
+
+# Run and dataset names become directory names; matched in full (``$`` would accept a trailing newline).
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+# Seeds are 64-bit integers everywhere they go (torch generators, JSON records, MLflow params); numpy
+# alone would take any size. The train stage seeds rank r's torch generator with
+# seed * RANK_SEED_STRIDE + r + 1 (train.py), so a run's seed leaves room for the schema's 4096 ranks.
+# The schema's maxima are these numbers (a test holds them equal).
+MAX_SEED = 2**63 - 1
+
+
+RANK_SEED_STRIDE = 1_000_003
+
+
+MAX_RUN_SEED = (MAX_SEED - 4096) // RANK_SEED_STRIDE
+
+
+SEED_LIMITS = {
+    "seed": f"each rank seeds torch with seed x {RANK_SEED_STRIDE} + rank + 1, a 64-bit integer",
+    "shard_seed": "seeds are 64-bit integers",
+    "merge_seed": "seeds are 64-bit integers",
+}
+
+
+# A dataset's task when its spec does not say, and the tasks each source can give: the sources' records.
+DEFAULT_TASKS = {name: record.default_task for name, record in SOURCES.items()}
+SOURCE_TASKS = {name: record.tasks for name, record in SOURCES.items()}
+
+
+# The run keys each stage sees: a stage's command (hence Snakemake's params trigger) changes only
+# when one of its own keys changes, so a new merge method never re-runs training.
+TRAIN_KEYS = (
+    "strategy",
+    "sync_every",
+    "hidden_sizes",
+    "activation",
+    "dropout",
+    "optimizer",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "batch_size",
+    "epochs",
+    "seed",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "nonfinite_loss",
+    "precision",
+)
+
+
+# What each merge method reads from the run config (config key merge_<param> -> merge param), from the
+# methods' own records; other keys do not reach the merge rule, so changing them does not re-run it.
+MERGE_PARAMS = {record.name: {f"merge_{param}": param for param in record.params} for record in RECORDS}
+
+
+# Train keys added after the first release (the model registry, then the training loop). They join a
+# training's identity (and its command) only when set to something other than their default, so
+# trainings configured before they existed keep their names and are not re-run. The defaults are the
+# schema's (a test holds them equal); `!=` finds 0 equal to 0.0 and a YAML list equal to a TSV one.
+OPTIONAL_TRAIN_KEYS = {
+    "model": "mlp",
+    "model_args": {},
+    "code_paths": [],
+    "loss": "mse",
+    "init_from": None,
+    "lr_schedule": "constant",
+    "warmup_steps": 0,
+    "min_lr": 0.0,
+    "grad_clip_norm": None,
+    "grad_accum_steps": 1,
+    "betas": [0.9, 0.999],
+    "eps": 1.0e-8,
+    "eval_every": 0,
+    "keep": "last",
+    "patience": None,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "init": "shared",
+}
+
+
+# Numbers among them, stored as floats so that `outer_lr: 1` and `outer_lr: 1.0` name one training.
+FLOAT_TRAIN_KEYS = ("min_lr", "grad_clip_norm", "eps", "outer_lr", "outer_momentum")
+
+
+# Resolved while loading the config (not keys a user writes): the sha256 of the user model's code
+# files, what init_from points at (a file, or the training and merge of another run), and the AdamW
+# weight-decay rule (set when it changes training: adamw with weight_decay > 0).
+DERIVED_TRAIN_KEYS = ("code_digest", "init_source", "decay_rule")
+
+
+# AdamW decays only parameters with two or more dimensions (not biases and norm weights); runs it
+# affects carry it, so they got new training names when the rule replaced decay-everything.
+DECAY_RULE = "ndim>=2"
+
+
+# Keys that only some strategies use: a non-ddp run's ddp baseline may differ in them.
+STRATEGY_KEYS = ("strategy", "sync_every", "outer_lr", "outer_momentum", "init")
+
+
+# Everything that determines a training's outputs. Runs that agree on all of these (e.g. a sweep over
+# merge methods) share one training: its ranks are trained once and fused several ways.
+TRAINING_KEYS = (
+    "dataset",
+    "world_size",
+    "shard_seed",
+    "drop_remainder",
+    "nodes",
+    "nproc_per_node",
+    *TRAIN_KEYS,
+)
+
+
+def merge_align_args(run_cfg: dict[str, Any]) -> str:
+    """The merge command's alignment options: empty unless the run aligns (so the command of a run
+    configured before alignment existed is unchanged and Snakemake does not re-run its merge)."""
+    align = run_cfg.get("merge_align", "none")
+    args = [] if align == "none" else ["--align", align]
+    if run_cfg.get("merge_recalibrate"):
+        args.append("--recalibrate")
+    return " ".join(args)
+
+
+def merge_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The params of the run's merge method (null values mean the method's own default)."""
+    mapping = MERGE_PARAMS.get(run_cfg["merge_method"], {})
+    return {param: run_cfg[key] for key, param in mapping.items() if run_cfg[key] is not None}
+
+
+def _set_train_keys(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The optional and derived train keys a run sets (those not at their defaults)."""
+    found = {
+        key: run_cfg[key]
+        for key, default in OPTIONAL_TRAIN_KEYS.items()
+        if key in run_cfg and run_cfg[key] != default
+    }
+    found.update({key: run_cfg[key] for key in DERIVED_TRAIN_KEYS if run_cfg.get(key) is not None})
+    return found
+
+
+def train_config(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """What the train stage reads of a run (its command line, hence Snakemake's params trigger)."""
+    return {**{key: run_cfg[key] for key in TRAIN_KEYS}, **_set_train_keys(run_cfg)}
+
+
+def training_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**{key: run_cfg[key] for key in TRAINING_KEYS}, **_set_train_keys(run_cfg)}
+
+
+def training_name(run_cfg: dict[str, Any]) -> str:
+    """A readable, content-addressed name: results/trainings/<name>/ holds the trained ranks."""
+    identity = json.dumps(training_identity(run_cfg), sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    return f"{run_cfg['dataset']}-w{run_cfg['world_size']}-{run_cfg['strategy']}-{digest}"
+
+
+def shardset_name(run_cfg: dict[str, Any]) -> str:
+    """Directory name of a shard set: shards depend only on (dataset, world size, seed, remainder)."""
+    suffix = "-drop" if run_cfg["drop_remainder"] else ""
+    return f"w{run_cfg['world_size']}-seed{run_cfg['shard_seed']}{suffix}"

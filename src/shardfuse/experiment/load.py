@@ -1,0 +1,164 @@
+"""The experiment: every run resolved (run_defaults, its row, schema defaults) and checked before any
+job starts. The Snakefile calls :func:`load_experiment`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from shardfuse.experiment.checks import (
+    check_dataset_task,
+    check_model,
+    check_run,
+    check_training_loop,
+    resolve_init_sources,
+)
+from shardfuse.experiment.keys import (
+    DEFAULT_TASKS,
+    DEFAULT_TRACKING_URI,
+    RUN_NAME,
+    STRATEGY_KEYS,
+    training_identity,
+    training_name,
+)
+from shardfuse.experiment.runs_table import read_runs_table
+from shardfuse.experiment.schema import (
+    SCHEMA_PATH,
+    ConfigError,
+    check_finite,
+    load_schema,
+    read_config_file,
+    validate,
+    with_defaults,
+)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    runs: dict[str, dict[str, Any]]  # run name -> fully resolved run config
+    datasets: dict[str, dict[str, Any]]
+    tracking_uri: str
+    mlflow_experiment: str
+    registered_model: str | None = None
+    live: bool = False
+
+    def training(self, run: str) -> str:
+        return training_name(self.runs[run])
+
+    @property
+    def trainings(self) -> dict[str, dict[str, Any]]:
+        """Training name -> the config of the first run that uses it (identical training keys)."""
+        found: dict[str, dict[str, Any]] = {}
+        for cfg in self.runs.values():
+            found.setdefault(training_name(cfg), cfg)
+        return found
+
+    def ddp_baseline(self, run: str) -> str | None:
+        """The ddp run trained like ``run`` in every other respect, if the experiment has one."""
+        cfg = self.runs[run]
+
+        def rest(run_cfg: dict[str, Any]) -> dict[str, Any]:
+            identity = training_identity(run_cfg)
+            return {k: v for k, v in identity.items() if k not in STRATEGY_KEYS}
+
+        for other, other_cfg in self.runs.items():
+            if other_cfg["strategy"] == "ddp" and rest(other_cfg) == rest(cfg):
+                return other
+        return None
+
+
+def load_experiment(
+    config: dict[str, Any],
+    schema_path: str | os.PathLike = SCHEMA_PATH,
+    environ: dict[str, str] | None = None,
+    config_files: Iterable[str | os.PathLike] = (),
+) -> Experiment:
+    """Validate ``config`` and resolve every run. Raises ConfigError with a one-line message.
+
+    ``config_files`` are the files ``config`` was read from (Snakemake's ``workflow.configfiles``):
+    they are read again by :func:`read_config_file`, which refuses what Snakemake's loader lets
+    through (a key written twice, whose first value YAML silently drops)."""
+    environ = os.environ if environ is None else environ
+    for config_file in config_files:
+        read_config_file(config_file)
+    schema = load_schema(schema_path)
+    config = with_defaults(config, schema)
+    config_fix = "fix it in config/config.yaml (see config/README.md)"
+    for key in ("datasets", "mlflow"):
+        check_finite(config.get(key), key, config_fix)
+    validate(config, schema, "", config_fix)
+    run_schema = schema["$defs"]["run"]
+    run_props = run_schema["properties"]
+    defaults = with_defaults(config["run_defaults"], run_schema)
+    check_finite(defaults, "run_defaults", "fix it in config/config.yaml")
+    validate(defaults, run_schema, "run_defaults", "fix it in config/config.yaml")
+
+    table = config["runs"]
+    rows = read_runs_table(table, run_props) if isinstance(table, str) else table
+    fix = f"fix that cell in {table}" if isinstance(table, str) else "fix it in the runs mapping"
+    for name in config["datasets"]:
+        if not RUN_NAME.fullmatch(str(name)):
+            raise ConfigError(
+                f"config error at datasets: dataset name {name!r} is not allowed; use letters, digits, "
+                "'_', '.', '-' (it becomes a directory name)"
+            )
+    datasets = {
+        name: _dataset_with_defaults(name, spec, schema["$defs"]["dataset"])
+        for name, spec in config["datasets"].items()
+    }
+    runs: dict[str, dict[str, Any]] = {}
+    for name, row in rows.items():
+        name = str(name)
+        if not RUN_NAME.fullmatch(name):
+            raise ConfigError(
+                f"config error at runs: run name {name!r} is not allowed; use letters, digits, "
+                "'_', '.', '-' (it becomes a directory name)"
+            )
+        if row is None or not isinstance(row, dict):
+            raise ConfigError(f"config error at runs[{name}]: expected a mapping of run keys; {fix}")
+        resolved = {**defaults, **row}
+        check_finite(resolved, f"runs[{name}]", fix)
+        validate(resolved, run_schema, f"runs[{name}]", fix)
+        check_run(name, resolved, datasets, fix)
+        check_model(name, resolved, datasets)
+        check_training_loop(name, resolved, datasets)
+        runs[name] = resolved
+    resolve_init_sources(runs)
+
+    mlflow_cfg = with_defaults(config["mlflow"], schema["properties"]["mlflow"])
+    tracking_uri = mlflow_cfg["tracking_uri"] or environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    return Experiment(
+        runs,
+        datasets,
+        tracking_uri,
+        mlflow_cfg["experiment"],
+        mlflow_cfg["registered_model"],
+        mlflow_cfg["live"],
+    )
+
+
+def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """Fill defaults only for keys the dataset's source uses (class_sep is synthetic's alone)."""
+    filled = with_defaults(spec, schema)
+    task = filled.get("task") or DEFAULT_TASKS.get(filled["source"], "classification")
+    if task != "classification":
+        filled["task"] = task  # classification stays implicit: older dataset specs keep their params
+    if (filled["source"] != "synthetic" or task != "classification") and "class_sep" not in spec:
+        del filled["class_sep"]
+    check_dataset_task(name, filled, task)
+    if filled["test_fraction"] + filled["val_fraction"] >= 1:
+        raise ConfigError(
+            f"config error at datasets.{name}: test_fraction + val_fraction = "
+            f"{filled['test_fraction'] + filled['val_fraction']:g} leaves no training rows; "
+            "make their sum < 1"
+        )
+    return filled
+
+
+def run_config_for_tracking(experiment: Experiment, run: str) -> dict[str, Any]:
+    """The run's full resolved config, including its dataset's spec, as the tracker logs it."""
+    cfg = dict(experiment.runs[run])
+    return {"run": run, **cfg, "dataset_spec": experiment.datasets[cfg["dataset"]]}
