@@ -6,6 +6,13 @@ are listed, with their parameters, in :mod:`shardfuse.fusion.methods.registry`.
 theta_i is rank i's tensor (i = 0..N-1), base the run's shared initial weights (train's
 base.safetensors, saved before the first step), tau_i = theta_i - base its task vector, n = numel.
 
+Where a method is mergekit's: every method works on the flattened tensor (the engine sees no shape):
+where mergekit works row by row (della's ranking, nuslerp by default) we match its whole-tensor case
+(a 1-D tensor; nuslerp_flatten: true). Defaults are mergekit 0.1.5's, so density 1 means no
+sparsification (mergekit returns the task vector unchanged there, ignoring gamma/epsilon). Our mean
+convention (task_arithmetic's): base + scale * mean; mergekit's unnormalised sum with weight w per model
+is scale = w * N.
+
 Dtype rule: float tensors (F16, BF16, F32, F64) are merged in float64 and cast back to their own dtype.
 Integer/bool tensors (and any dtype without arithmetic here: 8-bit floats, complex) never see float
 math: they are copied from rank 0 bit for bit and must be identical across ranks, else error: a counter

@@ -33,12 +33,7 @@ base.safetensors, saved before the first step), tau_i = theta_i - base its task 
                    our TIES rule), merged = sum_i w_i m_i tau_i / max(sum_i w_i m_i, 1e-6) where m_i
                    says tau_i is nonzero with the majority sign; base + scale * merged.
 
-Where a method is mergekit's, every method works on the flattened tensor (the engine sees no shape):
-where mergekit works row by row (della's ranking, nuslerp by default) we match its whole-tensor case
-(a 1-D tensor; nuslerp_flatten: true). Defaults are mergekit 0.1.5's, so density 1 means no
-sparsification (mergekit returns the task vector unchanged there, ignoring gamma/epsilon). Our mean
-convention (task_arithmetic's): base + scale * mean; mergekit's unnormalised sum with weight w per model
-is scale = w * N.
+mergekit's conventions (flattened tensors, its defaults, our mean): :mod:`shardfuse.fusion.methods.plan`.
 """
 
 from __future__ import annotations

@@ -18,12 +18,7 @@ base.safetensors, saved before the first step), tau_i = theta_i - base its task 
                    normalised weighted mean, at most max_iter steps u <- exp_u(sum_i w_i log_u(u_i)),
                    stopping when the step's norm < tol; merged = (sum_i w_i |theta_i| / sum_i w_i) * u.
 
-Where a method is mergekit's, every method works on the flattened tensor (the engine sees no shape):
-where mergekit works row by row (della's ranking, nuslerp by default) we match its whole-tensor case
-(a 1-D tensor; nuslerp_flatten: true). Defaults are mergekit 0.1.5's, so density 1 means no
-sparsification (mergekit returns the task vector unchanged there, ignoring gamma/epsilon). Our mean
-convention (task_arithmetic's): base + scale * mean; mergekit's unnormalised sum with weight w per model
-is scale = w * N.
+mergekit's conventions (flattened tensors, its defaults, our mean): :mod:`shardfuse.fusion.methods.plan`.
 """
 
 from __future__ import annotations
