@@ -164,6 +164,7 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
     import torch
     import torch.distributed as torch_dist
 
+    from shardfuse.experiment.run_config import TrainConfig
     from shardfuse.rank.dist import DistContext
     from shardfuse.track.live import LiveLogger
     from shardfuse.tracking import connect
@@ -171,7 +172,7 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
 
     work_dir.mkdir(parents=True, exist_ok=True)
     dataset, shards = prepare_data(work_dir, rows, features)
-    cfg = train_config(epochs)
+    typed = TrainConfig.from_flat(train_config(epochs))
     uri = f"sqlite:///{work_dir / 'mlflow.db'}"
     connect(uri, "bench-logging")  # the store and experiment exist before any timed run
     torch.set_num_threads(1)
@@ -191,7 +192,7 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
                 live = LiveLogger(uri, "bench-logging", f"live-{rep}", enabled=mode == "metrics + live")
                 timing = timed_logging_calls() if rep == 0 else contextlib.nullcontext([0.0, 0])
                 with timing as spent, live, system_sampling(SAMPLE_INTERVAL_S[mode]) as samplers:
-                    train_rank(ctx, "bench", shards, dataset, cfg, out, live, step_metrics=mode != "off")
+                    train_rank(ctx, "bench", shards, dataset, typed, out, live, step_metrics=mode != "off")
                 info = json.loads((out / "train.json").read_text())
                 steps_per_second[mode].append(info["num_steps"] / info["train_seconds"])
                 if mode in SYSTEM_MODES:

@@ -99,7 +99,7 @@ def measure_partition(train: Path, reps: int, work_dir: Path) -> dict:
     """``reps`` interleaved runs of partition and both bare copies of ``train``: rows, MB, medians of
     MB/s and peak RSS, and the paired throughput ratios."""
     from shardfuse.data.shard_format import open_parquet
-    from shardfuse.partition import dictionary_columns
+    from shardfuse.data.shard_writer import dictionary_columns
 
     with open_parquet(train, "bench input", "") as parquet_file:
         rows = parquet_file.metadata.num_rows

@@ -61,7 +61,7 @@ import pyarrow.parquet as pq
 
 from shardfuse.data.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
 from shardfuse.data.sources.images import LOADED_HERE, TENSOR_SOURCES, check_tensor_spec, load_tensor_source
-from shardfuse.data.sources.registry import SOURCES, TASKS
+from shardfuse.data.sources.registry import SOURCES
 from shardfuse.data.sources.synthetic import Chunk, check_synthetic_spec, synthetic_data
 from shardfuse.data.sources.tables import (
     MAX_SEED,
@@ -86,6 +86,7 @@ from shardfuse.io import (
     write_json,
     write_stamps,
 )
+from shardfuse.models.tasks import TASKS
 
 DEFAULTS = {
     "test_fraction": 0.2,

@@ -81,3 +81,20 @@ def test_the_prepare_stage_and_the_config_loader_read_one_table_of_source_tasks(
 
     assert SOURCE_TASKS == PREPARED_TASKS == {name: record.tasks for name, record in SOURCES.items()}
     assert {name: tasks[0] for name, tasks in SOURCE_TASKS.items()} == DEFAULT_TASKS
+
+
+def test_every_source_task_is_a_task_and_the_schema_enums_of_tasks_and_strategies_are_the_codes():
+    from shardfuse.data.sources.registry import RECORDS as SOURCE_RECORDS
+    from shardfuse.models.tasks import TASKS
+    from shardfuse.rank.sync import STRATEGIES
+
+    assert {task for record in SOURCE_RECORDS for task in record.tasks} <= set(TASKS)
+    assert SCHEMA["$defs"]["dataset"]["properties"]["task"]["enum"] == list(TASKS)
+    assert RUN_KEYS["strategy"]["enum"] == list(STRATEGIES)
+
+
+def test_the_torch_free_list_of_built_in_models_is_the_registry_of_factories():
+    from shardfuse.models.registry import BUILTINS
+    from shardfuse.models.usercode import BUILTIN_MODELS
+
+    assert tuple(BUILTINS) == BUILTIN_MODELS

@@ -137,7 +137,7 @@ def test_geometry_that_disagrees_with_the_shards_fails_before_starting_ranks(
 
 def test_ddp_broadcasts_buffers_only_for_models_whose_forward_updates_them():
     from shardfuse.models.registry import build_model
-    from shardfuse.train import forward_updates_buffers
+    from shardfuse.rank.setup import forward_updates_buffers
 
     spec = {"type": "mlp", "num_features": 8, "num_classes": 3, "hidden_sizes": [4], "activation": "relu"}
     assert not forward_updates_buffers(build_model({**spec, "dropout": 0.0}))  # input stats: set once

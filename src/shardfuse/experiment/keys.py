@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from shardfuse.data.sources.registry import SOURCES
+from shardfuse.experiment.run_config import flat_defaults
 from shardfuse.fusion.methods.registry import RECORDS
 
 # Run and dataset names become directory names; matched in full (``$`` would accept a trailing newline).
@@ -72,26 +73,31 @@ MERGE_PARAMS = {record.name: {f"merge_{param}": param for param in record.params
 # Train keys added after the first release (the model registry, then the training loop). They join a
 # training's identity (and its command) only when set to something other than their default, so
 # trainings configured before they existed keep their names and are not re-run. The defaults are the
-# schema's (a test holds them equal); `!=` finds 0 equal to 0.0 and a YAML list equal to a TSV one.
+# typed config's (the schema's are held equal to them); `!=` finds 0 equal to 0.0 and a YAML list equal
+# to a TSV one.
+TRAIN_DEFAULTS = flat_defaults()
 OPTIONAL_TRAIN_KEYS = {
-    "model": "mlp",
-    "model_args": {},
-    "code_paths": [],
-    "loss": "mse",
-    "init_from": None,
-    "lr_schedule": "constant",
-    "warmup_steps": 0,
-    "min_lr": 0.0,
-    "grad_clip_norm": None,
-    "grad_accum_steps": 1,
-    "betas": [0.9, 0.999],
-    "eps": 1.0e-8,
-    "eval_every": 0,
-    "keep": "last",
-    "patience": None,
-    "outer_lr": 0.7,
-    "outer_momentum": 0.9,
-    "init": "shared",
+    key: TRAIN_DEFAULTS[key]
+    for key in (
+        "model",
+        "model_args",
+        "code_paths",
+        "loss",
+        "init_from",
+        "lr_schedule",
+        "warmup_steps",
+        "min_lr",
+        "grad_clip_norm",
+        "grad_accum_steps",
+        "betas",
+        "eps",
+        "eval_every",
+        "keep",
+        "patience",
+        "outer_lr",
+        "outer_momentum",
+        "init",
+    )
 }
 
 

@@ -28,49 +28,47 @@ from typing import Any
 import torch
 
 from shardfuse.experiment.keys import DECAY_RULE
+from shardfuse.experiment.run_config import OptimConfig
 from shardfuse.io import UserError
 
-DEFAULT_BETAS = (0.9, 0.999)
-DEFAULT_EPS = 1e-8
 
-
-def parameter_groups(model: torch.nn.Module, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def parameter_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
     """One group (every parameter decays) or, under the AdamW decay rule, decay and no-decay groups."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.get("decay_rule") != DECAY_RULE:
+    if cfg.decay_rule != DECAY_RULE:
         return [{"params": params}]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return [
-        {"params": decay, "weight_decay": cfg["weight_decay"]},
+        {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
 
 
-def make_optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = parameter_groups(model, cfg)
-    if cfg["optimizer"] == "adamw":
-        betas = tuple(cfg.get("betas") or DEFAULT_BETAS)
+    if cfg.optimizer == "adamw":
+        betas = tuple(cfg.betas)
         return torch.optim.AdamW(
             groups,
-            lr=cfg["lr"],
-            weight_decay=cfg["weight_decay"],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
             betas=(float(betas[0]), float(betas[1])),
-            eps=float(cfg.get("eps", DEFAULT_EPS)),
+            eps=float(cfg.eps),
         )
-    return torch.optim.SGD(groups, lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def lr_at(step_index: int, total_steps: int, cfg: dict[str, Any]) -> float:
+def lr_at(step_index: int, total_steps: int, cfg: OptimConfig) -> float:
     """The learning rate of optimiser step ``step_index`` (0-based) of ``total_steps``."""
-    peak = cfg["lr"]
-    warmup = cfg.get("warmup_steps", 0)
+    peak = cfg.lr
+    warmup = cfg.warmup_steps
     if step_index < warmup:
         return peak * (step_index + 1) / warmup
-    schedule = cfg.get("lr_schedule", "constant")
+    schedule = cfg.lr_schedule
     if schedule == "constant":
         return peak
-    floor = cfg.get("min_lr", 0.0)
+    floor = cfg.min_lr
     progress = min(1.0, (step_index - warmup) / max(1, total_steps - 1 - warmup))
     if schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -79,9 +77,9 @@ def lr_at(step_index: int, total_steps: int, cfg: dict[str, Any]) -> float:
     raise UserError(f"unknown lr_schedule {schedule!r}; use constant, cosine or linear")
 
 
-def check_schedule(cfg: dict[str, Any], total_steps: int) -> None:
+def check_schedule(cfg: OptimConfig, total_steps: int) -> None:
     """Warmup must fit in the run: only the train stage knows the step count (shard sizes)."""
-    warmup = cfg.get("warmup_steps", 0)
+    warmup = cfg.warmup_steps
     if warmup > total_steps:
         raise UserError(
             f"warmup_steps {warmup} is longer than the run's {total_steps} optimiser steps (epochs x "

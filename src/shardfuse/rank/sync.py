@@ -20,10 +20,10 @@ communication each strategy costs is recorded next to what it achieves:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as torch_dist
+
+from shardfuse.experiment.run_config import SyncConfig
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -140,10 +140,13 @@ class DiLoCo(Sync):
                     self.outer_optimizer.state[outer]["momentum_buffer"] = momentum.clone()
 
 
-def make_sync(model: torch.nn.Module, world_size: int, cfg: dict[str, Any]) -> Sync:
-    strategy, sync_every = cfg["strategy"], cfg.get("sync_every", 0)
+STRATEGIES = ("ddp", "localsgd", "diloco")  # the schema's strategy enum (tests/contracts)
+
+
+def make_sync(model: torch.nn.Module, world_size: int, cfg: SyncConfig) -> Sync:
+    strategy, sync_every = cfg.strategy, cfg.sync_every
     if strategy == "ddp":
         return DDPSync(model, world_size, 0)
     if strategy == "diloco":
-        return DiLoCo(model, world_size, sync_every, cfg.get("outer_lr", 0.7), cfg.get("outer_momentum", 0.9))
+        return DiLoCo(model, world_size, sync_every, cfg.outer_lr, cfg.outer_momentum)
     return LocalSGD(model, world_size, sync_every)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardfuse import partition
+from shardfuse.data import shard_writer
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import (
     ShardReader,
@@ -213,7 +213,7 @@ def streamed(tmp_path_factory) -> Path:
     spec = {**SPEC, "num_rows": STREAM_ROWS, "num_features": 5}
     prepare("syn", spec, root / "dataset")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(partition, "MAX_ROW_GROUP_ROWS", 64)
+        patch.setattr(shard_writer, "MAX_ROW_GROUP_ROWS", 64)
         partition_parquet(root / "dataset" / "train.parquet", root / "shards", world_size=2, seed=0)
     return root / "shards"
 
@@ -357,7 +357,7 @@ def layout_shards(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     for layout in LAYOUTS:
         write_layout(root / f"{layout}.parquet", layout)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(partition, "MAX_ROW_GROUP_ROWS", 16)
+            patch.setattr(shard_writer, "MAX_ROW_GROUP_ROWS", 16)
             partition_parquet(root / f"{layout}.parquet", root / layout, world_size=2, seed=3)
         made[layout] = (root / f"{layout}.parquet", root / layout)
     return made

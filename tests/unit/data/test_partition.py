@@ -14,11 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardfuse import partition
+from shardfuse.data import shard_writer
 from shardfuse.data.manifest import ColumnSpec, manifest_columns, read_manifest
 from shardfuse.data.shard_format import SHAPE_KEY, prefetched
+from shardfuse.data.shard_writer import rank_assignment, shard_sizes
 from shardfuse.io import UserError, recorded_sha256, sha256_file, write_stamps
-from shardfuse.partition import partition_parquet, rank_assignment, shard_sizes
+from shardfuse.partition import partition_parquet
 from tests.support.data import write_rows, write_tensor_split, write_token_split
 
 REPO = Path(__file__).resolve().parents[3]
@@ -383,7 +384,7 @@ def test_partition_refuses_a_tensor_column_whose_shape_does_not_fit_its_rows(tmp
 def test_shards_of_wide_rows_get_row_groups_of_bounded_values_per_column(tmp_path, monkeypatch):
     # Parquet decodes a row group or batch of a list column with per-value work arrays: a token block
     # is 17 values here, so 170 values a column make row groups of 10 rows.
-    monkeypatch.setattr(partition, "MAX_COLUMN_VALUES", 170)
+    monkeypatch.setattr(shard_writer, "MAX_COLUMN_VALUES", 170)
     write_token_split(tmp_path / "in.parquet", 95, block_size=16)
     partition_parquet(tmp_path / "in.parquet", tmp_path / "out", 2, seed=0)
     metadata = pq.read_metadata(tmp_path / "out" / "shard-0.parquet")

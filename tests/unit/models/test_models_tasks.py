@@ -319,7 +319,7 @@ def test_model_args_from_a_runs_table_cell(tmp_path, monkeypatch, user_code):
 
 
 def test_init_from_file_mismatch_names_the_first_tensor(tmp_path):
-    from shardfuse.train import load_init_weights
+    from shardfuse.rank.setup import load_init_weights
 
     spec = model_spec("mlp", {"hidden_sizes": [5]}, [], CLASSIFICATION_INFO)
     other = build_model(model_spec("mlp", {"hidden_sizes": [6]}, [], CLASSIFICATION_INFO))

@@ -15,11 +15,12 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfuse.experiment.run_config import OptimConfig
 from shardfuse.models.tasks import Classification
+from shardfuse.rank.loop import accumulate_gradients
 from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer
 from shardfuse.rank.sync import DiLoCo, LocalSGD, mode_of
 from shardfuse.rank.validation import BestTracker
-from shardfuse.train import accumulate_gradients
 
 CFG = {"lr": 0.1, "min_lr": 0.01}
 
@@ -42,18 +43,18 @@ CFG = {"lr": 0.1, "min_lr": 0.01}
 )
 def test_schedule_values_at_given_steps(schedule, warmup, step, expected):
     cfg = {**CFG, "lr_schedule": schedule, "warmup_steps": warmup}
-    assert lr_at(step, 100, cfg) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert lr_at(step, 100, OptimConfig(**cfg)) == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 def test_constant_schedule_returns_the_configured_lr_bitwise():
     # Runs configured before schedules existed must step with exactly their lr.
-    assert lr_at(57, 100, {"lr": 0.05}) == 0.05
+    assert lr_at(57, 100, OptimConfig(lr=0.05)) == 0.05
 
 
 def test_warmup_longer_than_the_run_is_refused():
-    check_schedule({"warmup_steps": 100}, 100)
+    check_schedule(OptimConfig(warmup_steps=100), 100)
     with pytest.raises(Exception, match="warmup_steps 101 is longer than the run's 100 optimiser steps"):
-        check_schedule({"warmup_steps": 101}, 100)
+        check_schedule(OptimConfig(warmup_steps=101), 100)
 
 
 def test_clipping_returns_the_pre_clip_norm_and_scales_to_the_limit():
@@ -76,7 +77,7 @@ def test_adamw_decay_rule_exempts_biases_and_norm_weights():
         "decay_rule": "ndim>=2",
         "betas": [0.8, 0.9],
     }
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, OptimConfig(**cfg))
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[2].weight)}
@@ -88,7 +89,7 @@ def test_adamw_decay_rule_exempts_biases_and_norm_weights():
     }
     assert decay["betas"] == (0.8, 0.9)
     # Without the rule (sgd, or adamw configured before it), one group decays everything.
-    (group,) = make_optimizer(model, {**cfg, "decay_rule": None}).param_groups
+    (group,) = make_optimizer(model, OptimConfig(**{**cfg, "decay_rule": None})).param_groups
     assert group["weight_decay"] == 0.1 and len(group["params"]) == 6
 
 

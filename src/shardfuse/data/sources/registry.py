@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TASKS = ("classification", "regression", "causal_lm")
 SPLIT_KEYS = frozenset({"test_fraction", "val_fraction", "seed"})
 COMMON_KEYS = SPLIT_KEYS | {"task"}
 USER_FILE_REQUIRED = frozenset({"path", "feature_columns"})
@@ -22,7 +21,7 @@ BOTH = ("classification", "regression")
 @dataclass(frozen=True)
 class Source:
     name: str
-    tasks: tuple[str, ...]  # the first is the default
+    tasks: tuple[str, ...]  # of TASKS; the first is the default
     required: frozenset[str]  # besides "source"
     optional: frozenset[str]
 

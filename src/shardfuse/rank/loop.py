@@ -1,0 +1,176 @@
+"""The training loop of one rank: accumulate gradients, step, sync as the strategy says, validate,
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shardfuse.data.reader import ShardReader
+from shardfuse.metrics.steps import MetricsLog
+from shardfuse.rank.dist import autocast
+from shardfuse.rank.optim import clip_gradients, lr_at, set_lr
+from shardfuse.rank.resume import (
+    Position,
+    mark_complete,
+    save_rank_state,
+)
+from shardfuse.rank.setup import (
+    RankSetup,
+    StepPlan,
+    check_finite,
+    forward_updates_buffers,
+    optimizer_steps,
+    publish_rank0_buffers,
+)
+from shardfuse.rank.sync import mode_of
+from shardfuse.rank.validation import all_out_of_patience, shared_score
+from shardfuse.track.live import LiveLogger
+
+
+class StepResult(NamedTuple):
+    loss: float  # mean of the micro-batches' losses
+    rows: int
+    applied: bool  # whether the optimiser may step (a finite loss reached the gradients)
+
+
+def accumulate_gradients(
+    setup: RankSetup,
+    plan: StepPlan,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    group_size: int,
+    step: int,
+) -> StepResult:
+    """Forward and backward over ``group_size`` micro-batches, each loss scaled by 1/group_size, so the
+    gradient is the mean over the group (the large batch's, for equal micro-batches). DDP all-reduces
+    once, in the last backward: the others run under ``no_sync``."""
+    ctx, task = setup.ctx, setup.task
+    ddp = isinstance(plan.net, DistributedDataParallel)
+    total_loss, rows, applied = 0.0, 0, False
+    for micro in range(group_size):
+        inputs, targets = next(batches)
+        inputs = inputs.to(ctx.device, non_blocking=True)
+        targets = targets.to(ctx.device, non_blocking=True)
+        inputs, targets = task.batch(inputs, targets)
+        last = micro == group_size - 1
+        with plan.net.no_sync() if ddp and not last else contextlib.nullcontext():
+            with autocast(ctx.device, plan.dtype):
+                loss = task.loss(plan.net(inputs), targets)
+            loss_value = loss.item()  # one host sync a micro-step: the finite check and metrics share it
+            if check_finite(loss_value, ctx, step, plan.nonfinite_policy):
+                (loss / group_size if group_size > 1 else loss).backward()
+                # Under DDP only the last backward syncs the accumulated gradients: without it the
+                # ranks' gradients differ, so the whole step is skipped.
+                applied = last or (applied and not ddp)
+        total_loss += loss_value
+        rows += len(targets)
+    return StepResult(total_loss / group_size, rows, applied)
+
+
+def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
+    """Score the validation split; (score, whether every rank now stops early)."""
+    if plan.same_weights and forward_updates_buffers(setup.model):
+        publish_rank0_buffers(setup.model)
+    score = shared_score(plan.validator.score(setup.model), plan.same_weights, setup.ctx.device)
+    plan.tracker.update(score, step, setup.model)
+    stop = plan.tracker.patience is not None and all_out_of_patience(plan.tracker, setup.ctx.device)
+    return score, stop
+
+
+def train_loop(
+    setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None, live: LiveLogger | None
+) -> tuple[int, float, bool]:
+    """Run the remaining optimiser steps; the last step's number, this rank's seconds in the loop and
+    whether validation stopped the run early."""
+    ctx, cfg, run, gate = setup.ctx, setup.cfg, setup.run, setup.gate
+    model, optimizer, num_batches = setup.model, setup.optimizer, plan.num_batches
+    accum = plan.grad_accum_steps
+    gate.log(
+        f"[{run}] {mode_of(cfg.sync.strategy, cfg.sync.sync_every)} on {ctx.world_size} ranks "
+        f"({ctx.backend}, {'fp32' if plan.dtype is None else 'bf16 autocast'}): {cfg.loop.epochs} epochs x "
+        f"{optimizer_steps(num_batches, accum)} steps" + (f" of {accum} micro-batches" if accum > 1 else "")
+    )
+    model.train()
+    # The ranks start the timed loop together. Without this, the start-up that one rank finishes
+    # later than another (imports, rank 0's base.safetensors) lands in the other's loop time at their
+    # first collective (a checkpoint's barrier, a sync), and train_seconds (the slowest rank's loop)
+    # charges the loop with it: bench/scaling.py, figures in bench/RESULTS.md.
+    torch_dist.barrier()
+    started = time.perf_counter()
+    step = position.step
+    loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
+    stop = False
+    # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
+    # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
+    with (
+        ShardReader(setup.shard_dir, ctx.rank, seed=setup.rank_seed, cache=True, verify=True) as reader,
+        gate.progress(plan.total_steps, initial_step=step, description=run) as progress,
+    ):
+        for epoch in range(position.epoch, cfg.loop.epochs):
+            first = position.next_batch if epoch == position.epoch else 0
+            batches = reader.epoch(epoch, num_batches, first)
+            tick = time.perf_counter()  # samples/s covers the whole step: waiting for data included
+            for group_start in range(first, num_batches, accum):
+                group_size = min(accum, num_batches - group_start)
+                optimizer.zero_grad(set_to_none=True)
+                result = accumulate_gradients(setup, plan, batches, group_size, step + 1)
+                lr = lr_at(step, plan.total_steps, cfg.optim)  # the schedule is a function of the step
+                step += 1
+                loss_value, grad_norm = result.loss, math.nan
+                if result.applied:
+                    set_lr(optimizer, lr)
+                    grad_norm = clip_gradients(model.parameters(), plan.grad_clip_norm)
+                    optimizer.step()
+                plan.sync.after_step(step)
+                end_of_epoch = group_start + group_size == num_batches
+                val_score = math.nan
+                if plan.validator is not None and (step % plan.eval_every == 0 or end_of_epoch):
+                    val_score, stop = validate(setup, plan, step)
+                if metrics is not None:
+                    now = time.perf_counter()
+                    throughput = result.rows / max(now - tick, 1e-9)
+                    tick = now
+                    metrics.append(step, epoch, loss_value, throughput, lr, now, grad_norm, val_score)
+                    progress.update(step, loss=loss_value, samples_per_second=throughput)
+                    if live is not None:
+                        live.log(step, {"loss": loss_value, "samples_per_second": throughput})
+                # No checkpoint at the stopping step: a run resumed from an earlier one stops here again.
+                if plan.checkpoint_every and step % plan.checkpoint_every == 0 and not stop:
+                    save_checkpoint(setup, plan, Position(step, epoch, group_start + group_size), metrics)
+                if stop:
+                    break
+            gate.log(f"[{run}] epoch {epoch + 1}/{cfg.loop.epochs} step {step} rank-0 loss {loss_value:.4f}")
+            if stop:
+                gate.log(
+                    f"[{run}] early stop at step {step}: no rank improved for "
+                    f"{plan.tracker.patience} validations"
+                )
+                break
+    plan.sync.finish(step)
+    return step, time.perf_counter() - started, stop
+
+
+def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None) -> None:
+    """Every rank saves its state; the checkpoint counts (rank 0 marks it complete) once all have."""
+    if metrics is not None:
+        metrics.flush()  # every row up to the checkpoint survives a restart from it
+    save_rank_state(
+        setup.checkpoint_dir,
+        setup.ctx.rank,
+        setup.model,
+        setup.optimizer,
+        position,
+        setup.identity,
+        state_tensors={**plan.sync.state_tensors(), **plan.tracker.state_tensors()},
+        state={"validation": plan.tracker.state()},
+    )
+    torch_dist.barrier()  # every rank saved before the checkpoint counts
+    setup.gate.call(mark_complete, setup.checkpoint_dir, position.step, setup.cfg.loop.keep_checkpoints)

@@ -1,0 +1,336 @@
+"""Setting up one rank of a training: its model and optimiser, the initial or resumed state, and the
+plan of its steps (precision, DDP, gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shardfuse.checkpoints.weights import save_weights
+from shardfuse.data.manifest import read_manifest
+from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
+from shardfuse.experiment.keys import RANK_SEED_STRIDE
+from shardfuse.experiment.run_config import TrainConfig
+from shardfuse.io import UserError
+from shardfuse.models.registry import build_model, check_output_shape, set_data_stats, task_of
+from shardfuse.models.spec import model_spec
+from shardfuse.models.tasks import Task
+from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
+from shardfuse.rank.optim import check_schedule, make_optimizer
+from shardfuse.rank.resume import (
+    Position,
+    complete_steps,
+    load_rank_extras,
+    load_rank_state,
+)
+from shardfuse.rank.sync import Sync, make_sync
+from shardfuse.rank.validation import BestTracker, Validator
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    for tensor in model.state_dict().values():
+        torch_dist.broadcast(tensor, src=0)
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """sha256 of the model's tensors: proves every rank started from the same weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
+    """Same step count on every rank (DDP would hang otherwise): set by the smallest shard.
+
+    Larger shards spread their extra rows over the same number of batches, so no row is skipped.
+    """
+    smallest = min(shard["rows"] for shard in manifest["shards"])
+    return max(1, math.ceil(smallest / batch_size))
+
+
+def check_finite(loss_value: float, ctx: DistContext, step: int, policy: str) -> bool:
+    """True if the step may proceed. 'error' stops the run; 'skip' skips the batch on every rank."""
+    if policy == "skip":
+        finite = torch.tensor([int(math.isfinite(loss_value))], dtype=torch.int32, device=ctx.device)
+        torch_dist.all_reduce(finite, op=torch_dist.ReduceOp.MIN)
+        return bool(finite.item())
+    if not math.isfinite(loss_value):
+        raise UserError(
+            f"rank {ctx.rank}: loss is {loss_value} at step {step}; lower lr, check the data for "
+            "extreme values, or set nonfinite_loss: skip to skip such batches"
+        )
+    return True
+
+
+@dataclass
+class RankSetup:
+    """What setup builds for one rank, read by every later phase."""
+
+    ctx: DistContext
+    run: str
+    cfg: TrainConfig
+    gate: RankGate
+    shard_dir: Path
+    dataset_dir: Path
+    out_dir: Path
+    manifest: dict[str, Any]
+    spec: dict[str, Any]
+    task: Task
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    meta: dict[str, Any]  # recorded in every weights file this rank writes
+    rank_seed: int  # dropout and data order: differ per rank
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """Written into every checkpoint; a resume refuses a checkpoint of another run or world size."""
+        return {"world_size": self.ctx.world_size, "run": self.run}
+
+
+class StepPlan(NamedTuple):
+    """How every step runs, fixed after resume-or-start (DDP wraps the model as it was loaded)."""
+
+    net: torch.nn.Module  # the model, or its DDP wrapper (strategy ddp)
+    dtype: torch.dtype | None  # autocast dtype; None: fp32
+    num_batches: int  # micro-batches per epoch, the same on every rank
+    grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
+    total_steps: int  # optimiser steps of the whole run (the schedule's length)
+    sync: Sync  # the strategy's hook after every optimiser step (local SGD, DiLoCo), bytes counted
+    checkpoint_every: int  # 0: no checkpoints
+    nonfinite_policy: str  # error | skip
+    grad_clip_norm: float | None
+    eval_every: int  # 0: no validation while training
+    validator: Validator | None
+    tracker: BestTracker
+
+    @property
+    def same_weights(self) -> bool:
+        """All ranks hold the same weights at every step (DDP): one validation decision for all."""
+        return isinstance(self.net, DistributedDataParallel)
+
+
+def optimizer_steps(num_batches: int, grad_accum_steps: int) -> int:
+    """Optimiser steps per epoch: the last one takes whatever micro-batches are left over."""
+    return math.ceil(num_batches / grad_accum_steps)
+
+
+def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) -> tuple[Any, Any]:
+    """(mean, std) of the inputs (not for token blocks) and of regression targets over the whole
+    training split, from the moments partition recorded: the same on every rank, with no pass over
+    the data before the first step."""
+    task = info.get("task", "classification")
+    if task == "causal_lm":
+        return None, None
+    numeric = info.get("input", {}).get("kind", "numeric") == "numeric"  # not images: no moments
+    input_stats = feature_stats(manifest, info["num_features"]) if numeric else None
+    target_stats = None
+    if task == "regression":
+        target_stats = column_stats(manifest, [f"y{j}" for j in range(len(info["target_names"]))])
+    if (numeric and input_stats is None) or (task == "regression" and target_stats is None):
+        raise UserError(
+            f"shard manifest in {shard_dir} has no finite column moments (made by an older partition, "
+            "or a value overflows float64); re-run partition (snakemake -R partition)"
+        )
+    return input_stats, target_stats
+
+
+def load_init_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load ``init_from`` weights into ``model``; the first key, shape or dtype that differs is a
+    one-line error (nothing is loaded by name guessing or partially)."""
+    from shardfuse.checkpoints.weights import load_weights
+
+    tensors, _ = load_weights(path)
+    expected = model.state_dict()
+    for name, tensor in expected.items():
+        if name not in tensors:
+            raise UserError(
+                f"init_from {path} has no tensor {name!r} that the model needs; start from a checkpoint "
+                "of the same model (same model, model_args and dataset shape)"
+            )
+        found = tensors[name]
+        if tuple(found.shape) != tuple(tensor.shape) or found.dtype != tensor.dtype:
+            raise UserError(
+                f"init_from {path}: tensor {name!r} is {found.dtype} {list(found.shape)} but the model "
+                f"needs {tensor.dtype} {list(tensor.shape)}; start from a checkpoint of the same model"
+            )
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise UserError(
+            f"init_from {path} has tensor {extra[0]!r} the model does not have; start from a checkpoint "
+            "of the same model"
+        )
+    model.load_state_dict(tensors)
+
+
+def set_up(
+    ctx: DistContext,
+    run: str,
+    shard_dir: Path,
+    dataset_dir: Path,
+    cfg: TrainConfig,
+    out_dir: Path,
+    init_weights: Path | None = None,
+) -> RankSetup:
+    """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
+    manifest = read_manifest(shard_dir)
+    if manifest["world_size"] != ctx.world_size:
+        raise UserError(
+            f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
+            f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
+        )
+    info = read_dataset_info(dataset_dir)
+    spec = model_spec(
+        cfg.model.model, cfg.model.model_args, cfg.model.code_paths, info, run_cfg=cfg.model.mlp_keys()
+    )
+    if cfg.model.code_digest and spec["code"]["digest"] != cfg.model.code_digest:
+        raise UserError(
+            f"the model code in {', '.join(spec['code']['paths']) or spec['model']} changed after the "
+            "workflow started; run snakemake again (the training name follows the code)"
+        )
+    input_stats, target_stats = _data_stats(manifest, info, shard_dir)
+    num_batches = steps_per_epoch(manifest, cfg.loop.batch_size)
+    check_schedule(cfg.optim, cfg.loop.epochs * optimizer_steps(num_batches, cfg.loop.grad_accum_steps))
+    # Dropout and data order differ per rank; the initial weights do not, unless init: per_rank.
+    rank_seed = cfg.loop.seed * RANK_SEED_STRIDE + ctx.rank + 1
+    per_rank = cfg.model.init == "per_rank"
+    torch.manual_seed(rank_seed if per_rank else cfg.loop.seed)
+    model = build_model(spec).to(ctx.device)
+    set_data_stats(model, input_stats, target_stats)
+    if init_weights is not None:
+        load_init_weights(model, init_weights)
+    check_output_shape(model, spec, ctx.device)
+    if not per_rank:
+        broadcast_from_rank0(model)
+    meta = {
+        "run": run,
+        "world_size": ctx.world_size,
+        "strategy": cfg.sync.strategy,
+        "model": spec,
+        "init_from": str(init_weights) if init_weights is not None else None,
+        "init_sha256": state_digest(model),
+        "host": socket.gethostname(),
+    }
+    if per_rank:
+        meta["init"] = "per_rank"  # headers of shared-init runs stay as they were
+    out_dir.mkdir(parents=True, exist_ok=True)
+    optimizer = make_optimizer(model, cfg.optim)
+    torch.manual_seed(rank_seed)
+    return RankSetup(
+        ctx=ctx,
+        run=run,
+        cfg=cfg,
+        gate=gate_for(ctx.rank),
+        shard_dir=shard_dir,
+        dataset_dir=dataset_dir,
+        out_dir=out_dir,
+        manifest=manifest,
+        spec=spec,
+        task=task_of(spec, model.state_dict(), loss=cfg.model.loss),
+        model=model,
+        optimizer=optimizer,
+        meta=meta,
+        rank_seed=rank_seed,
+    )
+
+
+def resume_or_start(setup: RankSetup) -> Position:
+    """Continue from the newest complete checkpoint (model, optimiser, RNG, data position), or start
+    at step 0 and save the shared initial weights as ``base.safetensors``."""
+    model, checkpoint_dir = setup.model, setup.checkpoint_dir
+    # Rank 0 picks the checkpoint and every rank takes it: ranks that looked at the directory at
+    # different moments (a checkpoint completing in between) would otherwise resume out of step.
+    chosen = [complete_steps(checkpoint_dir)[-1:] if setup.ctx.rank == 0 else None]
+    torch_dist.broadcast_object_list(chosen, src=0)
+    resumable = chosen[0]
+    if not resumable:
+        base_meta = {**setup.meta, "rank": None}
+        setup.gate.call(save_weights, setup.out_dir / "base.safetensors", model.state_dict(), base_meta)
+        return Position()
+    position = load_rank_state(
+        checkpoint_dir, resumable[-1], setup.ctx.rank, model, setup.optimizer, expect=setup.identity
+    )
+    setup.gate.log(
+        f"[{setup.run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
+        f"batch {position.next_batch})"
+    )
+    return position
+
+
+def forward_updates_buffers(model: torch.nn.Module) -> bool:
+    """Whether training changes the model's buffers (normalisation running statistics), so DDP must
+    broadcast rank 0's before every forward to keep the ranks equal.
+
+    That broadcast is a collective per step, as costly as the gradients' all_reduce on CPU (gloo
+    figures: bench/RESULTS.md, bench/scaling.py). Buffers set once before training, such as the MLP's
+    input statistics, are already equal on every rank after set-up's broadcast and stay so."""
+    return any(getattr(module, "track_running_stats", False) for module in model.modules())
+
+
+def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
+    """Precision, the DDP wrapper, the strategy, validation and the step counts; a resumed run's
+    strategy and validation state come back from its checkpoint. Peak GPU memory counts from here."""
+    device, cfg, model = setup.ctx.device, setup.cfg, setup.model
+    cuda = device.type == "cuda"
+    dtype = step_dtype(cfg.loop.precision, device, cuda and torch.cuda.is_bf16_supported())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    device_ids = [device.index] if cuda else None
+    net = (
+        DistributedDataParallel(
+            model, device_ids=device_ids, broadcast_buffers=forward_updates_buffers(model)
+        )
+        if cfg.sync.strategy == "ddp"
+        else model
+    )
+    num_batches = steps_per_epoch(setup.manifest, cfg.loop.batch_size)
+    grad_accum_steps = cfg.loop.grad_accum_steps
+    eval_every = cfg.loop.eval_every
+    sync = make_sync(model, setup.ctx.world_size, cfg.sync)
+    tracker = BestTracker(setup.task, cfg.loop.keep == "best", cfg.loop.patience)
+    if position.step:
+        tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.ctx.rank)
+        sync.resume_at(position.step)
+        sync.load_state_tensors(tensors)
+        tracker.load(state.get("validation", {}), tensors)
+    validator = (
+        Validator(setup.dataset_dir, setup.task, 4 * cfg.loop.batch_size, device) if eval_every else None
+    )
+    return StepPlan(
+        net=net,
+        dtype=dtype,
+        num_batches=num_batches,
+        grad_accum_steps=grad_accum_steps,
+        total_steps=cfg.loop.epochs * optimizer_steps(num_batches, grad_accum_steps),
+        sync=sync,
+        checkpoint_every=cfg.loop.checkpoint_every,
+        nonfinite_policy=cfg.loop.nonfinite_loss,
+        grad_clip_norm=cfg.optim.grad_clip_norm,
+        eval_every=eval_every,
+        validator=validator,
+        tracker=tracker,
+    )
+
+
+@torch.no_grad()
+def publish_rank0_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (normalisation running statistics) on every rank, as DDP's next forward would
+    make them: DDP broadcasts them before each forward, and each rank's last forward then updated its
+    own, so without this the published (or best) ranks would differ in their running statistics."""
+    for buffer in model.buffers():
+        torch_dist.broadcast(buffer, src=0)
