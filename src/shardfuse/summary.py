@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import StageParser, atomic_path, parse_json_arg, read_json, run_cli
 from shardfuse.models.tasks import TASKS, evaluation_task, score_first, task_for
 
@@ -82,17 +83,6 @@ def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
     return (*columns, *(f"test_{task.score}_ensemble" for task in present), *ENSEMBLE_COLUMNS)
 
 
-def training_mode(training: dict[str, Any], cfg: dict[str, Any]) -> str:
-    """train.json's mode, else what its (or the run config's) strategy and sync_every amount to."""
-    if training.get("mode"):
-        return str(training["mode"])
-    strategy = training.get("strategy", cfg.get("strategy"))
-    sync_every = training.get("sync_every", cfg.get("sync_every"))
-    if strategy == "localsgd" and sync_every in (0, "0", "", None):  # never syncs: independent training
-        return "independent"
-    return "" if strategy is None else str(strategy)
-
-
 def _count(value: Any) -> int | str:
     """An integer field of train.json, or an empty cell when it is absent (older train stages)."""
     return value if isinstance(value, int) and not isinstance(value, bool) else ""
@@ -104,7 +94,7 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
     evaluation = read_json(eval_path, "evaluation")
     task = evaluation_task(evaluation, eval_path)
     score = task.score
-    training = read_json(trainings_dir / cfg["training"] / "ranks" / "train.json", "training summary")
+    training = TrainRecord.read(trainings_dir / cfg["training"] / "ranks" / "train.json", "training summary")
     baseline = evaluation.get("ddp_baseline") or {}
     merging = read_json(run_dir / "merge.json", "merge record")
     merged = evaluation["merged"]
@@ -132,11 +122,11 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         f"test_{score}_ddp_baseline": baseline.get(score, ""),
         "fusion_gain": gain,
         "max_abs_diff_between_ranks": merging["max_abs_diff_between_ranks"],
-        "num_steps": training["num_steps"],
-        "train_seconds": round(training["train_seconds"], 3),
-        "mode": training_mode(training, cfg),
-        "effective_batch_size": _count(training.get("effective_batch_size")),
-        "bytes_all_reduced_per_rank": _count(training.get("bytes_all_reduced_per_rank")),
+        "num_steps": training.num_steps,
+        "train_seconds": round(training.train_seconds, 3),
+        "mode": training.training_mode(cfg.get("strategy"), cfg.get("sync_every")),
+        "effective_batch_size": _count(training.effective_batch_size),
+        "bytes_all_reduced_per_rank": _count(training.bytes_all_reduced_per_rank),
         f"test_{score}_ensemble": ensemble.get(score, ""),
         "fusion_gap": "" if gap is None else gap,
     }

@@ -190,7 +190,7 @@ def _sync_rank(
     params = {"rank": str(rank.rank), "shard_rows": str(rank.shard_rows)}
     tags = {f"{SYNCED_TAG}.{metric}": synced_tag_value(points) for metric, points in rank.series.items()}
     tags[SYNCED_TAG] = synced_tag_value(rows)
-    tags[TRAINING_TAG] = str(train.get("run", ""))
+    tags[TRAINING_TAG] = str(train.run or "")
     if rank.host is not None:
         tags["shardfuse.host"] = rank.host
     params = [Param(k, v) for k, v in params.items() if child.data.params.get(k) != v]
@@ -266,9 +266,9 @@ def _sync(
 
     parent, children, run_name = plan.parent, plan.children, options.run_name
     tags = {**provenance_tags(inputs, options.config_hash), **options.source_tags, COMPLETE_TAG: "false"}
-    tags.update({LAYOUT_TAG: LAYOUT_VERSION, TRAINING_TAG: str(inputs.train.get("run", ""))})
+    tags.update({LAYOUT_TAG: LAYOUT_VERSION, TRAINING_TAG: str(inputs.train.run or "")})
     times = run_times(
-        {rank.rank: rank.history for rank in inputs.ranks}, _seconds(inputs.train.get("train_seconds"))
+        {rank.rank: rank.history for rank in inputs.ranks}, _seconds(inputs.train.train_seconds)
     ).parent
     if parent is None:
         parent = client.create_run(

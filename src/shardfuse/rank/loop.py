@@ -15,6 +15,7 @@ import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.data.reader import ShardReader
+from shardfuse.experiment.records import mode_of
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.rank.dist import autocast
 from shardfuse.rank.optim import clip_gradients, lr_at, set_lr
@@ -31,7 +32,6 @@ from shardfuse.rank.setup import (
     optimizer_steps,
     publish_rank0_buffers,
 )
-from shardfuse.rank.sync import mode_of
 from shardfuse.rank.validation import all_out_of_patience, shared_score
 from shardfuse.track.live import LiveLogger
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.checkpoints.weights import save_weights
+from shardfuse.experiment.records import TrainRecord, mode_of
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.rank.setup import (
@@ -21,7 +22,6 @@ from shardfuse.rank.setup import (
     optimizer_steps,
     publish_rank0_buffers,
 )
-from shardfuse.rank.sync import mode_of
 
 
 def publish(
@@ -60,54 +60,52 @@ def publish(
     torch_dist.all_gather_object(facts, (setup.meta["host"], published_step, best))
     hosts = [fact[0] for fact in facts]
     world_size, accum = ctx.world_size, plan.grad_accum_steps
-    setup.gate.write_json(
-        setup.out_dir / "train.json",
-        {
-            "run": setup.run,
-            "world_size": world_size,
-            "strategy": cfg.sync.strategy,
-            "mode": mode_of(cfg.sync.strategy, cfg.sync.sync_every),
-            "sync_every": plan.sync.sync_every,
-            "num_steps": num_steps,
-            "epochs": cfg.loop.epochs,
-            "steps_per_epoch": optimizer_steps(plan.num_batches, accum),
-            "grad_accum_steps": accum,
-            "effective_batch_size": cfg.loop.batch_size * accum * world_size,
-            "lr_schedule": cfg.optim.lr_schedule,
-            "warmup_steps": cfg.optim.warmup_steps,
-            "grad_clip_norm": plan.grad_clip_norm,
-            "bytes_all_reduced_per_rank": plan.sync.bytes_all_reduced,
-            "num_syncs": plan.sync.num_syncs,
-            "init": setup.meta.get("init", "shared"),
-            "keep": cfg.loop.keep,
-            "validation": (
-                {"score": setup.task.score, "every": plan.eval_every} if plan.validator is not None else None
-            ),
-            "stopped_early": stopped_early,
-            "train_seconds": float(seconds.item()),
-            "backend": ctx.backend,
-            "device": str(ctx.device),
-            "precision": "fp32" if plan.dtype is None else "bf16",
-            "peak_gpu_memory_bytes": peak_memory,
-            "step_metrics": metrics is not None,
-            "hosts": hosts,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "torch_version": torch.__version__,
-            "shard_dir": str(setup.shard_dir),
-            "dataset_dir": str(setup.dataset_dir),
-            "task": setup.task.name,
-            "model": setup.spec,
-            "init_from": setup.meta["init_from"],
-            "ranks": [
-                {
-                    "rank": s["rank"],
-                    "rows": s["rows"],
-                    "host": hosts[s["rank"]],
-                    "checkpoint": f"rank-{s['rank']}.safetensors",
-                    "published_step": facts[s["rank"]][1],
-                    "best_val_score": facts[s["rank"]][2],
-                }
-                for s in manifest["shards"]
-            ],
-        },
+    record = TrainRecord(
+        run=setup.run,
+        world_size=world_size,
+        strategy=cfg.sync.strategy,
+        mode=mode_of(cfg.sync.strategy, cfg.sync.sync_every),
+        sync_every=plan.sync.sync_every,
+        num_steps=num_steps,
+        epochs=cfg.loop.epochs,
+        steps_per_epoch=optimizer_steps(plan.num_batches, accum),
+        grad_accum_steps=accum,
+        effective_batch_size=cfg.loop.batch_size * accum * world_size,
+        lr_schedule=cfg.optim.lr_schedule,
+        warmup_steps=cfg.optim.warmup_steps,
+        grad_clip_norm=plan.grad_clip_norm,
+        bytes_all_reduced_per_rank=plan.sync.bytes_all_reduced,
+        num_syncs=plan.sync.num_syncs,
+        init=setup.meta.get("init", "shared"),
+        keep=cfg.loop.keep,
+        validation=(
+            {"score": setup.task.score, "every": plan.eval_every} if plan.validator is not None else None
+        ),
+        stopped_early=stopped_early,
+        train_seconds=float(seconds.item()),
+        backend=ctx.backend,
+        device=str(ctx.device),
+        precision="fp32" if plan.dtype is None else "bf16",
+        peak_gpu_memory_bytes=peak_memory,
+        step_metrics=metrics is not None,
+        hosts=hosts,
+        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+        torch_version=torch.__version__,
+        shard_dir=str(setup.shard_dir),
+        dataset_dir=str(setup.dataset_dir),
+        task=setup.task.name,
+        model=setup.spec,
+        init_from=setup.meta["init_from"],
+        ranks=[
+            {
+                "rank": s["rank"],
+                "rows": s["rows"],
+                "host": hosts[s["rank"]],
+                "checkpoint": f"rank-{s['rank']}.safetensors",
+                "published_step": facts[s["rank"]][1],
+                "best_val_score": facts[s["rank"]][2],
+            }
+            for s in manifest["shards"]
+        ],
     )
+    setup.gate.write_json(setup.out_dir / "train.json", record.to_json())

@@ -30,13 +30,6 @@ def parameter_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def mode_of(strategy: str, sync_every: int) -> str:
-    """ddp, localsgd, independent (localsgd that never syncs) or diloco."""
-    if strategy == "localsgd" and not sync_every:
-        return "independent"
-    return strategy
-
-
 class Sync:
     """The strategy's hook after every optimiser step; counts syncs and bytes all-reduced per rank."""
 

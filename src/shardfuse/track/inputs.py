@@ -32,6 +32,7 @@ import numpy as np
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
+from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
 from shardfuse.models.tasks import evaluation_task, score_first
@@ -75,6 +76,13 @@ def _field(obj: dict, key: str, path: Path) -> Any:
     return obj[key]
 
 
+def _recorded(train: TrainRecord, key: str, path: Path) -> Any:
+    """A field train.json must have (every train stage wrote it)."""
+    if (value := getattr(train, key)) is None:
+        raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it")
+    return value
+
+
 def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
     """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file, and those
     of :data:`OPTIONAL_COLUMNS` that it has."""
@@ -94,9 +102,9 @@ def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
     return {c: table.column(c).to_numpy() for c in columns}
 
 
-def validation_metric(train: dict[str, Any], default_score: str) -> str:
+def validation_metric(train: TrainRecord, default_score: str) -> str:
     """The name the val_score column goes by: ``val_`` + train.json's validation score (else the task's)."""
-    validation = train.get("validation")
+    validation = train.validation
     score = validation.get("score") if isinstance(validation, dict) else None
     return f"val_{score if isinstance(score, str) and score else default_score}"
 
@@ -121,13 +129,12 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def train_params(train: dict[str, Any]) -> dict[str, str]:
+def train_params(train: TrainRecord) -> dict[str, str]:
     """The :data:`TRAIN_PARAMS` that train.json has (not null), as MLflow params; ``mode`` derived from
     strategy and sync_every for a train.json from before the train stage wrote it."""
-    params = {key: str(train[key]) for key in TRAIN_PARAMS if train.get(key) is not None}
-    if "mode" not in params and isinstance(train.get("strategy"), str):
-        never_syncs = train["strategy"] == "localsgd" and not train.get("sync_every")
-        params["mode"] = "independent" if never_syncs else train["strategy"]
+    params = {key: str(getattr(train, key)) for key in TRAIN_PARAMS if getattr(train, key) is not None}
+    if "mode" not in params and isinstance(train.strategy, str):
+        params["mode"] = train.training_mode()
     return params
 
 
@@ -182,7 +189,7 @@ class RunInputs:
     """Everything a push needs, read and checked before MLflow is touched."""
 
     files: RunFiles
-    train: dict[str, Any]  # train.json as the train stage wrote it (num_steps, provenance)
+    train: TrainRecord  # train.json as the train stage wrote it (num_steps, provenance)
     ranks: tuple[RankInputs, ...]  # ranks[r].rank == r
     model_spec: dict[str, Any]  # the merged weights' model reference and args
     headline: dict[str, float]  # the parent run's metrics
@@ -218,14 +225,12 @@ def load_inputs(
     merge_path = _require_file(run_dir / "merge.json", "merge")
     weights = _require_file(run_dir / "merged.safetensors", "merge")
     eval_path = _require_file(run_dir / "eval.json", "evaluate")
-    train, merge, evaluation = (
-        read_json(path, what)
-        for path, what in ((train_path, "train"), (merge_path, "merge"), (eval_path, "eval"))
-    )
+    train = TrainRecord.read(train_path, "train")
+    merge, evaluation = read_json(merge_path, "merge"), read_json(eval_path, "eval")
     read_gather(gather)  # only uploaded, but it must list this training's checkpoints
     try:
-        world_size = int(_field(train, "world_size", train_path))
-        train_ranks = {int(r["rank"]): r for r in _field(train, "ranks", train_path)}
+        world_size = int(_recorded(train, "world_size", train_path))
+        train_ranks = {int(r["rank"]): r for r in _recorded(train, "ranks", train_path)}
         shard_rows = {rank: int(entry["rows"]) for rank, entry in train_ranks.items()}
         eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", eval_path)}
     except (KeyError, TypeError, ValueError) as exc:
@@ -313,9 +318,9 @@ def node_peaks(samples: dict[int, dict[str, np.ndarray]], hosts: dict[int, str])
     }
 
 
-def _rank_hosts(train_dir: Path, train: dict, world_size: int) -> dict[int, str]:
+def _rank_hosts(train_dir: Path, train: TrainRecord, world_size: int) -> dict[int, str]:
     """Host per rank from train.json's "hosts", else the rank sidecars' "host" (both optional)."""
-    hosts = train.get("hosts")
+    hosts = train.hosts
     if isinstance(hosts, list) and len(hosts) == world_size:
         return {rank: str(host) for rank, host in enumerate(hosts)}
     found = {}
@@ -342,7 +347,7 @@ def config_hash(config: dict) -> str:
 
 
 def headline_metrics(
-    files: RunFiles, train: dict, merge: dict, evaluation: dict, ranks: tuple[RankInputs, ...]
+    files: RunFiles, train: TrainRecord, merge: dict, evaluation: dict, ranks: tuple[RankInputs, ...]
 ) -> dict[str, float]:
     """The parent run's metrics, named after the task's metrics and score (classification: the
     test_accuracy_* names runs have always carried)."""
@@ -359,7 +364,7 @@ def headline_metrics(
             f"test_{score}_best_rank": best_rank,
             f"test_{score}_mean_rank": float(_field(evaluation, f"mean_rank_{score}", eval_path)),
             "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
-            "train_seconds": float(_field(train, "train_seconds", files.train)),
+            "train_seconds": float(_recorded(train, "train_seconds", files.train)),
             "merge_seconds": float(_field(merge, "seconds", files.merge)),
         }
     )
@@ -393,7 +398,7 @@ def headline_metrics(
     for rank in ranks:
         metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
     # Unknown (absent) in train.json of older train stages; 0 for independent training.
-    if (communicated := _number(train.get("bytes_all_reduced_per_rank"))) is not None:
+    if (communicated := _number(train.bytes_all_reduced_per_rank)) is not None:
         metrics["bytes_all_reduced_per_rank"] = communicated
     throughputs = [float(np.mean(r.history["samples_per_second"])) for r in ranks if len(r.history["step"])]
     if throughputs:
@@ -425,7 +430,7 @@ def _version(package: str) -> str:
 def provenance_tags(inputs: RunInputs, run_config_hash: str) -> dict[str, str]:
     """Where the results came from: code, tools, machines, scheduler."""
     train = inputs.train
-    commit, dirty = train.get("git_commit"), train.get("git_dirty")
+    commit, dirty = train.git_commit, train.git_dirty
     if commit is None:  # the code that is pushing is the code that ran, unless train.json says otherwise
         commit, dirty = _git_state(Path(__file__).resolve().parent)
     tags = {
@@ -433,13 +438,13 @@ def provenance_tags(inputs: RunInputs, run_config_hash: str) -> dict[str, str]:
         "shardfuse.git_commit": commit or "unknown",
         "shardfuse.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower(),
         "shardfuse.snakemake_version": _version("snakemake"),
-        "shardfuse.torch_version": str(train.get("torch_version") or _version("torch")),
+        "shardfuse.torch_version": str(train.torch_version or _version("torch")),
         "shardfuse.mlflow_version": _version("mlflow"),
     }
     if commit:
         tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
     if hosts := inputs.hosts:
         tags["shardfuse.hosts"] = ",".join(sorted(set(hosts.values())))
-    if train.get("slurm_job_id"):
-        tags["shardfuse.slurm_job_id"] = str(train["slurm_job_id"])
+    if train.slurm_job_id:
+        tags["shardfuse.slurm_job_id"] = str(train.slurm_job_id)
     return tags

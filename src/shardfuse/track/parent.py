@@ -80,7 +80,7 @@ def sync_parent_extras(
             name=options.run_name,
         )  # fmt: skip
         # MLflow copies the run's params to the model it logs; add what the model page should also say.
-        described = {"training": str(inputs.train.get("run", "")), **_model_params(inputs)}
+        described = {"training": str(inputs.train.run or ""), **_model_params(inputs)}
         have = client.get_logged_model(model_id).params or {}
         if missing := {k: v for k, v in described.items() if k not in have}:
             client.log_model_params(model_id, missing)

@@ -15,11 +15,12 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfuse.experiment.records import mode_of
 from shardfuse.experiment.run_config import OptimConfig
 from shardfuse.models.tasks import Classification
 from shardfuse.rank.loop import accumulate_gradients
 from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer
-from shardfuse.rank.sync import DiLoCo, LocalSGD, mode_of
+from shardfuse.rank.sync import DiLoCo, LocalSGD
 from shardfuse.rank.validation import BestTracker
 
 CFG = {"lr": 0.1, "min_lr": 0.01}

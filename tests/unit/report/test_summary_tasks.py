@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardfuse import summary
+from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import UserError
 from shardfuse.report import figures
 from shardfuse.track import inputs as tracking_inputs
@@ -219,7 +220,9 @@ def test_training_columns_come_from_train_json_and_stay_empty_for_old_trainings(
 
 
 def test_training_mode_prefers_train_json_then_its_strategy_then_the_run_config():
-    mode = summary.training_mode
+    def mode(train_json: dict, cfg: dict) -> str:
+        return TrainRecord.from_json(train_json).training_mode(cfg.get("strategy"), cfg.get("sync_every"))
+
     assert mode({"mode": "diloco", "strategy": "localsgd", "sync_every": 0}, {}) == "diloco"
     assert mode({"strategy": "localsgd", "sync_every": 4}, {"strategy": "ddp"}) == "localsgd"
     assert mode({}, {"strategy": "localsgd", "sync_every": ""}) == "independent"

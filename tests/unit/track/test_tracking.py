@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from shardfuse import tracking
 from shardfuse.checkpoints.weights import load_weights, read_metadata
+from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import UserError
 from shardfuse.models.registry import build_model
 from shardfuse.track import client as mlflow_common
@@ -518,21 +519,27 @@ def test_step_series_keep_finite_points_and_name_validation_after_the_score():
     history["grad_norm"][:] = np.nan  # clipping off in an old trainer, no validation: no series at all
     assert tracking_inputs.step_series({**history, "val_score": history["grad_norm"]}, "val_mse") == {}
     assert tracking_inputs.step_series({"step": steps, "timestamp_ms": steps}, "val_mse") == {}
-    validation = tracking_inputs.validation_metric
+
+    def validation(train_json: dict, default_score: str) -> str:
+        return tracking_inputs.validation_metric(TrainRecord.from_json(train_json), default_score)
+
     assert validation({"validation": {"score": "loss", "every": 5}}, "accuracy") == "val_loss"
     assert validation({"validation": None}, "mse") == validation({}, "mse") == "val_mse"
 
 
 def test_train_params_and_rank_metrics_take_what_train_json_has_and_skip_nulls():
+    def train_params(train_json: dict) -> dict[str, str]:
+        return tracking_inputs.train_params(TrainRecord.from_json(train_json))
+
     train = {**NEW_TRAIN_FIELDS, "init": None, "world_size": 2}
-    assert tracking_inputs.train_params(train) == {
+    assert train_params(train) == {
         "mode": "diloco", "grad_accum_steps": "2", "effective_batch_size": "128", "keep": "best",
     }  # fmt: skip
     # A train.json from before the mode field: derived from strategy and sync_every.
-    assert tracking_inputs.train_params({"strategy": "ddp"}) == {"mode": "ddp"}
-    assert tracking_inputs.train_params({"strategy": "localsgd", "sync_every": 0}) == {"mode": "independent"}
-    assert tracking_inputs.train_params({"strategy": "localsgd", "sync_every": 8}) == {"mode": "localsgd"}
-    assert tracking_inputs.train_params({}) == {}
+    assert train_params({"strategy": "ddp"}) == {"mode": "ddp"}
+    assert train_params({"strategy": "localsgd", "sync_every": 0}) == {"mode": "independent"}
+    assert train_params({"strategy": "localsgd", "sync_every": 8}) == {"mode": "localsgd"}
+    assert train_params({}) == {}
     metrics = tracking_inputs.rank_train_metrics
     assert metrics({"rank": 0, "published_step": 40, "best_val_score": 0.5}) == {
         "published_step": 40.0, "best_val_score": 0.5,
