@@ -136,9 +136,9 @@ TRAINING_KEYS = (
 def merge_align_args(run_cfg: dict[str, Any]) -> str:
     """The merge command's alignment options: empty unless the run aligns (so the command of a run
     configured before alignment existed is unchanged and Snakemake does not re-run its merge)."""
-    align = run_cfg.get("merge_align", "none")
+    align = run_cfg["merge_align"]  # a resolved run: every key has its value (schema defaults filled)
     args = [] if align == "none" else ["--align", align]
-    if run_cfg.get("merge_recalibrate"):
+    if run_cfg["merge_recalibrate"]:
         args.append("--recalibrate")
     return " ".join(args)
 
