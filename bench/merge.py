@@ -212,7 +212,7 @@ def child_floor(gather: Path, out: Path) -> float:
 def child_nohash(gather: Path, out: Path) -> float:
     """The stream engine without the input checksums: what verification costs."""
     from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter
-    from shardfuse.merge import Engine
+    from shardfuse.fusion.engine import Engine
 
     ranks = json.loads(gather.read_text())["ranks"]
     started = time.perf_counter()
