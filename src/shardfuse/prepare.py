@@ -76,6 +76,7 @@ from shardfuse.data.sources.tables import (
     require_int,
     require_number,
 )
+from shardfuse.data.splits import random_split_masks, split_masks
 from shardfuse.io import (
     StageParser,
     UserError,
@@ -229,58 +230,6 @@ class Written(NamedTuple):
     input: dict[str, Any]  # dataset.json's "input": kind, shape (per row), dtype
 
 
-def stratified_test_mask(labels: np.ndarray, num_classes: int, test_fraction: float, seed: int) -> np.ndarray:
-    """Seeded stratified split: each class sends round(n_c * test_fraction) rows, at least 1 and at most
-    n_c - 1, to the test side. Returns a boolean mask, True for test rows."""
-    rng = np.random.default_rng(seed)
-    order = np.argsort(labels, kind="stable")
-    counts = np.bincount(labels, minlength=num_classes)
-    is_test = np.zeros(len(labels), dtype=bool)
-    start = 0
-    for count in counts:
-        members = order[start : start + count]
-        start += count
-        num_test = min(max(math.floor(count * test_fraction + 0.5), 1), count - 1)
-        is_test[rng.permutation(members)[:num_test]] = True
-    return is_test
-
-
-def stratified_val_mask(
-    labels: np.ndarray, is_test: np.ndarray, num_classes: int, val_fraction: float, seed: int
-) -> np.ndarray:
-    """The validation rows, carved from the non-test rows like the test split: each class sends
-    round(n_c * val_fraction) rows (n_c counts all its rows), at least 1 if val_fraction > 0, and always
-    leaves at least one row of the class for training. Its own random stream, so the test split does not
-    depend on val_fraction."""
-    rng = np.random.default_rng([seed, 2])
-    order = np.argsort(labels, kind="stable")
-    counts = np.bincount(labels, minlength=num_classes)
-    is_val = np.zeros(len(labels), dtype=bool)
-    start = 0
-    for count in counts:
-        members = order[start : start + count]
-        start += count
-        remaining = members[~is_test[members]]
-        wanted = math.floor(count * val_fraction + 0.5)
-        num_val = min(max(wanted, 1 if val_fraction > 0 else 0), len(remaining) - 1)
-        if num_val > 0:
-            is_val[rng.permutation(remaining)[:num_val]] = True
-    return is_val
-
-
-def _split_masks(labels: np.ndarray, num_classes: int, spec: dict) -> dict[str, np.ndarray]:
-    """The train/val/test masks: stratified by class, or (``labels`` an int array of zeros, one class)
-    a plain seeded random split with the same rules."""
-    is_test = stratified_test_mask(labels, num_classes, spec["test_fraction"], spec["seed"])
-    is_val = stratified_val_mask(labels, is_test, num_classes, spec["val_fraction"], spec["seed"])
-    return {"train": ~(is_test | is_val), "val": is_val, "test": is_test}
-
-
-def _random_split_masks(num_rows: int, spec: dict) -> dict[str, np.ndarray]:
-    """A seeded random split, not stratified: the stratified rules with every row in one class."""
-    return _split_masks(np.zeros(num_rows, dtype=np.int64), 1, spec)
-
-
 def _input_of(features: np.ndarray, kind: InputKind) -> dict[str, Any]:
     """dataset.json's ``input`` for rows like ``features`` (numeric columns are always float32)."""
     dtype = "float32" if kind != "tokens" else np.dtype(features.dtype).name
@@ -382,7 +331,7 @@ def _prepare_in_memory(spec: dict, out_dir: Path, row_group_rows: int) -> Writte
     features, targets, kind = loaded.features, loaded.targets, loaded.kind
     source_keys = loaded.dataset_keys or {}
     if spec["task"] == "regression":
-        masks = _random_split_masks(len(features), spec)
+        masks = random_split_masks(len(features), spec)
         rows = _write_split(out_dir, features, targets, masks, row_group_rows, spec, kind)
         task_keys = {"target_names": loaded.target_names, **source_keys}
         return Written(rows, loaded.feature_names, [], task_keys, _input_of(features, kind))
@@ -397,7 +346,7 @@ def _prepare_in_memory(spec: dict, out_dir: Path, row_group_rows: int) -> Writte
             f"label value(s) {', '.join(rare[:10])} in {spec.get('path', spec['source'])} have a single "
             "row; a stratified split needs at least 2 rows per class: add rows or drop those"
         )
-    masks = _split_masks(targets, len(label_names), spec)
+    masks = split_masks(targets, len(label_names), spec)
     rows = _write_split(out_dir, features, targets, masks, row_group_rows, spec, kind)
     return Written(rows, loaded.feature_names, label_names, source_keys, _input_of(features, kind))
 
@@ -415,7 +364,7 @@ def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> Writte
 
 def _prepare_text(spec: dict, out_dir: Path, row_group_rows: int) -> Written:
     blocks, num_tokens = read_text_blocks(spec)
-    masks = _random_split_masks(len(blocks), spec)
+    masks = random_split_masks(len(blocks), spec)
     rows = _write_split(out_dir, blocks, None, masks, row_group_rows, spec, "tokens")
     feature_names = [f"t{j}" for j in range(blocks.shape[1])]
     extra = {
