@@ -42,7 +42,6 @@ are means over the selected entries, known only after the whole scan).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -59,10 +58,6 @@ class Param:
     kind: str  # number | integer | boolean | weights
     describe: str
     accept: Callable[[Any], bool] = lambda value: True
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 SCALE = Param(1.0, "number", "a number > 0", lambda v: v > 0)
