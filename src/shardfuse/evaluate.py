@@ -31,6 +31,7 @@ from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, 
 from shardfuse.checkpoints.weights import load_weights
 from shardfuse.data.reader import load_table
 from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
+from shardfuse.models.adapter import file_ties, load_state
 from shardfuse.models.registry import (
     build_model,
     check_model_fits,
@@ -52,7 +53,7 @@ def evaluate_weights(
 def _load_model(path: Path) -> tuple[torch.nn.Module, Task]:
     tensors, metadata = load_weights(path)
     model = build_model(metadata["model"])
-    model.load_state_dict(tensors)
+    load_state(model, tensors, str(path), file_ties(metadata))
     model.eval()
     return model, task_of(metadata["model"], tensors)
 

@@ -193,6 +193,14 @@ def case_outer_lr_without_diloco(tmp):
     )
 
 
+def case_ddp_setting_without_ddp(tmp):
+    return config_case(
+        tmp,
+        base_config(strategy="localsgd", sync_every=4, static_graph=True, merge_method="uniform"),
+        "static_graph: a DistributedDataParallel setting but strategy is localsgd",
+    )
+
+
 def case_per_rank_init_with_ddp(tmp):
     return config_case(
         tmp,

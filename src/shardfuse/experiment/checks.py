@@ -229,6 +229,12 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
                 f"{where}.{key}: only strategy diloco has an outer optimiser but strategy is "
                 f"{strategy}; remove {key} or set strategy diloco"
             )
+    for key in ("find_unused_parameters", "static_graph"):
+        if strategy != "ddp" and run[key] != OPTIONAL_TRAIN_KEYS[key]:
+            raise ConfigError(
+                f"{where}.{key}: a DistributedDataParallel setting but strategy is {strategy}, which "
+                f"keeps no DDP wrapper; remove {key} or set strategy ddp"
+            )
     if run["init"] == "per_rank" and strategy in EQUAL_RANKS:
         raise ConfigError(
             f"{where}.init: per_rank gives each rank its own initial weights but "

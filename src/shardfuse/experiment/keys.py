@@ -97,6 +97,9 @@ OPTIONAL_TRAIN_KEYS = {
         "outer_lr",
         "outer_momentum",
         "init",
+        "model_output",
+        "find_unused_parameters",
+        "static_graph",
     )
 }
 

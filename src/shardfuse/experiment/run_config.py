@@ -26,6 +26,8 @@ class SyncConfig:
     sync_every: int = 0  # local SGD / DiLoCo: optimiser steps between syncs (0: never, i.e. independent)
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD
     outer_momentum: float = 0.9
+    find_unused_parameters: bool = False  # ddp: parameters a forward may leave without a gradient
+    static_graph: bool = False  # ddp: the same parameters are used in every step
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class ModelConfig:
     loss: str = "mse"  # regression only: mse | huber
     init: str = "shared"  # shared | per_rank
     init_from: str | None = None
+    model_output: str = (
+        "logits"  # the field of a dict or ModelOutput a model returns (shardfuse.models.adapter)
+    )
     code_digest: str | None = None  # derived: the sha256 of the user model's code files
     init_source: str | None = None  # derived: what init_from points at
 

@@ -26,10 +26,11 @@ def recalibrate_batchnorm(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors with re-estimated BatchNorm statistics, what was done for merge.json)."""
     from shardfuse.data.reader import load_table
+    from shardfuse.models.adapter import load_state
     from shardfuse.models.registry import build_model, task_of
 
     model = build_model(spec)
-    model.load_state_dict(tensors)
+    load_state(model, tensors, "the merged weights")
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return tensors, {"batchnorm_layers": 0, "rows": 0}

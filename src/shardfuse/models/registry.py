@@ -35,8 +35,9 @@ from torch import nn
 
 from shardfuse.checkpoints.trust import Shapes, check_spec_bounds, shape_mismatch, spec_error
 from shardfuse.io import UserError
+from shardfuse.models.adapter import attach_output, load_state, ties_of
 from shardfuse.models.builtin import cnn, transformer
-from shardfuse.models.spec import DataDescription, description_of, normalized_spec
+from shardfuse.models.spec import DEFAULT_OUTPUT, DataDescription, description_of, normalized_spec
 from shardfuse.models.tasks import Task, Totals, task_for
 from shardfuse.models.usercode import load_factory
 
@@ -167,6 +168,8 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
             f"model {spec['model']!r} returned {type(model).__name__}, not a torch.nn.Module; make the "
             "factory return the network"
         )
+    if spec["model"] not in BUILTINS:
+        attach_output(model, spec.get("output", DEFAULT_OUTPUT), spec["model"])
     scale_targets = description.task == "regression"
     numeric = description.input_kind == "numeric"
     if spec["model"] in BUILTINS or description.task == "causal_lm" or not (numeric or scale_targets):
@@ -191,7 +194,8 @@ def check_model_fits(source: str, spec: dict[str, Any], held: Shapes, rerun: str
         # can): left to the real build, whose strict load_state_dict refuses a mismatch, but only once
         # the model is allocated.
         return
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    ties = ties_of(model)  # a tied tensor is stored once, under its first name
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in ties}
     if detail := shape_mismatch(expected, held):
         raise spec_error(source, spec["model"], held, detail, rerun, expected)
 
@@ -224,6 +228,14 @@ def task_of(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
     return task_for(spec["task"], loss=loss, target_scale=scale, bytes_per_token=bytes_per_token)
 
 
+def probe_batch(spec: dict[str, Any], device: torch.device, rows: int = 2) -> torch.Tensor:
+    """A batch of zeros shaped like the dataset's inputs (token ids for causal_lm)."""
+    description = description_of(spec)
+    if description.task == "causal_lm":
+        return torch.zeros(rows, *description.input_shape, dtype=torch.long, device=device)
+    return torch.zeros(rows, *description.input_shape, device=device)
+
+
 def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.device) -> None:
     """One forward pass on a dummy batch: a model whose outputs do not fit the task fails here, before
     training starts, with the shapes named. Runs in eval mode without gradients, so it changes no
@@ -231,16 +243,15 @@ def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.dev
     description = description_of(spec)
     task = task_for(description.task)
     rows = 2
-    if description.task == "causal_lm":
-        dummy = torch.zeros(rows, *description.input_shape, dtype=torch.long, device=device)
-    else:
-        dummy = torch.zeros(rows, *description.input_shape, device=device)
+    dummy = probe_batch(spec, device, rows)
     expected = task.expected_output_shape(rows, description.num_outputs, description.block_size)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             outputs = model(dummy)
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(
             f"model {spec['model']!r} fails on a batch shaped {list(dummy.shape)} "
@@ -248,12 +259,16 @@ def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.dev
         ) from None
     finally:
         model.train(was_training)
-    shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else None
-    if shape != expected:
-        got = f"shape {list(shape)}" if shape is not None else type(outputs).__name__
+    if not isinstance(outputs, torch.Tensor):
         raise UserError(
-            f"model {spec['model']!r} returns {got} for {rows} rows but task {description.task} needs "
-            f"{list(expected)} "
+            f"model {spec['model']!r} returns {type(outputs).__name__}, not a tensor; return the outputs "
+            "tensor (e.g. `.logits` of a ModelOutput, or `[0]` of a tuple), or a dict or ModelOutput with "
+            f"it under model_output ({spec.get('output', DEFAULT_OUTPUT)!r})"
+        )
+    if tuple(outputs.shape) != expected:
+        raise UserError(
+            f"model {spec['model']!r} returns shape {list(outputs.shape)} for {rows} rows but task "
+            f"{description.task} needs {list(expected)} "
             f"({description.num_outputs} outputs); make its last layer produce num_outputs values"
         )
 
@@ -275,7 +290,7 @@ def score_state_dict(
             f"{list(features.shape[1:])}; evaluate with a split of the run's dataset"
         )
     model = build_model(spec)
-    model.load_state_dict(tensors)
+    load_state(model, tensors, "the weights to score")
     model.eval()
     task = task_of(spec, tensors)
     totals = Totals()

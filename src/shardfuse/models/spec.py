@@ -22,6 +22,9 @@ from typing import Any
 from shardfuse.io import UserError
 from shardfuse.models.usercode import code_fingerprint
 
+# The field of a dict or ModelOutput holding a model's outputs unless the run's model_output says.
+DEFAULT_OUTPUT = "logits"
+
 # The run keys the built-in MLP reads (model_args may override them).
 MLP_KEYS = ("hidden_sizes", "activation", "dropout")
 
@@ -88,18 +91,24 @@ def model_spec(
     code_paths: list[str],
     info: dict[str, Any],
     run_cfg: dict[str, Any] | None = None,
+    output: str = DEFAULT_OUTPUT,
 ) -> dict[str, Any]:
-    """The spec of a run's model on a prepared dataset (``info`` is its dataset.json)."""
+    """The spec of a run's model on a prepared dataset (``info`` is its dataset.json). ``output`` (the
+    field a dict or ModelOutput holds the outputs in) is recorded only off its default, so specs of
+    models that return tensors stay as they were."""
     args = dict(model_args)
     if ref == "mlp" and run_cfg is not None:
         args = {**{key: run_cfg[key] for key in MLP_KEYS if key in run_cfg}, **args}
-    return {
+    spec = {
         "model": ref,
         "args": args,
         "task": info.get("task", "classification"),
         "description": DataDescription.from_info(info).to_dict(),
         "code": code_fingerprint(ref, code_paths),
     }
+    if output != DEFAULT_OUTPUT:
+        spec["output"] = output
+    return spec
 
 
 def _legacy_spec(spec: dict[str, Any]) -> dict[str, Any]:

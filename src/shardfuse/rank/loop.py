@@ -28,7 +28,6 @@ from shardfuse.rank.setup import (
     RankSetup,
     StepPlan,
     check_finite,
-    forward_updates_buffers,
     optimizer_steps,
     publish_rank0_buffers,
 )
@@ -77,7 +76,7 @@ def accumulate_gradients(
 
 def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
     """Score the validation split; (score, whether every rank now stops early)."""
-    if plan.same_weights and forward_updates_buffers(setup.model):
+    if plan.same_weights and setup.updates_buffers:
         publish_rank0_buffers(setup.model)
     score = shared_score(plan.validator.score(setup.model), plan.same_weights, setup.ctx.device)
     plan.tracker.update(score, step, setup.model)

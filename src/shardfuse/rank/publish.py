@@ -15,10 +15,10 @@ from shardfuse.checkpoints.weights import save_weights
 from shardfuse.experiment.records import TrainRecord, mode_of
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
+from shardfuse.models.adapter import storable_state
 from shardfuse.rank.setup import (
     RankSetup,
     StepPlan,
-    forward_updates_buffers,
     optimizer_steps,
     publish_rank0_buffers,
 )
@@ -39,9 +39,9 @@ def publish(
     seconds = torch.tensor([loop_seconds], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
 
-    if plan.same_weights and forward_updates_buffers(setup.model):
+    if plan.same_weights and setup.updates_buffers:
         publish_rank0_buffers(setup.model)  # consolidate checks that the ddp ranks are identical
-    weights, published_step = setup.model.state_dict(), num_steps
+    weights, published_step = storable_state(setup.model)[0], num_steps
     if tracker.keep_best and tracker.best_weights is not None:
         weights, published_step = tracker.best_weights, tracker.best_step
     num_rows = manifest["shards"][ctx.rank]["rows"]

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardfuse.io import UserError, atomic_path, write_json
+from shardfuse.models.adapter import load_state, storable_state
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -64,7 +65,8 @@ def save_rank_state(
     strategy or the validation tracker needs to resume; :func:`load_rank_extras` reads them back."""
     step_dir = checkpoint_dir / f"step-{position.step}"
     step_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"model.{name}": t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+    weights = storable_state(model)[0]  # a tied tensor once: safetensors refuses shared memory
+    tensors = {f"model.{name}": t.detach().cpu().contiguous() for name, t in weights.items()}
     optim = optimizer.state_dict()
     for index, param_state in optim["state"].items():
         for key, value in param_state.items():
@@ -119,8 +121,10 @@ def load_rank_state(
                 f"{value!r}; delete {checkpoint_dir} to start afresh"
             )
     tensors = load_file(str(step_dir / f"rank-{rank}.safetensors"))
-    model.load_state_dict(
-        {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")}
+    load_state(
+        model,
+        {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")},
+        f"checkpoint {step_dir}",
     )
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():

@@ -21,7 +21,14 @@ from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
 from shardfuse.experiment.keys import RANK_SEED_STRIDE
 from shardfuse.experiment.run_config import TrainConfig
 from shardfuse.io import UserError
-from shardfuse.models.registry import build_model, check_output_shape, set_data_stats, task_of
+from shardfuse.models.adapter import file_ties, load_state, storable_state, tensor_bytes, ties_of
+from shardfuse.models.registry import (
+    build_model,
+    check_output_shape,
+    probe_batch,
+    set_data_stats,
+    task_of,
+)
 from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Task
 from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
@@ -38,16 +45,16 @@ from shardfuse.rank.validation import BestTracker, Validator
 
 @torch.no_grad()
 def broadcast_from_rank0(model: torch.nn.Module) -> None:
-    for tensor in model.state_dict().values():
+    for tensor in storable_state(model)[0].values():  # a tied tensor once
         torch_dist.broadcast(tensor, src=0)
 
 
 def state_digest(model: torch.nn.Module) -> str:
-    """sha256 of the model's tensors: proves every rank started from the same weights."""
+    """sha256 of the model's tensors (any dtype): proves every rank started from the same weights."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(tensor_bytes(tensor))
     return digest.hexdigest()
 
 
@@ -92,6 +99,7 @@ class RankSetup:
     optimizer: torch.optim.Optimizer
     meta: dict[str, Any]  # recorded in every weights file this rank writes
     rank_seed: int  # dropout and data order: differ per rank
+    updates_buffers: bool = False  # a training forward changes buffers: DDP broadcasts rank 0's
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -155,8 +163,9 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
     one-line error (nothing is loaded by name guessing or partially)."""
     from shardfuse.checkpoints.weights import load_weights
 
-    tensors, _ = load_weights(path)
-    expected = model.state_dict()
+    tensors, metadata = load_weights(path)
+    expected, ties = storable_state(model)
+    tensors = {name: t for name, t in tensors.items() if name not in ties}  # a file that stored both
     for name, tensor in expected.items():
         if name not in tensors:
             raise UserError(
@@ -175,7 +184,7 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
             f"init_from {path} has tensor {extra[0]!r} the model does not have; start from a checkpoint "
             "of the same model"
         )
-    model.load_state_dict(tensors)
+    load_state(model, tensors, f"init_from {path}", file_ties(metadata))
 
 
 def set_up(
@@ -196,7 +205,12 @@ def set_up(
         )
     info = read_dataset_info(dataset_dir)
     spec = model_spec(
-        cfg.model.model, cfg.model.model_args, cfg.model.code_paths, info, run_cfg=cfg.model.mlp_keys()
+        cfg.model.model,
+        cfg.model.model_args,
+        cfg.model.code_paths,
+        info,
+        run_cfg=cfg.model.mlp_keys(),
+        output=cfg.model.model_output,
     )
     if cfg.model.code_digest and spec["code"]["digest"] != cfg.model.code_digest:
         raise UserError(
@@ -215,6 +229,7 @@ def set_up(
     if init_weights is not None:
         load_init_weights(model, init_weights)
     check_output_shape(model, spec, ctx.device)
+    updates_buffers = forward_updates_buffers(model, probe_batch(spec, ctx.device))
     if not per_rank:
         broadcast_from_rank0(model)
     meta = {
@@ -228,6 +243,8 @@ def set_up(
     }
     if per_rank:
         meta["init"] = "per_rank"  # headers of shared-init runs stay as they were
+    if ties := ties_of(model):
+        meta["ties"] = ties  # {alias: source}: the alias is not in the file (shardfuse.models.adapter)
     out_dir.mkdir(parents=True, exist_ok=True)
     optimizer = make_optimizer(model, cfg.optim)
     torch.manual_seed(rank_seed)
@@ -246,6 +263,7 @@ def set_up(
         optimizer=optimizer,
         meta=meta,
         rank_seed=rank_seed,
+        updates_buffers=updates_buffers,
     )
 
 
@@ -260,7 +278,8 @@ def resume_or_start(setup: RankSetup) -> Position:
     resumable = chosen[0]
     if not resumable:
         base_meta = {**setup.meta, "rank": None}
-        setup.gate.call(save_weights, setup.out_dir / "base.safetensors", model.state_dict(), base_meta)
+        base = storable_state(model)[0]
+        setup.gate.call(save_weights, setup.out_dir / "base.safetensors", base, base_meta)
         return Position()
     position = load_rank_state(
         checkpoint_dir, resumable[-1], setup.ctx.rank, model, setup.optimizer, expect=setup.identity
@@ -272,14 +291,33 @@ def resume_or_start(setup: RankSetup) -> Position:
     return position
 
 
-def forward_updates_buffers(model: torch.nn.Module) -> bool:
-    """Whether training changes the model's buffers (normalisation running statistics), so DDP must
-    broadcast rank 0's before every forward to keep the ranks equal.
+def forward_updates_buffers(model: torch.nn.Module, probe: torch.Tensor | None = None) -> bool:
+    """Whether training changes the model's buffers (normalisation running statistics, an EMA a
+    forward keeps), so DDP must broadcast rank 0's before every forward to keep the ranks equal:
+    normalisation layers that track statistics, or else any buffer one training-mode forward on
+    ``probe`` changes (run without gradients, its buffers and the RNG restored afterwards).
 
     That broadcast is a collective per step, as costly as the gradients' all_reduce on CPU (gloo
     figures: bench/RESULTS.md, bench/scaling.py). Buffers set once before training, such as the MLP's
     input statistics, are already equal on every rank after set-up's broadcast and stay so."""
-    return any(getattr(module, "track_running_stats", False) for module in model.modules())
+    if any(getattr(module, "track_running_stats", False) for module in model.modules()):
+        return True
+    buffers = [b for b in model.buffers() if b.numel()]
+    if probe is None or not buffers:
+        return False
+    saved = [b.detach().clone() for b in buffers]
+    was_training = model.training
+    try:
+        cuda = [probe.device.index or 0] if probe.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            model.train()
+            model(probe)
+        return any(not torch.equal(b, s) for b, s in zip(buffers, saved, strict=True))
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for b, s in zip(buffers, saved, strict=True):
+                b.copy_(s)
 
 
 def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
@@ -293,7 +331,11 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
     device_ids = [device.index] if cuda else None
     net = (
         DistributedDataParallel(
-            model, device_ids=device_ids, broadcast_buffers=forward_updates_buffers(model)
+            model,
+            device_ids=device_ids,
+            broadcast_buffers=setup.updates_buffers,
+            find_unused_parameters=cfg.sync.find_unused_parameters,
+            static_graph=cfg.sync.static_graph,
         )
         if cfg.sync.strategy == "ddp"
         else model

@@ -24,6 +24,7 @@ import torch.distributed as torch_dist
 
 from shardfuse.data.reader import load_table
 from shardfuse.io import UserError
+from shardfuse.models.adapter import storable_state
 from shardfuse.models.tasks import Task, Totals
 
 
@@ -76,7 +77,8 @@ class BestTracker:
         ):
             self.best_score, self.best_step, self.since_best = score, step, 0
             if self.keep_best:
-                self.best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                weights = storable_state(model)[0]  # a tied tensor once, as published
+                self.best_weights = {k: v.detach().clone() for k, v in weights.items()}
         else:
             self.since_best += 1
 

@@ -148,6 +148,7 @@ class MergedModel:
 
     def __init__(self, weights_path: str | Path, code_dir: str | Path | None = None) -> None:
         from shardfuse.checkpoints.weights import load_weights
+        from shardfuse.models.adapter import file_ties, load_state
         from shardfuse.models.registry import build_model
 
         tensors, metadata = load_weights(weights_path)
@@ -157,7 +158,7 @@ class MergedModel:
         if spec.get("code") and code_dir is not None:
             spec = {**spec, "code": {**spec["code"], "paths": [str(code_dir)]}}
         self.model = build_model(spec)
-        self.model.load_state_dict(tensors)
+        load_state(self.model, tensors, str(weights_path), file_ties(metadata))
         self.model.eval()
         self.columns = list(self.interface.inputs)
 

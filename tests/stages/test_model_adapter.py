@@ -1,0 +1,90 @@
+"""The model adapter with real torchrun ranks: a language model with tied embeddings, a dict output and
+a buffer its forward updates trains under ddp (ranks identical, the tied tensor stored once) and merges;
+bf16 parameters train, checkpoint, merge in float64 and come back as bf16."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfuse.checkpoints.weights import load_weights, read_metadata
+from tests.support.helpers import REPO, run_stage
+from tests.support.training import train_and_gather
+
+TIED_LM = {
+    "model": "tied_lm:build",
+    "code_paths": [str(REPO / "tests/support/models")],
+    "optimizer": "adamw",
+    "lr": 0.01,
+    "batch_size": 32,
+    "epochs": 1,
+    "checkpoint_every": 0,
+    "dropout": 0.0,
+}
+
+
+def merge_and_evaluate(tmp_path: Path, dataset: Path, gather: Path, method: str, **params) -> tuple:
+    merged, record, evaluation = (
+        tmp_path / f"{method}{ext}" for ext in (".safetensors", ".json", ".eval.json")
+    )
+    proc = run_stage(
+        "merge", "--gather", gather, "--method", method, "--params-json", json.dumps(params),
+        "--out-weights", merged, "--out-json", record,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_stage(
+        "evaluate", "--run", "r", "--test", dataset / "test.parquet", "--gather", gather,
+        "--merged", merged, "--out", evaluation,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return merged, json.loads(evaluation.read_text())
+
+
+@pytest.fixture(scope="module")
+def ddp_tied(tmp_path_factory, stdlib_tokens_data) -> Path:
+    dataset, shards = stdlib_tokens_data
+    root = tmp_path_factory.mktemp("tied")
+    return train_and_gather(root, dataset, shards, "ddp", 2, **TIED_LM, strategy="ddp")
+
+
+def test_tied_embeddings_are_stored_once_and_recorded(ddp_tied):
+    ranks = ddp_tied.parent / "ranks"
+    for name in ("base", "rank-0", "rank-1"):
+        tensors, metadata = load_weights(ranks / f"{name}.safetensors")
+        assert "embed.weight" in tensors and "head.weight" not in tensors
+        assert metadata["ties"] == {"head.weight": "embed.weight"}
+
+
+def test_ddp_broadcasts_a_buffer_the_forward_updates(ddp_tied):
+    """The EMA is not a normalisation layer's: found by a probe forward, broadcast like BatchNorm's."""
+    ranks = ddp_tied.parent / "ranks"
+    rank0, rank1 = (load_weights(ranks / f"rank-{r}.safetensors")[0] for r in (0, 1))
+    base = load_weights(ranks / "base.safetensors")[0]
+    assert not torch.equal(rank0["hidden_ema"], base["hidden_ema"])  # the forward did update it
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+
+
+def test_a_tied_model_merges_once_and_evaluates(tmp_path, ddp_tied, stdlib_tokens_data):
+    dataset, _ = stdlib_tokens_data
+    merged, evaluation = merge_and_evaluate(tmp_path, dataset, ddp_tied, "consolidate")
+    tensors, metadata = load_weights(merged)
+    assert "head.weight" not in tensors and metadata["ties"] == {"head.weight": "embed.weight"}
+    assert evaluation["merged"]["loss"] == pytest.approx(evaluation["ranks"][0]["loss"])
+
+
+def test_bf16_parameters_train_merge_in_float64_and_stay_bf16(tmp_path, stdlib_tokens_data):
+    dataset, shards = stdlib_tokens_data
+    gather = train_and_gather(
+        tmp_path, dataset, shards, "bf16", 2, **{**TIED_LM, "model_args": {"dtype": "bfloat16"}}
+    )
+    ranks = [load_weights(gather.parent / "ranks" / f"rank-{r}.safetensors")[0] for r in (0, 1)]
+    assert ranks[0]["embed.weight"].dtype == torch.bfloat16
+    assert not torch.equal(ranks[0]["embed.weight"], ranks[1]["embed.weight"])  # independent ranks
+    merged, evaluation = merge_and_evaluate(tmp_path, dataset, gather, "ties", density=0.5)
+    tensors = load_weights(merged)[0]
+    assert tensors["embed.weight"].dtype == torch.bfloat16
+    assert read_metadata(merged)["ties"] == {"head.weight": "embed.weight"}
+    assert evaluation["merged"]["loss"] < evaluation["base"]["loss"]
