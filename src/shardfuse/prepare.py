@@ -66,7 +66,6 @@ from shardfuse.data.sources.synthetic import Chunk, check_synthetic_spec, synthe
 from shardfuse.data.sources.tables import (
     MAX_SEED,
     SPEC_FIX,
-    VOCAB_SIZE,
     check_text_spec,
     check_user_file_spec,
     is_int,
@@ -363,16 +362,19 @@ def _prepare_synthetic(spec: dict, out_dir: Path, row_group_rows: int) -> Writte
 
 
 def _prepare_text(spec: dict, out_dir: Path, row_group_rows: int) -> Written:
-    blocks, num_tokens = read_text_blocks(spec)
+    text = read_text_blocks(spec)
+    blocks = text.blocks
     masks = random_split_masks(len(blocks), spec)
     rows = _write_split(out_dir, blocks, None, masks, row_group_rows, spec, "tokens")
     feature_names = [f"t{j}" for j in range(blocks.shape[1])]
     extra = {
-        "vocab_size": spec.get("vocab_size", VOCAB_SIZE),
+        "vocab_size": text.vocab_size,
         "block_size": spec["block_size"],
-        "num_tokens": num_tokens,
+        "num_tokens": text.num_tokens,
         "tokenizer": spec["tokenizer"],
     }
+    if text.bytes_per_token is not None:  # bits per byte = bits per token / bytes per token
+        extra["bytes_per_token"] = text.bytes_per_token
     return Written(rows, feature_names, [], extra, _input_of(blocks, "tokens"))
 
 

@@ -330,6 +330,7 @@ def track_run(
     train_dir: str | os.PathLike | None = None,
     gather_path: str | os.PathLike | None = None,
     snakefile: str | os.PathLike | None = None,
+    hf_dir: str | os.PathLike | None = None,
 ) -> TrackResult:
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
@@ -350,6 +351,7 @@ def track_run(
         run_name=run_name,
         dataset_name=_dataset_name(config),
         source_tags=source_tags(Path(snakefile) if snakefile else None),
+        hf_dir=Path(hf_dir) if hf_dir else None,
     )
     # The config says it first: train.json's params only add what it has no key for; the merge
     # settings are those merge.json says were used.
@@ -397,6 +399,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--registered-model", help="also register the merged model under this name")
     parser.add_argument("--plots-dir", type=Path, help="upload its *.png under plots/ (skipped if missing)")
     parser.add_argument(
+        "--hf-dir", type=Path, help="model hf: the run's transformers export (shardfuse.export)"
+    )
+    parser.add_argument(
         "--snakefile", type=Path, help="the workflow's Snakefile, the runs' Source (default: ./Snakefile)"
     )
     parser.add_argument("--out", required=True, type=Path, help="where to write the run ids (JSON)")
@@ -406,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     result = track_run(
         args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment,
         registered_model=args.registered_model, plots_dir=args.plots_dir, train_dir=args.train_dir,
-        gather_path=args.gather, snakefile=args.snakefile,
+        gather_path=args.gather, snakefile=args.snakefile, hf_dir=args.hf_dir,
     )  # fmt: skip
     write_json(args.out, result)
     print(

@@ -20,3 +20,18 @@ rule merge:
         "python -m shardfuse.merge --run {wildcards.run} --gather {input.gather} --method {params.method}"
         " --params-json {params.merge_params:q} --val-split {input.val} --batch-size {params.batch_size}"
         " {params.align} --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"
+
+
+rule export_hf:
+    input:
+        weights=rules.merge.output.weights,
+    output:
+        folder=directory("results/runs/{run}/hf"),
+    log:
+        "logs/export/{run}.log",
+    benchmark:
+        "benchmarks/export/{run}.tsv"
+    conda:
+        "../../envs/train.yaml"
+    shell:
+        "python -m shardfuse.export --weights {input.weights} --out {output.folder} > {log} 2>&1"

@@ -7,6 +7,7 @@ rule track:
         merged=rules.merge.output.weights,
         evaluation=rules.evaluate.output.record,
         plots=rules.plots.output,
+        hf=hf_export_of_run,
     output:
         record="results/runs/{run}/mlflow.json",
     log:
@@ -20,13 +21,14 @@ rule track:
         tracking_uri=EXPERIMENT.tracking_uri,
         experiment=EXPERIMENT.mlflow_experiment,
         registered_model=registered_model_args,
+        hf=hf_export_args,
         snakefile=workflow.main_snakefile,
     shell:
         "python -m shardfuse.tracking --run {wildcards.run} --run-dir results/runs/{wildcards.run}"
         " --train-dir {input.ranks} --gather {input.gather}"
         " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
-        " {params.registered_model}"
+        " {params.registered_model} {params.hf}"
         " --plots-dir results/runs/{wildcards.run}/plots --snakefile {params.snakefile:q}"
         " --out {output.record} > {log} 2>&1"
 

@@ -19,7 +19,7 @@ from shardfuse.experiment.keys import (
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import WEIGHTED_METHODS
 from shardfuse.io import UserError
-from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory
+from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
 
 
 def dataset_task(dataset: dict[str, Any]) -> str:
@@ -67,7 +67,8 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
             f"{task}; remove loss or use a regression dataset"
         )
     try:
-        fingerprint = code_fingerprint(run["model"], run["code_paths"])
+        files = model_files_of(run["model"], run["model_args"], run["model_files"])
+        fingerprint = code_fingerprint(run["model"], run["code_paths"], files)
         if not is_builtin(run["model"]):
             load_factory(run["model"], run["code_paths"])
     except UserError as exc:

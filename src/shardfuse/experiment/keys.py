@@ -98,6 +98,7 @@ OPTIONAL_TRAIN_KEYS = {
         "outer_momentum",
         "init",
         "model_output",
+        "model_files",
         "find_unused_parameters",
         "static_graph",
     )

@@ -37,6 +37,7 @@ class ModelConfig:
     model: str = "mlp"
     model_args: dict[str, Any] = field(default_factory=dict)
     code_paths: list[str] = field(default_factory=list)
+    model_files: list[str] = field(default_factory=list)  # files the model is built from, hashed like code
     hidden_sizes: list[int] = field(default_factory=lambda: [64])  # the built-in mlp's
     activation: str = "relu"
     dropout: float = 0.0

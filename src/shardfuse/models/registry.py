@@ -37,6 +37,7 @@ from shardfuse.checkpoints.trust import Shapes, check_spec_bounds, shape_mismatc
 from shardfuse.io import UserError
 from shardfuse.models.adapter import attach_output, load_state, ties_of
 from shardfuse.models.builtin import cnn, transformer
+from shardfuse.models.hf import hf
 from shardfuse.models.spec import DEFAULT_OUTPUT, DataDescription, description_of, normalized_spec
 from shardfuse.models.tasks import Task, Totals, task_for
 from shardfuse.models.usercode import load_factory
@@ -147,7 +148,12 @@ def build_mlp(
 
 # Built-ins standardise their inputs themselves; other factories get the Standardized wrapper.
 # shardfuse.models.usercode.BUILTIN_MODELS lists the same names for the torch-free config check.
-BUILTINS: dict[str, Callable[..., nn.Module]] = {"mlp": build_mlp, "cnn": cnn, "transformer": transformer}
+BUILTINS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": build_mlp,
+    "cnn": cnn,
+    "transformer": transformer,
+    "hf": hf,
+}
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
@@ -168,8 +174,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
             f"model {spec['model']!r} returned {type(model).__name__}, not a torch.nn.Module; make the "
             "factory return the network"
         )
-    if spec["model"] not in BUILTINS:
-        attach_output(model, spec.get("output", DEFAULT_OUTPUT), spec["model"])
+    attach_output(model, spec.get("output", DEFAULT_OUTPUT), spec["model"])  # tensors pass unchanged
     scale_targets = description.task == "regression"
     numeric = description.input_kind == "numeric"
     if spec["model"] in BUILTINS or description.task == "causal_lm" or not (numeric or scale_targets):

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardfuse.io import UserError
-from shardfuse.models.usercode import code_fingerprint
+from shardfuse.models.usercode import code_fingerprint, model_files_of
 
 # The field of a dict or ModelOutput holding a model's outputs unless the run's model_output says.
 DEFAULT_OUTPUT = "logits"
@@ -92,6 +92,7 @@ def model_spec(
     info: dict[str, Any],
     run_cfg: dict[str, Any] | None = None,
     output: str = DEFAULT_OUTPUT,
+    model_files: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The spec of a run's model on a prepared dataset (``info`` is its dataset.json). ``output`` (the
     field a dict or ModelOutput holds the outputs in) is recorded only off its default, so specs of
@@ -104,7 +105,7 @@ def model_spec(
         "args": args,
         "task": info.get("task", "classification"),
         "description": DataDescription.from_info(info).to_dict(),
-        "code": code_fingerprint(ref, code_paths),
+        "code": code_fingerprint(ref, code_paths, model_files_of(ref, args, model_files)),
     }
     if output != DEFAULT_OUTPUT:
         spec["output"] = output

@@ -17,6 +17,7 @@ model re-trains instead of silently mixing networks, and a later stage finds the
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.metadata
@@ -31,7 +32,7 @@ from typing import Any
 
 from shardfuse.io import UserError
 
-BUILTIN_MODELS = ("mlp", "cnn", "transformer")
+BUILTIN_MODELS = ("mlp", "cnn", "transformer", "hf")
 FIX_MODEL = "fix `model` in the run (a built-in name or package.module:function)"
 
 
@@ -96,11 +97,46 @@ def check_reference(ref: str) -> None:
         )
 
 
-def code_fingerprint(ref: str, code_paths: list[str] | tuple[str, ...]) -> dict[str, Any] | None:
-    """{"paths", "files": {path: sha256}, "digest"} of the code a model may run; None for a built-in
-    without code paths."""
+def model_files_of(
+    ref: str, model_args: dict[str, Any], model_files: list[str] | tuple[str, ...]
+) -> list[str]:
+    """The files a model is built from besides code: the run's ``model_files`` and, for ``hf``, its
+    pretrained folder."""
+    files = list(model_files)
+    pretrained = model_args.get("pretrained") if ref == "hf" and isinstance(model_args, dict) else None
+    if pretrained is not None and str(pretrained) not in files:
+        files.append(str(pretrained))
+    return files
+
+
+def _data_files(entries: list[str] | tuple[str, ...]) -> list[Path]:
+    """Every file under the model files (a folder: all its files, hidden ones and caches left out)."""
+    found: list[Path] = []
+    for entry in entries:
+        path = Path(entry)
+        if path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            found += sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") or part == "__pycache__" for part in p.parts)
+            )
+        else:
+            raise UserError(
+                f"model file {entry!r} does not exist; fix `model_files` or model_args.pretrained (paths "
+                "relative to the working directory)"
+            )
+    return found
+
+
+def code_fingerprint(
+    ref: str, code_paths: list[str] | tuple[str, ...], model_files: list[str] | tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """{"paths", "files": {path: sha256}, "digest"} of the code a model may run and the files it is
+    built from ("model_files", recorded only when there are some); None for a built-in without either."""
     check_reference(ref)
-    if is_builtin(ref) and not code_paths:
+    if is_builtin(ref) and not code_paths and not model_files:
         return None
     for entry in code_paths:
         if not Path(entry).is_dir():
@@ -118,15 +154,28 @@ def code_fingerprint(ref: str, code_paths: list[str] | tuple[str, ...]) -> dict[
     for root in roots:
         for path in _python_files(root):
             files[_display(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    for path in _data_files(model_files):
+        files[_display(path)] = _sha256_file(path)
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-    return {"paths": list(code_paths), "files": files, "digest": digest}
+    fingerprint = {"paths": list(code_paths), "files": files, "digest": digest}
+    if model_files:
+        fingerprint["model_files"] = list(model_files)
+    return fingerprint
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def check_code_unchanged(ref: str, code: dict[str, Any] | None, stage: str) -> None:
     """UserError naming the first user code file that changed (or vanished) since training."""
     if not code:
         return
-    now = code_fingerprint(ref, code["paths"])
+    now = code_fingerprint(ref, code["paths"], code.get("model_files", ()))
     current = now["files"] if now else {}
     for name, digest in sorted(code["files"].items()):
         if current.get(name) != digest:
@@ -161,6 +210,42 @@ def load_factory(ref: str, code_paths: list[str] | tuple[str, ...] = ()) -> Call
 
 
 # ---------------------------------------------------------------- staging (for the logged MLflow model)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Top-level names of the absolute imports in a .py file (an unparsable file imports nothing here:
+    training would have failed on it)."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def third_party_requirements(staged: list[Path], local: Collection[str]) -> list[str]:
+    """The installed distributions the staged user code imports (transformers, peft, timm, ...), so a
+    fresh environment made from the logged model's requirements can import it: neither the standard
+    library, nor shardfuse, nor the user's own staged modules."""
+    modules = set()
+    for root in staged:
+        for path in _python_files(root):
+            modules |= _imported_modules(path)
+    modules -= {*sys.stdlib_module_names, *local, "shardfuse", "__future__"}
+    if not modules:
+        return []
+    distributions = importlib.metadata.packages_distributions()
+    found: list[str] = []
+    for module in sorted(modules):
+        for name in distributions.get(module, [])[:1]:
+            if name not in found:
+                found.append(name)
+    return found
 
 
 def _not_python(directory: str, names: list[str]) -> set[str]:
@@ -221,12 +306,16 @@ def stage_code(
             if is_code and not name.startswith(".") and name not in taken:
                 taken.add(name)
                 staged.append(_stage(source, staging))
+    extra = third_party_requirements([Path(p) for p in staged], taken)
+    if is_builtin(spec["model"]):  # code paths of a built-in (model hf with model_files): nothing to find
+        return [str(path) for path in staged], extra
     top = spec["model"].partition(":")[0].split(".")[0]
-    extra: list[str] = []
     if top not in taken:
         origin = _origin(spec["model"], top)
         if _installed(origin):
-            extra = importlib.metadata.packages_distributions().get(top, [])[:1]
+            extra += [
+                d for d in importlib.metadata.packages_distributions().get(top, [])[:1] if d not in extra
+            ]
         else:
             staged.append(_stage(origin.parent if origin.name == "__init__.py" else origin, staging))
     return [str(path) for path in staged], extra

@@ -211,6 +211,7 @@ def set_up(
         info,
         run_cfg=cfg.model.mlp_keys(),
         output=cfg.model.model_output,
+        model_files=cfg.model.model_files,
     )
     if cfg.model.code_digest and spec["code"]["digest"] != cfg.model.code_digest:
         raise UserError(

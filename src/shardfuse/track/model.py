@@ -44,6 +44,9 @@ WEIGHTS_FILE = "merged.safetensors"
 MODEL_NAME = "model"
 WEIGHTS_TAG = "shardfuse.weights_sha256"
 REQUIREMENTS = ("torch", "safetensors", "numpy", "pandas")
+HF_DIR = "hf"  # model hf: the transformers export inside the logged model's data
+HF_REQUIREMENTS = ("transformers", "tokenizers")
+FILES_DIR = "files"  # the spec's model_files, at their paths relative to the workflow's directory
 TOKENS = "tokens"  # causal_lm's input column
 TENSOR = "x"  # a tensor-input model's input (images): an array [N, *shape], or a column of arrays
 PACKAGE = Path(__file__).resolve().parents[1]  # the shardfuse package, shipped with the model
@@ -140,13 +143,30 @@ def _token_ids(cell: Any, row: int, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+@contextlib.contextmanager
+def _working_directory(path: Path | None) -> Iterator[None]:
+    """Build the model with relative model_files resolving into the logged copy (code paths are made
+    absolute first: they resolve against the directory the model was loaded from)."""
+    if path is None:
+        yield
+        return
+    previous = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 class MergedModel:
     """A shardfuse model on CPU; ``predict`` takes and returns the columns of :class:`Interface`.
 
     ``code_dir`` replaces the user code paths recorded in the spec (relative to the workflow's
     directory): there the logged model keeps its copy of that code, the code that now counts."""
 
-    def __init__(self, weights_path: str | Path, code_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, weights_path: str | Path, code_dir: str | Path | None = None, hf_dir: str | Path | None = None
+    ) -> None:
         from shardfuse.checkpoints.weights import load_weights
         from shardfuse.models.adapter import file_ties, load_state
         from shardfuse.models.registry import build_model
@@ -157,7 +177,11 @@ class MergedModel:
         spec = normalized_spec(self.spec)
         if spec.get("code") and code_dir is not None:
             spec = {**spec, "code": {**spec["code"], "paths": [str(code_dir)]}}
-        self.model = build_model(spec)
+        if hf_dir is not None:  # build from the shipped export, not the training's pretrained folder
+            spec = {**spec, "args": {**spec["args"], "pretrained": str(hf_dir)}}
+        files_dir = Path(weights_path).parent / FILES_DIR
+        with _working_directory(files_dir if files_dir.is_dir() else None):
+            self.model = build_model(spec)
         load_state(self.model, tensors, str(weights_path), file_ties(metadata))
         self.model.eval()
         self.columns = list(self.interface.inputs)
@@ -214,7 +238,12 @@ def _load_pyfunc(data_path: str) -> MergedModel:
     # The model's code/ (MLflow has put it on sys.path) is beside MLmodel, data_path is <model>/data/data.
     code_dir = next((p / "code" for p in path.parents if (p / "MLmodel").is_file()), None)
     weights = path / WEIGHTS_FILE if path.is_dir() else path
-    return MergedModel(weights, code_dir if code_dir is not None and code_dir.is_dir() else None)
+    hf_dir = weights.parent / HF_DIR
+    return MergedModel(
+        weights,
+        code_dir if code_dir is not None and code_dir.is_dir() else None,
+        hf_dir if hf_dir.is_dir() else None,
+    )
 
 
 def model_signature(spec: dict[str, Any]):
@@ -255,6 +284,21 @@ def _code_paths(spec: dict[str, Any], staging: Path) -> tuple[list[str], list[st
     shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
     user_paths, extra = stage_code(spec, staging, reserved={PACKAGE.name})
     return [str(package), *user_paths], extra
+
+
+def _stage_model_files(spec: dict[str, Any], files_dir: Path) -> None:
+    """Copy the files the model is built from (``model_files``, a pretrained folder) to their relative
+    paths under ``files_dir``: the logged model builds itself there, wherever it is loaded."""
+    for entry in (spec.get("code") or {}).get("model_files", []):
+        source = Path(entry)
+        if source.is_absolute() or ".." in source.parts:
+            continue  # found where it is (an absolute path stays one)
+        target = files_dir / source
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source, target)
 
 
 def _requirements(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -345,6 +389,7 @@ def log_merged_model(
     weights_sha256: str,
     spec: dict,
     name: str = MODEL_NAME,
+    hf_dir: Path | None = None,
 ):
     """Log ``weights_path`` as a pyfunc model ``name`` (the track stage: the run's name) under ``run_id``;
     return its model id.
@@ -369,6 +414,13 @@ def log_merged_model(
         code_paths, extra_requirements = _code_paths(spec, staging)
         data_dir.mkdir()
         shutil.copy2(weights_path, data_dir / WEIGHTS_FILE)
+        if hf_dir is not None:  # the model is rebuilt from it: no pretrained folder needed where it loads
+            shutil.copytree(hf_dir, data_dir / HF_DIR)
+            extra_requirements = [*extra_requirements, *HF_REQUIREMENTS]
+        else:
+            _stage_model_files(spec, data_dir / FILES_DIR)
+        if spec.get("model") == "hf":
+            extra_requirements = list(dict.fromkeys([*extra_requirements, *HF_REQUIREMENTS]))
         # Model.log puts the model in the active run's experiment: resume our run (the caller sets its
         # status afterwards).
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardfuse.io import sha256_file
 from shardfuse.track import model as mlflow_model
@@ -40,6 +41,7 @@ class SyncOptions:
     run_name: str
     dataset_name: str  # the config's dataset: the name of the datasets logged as run inputs
     source_tags: dict[str, str]  # mlflow.source.* and mlflow.user (tracking_ui.source_tags)
+    hf_dir: Path | None = None  # model hf: the run's transformers export, shipped in the logged model
 
 
 def log_datasets(client, run, refs) -> None:
@@ -77,7 +79,7 @@ def sync_parent_extras(
     if model_id is None:
         model_id = mlflow_model.log_merged_model(
             options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
-            name=options.run_name,
+            name=options.run_name, hf_dir=options.hf_dir,
         )  # fmt: skip
         # MLflow copies the run's params to the model it logs; add what the model page should also say.
         described = {"training": str(inputs.train.run or ""), **_model_params(inputs)}

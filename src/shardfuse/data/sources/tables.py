@@ -33,6 +33,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from shardfuse.data.shard_format import InputKind  # numeric columns, one tensor column, or token blocks
+from shardfuse.data.sources.hf_tokenizer import is_hf, load_hf_tokenizer, tokenizer_file
 from shardfuse.io import UserError, error_reason
 from shardfuse.models.usercode import load_factory
 
@@ -350,6 +351,11 @@ def check_text_spec(spec: dict) -> None:
     if spec["max_tokens"] is not None:
         require_int(spec, "max_tokens", 2)
     tokenizer = spec["tokenizer"]
+    if is_hf(tokenizer):
+        tokenizer_file(tokenizer)
+        if "vocab_size" in spec:
+            require_int(spec, "vocab_size", 2)
+        return
     if tokenizer is None:
         if "vocab_size" in spec:
             raise UserError(
@@ -421,6 +427,8 @@ def _read_text(files: list[str], max_tokens: int | None) -> bytearray:
 
 
 def _load_tokenizer(ref: str):
+    if is_hf(ref):
+        return load_hf_tokenizer(ref)[0]
     try:
         return load_factory(ref)
     except UserError as exc:  # usercode speaks of models; say tokenizer, and how a dataset finds its code
@@ -451,34 +459,48 @@ def _token_ids(tokenize, data: bytes, what: str, spec: dict) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def _read_tokens(files: list[str], spec: dict) -> np.ndarray:
+def _read_tokens(files: list[str], spec: dict) -> tuple[np.ndarray, float]:
     """The user tokenizer's ids of each file, joined by those of b"\\n" (as the byte tokenizer joins the
-    files), at most max_tokens of them: files are read whole, and no further once max_tokens is reached."""
+    files), at most max_tokens of them: files are read whole, and no further once max_tokens is reached;
+    and the bytes per token of what was read (for bits per byte)."""
     tokenize, max_tokens = _load_tokenizer(spec["tokenizer"]), spec["max_tokens"]
     separator = _token_ids(tokenize, b"\n", "the file separator b'\\n'", spec)
     pieces: list[np.ndarray] = []
-    num_tokens = 0
+    num_tokens = num_bytes = 0
     for index, path in enumerate(files):
         if max_tokens is not None and num_tokens >= max_tokens:
             break
+        data = _read_file(path)
         pieces += [separator] if index else []
-        pieces.append(_token_ids(tokenize, _read_file(path), path, spec))
+        pieces.append(_token_ids(tokenize, data, path, spec))
         num_tokens += len(pieces[-1]) + (len(separator) if index else 0)
-    return np.concatenate(pieces)[:max_tokens]
+        num_bytes += len(data) + (1 if index else 0)
+    return np.concatenate(pieces)[:max_tokens], num_bytes / max(num_tokens, 1)
 
 
 def token_dtype(vocab_size: int) -> type[np.integer]:
     return np.uint16 if vocab_size <= MAX_UINT16_VOCAB else np.int32
 
 
-def read_text_blocks(spec: dict) -> tuple[np.ndarray, int]:
+class TextBlocks(NamedTuple):
+    blocks: np.ndarray  # (num_blocks, block_size + 1) token ids
+    num_tokens: int  # tokens read (the tail that fills no block included)
+    vocab_size: int
+    bytes_per_token: float | None  # of the text read; None for the byte tokenizer (1 by definition)
+
+
+def read_text_blocks(spec: dict) -> TextBlocks:
     """The text spec's rows, a (num_blocks, block_size + 1) array of token ids (uint16, or int32 for a
-    vocabulary over 65535; the tail that fills no block is dropped), and the number of tokens read."""
+    vocabulary over 65535; the tail that fills no block is dropped), with what dataset.json records."""
     files = text_files(spec)
+    bytes_per_token = None
+    if is_hf(spec["tokenizer"]):
+        size = load_hf_tokenizer(spec["tokenizer"])[1]
+        spec = {**spec, "vocab_size": max(size, spec.get("vocab_size", 0))}
     if spec["tokenizer"] is None:
         tokens = np.frombuffer(_read_text(files, spec["max_tokens"]), dtype=np.uint8)
     else:
-        tokens = _read_tokens(files, spec)
+        tokens, bytes_per_token = _read_tokens(files, spec)
     row_tokens = spec["block_size"] + 1  # block_size inputs and, shifted by one, block_size targets
     num_blocks = len(tokens) // row_tokens
     if num_blocks < 3:
@@ -487,4 +509,5 @@ def read_text_blocks(spec: dict) -> tuple[np.ndarray, int]:
             f"{row_tokens}; a train/val/test split needs at least 3: add text or lower block_size"
         )
     blocks = tokens[: num_blocks * row_tokens].reshape(num_blocks, row_tokens)
-    return blocks.astype(token_dtype(spec.get("vocab_size", VOCAB_SIZE))), len(tokens)
+    vocab_size = spec.get("vocab_size", VOCAB_SIZE)
+    return TextBlocks(blocks.astype(token_dtype(vocab_size)), len(tokens), vocab_size, bytes_per_token)

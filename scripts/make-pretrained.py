@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Make a small "pretrained" GPT-2 folder locally, as `save_pretrained` writes one: no download.
+
+A byte-level BPE tokenizer is trained with `tokenizers` on Python standard library sources, and a GPT-2
+with the library's defaults (tied input and output embeddings) is randomly initialised from a seed,
+optionally pre-trained for a few steps on the same corpus, and saved with its tokenizer::
+
+    python scripts/make-pretrained.py pretrained/gpt2-stdlib --steps 40
+
+The folder is what `model: hf` with `model_args: {pretrained: DIR}` and a text dataset's
+`tokenizer: hf:DIR` read (config/examples/hf_finetune.yaml). Needs `pip install 'shardfuse[hf]'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+
+def corpus_files(patterns: list[str]) -> list[str]:
+    stdlib = glob.escape(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        {p for pattern in patterns for p in glob.glob(pattern.replace("{stdlib}", stdlib), recursive=True)}
+    )
+    if not files:
+        sys.exit(f"make-pretrained: error: no file matches {patterns}; fix --corpus")
+    return files
+
+
+def train_tokenizer(files: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(files, trainer)
+    return tokenizer
+
+
+def pretrain(model, tokenizer, files: list[str], steps: int, block_size: int, seed: int) -> float | None:
+    """A few AdamW steps of next-token prediction on blocks of the corpus; the last loss."""
+    import torch
+
+    if steps == 0:
+        return None
+    text = "\n".join(Path(f).read_text(errors="replace") for f in files[:50])
+    ids = torch.tensor(tokenizer.encode(text).ids)
+    blocks = ids[: len(ids) // (block_size + 1) * (block_size + 1)].view(-1, block_size + 1)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    loss = None
+    for _ in range(steps):
+        batch = blocks[torch.randint(len(blocks), (16,), generator=generator)]
+        out = model(batch[:, :-1], labels=batch[:, :-1].clone())
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        loss = float(out.loss.detach())
+    model.eval()
+    return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="the folder to write (replaced atomically)")
+    parser.add_argument(
+        "--corpus", nargs="+", default=["{stdlib}/json/*.py", "{stdlib}/csv.py", "{stdlib}/textwrap.py"]
+    )
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--positions", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=0, help="pre-training steps (0: random init)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        import torch
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    except ImportError:
+        sys.exit("make-pretrained: error: needs transformers and tokenizers; pip install 'shardfuse[hf]'")
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    files = corpus_files(args.corpus)
+    tokenizer = train_tokenizer(files, args.vocab_size)
+    end = tokenizer.token_to_id("<|endoftext|>")
+    torch.manual_seed(args.seed)
+    config = GPT2Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        n_positions=args.positions,
+        n_embd=args.width,
+        n_layer=args.layers,
+        n_head=args.heads,
+        bos_token_id=end,
+        eos_token_id=end,
+    )
+    model = GPT2LMHeadModel(config)  # tie_word_embeddings: GPT-2's default
+    loss = pretrain(model, tokenizer, files, args.steps, min(64, args.positions - 1), args.seed)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{args.out.name}-", dir=args.out.parent) as work:
+        staged = Path(work) / "model"
+        model.save_pretrained(staged)
+        fast.save_pretrained(staged)
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        os.replace(staged, args.out)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    trained = f", pre-trained {args.steps} steps (loss {loss:.3f})" if loss is not None else ""
+    print(
+        f"wrote {args.out}: GPT-2 {args.layers}x{args.width}, vocabulary {config.vocab_size} "
+        f"(byte-level BPE on {len(files)} files), tied embeddings {tied}{trained}"
+    )
+
+
+if __name__ == "__main__":
+    main()

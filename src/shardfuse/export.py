@@ -1,0 +1,53 @@
+"""Export a run's merged ``hf`` model as a Hugging Face ``save_pretrained`` folder.
+
+By hand::
+
+    python -m shardfuse.export --weights results/runs/<run>/merged.safetensors --out results/runs/<run>/hf
+
+The folder holds config.json and model.safetensors (or shards and model.safetensors.index.json past
+``--max-shard-size``), the generation config, and the pretrained folder's tokenizer files, so
+``AutoModelForCausalLM.from_pretrained(folder)`` (or the auto class of the run's task) loads the fused
+model with the logits evaluate scored. Tied embeddings come back tied (transformers re-ties them from
+``tie_word_embeddings``). The folder is written beside its target and renamed into place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardfuse.io import StageParser, UserError, atomic_dir, run_cli
+
+
+def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:
+    from shardfuse.checkpoints.weights import load_weights  # deferred: torch
+    from shardfuse.models.adapter import file_ties, load_state
+    from shardfuse.models.hf import export_pretrained
+    from shardfuse.models.registry import build_model
+    from shardfuse.models.spec import normalized_spec
+    from shardfuse.models.usercode import check_code_unchanged
+
+    tensors, metadata = load_weights(weights)
+    spec = normalized_spec(metadata.get("model"))
+    if spec["model"] != "hf":
+        raise UserError(
+            f"{weights} holds model {spec['model']!r}; only model hf exports to a transformers folder"
+        )
+    check_code_unchanged(spec["model"], spec.get("code"), "export")
+    model = build_model(spec)
+    load_state(model, tensors, str(weights), file_ties(metadata))
+    with atomic_dir(out) as tmp:
+        return export_pretrained(model, spec, tmp, max_shard_size)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = StageParser(prog="python -m shardfuse.export", description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", type=Path, required=True, help="merged.safetensors of an hf run")
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write (replaced)")
+    parser.add_argument("--max-shard-size", default="2GB", help="save_pretrained's shard size (e.g. 500MB)")
+    args = parser.parse_args(argv)
+    files = export(args.weights, args.out, args.max_shard_size)
+    print(f"exported {args.weights} -> {args.out}: {', '.join(files)}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
