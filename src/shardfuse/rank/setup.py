@@ -24,11 +24,11 @@ from shardfuse.io import UserError
 from shardfuse.models.registry import build_model, check_output_shape, set_data_stats, task_of
 from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Task
+from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
 from shardfuse.rank.optim import check_schedule, make_optimizer
 from shardfuse.rank.resume import (
     Position,
-    complete_steps,
     load_rank_extras,
     load_rank_state,
 )
