@@ -21,7 +21,9 @@ Everything after ``--`` goes to ``shardfuse.train``. Three cases, one code path:
 
 The ranks write into a staging directory next to ``--out-dir`` (on the shared filesystem); only when
 every rank finished and ``train.json`` exists is it renamed onto ``--out-dir``, so an interrupted or
-failed run never leaves a directory that looks complete.
+failed run never leaves a directory that looks complete. When torchrun fails, the one-line error names
+the first rank that raised, its exception and the log (:mod:`shardfuse.rank.failure`), and whether a
+re-run resumes from a checkpoint or starts over.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ from shardfuse.cluster.torchrun import (
     rank_environ,
 )
 from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_json
+from shardfuse.rank.checkpoint_steps import complete_steps
+from shardfuse.rank.failure import FAILURES_DIR, failure_message
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -100,7 +104,7 @@ def prepare_staging(staging: Path, train_args: list[str]) -> bool:
     identity = {"train_args": [a for a in train_args if a != str(staging)]}
     record = staging / "launch.json"
     if record.is_file() and json.loads(record.read_text()) == identity:
-        return (staging / "checkpoints").is_dir()
+        return bool(complete_steps(staging / "checkpoints"))
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     write_json(record, identity)
@@ -113,6 +117,7 @@ def launch(
     train_args: list[str],
     environ: Mapping[str, str],
     max_restarts: int = 0,
+    log: Path | None = None,
 ) -> None:
     shards = _shard_world_size(train_args)
     if shards is not None and shards != geometry.world_size:
@@ -138,7 +143,7 @@ def launch(
                 file=sys.stderr,
             )
             return
-        _train(geometry, out_dir, staging, cmd, train_args, environ, workflow)
+        _train(geometry, out_dir, staging, cmd, train_args, environ, workflow, max_restarts, log)
         if workflow is not None:
             keep_published(out_dir, identity)
 
@@ -151,25 +156,26 @@ def _train(
     train_args: list[str],
     environ: Mapping[str, str],
     workflow: tuple[int, str] | None,
+    max_restarts: int,
+    log: Path | None,
 ) -> None:
     """Run the ranks into the staging directory (resuming from its checkpoints) and publish it."""
     if prepare_staging(staging, train_args):
         print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
+    shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)  # an earlier launch's
     # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
     env = rank_environ(geometry, environ) if geometry.nnodes == 1 else None
     status = run_and_forward_signals(cmd, env, watch=workflow)
     if status != 0:
-        raise UserError(
-            f"training failed: exit status {status}; the failing rank's error is above in this "
-            f"log; partial outputs and checkpoints stay in {staging} (a re-run resumes from them)"
-        )
+        raise UserError(failure_message(status, staging, max_restarts, log))
     if not (staging / "train.json").is_file():
         raise UserError(
             f"training exited 0 but {staging}/train.json is missing; the ranks did not finish — "
             "check the log above"
         )
-    # Checkpoints are resume state only: the published ranks directory holds the results.
+    # Checkpoints and failed attempts' records are run state only: the published directory holds results.
     shutil.rmtree(staging / "checkpoints", ignore_errors=True)
+    shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
     (staging / "launch.json").unlink(missing_ok=True)
     replace_dir(staging, out_dir)
 
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_and_forward_signals(cmd, rank_environ(geometry, os.environ)))
     if args.out_dir is None:
         raise UserError("--out-dir is required; pass the run's train directory")
-    launch(geometry, args.out_dir, args.train_args, os.environ, args.max_restarts)
+    launch(geometry, args.out_dir, args.train_args, os.environ, args.max_restarts, args.log)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ after one row group, the sha256 is checked alongside), starts from the same init
 saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``.json``),
 ``metrics/rank-{rank}.parquet`` (one row per optimiser step) and ``metrics/system-rank-{rank}.parquet``
 (CPU, memory and GPU use every 5 s: :mod:`shardfuse.metrics.system`). Rank 0 writes ``train.json`` last.
+The first rank to raise records its exception in ``failures/`` (:mod:`shardfuse.rank.failure`) for the
+launcher's one-line error.
 
 ``train_rank`` runs the phases in order (their code is in :mod:`shardfuse.rank`): ``set_up`` (model,
 optimiser, seeds), ``resume_or_start``, ``plan_steps`` (precision, DDP), ``train_loop`` (which calls
@@ -27,6 +29,7 @@ from shardfuse.io import StageParser, parse_json_arg, run_cli
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.rank.dist import DistContext, distributed, gate_for
+from shardfuse.rank.failure import failures_recorded
 from shardfuse.rank.loop import train_loop
 from shardfuse.rank.publish import publish
 from shardfuse.rank.setup import plan_steps, resume_or_start, set_up
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig.from_flat(parse_json_arg(args.config_json, "--config-json"))
     with (
         distributed() as ctx,
+        # Inside the process group: the failing rank's record exists before its peers fail in turn.
+        failures_recorded(args.out_dir, ctx.rank),
         gate_for(ctx.rank).live_logger(args.live_tracking_uri, args.live_experiment, args.run_name) as live,
     ):
         train_rank(

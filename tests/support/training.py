@@ -285,6 +285,41 @@ def training_processes(marker: str) -> list[int]:
     return found
 
 
+# A user model (``flaky:build``) with a bug: on rank 1 its forward raises, in training mode only (set-up's
+# check of the output shape runs in eval mode), from its FAIL_AT_FORWARD_ENV-th call on (default 1).
+FAILING_MODEL = """
+import os
+
+from torch import nn
+
+
+class Flaky(nn.Module):
+    def __init__(self, description):
+        super().__init__()
+        self.net = nn.Linear(description.num_features, description.num_outputs)
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training and os.environ["RANK"] == "1":
+            self.calls += 1
+            if self.calls >= int(os.environ.get("SHARDFUSE_TEST_FAIL_AT_FORWARD", "1")):
+                raise RuntimeError("boom in forward")
+        return self.net(x)
+
+
+def build(description):
+    return Flaky(description)
+"""
+FAIL_AT_FORWARD_ENV = "SHARDFUSE_TEST_FAIL_AT_FORWARD"
+
+
+def write_failing_model(code_dir: Path) -> dict:
+    """FAILING_MODEL as ``code_dir``/flaky.py; the run keys that train it."""
+    code_dir.mkdir(parents=True, exist_ok=True)
+    (code_dir / "flaky.py").write_text(FAILING_MODEL)
+    return {"model": "flaky:build", "code_paths": [str(code_dir)]}
+
+
 # The system metrics a rank samples on a machine without a GPU (under MLflow's names).
 CPU_METRICS = {
     "system/cpu_utilization_percentage",

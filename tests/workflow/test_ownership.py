@@ -1,5 +1,5 @@
-"""One owner per training: the lock and its record, and a failed job's one-line error on the console.
-The kill -9 races of whole workflows are in tests/slow/test_ownership.py."""
+"""One owner per training: the lock and its record, and a failed job's one-line error on the console (a
+stage's own, or a rank's exception). The kill -9 races of whole workflows: tests/slow/test_ownership.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 from shardfuse.cluster.ownership import own_training, owner_path
 from shardfuse.io import UserError, failed_job_errors
 from tests.support.helpers import REPO, snakemake_command, subprocess_env
-from tests.support.training import write_resume_config
+from tests.support.training import write_failing_model, write_resume_config
 
 HOLD_LOCK = """
 import sys, time
@@ -89,6 +89,26 @@ def test_a_failed_stages_one_line_error_is_the_last_thing_on_the_console(tmp_pat
         "shardfuse.train: error: warmup_steps 100000 is longer than the run's 40 optimiser steps" in line
         for line in tail
     ), tail
+
+
+def test_a_ranks_exception_is_one_line_on_the_console_naming_the_rank_and_the_log(tmp_path):
+    write_failing_model(tmp_path / "models")  # rank 1's forward raises in the first step
+    write_resume_config(tmp_path, epochs=1, model="flaky:build", code_paths=["models"])
+    proc = subprocess.run(
+        snakemake_command(tmp_path, "--cores", "2"), capture_output=True, text=True, env=subprocess_env()
+    )
+    assert proc.returncode == 1
+    console = proc.stderr.strip().splitlines()
+    (failed,) = [line for line in console if line.startswith("shardfuse: train failed (logs/train/")]
+    log = failed.removeprefix("shardfuse: train failed (").removesuffix("):")
+    # After Snakemake's own messages, under the job's heading: the rank's exception, once on the console.
+    errors = [line for line in console if "boom in forward" in line]
+    assert errors == [
+        f"  shardfuse.launch: error: rank 1 failed: RuntimeError: boom in forward (full traceback: {log}); "
+        "no checkpoint was complete, so a re-run starts over"
+    ]
+    assert console.index(errors[0]) == console.index(failed) + 1
+    assert 'raise RuntimeError("boom in forward")' in (tmp_path / log).read_text()
 
 
 def test_the_readme_names_the_recovery_of_every_kill_case():

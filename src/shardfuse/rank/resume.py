@@ -14,7 +14,6 @@ safetensors and everything else through JSON: nothing here is ever unpickled.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from shardfuse.io import UserError, atomic_path, write_json
 from shardfuse.models.adapter import load_state, storable_state
-
-COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+from shardfuse.rank.checkpoint_steps import COMPLETE, STEP_DIR, complete_steps
 
 
 @dataclass
@@ -38,17 +35,6 @@ class Position:
     step: int = 0
     epoch: int = 0
     next_batch: int = 0
-
-
-def complete_steps(checkpoint_dir: Path) -> list[int]:
-    if not checkpoint_dir.is_dir():
-        return []
-    steps = [
-        int(m.group(1))
-        for p in checkpoint_dir.iterdir()
-        if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).is_file()
-    ]
-    return sorted(steps)
 
 
 def save_rank_state(

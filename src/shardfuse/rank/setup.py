@@ -31,11 +31,11 @@ from shardfuse.models.registry import (
 )
 from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Task
+from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
 from shardfuse.rank.optim import check_schedule, make_optimizer
 from shardfuse.rank.resume import (
     Position,
-    complete_steps,
     load_rank_extras,
     load_rank_state,
 )

@@ -1,0 +1,126 @@
+"""The first exception of a training's ranks, kept for the launcher's one-line error.
+
+torchrun tells the launcher only that a rank failed (its exit status); the exception is in the rank's
+traceback, deep in the log. So each rank that raises records the exception before it leaves the process
+group, in ``<staging>/failures/attempt-<N>.json`` (N: torchrun's restart count), and only the first rank
+to fail writes it (the file is created exclusively): the others' errors (a peer closed the connection,
+a collective broke) follow from that one, and they come only after it left the group, so after the
+record exists. Once torchrun has exited, the launcher reads the last attempt's record and says in one
+line which rank raised what, where the traceback is, and whether a re-run resumes from a complete
+checkpoint or starts over (:func:`failure_message`).
+
+Not torchrun's own error files (``@record``, ``TORCHELASTIC_ERROR_FILE``): they stamp a failure in whole
+seconds, so the failing rank and the peer it takes down tie for "first"; they are written after the
+process group is gone; and they sit in torchrun's temporary log directory, named by local rank.
+
+Torch-free: the launcher imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from shardfuse.io import UserError
+from shardfuse.rank.checkpoint_steps import complete_steps
+
+FAILURES_DIR = "failures"
+MAX_MESSAGE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The first rank that raised in one torchrun attempt, and what."""
+
+    rank: int
+    attempt: int
+    exception: str  # the type, qualified by its module unless a builtin: RuntimeError, torch.OutOfMemoryError
+    message: str  # the first line of the message (shortened), "" if it has none
+    user_error: bool  # a UserError: the rank printed its own one-line error already
+
+    def describe(self) -> str:
+        return f"{self.exception}: {self.message}" if self.message else self.exception
+
+
+def failure_path(out_dir: Path, attempt: int) -> Path:
+    return out_dir / FAILURES_DIR / f"attempt-{attempt}.json"
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def rank_failure(rank: int, exc: BaseException, attempt: int) -> RankFailure:
+    kind = type(exc)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    lines = str(exc).strip().splitlines()
+    message = lines[0].strip() if lines else ""
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 1] + "…"
+    return RankFailure(rank, attempt, name, message, isinstance(exc, UserError))
+
+
+def record_failure(out_dir: Path, failure: RankFailure) -> bool:
+    """Write ``failure`` unless a rank already recorded this attempt's; True if it was written. Never
+    raises: the rank's own exception is what matters."""
+    path = failure_path(out_dir, failure.attempt)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError:  # FileExistsError: another rank failed first
+        return False
+    with contextlib.suppress(OSError), os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(asdict(failure)) + "\n")
+    return True
+
+
+@contextlib.contextmanager
+def failures_recorded(out_dir: Path, rank: int) -> Iterator[None]:
+    """Record an exception raised in the block (:func:`record_failure`), then let it propagate. Enter it
+    inside the process group's block, so the record is written before this rank leaves the group."""
+    try:
+        yield
+    except Exception as exc:
+        record_failure(out_dir, rank_failure(rank, exc, _restart_count()))
+        raise
+
+
+def read_failure(out_dir: Path, attempt: int) -> RankFailure | None:
+    """The recorded first failure of ``attempt``; None if there is none or it cannot be read."""
+    try:
+        record = json.loads(failure_path(out_dir, attempt).read_text())
+        return RankFailure(
+            rank=int(record["rank"]),
+            attempt=int(record["attempt"]),
+            exception=str(record["exception"]),
+            message=str(record["message"]),
+            user_error=bool(record["user_error"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def failure_message(status: int, staging: Path, max_restarts: int, log: Path | None) -> str:
+    """The launcher's one line after torchrun failed: the first rank that raised and its exception
+    (unless that was a UserError, whose own line the rank printed), where the traceback is, and what a
+    re-run does."""
+    steps = complete_steps(staging / "checkpoints")
+    if steps:
+        rerun = (
+            f"a re-run with unchanged config and code resumes from the checkpoint of step {steps[-1]} "
+            f"in {staging / 'checkpoints'}"
+        )
+    else:
+        rerun = "no checkpoint was complete, so a re-run starts over"
+    # torchrun gives up after its last restart: that attempt's failure is the one to report.
+    failure = read_failure(staging, max_restarts)
+    if failure is None or failure.user_error:  # no record (a rank killed) or the rank's own line
+        return (
+            f"training failed: exit status {status}; the failing rank's error is above in this log; {rerun}"
+        )
+    where = f"full traceback: {log}" if log is not None else "full traceback above"
+    return f"rank {failure.rank} failed: {failure.describe()} ({where}); {rerun}"

@@ -1,0 +1,96 @@
+"""The first failing rank's record and the launcher's one line from it (real torchrun: tests/stages/
+test_launch_cli.py, tests/workflow/test_ownership.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardfuse.io import UserError
+from shardfuse.rank.failure import (
+    MAX_MESSAGE_CHARS,
+    failure_message,
+    failures_recorded,
+    rank_failure,
+    read_failure,
+    record_failure,
+)
+
+LOG = Path("logs/train/t.log")
+
+
+def raise_in(staging: Path, rank: int, exc: Exception) -> None:
+    with pytest.raises(type(exc)), failures_recorded(staging, rank):
+        raise exc
+
+
+def complete_checkpoint(staging: Path, step: int, complete: bool = True) -> None:
+    step_dir = staging / "checkpoints" / f"step-{step}"
+    step_dir.mkdir(parents=True)
+    if complete:
+        (step_dir / "COMPLETE").write_text(f"{step}\n")
+
+
+def test_only_the_first_rank_to_fail_is_recorded(tmp_path):
+    raise_in(tmp_path, 1, RuntimeError("boom in forward\nmore detail"))
+    raise_in(tmp_path, 0, RuntimeError("Connection closed by peer"))  # the consequence, later
+    failure = read_failure(tmp_path, attempt=0)
+    assert (failure.rank, failure.describe()) == (1, "RuntimeError: boom in forward")
+    assert not failure.user_error
+
+
+def test_the_launchers_line_names_the_rank_the_exception_and_the_log_and_a_rerun_starts_over(tmp_path):
+    raise_in(tmp_path, 1, RuntimeError("boom in forward"))
+    complete_checkpoint(tmp_path, 2, complete=False)  # rank 0 never marked it: it does not count
+    assert failure_message(1, tmp_path, 0, LOG) == (
+        "rank 1 failed: RuntimeError: boom in forward (full traceback: logs/train/t.log); "
+        "no checkpoint was complete, so a re-run starts over"
+    )
+    assert "(full traceback above)" in failure_message(1, tmp_path, 0, None)
+
+
+def test_a_rerun_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    raise_in(tmp_path, 0, ValueError("bad value"))
+    for step, complete in ((2, True), (4, True), (6, False)):
+        complete_checkpoint(tmp_path, step, complete)
+    assert failure_message(1, tmp_path, 0, LOG) == (
+        "rank 0 failed: ValueError: bad value (full traceback: logs/train/t.log); a re-run with unchanged "
+        f"config and code resumes from the checkpoint of step 4 in {tmp_path / 'checkpoints'}"
+    )
+
+
+def test_a_user_error_or_no_record_keeps_the_general_line(tmp_path):
+    """A rank's UserError printed its own line (the console shows it); a rank killed by a signal
+    records nothing."""
+    assert failure_message(1, tmp_path, 0, LOG) == (
+        "training failed: exit status 1; the failing rank's error is above in this log; "
+        "no checkpoint was complete, so a re-run starts over"
+    )
+    raise_in(tmp_path, 1, UserError("warmup_steps 500 is longer than the run's 20 optimiser steps"))
+    assert read_failure(tmp_path, 0).user_error
+    assert failure_message(1, tmp_path, 0, LOG).startswith("training failed: exit status 1; ")
+
+
+def test_the_last_attempts_failure_is_reported(tmp_path, monkeypatch):
+    raise_in(tmp_path, 1, RuntimeError("first attempt"))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    raise_in(tmp_path, 0, RuntimeError("after the restart"))
+    assert "rank 0 failed: RuntimeError: after the restart" in failure_message(1, tmp_path, 1, LOG)
+
+
+def test_the_exception_is_named_with_its_module_and_its_message_shortened():
+    class BrokenKernel(Exception):
+        pass
+
+    failure = rank_failure(3, BrokenKernel("x" * 1000), attempt=0)
+    assert failure.exception.startswith(f"{__name__}.") and failure.exception.endswith(".BrokenKernel")
+    assert len(failure.message) == MAX_MESSAGE_CHARS and failure.message.endswith("…")
+    assert rank_failure(0, KeyError(), attempt=0).describe() == "KeyError"
+
+
+def test_recording_never_raises_over_the_ranks_own_error(tmp_path):
+    blocker = tmp_path / "staging"
+    blocker.write_text("a file where the staging directory should be")
+    assert not record_failure(blocker, rank_failure(0, RuntimeError("boom"), attempt=0))
+    raise_in(blocker, 0, RuntimeError("boom"))  # the RuntimeError propagates, not an OSError
