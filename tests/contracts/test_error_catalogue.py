@@ -201,6 +201,37 @@ def case_ddp_setting_without_ddp(tmp):
     )
 
 
+def case_hf_needs_pretrained_or_config(tmp):
+    return config_case(
+        tmp,
+        base_config(model="hf"),
+        "model hf needs exactly one of model_args.pretrained (a save_pretrained folder) and model_args.config",
+    )
+
+
+def case_hf_pretrained_not_a_folder(tmp):
+    return config_case(
+        tmp,
+        base_config(model="hf", model_args={"pretrained": str(tmp / "nowhere")}),
+        "is not a save_pretrained folder (no config.json); give a local folder written by save_pretrained",
+    )
+
+
+def case_model_file_missing(tmp):
+    return config_case(
+        tmp,
+        base_config(model="mlp", model_files=[str(tmp / "weights.bin")]),
+        "does not exist; fix `model_files` or model_args.pretrained",
+    )
+
+
+def case_hf_tokenizer_without_tokenizer_json(tmp):
+    spec = {"source": "text", "paths": ["{stdlib}/json/*.py"], "block_size": 8, "tokenizer": f"hf:{tmp}"}
+    return prepare_case(
+        tmp, spec, "tokenizer.json does not exist; point hf: at a save_pretrained folder with a fast tokenizer"
+    )
+
+
 def case_per_rank_init_with_ddp(tmp):
     return config_case(
         tmp,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.helpers import REPO
+from tests.support.hf import require_transformers
 from tests.support.training import RESUME_CFG, assert_resumed_bitwise, kill_a_rank_and_resume, train_reference
 
 # A user model (config/examples/models/resmlp.py, imported from its code path in every rank) and a
@@ -62,6 +63,42 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
 ):
     dataset, shards = request.getfixturevalue(DATA_FIXTURES[data])
     cfg = {**RESUME_CFG, "strategy": strategy, "sync_every": 7 if strategy == "localsgd" else 0, **extra}
+    reference = train_reference(tmp_path / "reference", dataset, shards, cfg)
+    killed = tmp_path / "killed"
+    kill_a_rank_and_resume(killed, dataset, shards, cfg)
+    assert_resumed_bitwise(reference, killed)
+
+
+# The models people bring resume as bitwise: a Hugging Face GPT-2 with its default tied embeddings (one
+# tensor under two names: stored once in every checkpoint, re-tied on load), and a tied user model whose
+# parameters are bf16 (its optimiser state too).
+HF_GPT2 = {
+    "model": "hf",
+    "model_args": {
+        "config": {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64}
+    },
+    "epochs": 3,
+    "checkpoint_every": 10,
+}
+TIED_BF16 = {
+    "model": "tied_lm:build",
+    "code_paths": [str(REPO / "tests/support/models")],
+    "model_args": {"width": 16, "dtype": "bfloat16"},
+    "epochs": 3,
+    "checkpoint_every": 10,
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "extra"), [("ddp", HF_GPT2), ("localsgd", TIED_BF16)], ids=["hf-gpt2", "tied-bf16"]
+)
+def test_a_tied_or_bf16_model_resumes_bitwise_identical_after_a_kill(
+    tmp_path, stdlib_tokens_data, strategy, extra
+):
+    if extra["model"] == "hf":
+        require_transformers()
+    dataset, shards = stdlib_tokens_data
+    cfg = {**RESUME_CFG, "strategy": strategy, "sync_every": 0, "dropout": 0.0, **extra}
     reference = train_reference(tmp_path / "reference", dataset, shards, cfg)
     killed = tmp_path / "killed"
     kill_a_rank_and_resume(killed, dataset, shards, cfg)

@@ -19,6 +19,7 @@ from shardfuse.experiment.keys import (
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import WEIGHTED_METHODS
 from shardfuse.io import UserError
+from shardfuse.models.hf import check_hf_args
 from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
 
 
@@ -67,6 +68,8 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
             f"{task}; remove loss or use a regression dataset"
         )
     try:
+        if run["model"] == "hf":
+            check_hf_args(run["model_args"])
         files = model_files_of(run["model"], run["model_args"], run["model_files"])
         fingerprint = code_fingerprint(run["model"], run["code_paths"], files)
         if not is_builtin(run["model"]):

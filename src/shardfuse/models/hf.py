@@ -17,15 +17,17 @@ folder's files are hashed into the training's name like user code
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from shardfuse.io import UserError
 from shardfuse.models.spec import DataDescription
+
+if TYPE_CHECKING:  # torch only where a model is built: the config check imports this module
+    import torch
+    from torch import nn
 
 INSTALL_HF = "install the extra: pip install 'shardfuse[hf]' (transformers, tokenizers)"
 AUTO_CLASSES = {
@@ -66,6 +68,26 @@ def pretrained_dir(pretrained: Any) -> Path:
     return path
 
 
+def check_hf_args(model_args: dict[str, Any]) -> None:
+    """What can be checked before any job, without importing torch or transformers: the extra is
+    installed, exactly one of pretrained and config, a pretrained folder is one."""
+    if importlib.util.find_spec("transformers") is None:
+        raise UserError(f"model hf needs the transformers package; {INSTALL_HF}")
+    pretrained, config = model_args.get("pretrained"), model_args.get("config")
+    if (pretrained is None) == (config is None):
+        raise UserError(
+            "model hf needs exactly one of model_args.pretrained (a save_pretrained folder) and "
+            "model_args.config (a transformers config as a mapping with model_type)"
+        )
+    if pretrained is not None:
+        pretrained_dir(pretrained)
+    elif not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(
+            "model_args.config must be a mapping with model_type (e.g. {model_type: gpt2, n_layer: 2}); "
+            "see the transformers config class of that model for its keys"
+        )
+
+
 def hf(
     description: DataDescription,
     pretrained: str | None = None,
@@ -73,11 +95,9 @@ def hf(
     trust_remote_code: bool = False,
     dtype: str | None = None,
 ) -> nn.Module:
-    if (pretrained is None) == (config is None):
-        raise UserError(
-            "model hf needs exactly one of model_args.pretrained (a save_pretrained folder) and "
-            "model_args.config (a transformers config as a mapping with model_type)"
-        )
+    import torch
+
+    check_hf_args({"pretrained": pretrained, "config": config})
     transformers = transformers_module()
     auto = getattr(transformers, auto_class_name(description))
     labels = {"num_labels": description.num_outputs} if description.task == "classification" else {}
@@ -98,11 +118,6 @@ def hf(
                 **labels,
             )
     else:
-        if not isinstance(config, dict) or "model_type" not in config:
-            raise UserError(
-                "model_args.config must be a mapping with model_type (e.g. {model_type: gpt2, n_layer: 2}); "
-                "see the transformers config class of that model for its keys"
-            )
         settings = {key: value for key, value in config.items() if key != "model_type"}
         if description.task == "causal_lm":
             settings.setdefault("vocab_size", description.num_outputs)
@@ -124,6 +139,8 @@ def hf(
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
+    import torch
+
     if name is None:
         return None
     allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
