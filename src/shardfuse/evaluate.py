@@ -23,14 +23,14 @@ model at once, but only one batch of outputs. eval.json records it as ``ensemble
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
 from shardfuse.checkpoints.weights import load_weights
 from shardfuse.data.reader import load_table
-from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
+from shardfuse.experiment.records import EvalRecord
+from shardfuse.io import StageParser, UserError, run_cli, write_json
 from shardfuse.models.adapter import file_ties, load_state
 from shardfuse.models.registry import (
     build_model,
@@ -89,7 +89,7 @@ def evaluate(
     merged_path: Path,
     batch_size: int,
     ddp_baseline: Path | None = None,
-) -> dict[str, Any]:
+) -> EvalRecord:
     features, labels = load_table(test_path)
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")
@@ -113,32 +113,33 @@ def evaluate(
     ranks = [{"rank": r["rank"], **metrics} for r, metrics in zip(info["ranks"], rank_metrics, strict=True)]
     scores = [r[score] for r in ranks]
     best = task.best(scores)
-    result = {
-        "run": run,
-        "training": info["run"],
-        "test_rows": int(features.shape[0]),
-        "task": task.name,
-        "score": score,
-        "lower_is_better": task.lower_is_better,
-        "metrics": list(task.metrics),
-        "merged": merged,
-        "base": evaluate_weights(Path(info["base"]), features, labels, batch_size),
-        "ranks": ranks,
-        f"best_rank_{score}": best,
-        f"mean_rank_{score}": sum(scores) / len(scores),
-        "mean_rank_loss": sum(r["loss"] for r in ranks) / len(ranks),
-        "fusion_gain": task.gain(merged[score], best),
-        "ensemble": ensemble,
-        f"ensemble_{score}": ensemble[score],
-        "fusion_gap": task.gain(ensemble[score], merged[score]),
-        "ddp_baseline": None,
-    }
+    base = evaluate_weights(Path(info["base"]), features, labels, batch_size)
+    baseline = None
     if info.get("strategy") == "ddp":
-        result["ddp_baseline"] = {"run": run, **merged}
+        baseline = {"run": run, **merged}
     elif ddp_baseline is not None:
-        baseline = read_json(ddp_baseline, "ddp baseline evaluation")
-        result["ddp_baseline"] = {"run": baseline["run"], **baseline["merged"]}
-    return result
+        ddp = EvalRecord.read(ddp_baseline, "ddp baseline evaluation")
+        baseline = {"run": ddp.required("run"), **ddp.required("merged")}
+    return EvalRecord(
+        run=run,
+        training=info["run"],
+        test_rows=int(features.shape[0]),
+        task=task.name,
+        score=score,
+        lower_is_better=task.lower_is_better,
+        metrics=list(task.metrics),
+        merged=merged,
+        base=base,
+        ranks=ranks,
+        best_rank=best,
+        mean_rank=sum(scores) / len(scores),
+        mean_rank_loss=sum(r["loss"] for r in ranks) / len(ranks),
+        fusion_gain=task.gain(merged[score], best),
+        ensemble=ensemble,
+        ensemble_score=ensemble[score],
+        fusion_gap=task.gain(ensemble[score], merged[score]),
+        ddp_baseline=baseline,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,12 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
     baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
     result = evaluate(args.run, args.test, args.gather, args.merged, args.batch_size, baseline)
-    write_json(args.out, result)
-    score = result["score"]
+    write_json(args.out, result.to_json())
     print(
-        f"{result['run']}: merged {score} {result['merged'][score]:.4f}, best rank "
-        f"{result[f'best_rank_{score}']:.4f}, mean rank {result[f'mean_rank_{score}']:.4f}, "
-        f"ensemble {result[f'ensemble_{score}']:.4f}"
+        f"{result.run}: merged {result.score} {result.merged[result.score]:.4f}, best rank "
+        f"{result.best_rank:.4f}, mean rank {result.mean_rank:.4f}, ensemble {result.ensemble_score:.4f}"
     )
 
 

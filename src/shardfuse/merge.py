@@ -51,6 +51,7 @@ import numpy as np
 
 from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint
 from shardfuse.checkpoints.trust import STALE, checksum_algorithm, read_gather, shapes_of
+from shardfuse.experiment.records import MergeRecord
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine
 from shardfuse.fusion.methods.registry import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
 from shardfuse.fusion.soup import greedy_soup
@@ -147,8 +148,9 @@ def _write(out_weights: Path, entries: dict, metadata: dict[str, str], fill) -> 
 
 
 class Fused(NamedTuple):
-    """What one merge path wrote: the output's sha256, per-tensor statistics, and the entries of
-    merge.json that say what went in (ingredients, base, weights, greedy_soup, or dcp)."""
+    """What one merge path wrote: the output's sha256, per-tensor statistics, and the fields of
+    merge.json (:class:`MergeRecord`) that say what went in (ingredients, base, weights, greedy_soup, or
+    dcp)."""
 
     sha256: str
     tensor_stats: dict[str, dict[str, Any]]
@@ -267,7 +269,7 @@ def merge(
     align: str = "none",
     align_max_iter: int = 100,
     recalibrate: bool = False,
-) -> dict[str, Any]:
+) -> MergeRecord:
     """Merge the ranks listed in gather.json with ``method`` (after aligning them to rank 0 with
     ``align: weight_matching``, :mod:`shardfuse.fusion.align`); write the weights and merge.json."""
     started = time.perf_counter()
@@ -297,18 +299,17 @@ def merge(
 
         check_model_fits(str(gather_path), info["model"], shapes_of(info["tensors"]), STALE)
     weights = rank_weights(method, resolved, rows)
-    record: dict[str, Any] = {"run": run or info["run"], "training": info["run"], "method": method}
-    record.update(params=resolved, num_ranks=len(rows), base=None, weights=weights, greedy_soup=None)
     if align != "none" and (dcp_dir is not None or method == "consolidate"):
         raise UserError(
             f"merge_align {align} permutes ranks that differ; consolidate (identical ranks) takes none"
         )
+    alignment = None
     if dcp_dir is not None:
         fused = merge_from_dcp(dcp_dir, info, method, resolved, out_weights)
     else:
         out_weights.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".align-", dir=out_weights.parent) as work:
-            engine_info, alignment = info, None
+            engine_info = info
             if align == "weight_matching":
                 from shardfuse.fusion.align import align_gather  # deferred: imports torch and scipy
 
@@ -330,17 +331,25 @@ def merge(
                 ingredient.update(
                     {key: original[key] for key in ("path", *HASH_ALGORITHMS) if key in ingredient}
                 )
-            record["alignment"] = alignment
-    record.update(fused.inputs)
-    output_sha256 = fused.sha256
+    recalibration, output_sha256 = None, fused.sha256
     if recalibrate:
         from shardfuse.fusion.recalibrate import recalibrate_file  # deferred: imports torch
 
-        record["recalibration"] = recalibrate_file(out_weights, spec, val_split, batch_size)
-        output_sha256 = record["recalibration"]["sha256"]
+        recalibration = recalibrate_file(out_weights, spec, val_split, batch_size)
+        output_sha256 = recalibration["sha256"]
     stats = fused.tensor_stats
     spreads = [s["max_abs_diff"] for s in stats.values()]
-    record.update(
+    record = MergeRecord(
+        run=run or info["run"],
+        training=info["run"],
+        method=method,
+        params=resolved,
+        num_ranks=len(rows),
+        # What went in: the path's base, ingredients, ... and its weights (greedy soup's, a DCP's none)
+        # over the method's.
+        **{"weights": weights, **fused.inputs},
+        alignment=alignment,
+        recalibration=recalibration,
         tensor_stats={name: {k: _finite(v) for k, v in s.items()} for name, s in stats.items()},
         max_abs_diff_between_ranks=_finite(max(spreads, default=0.0)) if dcp_dir is None else None,
         seconds=time.perf_counter() - started,
@@ -350,7 +359,7 @@ def merge(
         num_tensors=len(info["tensors"]),
         num_parameters=sum(math.prod(t["shape"]) for t in info["tensors"].values()),
     )
-    write_json(out_json, record)
+    write_json(out_json, record.to_json())
     return record
 
 
@@ -394,10 +403,10 @@ def main(argv: list[str] | None = None) -> None:
         align_max_iter=args.align_max_iter,
         recalibrate=args.recalibrate,
     )
-    spread = record["max_abs_diff_between_ranks"]
+    spread = record.max_abs_diff_between_ranks
     print(
-        f"merged {record['num_ranks']} ranks with {args.method} in {record['seconds']:.2f} s "
-        f"(peak RSS {record['peak_rss_mb']:.0f} MB): {record['num_parameters']} parameters, "
+        f"merged {record.num_ranks} ranks with {args.method} in {record.seconds:.2f} s "
+        f"(peak RSS {record.peak_rss_mb:.0f} MB): {record.num_parameters} parameters, "
         f"max |rank - rank 0| = {spread if spread is None else f'{spread:.3g}'}"
     )
 

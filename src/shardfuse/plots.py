@@ -26,11 +26,11 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from shardfuse.io import StageParser, UserError, read_json, run_cli
+from shardfuse.experiment.records import EvalRecord
+from shardfuse.io import StageParser, UserError, run_cli
 from shardfuse.models.tasks import evaluation_task
 from shardfuse.report.figures import (
     BASELINE_COLOR,
@@ -108,29 +108,27 @@ def plot_curves(
     return save_figure(fig, out)
 
 
-def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
+def fusion_bars(evaluation: EvalRecord) -> list[tuple[str, float, str]]:
     """(label, test score, color) for the merged model, each rank, best/mean rank, the ranks' ensemble
     (when eval.json has it) and baselines."""
     task = evaluation_task(evaluation)
     score = task.score
     try:
-        bars = [("merged", float(evaluation["merged"][score]), MERGED_COLOR)]
-        ranks = sorted(evaluation["ranks"], key=lambda r: int(r["rank"]))
+        bars = [("merged", float(evaluation.required("merged")[score]), MERGED_COLOR)]
+        ranks = sorted(evaluation.required("ranks"), key=lambda r: int(r["rank"]))
         if not ranks:
             raise KeyError("ranks")
         values = [float(r[score]) for r in ranks]
         bars += [(f"rank {int(r['rank'])}", v, RANK_COLOR) for r, v in zip(ranks, values, strict=True)]
         # eval.json's figures where it has them; the task's best and the plain mean where it does not.
-        best = evaluation.get(f"best_rank_{score}", task.best(values))
-        mean = evaluation.get(f"mean_rank_{score}", sum(values) / len(values))
+        best = task.best(values) if evaluation.best_rank is None else evaluation.best_rank
+        mean = sum(values) / len(values) if evaluation.mean_rank is None else evaluation.mean_rank
         bars += [("best rank", float(best), SUMMARY_COLOR), ("mean rank", float(mean), SUMMARY_COLOR)]
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"eval.json lacks {exc}; re-run the evaluate stage") from None
     if (value := ensemble_score(evaluation, score)) is not None:  # older evaluate stages: no ensemble
         bars.append(("ensemble", value, ENSEMBLE_COLOR))
-    references = {"ddp baseline": evaluation.get("ddp_baseline"), INITIAL: evaluation.get("initial")}
-    if references[INITIAL] is None:  # eval.json calls it "base"
-        references[INITIAL] = evaluation.get("base")
+    references = {"ddp baseline": evaluation.ddp_baseline, INITIAL: evaluation.initial_model()}
     for label, with_value in references.items():
         if isinstance(with_value, dict) and isinstance(with_value.get(score), (int, float)):
             run = f"\n({with_value['run']})" if with_value.get("run") else ""
@@ -139,9 +137,9 @@ def fusion_bars(evaluation: dict[str, Any]) -> list[tuple[str, float, str]]:
     return bars
 
 
-def ensemble_score(evaluation: dict[str, Any], score: str) -> float | None:
+def ensemble_score(evaluation: EvalRecord, score: str) -> float | None:
     """The ranks' ensemble's test score, if eval.json has it (evaluate stages since issue 16)."""
-    ensemble = evaluation.get("ensemble")
+    ensemble = evaluation.ensemble
     value = ensemble.get(score) if isinstance(ensemble, dict) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -177,7 +175,7 @@ def dot_chart(ax, bars: list[tuple[str, float, str]]) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def fusion_figure(evaluation: dict[str, Any], title: str):
+def fusion_figure(evaluation: EvalRecord, title: str):
     """The merged model against each rank, best/mean rank, the ranks' ensemble and baselines, in the
     run's score, on an axis zoomed to them (:func:`dot_chart`); the title gives the fusion gain (over the
     best rank) and, with an ensemble, the fusion gap (how much better the ensemble scores than the
@@ -195,13 +193,13 @@ def fusion_figure(evaluation: dict[str, Any], title: str):
     return fig
 
 
-def plot_fusion(evaluation: dict[str, Any], title: str, out: Path) -> Path:
+def plot_fusion(evaluation: EvalRecord, title: str, out: Path) -> Path:
     return save_figure(fusion_figure(evaluation, title), out)
 
 
 def plot_run(run_dir: Path, out_dir: Path, train_dir: Path) -> list[Path]:
     metrics = rank_metrics(train_dir)
-    evaluation = read_json(run_dir / "eval.json", "evaluation")
+    evaluation = EvalRecord.read(run_dir / "eval.json", "evaluation")
     name = run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
     return [

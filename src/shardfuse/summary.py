@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from shardfuse.experiment.records import TrainRecord
-from shardfuse.io import StageParser, atomic_path, parse_json_arg, read_json, run_cli
+from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
+from shardfuse.io import StageParser, atomic_path, parse_json_arg, run_cli
 from shardfuse.models.tasks import TASKS, evaluation_task, score_first, task_for
 
 # The header when every run classifies: the one summary.csv has always had, kept byte for byte.
@@ -91,19 +91,19 @@ def _count(value: Any) -> int | str:
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
     """The run's cells by column name, plus ``task`` (a column only when tasks mix)."""
     eval_path = run_dir / "eval.json"
-    evaluation = read_json(eval_path, "evaluation")
+    evaluation = EvalRecord.read(eval_path, "evaluation")
     task = evaluation_task(evaluation, eval_path)
     score = task.score
     training = TrainRecord.read(trainings_dir / cfg["training"] / "ranks" / "train.json", "training summary")
-    baseline = evaluation.get("ddp_baseline") or {}
-    merging = read_json(run_dir / "merge.json", "merge record")
-    merged = evaluation["merged"]
-    gain = evaluation.get("fusion_gain")
+    baseline = evaluation.ddp_baseline or {}
+    merging = MergeRecord.read(run_dir / "merge.json", "merge record")
+    merged = evaluation.required("merged")
+    gain = evaluation.fusion_gain
     if gain is None:  # eval.json from before the evaluate stage wrote it
-        gain = task.gain(merged[score], evaluation[f"best_rank_{score}"])
-    ensemble = evaluation.get("ensemble") or {}  # absent from eval.json of older evaluate stages
-    gap = evaluation.get("fusion_gap", "")
-    if gap in ("", None) and score in ensemble:
+        gain = task.gain(merged[score], evaluation.required("best_rank"))
+    ensemble = evaluation.ensemble or {}  # absent from eval.json of older evaluate stages
+    gap = evaluation.fusion_gap
+    if gap is None and score in ensemble:
         gap = task.gain(ensemble[score], merged[score])
     return {
         "run": run,
@@ -113,15 +113,15 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         "world_size": cfg["world_size"],
         "strategy": cfg["strategy"],
         "sync_every": cfg["sync_every"],
-        "merge_method": merging["method"],
+        "merge_method": merging.required("method"),
         # .get: an eval.json written before a task gained a metric lacks it (an empty cell, not an error).
         **{f"test_{metric}_merged": merged.get(metric, "") for metric in score_first(task)},
-        f"test_{score}_best_rank": evaluation[f"best_rank_{score}"],
-        f"test_{score}_mean_rank": evaluation[f"mean_rank_{score}"],
-        f"test_{score}_base": evaluation["base"][score],
+        f"test_{score}_best_rank": evaluation.required("best_rank"),
+        f"test_{score}_mean_rank": evaluation.required("mean_rank"),
+        f"test_{score}_base": evaluation.required("base")[score],
         f"test_{score}_ddp_baseline": baseline.get(score, ""),
         "fusion_gain": gain,
-        "max_abs_diff_between_ranks": merging["max_abs_diff_between_ranks"],
+        "max_abs_diff_between_ranks": merging.max_abs_diff_between_ranks,
         "num_steps": training.num_steps,
         "train_seconds": round(training.train_seconds, 3),
         "mode": training.training_mode(cfg.get("strategy"), cfg.get("sync_every")),

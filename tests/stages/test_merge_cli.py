@@ -69,7 +69,7 @@ def test_consolidate_assembles_a_sharded_dcp_checkpoint_saved_by_two_ranks(tmp_p
     merged, meta = load_weights(tmp_path / "m.safetensors")
     assert merged.keys() == ranks[0].keys() and all(torch.equal(merged[n], t) for n, t in ranks[0].items())
     assert meta["merge_method"] == "consolidate" and meta["model"] == MLP_SPEC
-    assert record["dcp"]["skipped_tensors"] == ["optim.step"] and len(record["dcp"]["files"]) == 2
+    assert record.dcp["skipped_tensors"] == ["optim.step"] and len(record.dcp["files"]) == 2
 
 
 @pytest.mark.parametrize(

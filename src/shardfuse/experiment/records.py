@@ -1,22 +1,32 @@
-"""What a training leaves about itself: ``train.json``, written by rank 0 when every rank is done and read by
-the summary and track stages, as one typed record (written and read here only).
+"""What the stages leave about a run, each file as one typed record, written and read here only:
+``train.json`` (:class:`TrainRecord`, written by rank 0 when every rank is done), ``merge.json``
+(:class:`MergeRecord`, the merge stage) and ``eval.json`` (:class:`EvalRecord`, the evaluate stage), read by
+the summary, plots and track stages (and eval.json of a ddp run by the evaluate stage, as a baseline).
 
-train.json files written by older train stages lack the fields added since (mode, bytes all-reduced,
-effective batch size, ...): those read as None, never as 0, and :meth:`TrainRecord.training_mode` derives
-the mode from the strategy as the train stage now does. Fields this version does not know (a newer train
-stage) are kept in ``extra`` and written back unchanged. By hand::
+Files written by older stages lack the fields added since (train.json: mode, bytes all-reduced,
+effective batch size, ...; eval.json: task, score, ensemble, fusion_gain, fusion_gap, ...): those read as
+None, never as 0, and :meth:`TrainRecord.training_mode` derives the mode from the strategy as the train
+stage now does. Keys this version does not know (a newer stage's) are kept in ``extra`` and written back
+unchanged, after the known ones. By hand::
 
     python -c "from shardfuse.experiment.records import TrainRecord; \\
         print(TrainRecord.read('results/trainings/<training>/ranks/train.json').training_mode())"
+    python -c "from shardfuse.experiment.records import EvalRecord; \\
+        print(EvalRecord.read('results/runs/<run>/eval.json').best_rank)"
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from shardfuse.io import UserError, read_json
+from shardfuse.models.tasks import evaluation_task
+
+RecordT = TypeVar("RecordT", bound="_Record")
 
 
 def mode_of(strategy: str, sync_every: Any) -> str:
@@ -27,9 +37,71 @@ def mode_of(strategy: str, sync_every: Any) -> str:
     return strategy
 
 
+class _Record:
+    """What the records share: their fields in the order their stage writes them, None where the file
+    has no such key, and ``extra`` (declared last by each record) for the keys this version does not know."""
+
+    FILE: ClassVar[str]  # the file's name, for the error when it holds no JSON object
+    STAGE: ClassVar[str]  # the stage that writes it (the one to re-run)
+    WHAT: ClassVar[str]  # how a missing or unreadable file is named (shardfuse.io.read_json)
+    # Fields the stage leaves out when it has nothing to say; it writes the others even when null, so that
+    # a reader can tell null from absent.
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def written(cls) -> frozenset[str]:
+        """The fields written even when null."""
+        return frozenset(f.name for f in fields(cls)) - cls.OPTIONAL - {"extra"}
+
+    @classmethod
+    def _keys(cls, values: Mapping[str, Any]) -> dict[str, str]:
+        """Field name -> its key in the file, in field order; ``values`` (the file's keys, or the record's
+        fields) lets a record whose key names depend on its content (:class:`EvalRecord`) choose them."""
+        return {f.name: f.name for f in fields(cls) if f.name != "extra"}
+
+    @classmethod
+    def from_json(cls: type[RecordT], data: Any, source: str | os.PathLike | None = None) -> RecordT:
+        if not isinstance(data, dict):
+            raise UserError(
+                f"{cls.FILE if source is None else source} is not a JSON object; re-run the {cls.STAGE} stage"
+            )
+        keys = cls._keys(data)
+        known = set(keys.values())
+        return cls(
+            **{name: data[key] for name, key in keys.items() if key in data},
+            extra={key: value for key, value in data.items() if key not in known},
+        )
+
+    @classmethod
+    def read(cls: type[RecordT], path: str | os.PathLike, what: str | None = None) -> RecordT:
+        return cls.from_json(read_json(path, cls.WHAT if what is None else what), path)
+
+    def to_json(self) -> dict[str, Any]:
+        """The object the file holds: the fields in order (those not :data:`OPTIONAL` even when null), then
+        ``extra``."""
+        data = asdict(self)
+        extra = data.pop("extra")
+        written = self.written()
+        found = {}
+        for name, key in self._keys(data).items():
+            if data[name] is not None or name in written:
+                found[key] = data[name]
+        return {**found, **extra}
+
+    def required(self, name: str) -> Any:
+        """Field ``name``; KeyError naming its key in the file when the file has none (for the reader's
+        error)."""
+        if (value := getattr(self, name)) is None:
+            raise KeyError(self._keys(vars(self)).get(name, name))
+        return value
+
+
 @dataclass(frozen=True)
-class TrainRecord:
+class TrainRecord(_Record):
     """train.json, field by field in the order the train stage writes them."""
+
+    FILE, STAGE, WHAT = "train.json", "train", "training"
+    OPTIONAL = frozenset({"git_commit", "git_dirty"})
 
     run: str | None = None
     world_size: int | None = None
@@ -69,26 +141,6 @@ class TrainRecord:
     git_dirty: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_json(cls, data: Any, source: str | os.PathLike = "train.json") -> TrainRecord:
-        if not isinstance(data, dict):
-            raise UserError(f"{source} is not a JSON object; re-run the train stage")
-        known = {f.name for f in fields(cls)} - {"extra"}
-        return cls(
-            **{key: value for key, value in data.items() if key in known},
-            extra={key: value for key, value in data.items() if key not in known},
-        )
-
-    @classmethod
-    def read(cls, path: str | os.PathLike, what: str = "training") -> TrainRecord:
-        return cls.from_json(read_json(path, what), path)
-
-    def to_json(self) -> dict[str, Any]:
-        """The object train.json holds: the fields that are set, in order, then ``extra``."""
-        data = asdict(self)
-        extra = data.pop("extra")
-        return {**{key: value for key, value in data.items() if value is not None or key in WRITTEN}, **extra}
-
     def training_mode(self, strategy: str | None = None, sync_every: Any = None) -> str:
         """The recorded mode, else what the recorded (or the given run config's) strategy and sync_every
         amount to; "" when neither says."""
@@ -100,4 +152,101 @@ class TrainRecord:
 
 
 # Written even when null (the train stage always writes them; a reader tells null from absent).
-WRITTEN = frozenset(f.name for f in fields(TrainRecord)) - {"git_commit", "git_dirty", "extra"}
+WRITTEN = TrainRecord.written()
+
+
+@dataclass(frozen=True)
+class MergeRecord(_Record):
+    """merge.json, field by field in the order the merge stage writes them (shardfuse.merge: what went in,
+    then what came out)."""
+
+    FILE, STAGE, WHAT = "merge.json", "merge", "merge record"
+    # Written by one merge path only: alignment (merge_align), hash and ingredients (the rank files), dcp
+    # (a sharded checkpoint), recalibration (merge_recalibrate).
+    OPTIONAL = frozenset({"alignment", "hash", "ingredients", "dcp", "recalibration"})
+
+    run: str | None = None
+    training: str | None = None
+    method: str | None = None
+    params: dict[str, Any] | None = None  # the method's parameters, defaults filled in
+    num_ranks: int | None = None
+    base: dict[str, Any] | None = None  # {"path", "sha256"} of the shared initial weights (task vectors)
+    weights: list[float] | None = None  # per rank, for the methods that weight them
+    greedy_soup: dict[str, Any] | None = None  # the ranks it selected and their held-out scores
+    alignment: dict[str, Any] | None = None  # shardfuse.fusion.align
+    hash: str | None = None  # the checksum algorithm checked against the merged bytes
+    ingredients: list[dict[str, Any]] | None = None  # rank, path, each digest gather.json records, rows
+    dcp: dict[str, Any] | None = None  # {"dir", "files", "skipped_tensors"}
+    recalibration: dict[str, Any] | None = None  # shardfuse.fusion.recalibrate, with the output's new sha256
+    tensor_stats: dict[str, dict[str, Any]] | None = None
+    max_abs_diff_between_ranks: float | None = None  # null for a sharded checkpoint
+    seconds: float | None = None
+    peak_rss_mb: float | None = None
+    output: str | None = None  # the merged weights' file name
+    sha256: str | None = None  # of the merged weights as written (after recalibration)
+    num_tensors: int | None = None
+    num_parameters: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# EvalRecord fields written under a key named after the run's score: field -> the key's prefix
+# (best_rank -> best_rank_accuracy, best_rank_mse, best_rank_loss, ...).
+SCORE_KEYS = {"best_rank": "best_rank", "mean_rank": "mean_rank", "ensemble_score": "ensemble"}
+
+
+def keyed_score(task: Any, score: Any) -> str | None:
+    """The score eval.json's ``best_rank_<score>``, ... keys are named after: its ``score``, else its task's
+    (files from before tasks existed: classification's accuracy); None for a task shardfuse does not know,
+    whose keys then stay in ``extra`` (the readers' evaluation_task refuses it)."""
+    if isinstance(score, str):
+        return score
+    with contextlib.suppress(UserError):
+        return evaluation_task({} if task is None else {"task": task}).score
+    return None
+
+
+@dataclass(frozen=True)
+class EvalRecord(_Record):
+    """eval.json, field by field in the order the evaluate stage writes them; the fields of
+    :data:`SCORE_KEYS` go by keys named after the score (:func:`keyed_score`). Metrics are
+    {metric: value} of the task's metrics."""
+
+    FILE, STAGE, WHAT = "eval.json", "evaluate", "evaluation"
+
+    run: str | None = None
+    training: str | None = None
+    test_rows: int | None = None
+    task: str | None = None  # absent from files written before tasks: classification
+    score: str | None = None
+    lower_is_better: bool | None = None
+    metrics: list[str] | None = None
+    merged: dict[str, float] | None = None  # the merged model's metrics
+    base: dict[str, float] | None = None  # the initial model's (before training)
+    ranks: list[dict[str, Any]] | None = None  # {"rank", **metrics} of each rank's own model
+    best_rank: float | None = None
+    mean_rank: float | None = None
+    # For causal_lm (scored by loss) this and mean_rank share the key mean_rank_loss, as the stage writes it.
+    mean_rank_loss: float | None = None
+    fusion_gain: float | None = None  # how much better the merged model scores than the best rank
+    ensemble: dict[str, float] | None = None  # the ranks' output-averaged ensemble's metrics
+    ensemble_score: float | None = None
+    fusion_gap: float | None = None  # how much better the ensemble scores than the merged model
+    ddp_baseline: dict[str, Any] | None = None  # {"run", **metrics} of the ddp run trained alike, if any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def _keys(cls, values: Mapping[str, Any]) -> dict[str, str]:
+        keys = super()._keys(values)
+        score = keyed_score(values.get("task"), values.get("score"))
+        for name, prefix in SCORE_KEYS.items():
+            if score is None:
+                del keys[name]
+            else:
+                keys[name] = f"{prefix}_{score}"
+        return keys
+
+    def initial_model(self) -> dict[str, Any] | None:
+        """The initial model's metrics: ``base``, unless the file has an ``initial`` (no evaluate stage
+        wrote one; the plots have always read it first)."""
+        initial = self.extra.get("initial")
+        return self.base if initial is None else initial

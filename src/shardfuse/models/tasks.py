@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardfuse.io import UserError
 
@@ -264,9 +264,14 @@ def task_for(
     raise UserError(f"unknown task {name!r}; use one of {', '.join(TASKS)}")
 
 
-def evaluation_task(evaluation: dict, path: str | os.PathLike = "eval.json") -> Task:
-    """The task an eval.json was scored for. Files written before tasks existed are classification
-    ranked by accuracy; a score other than the task's would make every "best" and "gain" wrong."""
+def evaluation_task(evaluation: Any, path: str | os.PathLike = "eval.json") -> Task:
+    """The task an eval.json was scored for, from its record (shardfuse.experiment.records.EvalRecord,
+    which imports this module) or the object as read. Files written before tasks existed are
+    classification ranked by accuracy; a score other than the task's would make every "best" and "gain"
+    wrong."""
+    if not isinstance(evaluation, dict) and hasattr(evaluation, "score"):  # a record: absent reads as None
+        recorded = {key: getattr(evaluation, key) for key in ("task", "score")}
+        evaluation = {key: value for key, value in recorded.items() if value is not None}
     name = evaluation.get("task", "classification") if isinstance(evaluation, dict) else None
     try:
         task = task_for(str(name))

@@ -32,7 +32,7 @@ import numpy as np
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
-from shardfuse.experiment.records import TrainRecord
+from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
 from shardfuse.models.tasks import evaluation_task, score_first
@@ -76,11 +76,13 @@ def _field(obj: dict, key: str, path: Path) -> Any:
     return obj[key]
 
 
-def _recorded(train: TrainRecord, key: str, path: Path) -> Any:
-    """A field train.json must have (every train stage wrote it)."""
-    if (value := getattr(train, key)) is None:
-        raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it")
-    return value
+def _recorded(record: TrainRecord | MergeRecord | EvalRecord, name: str, path: Path) -> Any:
+    """A field the record's file must have (every stage that writes the file wrote it)."""
+    try:
+        return record.required(name)
+    except KeyError as missing:
+        key = missing.args[0]
+        raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it") from None
 
 
 def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
@@ -195,7 +197,7 @@ class RunInputs:
     headline: dict[str, float]  # the parent run's metrics
     params: dict[str, str]  # the parent's params from train.json (:func:`train_params`), besides the config
     manifest: dict[str, Any]  # the shards' manifest.json
-    merge: dict[str, Any]  # merge.json (the resolved merge settings)
+    merge: MergeRecord  # merge.json (the resolved merge settings)
 
     @property
     def world_size(self) -> int:
@@ -226,13 +228,13 @@ def load_inputs(
     weights = _require_file(run_dir / "merged.safetensors", "merge")
     eval_path = _require_file(run_dir / "eval.json", "evaluate")
     train = TrainRecord.read(train_path, "train")
-    merge, evaluation = read_json(merge_path, "merge"), read_json(eval_path, "eval")
+    merge, evaluation = MergeRecord.read(merge_path, "merge"), EvalRecord.read(eval_path, "eval")
     read_gather(gather)  # only uploaded, but it must list this training's checkpoints
     try:
         world_size = int(_recorded(train, "world_size", train_path))
         train_ranks = {int(r["rank"]): r for r in _recorded(train, "ranks", train_path)}
         shard_rows = {rank: int(entry["rows"]) for rank, entry in train_ranks.items()}
-        eval_ranks = {int(r["rank"]): r for r in _field(evaluation, "ranks", eval_path)}
+        eval_ranks = {int(r["rank"]): r for r in _recorded(evaluation, "ranks", eval_path)}
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(
             f"malformed 'ranks' entry in {train_path} or {eval_path} ({exc!r}); "
@@ -347,48 +349,52 @@ def config_hash(config: dict) -> str:
 
 
 def headline_metrics(
-    files: RunFiles, train: TrainRecord, merge: dict, evaluation: dict, ranks: tuple[RankInputs, ...]
+    files: RunFiles,
+    train: TrainRecord,
+    merge: MergeRecord,
+    evaluation: EvalRecord,
+    ranks: tuple[RankInputs, ...],
 ) -> dict[str, float]:
     """The parent run's metrics, named after the task's metrics and score (classification: the
     test_accuracy_* names runs have always carried)."""
     eval_path = files.eval
     task = evaluation_task(evaluation, eval_path)
     score = task.score
-    merged = _field(evaluation, "merged", eval_path)
+    merged = _recorded(evaluation, "merged", eval_path)
     # An eval.json from before a task gained a metric lacks it: the score is required, the rest optional.
     names = [m for m in score_first(task) if m == score or m in merged]
     metrics = {f"test_{m}_merged": float(_field(merged, m, eval_path)) for m in names}
-    best_rank = float(_field(evaluation, f"best_rank_{score}", eval_path))
+    best_rank = float(_recorded(evaluation, "best_rank", eval_path))
     metrics.update(
         {
             f"test_{score}_best_rank": best_rank,
-            f"test_{score}_mean_rank": float(_field(evaluation, f"mean_rank_{score}", eval_path)),
-            "test_loss_mean_rank": float(_field(evaluation, "mean_rank_loss", eval_path)),
+            f"test_{score}_mean_rank": float(_recorded(evaluation, "mean_rank", eval_path)),
+            "test_loss_mean_rank": float(_recorded(evaluation, "mean_rank_loss", eval_path)),
             "train_seconds": float(_recorded(train, "train_seconds", files.train)),
-            "merge_seconds": float(_field(merge, "seconds", files.merge)),
+            "merge_seconds": float(_recorded(merge, "seconds", files.merge)),
         }
     )
     # eval.json's gain is already signed by the task; files without one get the same formula here.
-    gain = evaluation.get("fusion_gain")
+    gain = evaluation.fusion_gain
     if not isinstance(gain, (int, float)):
         gain = task.gain(metrics[f"test_{score}_merged"], best_rank)
     metrics["fusion_gain"] = float(gain)
     # Written by newer evaluate stages only. eval.json's "base" is the initial model (before training):
     # named so in MLflow, where "base" read like the ddp baseline.
-    for optional, name in (("base", "initial"), ("ddp_baseline", "ddp_baseline")):
+    for scored, name in ((evaluation.base, "initial"), (evaluation.ddp_baseline, "ddp_baseline")):
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            metrics[f"test_{score}_{name}"] = float(evaluation[optional][score])
+            metrics[f"test_{score}_{name}"] = float(scored[score])
     if f"test_{score}_ddp_baseline" in metrics:  # how much better the ddp baseline scores (task's sign)
         ddp = metrics[f"test_{score}_ddp_baseline"]
         metrics["ddp_gap"] = float(task.gain(ddp, metrics[f"test_{score}_merged"]))
     # The ensemble of the ranks (newer evaluate stages only): every metric it has, and how much better
     # than the merged model it scores (the task's sign, as fusion_gain's).
-    ensemble = evaluation.get("ensemble")
+    ensemble = evaluation.ensemble
     if isinstance(ensemble, dict) and isinstance(ensemble.get(score), (int, float)):
         for m in score_first(task):
             if (value := _number(ensemble.get(m))) is not None:
                 metrics[f"test_{m}_ensemble"] = value
-        gap = _number(evaluation.get("fusion_gap"))
+        gap = _number(evaluation.fusion_gap)
         gap = (
             task.gain(metrics[f"test_{score}_ensemble"], metrics[f"test_{score}_merged"])
             if gap is None

@@ -101,8 +101,8 @@ def sync_parent_extras(
 def _model_params(inputs: RunInputs) -> dict[str, str]:
     """The merge that made the model, as the logged model's params (its page shows them)."""
     merge = inputs.merge
-    params = {"merge_method": str(merge.get("method", ""))}
-    for name, value in (merge.get("params") or {}).items():
+    params = {"merge_method": "" if merge.method is None else str(merge.method)}
+    for name, value in (merge.params or {}).items():
         if value is not None:
             params[f"merge_{name}"] = str(value)
     return params

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardfuse.experiment.records import MergeRecord
 from shardfuse.io import read_json
 
 DIGEST_CHARS = 36  # MLflow's datasets.digest column (VARCHAR(36))
@@ -188,7 +189,7 @@ def _param_text(value: Any) -> str:
     return str(value)
 
 
-def merge_params(config_params: dict[str, str], merge: dict[str, Any]) -> dict[str, str]:
+def merge_params(config_params: dict[str, str], merge: MergeRecord) -> dict[str, str]:
     """The run's params with the merge settings merge.json says were used (see the module docstring).
 
     A config key that sets a merge method's parameter (``merge_<param>`` for a param
@@ -198,15 +199,15 @@ def merge_params(config_params: dict[str, str], merge: dict[str, Any]) -> dict[s
         PARAMS,  # numpy only; the config's key for param p is merge_<p>
     )
 
-    method = str(merge.get("method", config_params.get("merge_method", "")))
-    used = merge.get("params") if isinstance(merge.get("params"), dict) else {}
+    method = str(config_params.get("merge_method", "") if merge.method is None else merge.method)
+    used = merge.params if isinstance(merge.params, dict) else {}
     method_keys = {f"merge_{name}" for spec in PARAMS.values() for name in spec}
     taken = {f"merge_{name}": name for name in PARAMS.get(method, {})}
     params = {k: v for k, v in config_params.items() if k not in method_keys or k in taken}
     for key, name in taken.items():
         if used.get(name) is not None:
             params[key] = _param_text(used[name])
-    soup = merge.get("greedy_soup")
+    soup = merge.greedy_soup
     if isinstance(soup, dict) and isinstance(soup.get("selected"), list):
         params["merge_greedy_soup_selected"] = ",".join(str(rank) for rank in soup["selected"])
     return params

@@ -34,9 +34,9 @@ def test_averaging_methods_match_reference(tmp_path, method):
     for name in ranks[0]:
         reference = sum(w * ranks[i][name].double() for i, w in enumerate(weights)).float()
         torch.testing.assert_close(merged[name], reference, rtol=0, atol=1e-6)
-    assert record["weights"] == pytest.approx(weights)
+    assert record.weights == pytest.approx(weights)
     assert meta["merge_method"] == method and meta["model"] == MLP_SPEC
-    assert json.loads((tmp_path / "merge.json").read_text())["sha256"] == record["sha256"]
+    assert json.loads((tmp_path / "merge.json").read_text())["sha256"] == record.sha256
 
 
 def test_consolidate_keeps_identical_ranks_and_rejects_drift(tmp_path):
@@ -47,7 +47,7 @@ def test_consolidate_keeps_identical_ranks_and_rejects_drift(tmp_path):
     )
     merged, _ = load_weights(tmp_path / "m.safetensors")
     assert all(torch.equal(merged[n], same[n]) for n in same)
-    assert record["max_abs_diff_between_ranks"] == 0.0
+    assert record.max_abs_diff_between_ranks == 0.0
 
     drifted = {**same, "b": same["b"] + 1e-3}
     gather_path = gather_to(tmp_path / "x", make_run(tmp_path / "x", [same, drifted], [5, 5]), 2)
@@ -152,7 +152,7 @@ def test_streaming_merge_equals_the_in_memory_method_whatever_the_block_size(
                 assert np.array_equal(merged[name].numpy(), expected), (method, name)
             else:
                 np.testing.assert_allclose(merged[name].numpy(), expected, rtol=1e-6, atol=1e-7)
-        assert record["tensor_stats"][name].keys() == stats.keys()
+        assert record.tensor_stats[name].keys() == stats.keys()
     assert meta["merge_method"] == method and meta["merge_params"] == p and meta["rank"] is None
 
 
@@ -176,7 +176,7 @@ def test_ties_keeps_exactly_k_of_many_equal_magnitudes_across_block_boundaries(t
     expected, stats = merge_arrays("ties", resolve_params("ties", {"density": 0.3}, [1] * 3),
                                    [r["w"].numpy() for r in ranks], np.zeros(61))  # fmt: skip
     assert np.array_equal(load_weights(tmp_path / "m.safetensors")[0]["w"].numpy(), expected)
-    assert record["tensor_stats"]["w"]["kept_fraction"] == stats["kept_fraction"] == 18 / 61
+    assert record.tensor_stats["w"]["kept_fraction"] == stats["kept_fraction"] == 18 / 61
 
 
 def test_half_precision_checkpoints_merge_like_a_torch_float64_reference(tmp_path):
@@ -200,7 +200,7 @@ def test_integer_buffers_are_copied_from_rank_0_and_must_agree(tmp_path):
     gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1]), 2)
     record = merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
     assert torch.equal(load_weights(tmp_path / "m.safetensors")[0]["steps"], ranks[0]["steps"])
-    assert record["tensor_stats"]["steps"] == {"max_abs_diff": 0.0, "copied_from_rank": 0}
+    assert record.tensor_stats["steps"] == {"max_abs_diff": 0.0, "copied_from_rank": 0}
     ranks[1]["steps"] = torch.tensor([5, 7], dtype=torch.int64)
     gather_path = gather_to(tmp_path / "x", make_run(tmp_path / "x", ranks, [1, 1]), 2)
     with pytest.raises(UserError, match=r"tensor 'steps' \(I64\) differs between rank 0 and rank 1"):
@@ -246,8 +246,8 @@ def test_an_old_format_gather_json_is_verified_with_sha256(tmp_path, changed):
         return
     record = merge(gather_path, "uniform", tmp_path / "m.safetensors", tmp_path / "m.json")
     info = json.loads(gather_path.read_text())
-    assert record["hash"] == "sha256"
-    assert record["ingredients"] == [
+    assert record.hash == "sha256"
+    assert record.ingredients == [
         {"rank": r["rank"], "path": r["path"], "sha256": r["sha256"], "rows": r["rows"]}
         for r in info["ranks"]
     ]
@@ -293,18 +293,18 @@ def test_merge_json_records_method_params_ingredients_base_and_tensor_stats(tmp_
     record = merge(
         gather_path, "ties", tmp_path / "m.safetensors", tmp_path / "m.json", {"density": 0.5}, run="sweep"
     )
-    assert json.loads((tmp_path / "m.json").read_text()) == record
-    assert (record["run"], record["training"], record["method"]) == ("sweep", "r", "ties")
-    assert record["params"] == {"density": 0.5, "scale": 1.0} and record["weights"] is None
+    assert json.loads((tmp_path / "m.json").read_text()) == record.to_json()
+    assert (record.run, record.training, record.method) == ("sweep", "r", "ties")
+    assert record.params == {"density": 0.5, "scale": 1.0} and record.weights is None
     info = json.loads(gather_path.read_text())
-    assert record["ingredients"] == [
+    assert record.ingredients == [
         {key: r[key] for key in ("rank", "path", "sha256", "blake3", "rows")} for r in info["ranks"]
     ]
-    assert record["base"] == {"path": info["base"], "sha256": sha256_file(info["base"])}
-    assert record["tensor_stats"]["b"]["kept_fraction"] == pytest.approx(8 / 15)  # round(7.5) = 8 of 15
-    assert record["sha256"] == sha256_file(tmp_path / "m.safetensors") and record["output"] == "m.safetensors"
-    assert (record["num_tensors"], record["num_parameters"]) == (3, 40)
-    assert record["peak_rss_mb"] > 0 and record["seconds"] > 0 and record["greedy_soup"] is None
+    assert record.base == {"path": info["base"], "sha256": sha256_file(info["base"])}
+    assert record.tensor_stats["b"]["kept_fraction"] == pytest.approx(8 / 15)  # round(7.5) = 8 of 15
+    assert record.sha256 == sha256_file(tmp_path / "m.safetensors") and record.output == "m.safetensors"
+    assert (record.num_tensors, record.num_parameters) == (3, 40)
+    assert record.peak_rss_mb > 0 and record.seconds > 0 and record.greedy_soup is None
 
 
 def test_slerp_of_three_ranks_is_refused_before_reading_anything(tmp_path):
@@ -367,7 +367,7 @@ def test_greedy_soup_adds_ranks_by_validation_accuracy_while_it_does_not_drop(
         tmp_path / "m.json",
         val_split=dataset / "val.parquet",
     )
-    soup = record["greedy_soup"]
+    soup = record.greedy_soup
     assert read == [dataset / "val.parquet"]  # the test split is never read
     assert soup["order"] == [1, 3, 2, 0] and soup["val_accuracy"][0] == 0.0 and soup["val_accuracy"][1] == 1.0
     assert [step["accepted"] for step in soup["steps"]] == [
@@ -377,7 +377,7 @@ def test_greedy_soup_adds_ranks_by_validation_accuracy_while_it_does_not_drop(
         False,
     ]  # 3 ties 1.0: >= keeps it
     assert soup["selected"] == [1, 3] and soup["soup_val_accuracy"] == 1.0
-    assert record["weights"] == [0.0, 0.5, 0.0, 0.5]
+    assert record.weights == [0.0, 0.5, 0.0, 0.5]
     merged, _ = load_weights(tmp_path / "m.safetensors")
     for name in ranks[0]:
         assert torch.equal(merged[name], ((ranks[1][name].double() + ranks[3][name].double()) / 2).float())
@@ -439,12 +439,12 @@ def test_batchnorm_running_statistics_are_the_plain_mean_of_the_ranks_for_every_
     for name in ("bn.running_mean", "bn.running_var"):
         reference = (sum(rank[name].double() for rank in ranks) / num_ranks).float()
         assert merged[name].dtype == torch.float32 and torch.equal(merged[name], reference), name
-        assert record["tensor_stats"][name]["running_statistic"] == "mean"
+        assert record.tensor_stats[name]["running_statistic"] == "mean"
     plain_mean = sum(rank["bn.weight"] for rank in ranks) / num_ranks
     assert not torch.allclose(merged["bn.weight"], plain_mean)  # the weights did go through the method
     counter = merged["bn.num_batches_tracked"]
     assert counter.dtype == torch.int64 and counter.shape == () and int(counter) == 12
-    assert record["tensor_stats"]["bn.num_batches_tracked"] == {"max_abs_diff": 0.0, "copied_from_rank": 0}
+    assert record.tensor_stats["bn.num_batches_tracked"] == {"max_abs_diff": 0.0, "copied_from_rank": 0}
 
 
 def trained_cnn_states(num_ranks, extra_steps=()):

@@ -5,11 +5,13 @@ the trained models, an initial model far worse than them an arrow at the edge.""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from shardfuse import plots
+from shardfuse.experiment.records import EvalRecord
 from shardfuse.report import figures
 from tests.support.tracking import make_run_dir, regression_evaluation
 
@@ -177,7 +179,7 @@ def _off_axis_notes(ax) -> list[str]:
 
 def test_fusion_plot_keeps_a_far_worse_initial_model_off_its_zoomed_axis(tmp_path, close_figures):
     run_dir, _ = make_run_dir(tmp_path, "cls", ddp_baseline=True)
-    evaluation = plots.read_json(run_dir / "eval.json")  # ranks 0.70-0.83, initial model 0.34
+    evaluation = EvalRecord.read(run_dir / "eval.json")  # ranks 0.70-0.83, initial model 0.34
     (ax,) = plots.fusion_figure(evaluation, "cls").axes
     low, high = ax.get_ylim()
     assert 0.34 < low < 0.70 and 0.83 < high < 0.9
@@ -188,12 +190,13 @@ def test_fusion_plot_keeps_a_far_worse_initial_model_off_its_zoomed_axis(tmp_pat
     colors = {label: color for label, _, color in plots.fusion_bars(evaluation)}
     assert colors["initial model"] != colors["ddp baseline\n(ddp)"]  # the two must not read alike
 
-    evaluation["base"]["accuracy"] = 0.65  # close to the ranks: drawn among them
-    (ax,) = plots.fusion_figure(evaluation, "cls").axes
+    closer = replace(evaluation, base={**evaluation.base, "accuracy": 0.65})  # close to the ranks: among them
+    (ax,) = plots.fusion_figure(closer, "cls").axes
     assert ax.get_ylim()[0] < 0.65 and not _off_axis_notes(ax)
 
     # mse: the initial model is far *above* (worse); the arrow sits at the top edge.
-    (ax,) = plots.fusion_figure(regression_evaluation("reg", ddp_baseline=True, ensemble=True), "reg").axes
+    regression = EvalRecord.from_json(regression_evaluation("reg", ddp_baseline=True, ensemble=True))
+    (ax,) = plots.fusion_figure(regression, "reg").axes
     low, high = ax.get_ylim()
     assert 0.15 < low < 0.21 and 0.32 < high < 1.0
     assert _off_axis_notes(ax) == ["1.000\noff the axis"]

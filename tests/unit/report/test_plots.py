@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import matplotlib.image
 import numpy as np
 import pytest
 
 from shardfuse import plots
+from shardfuse.experiment.records import EvalRecord
 from shardfuse.io import UserError
 from shardfuse.report import figures
 from tests.support.report import summary_row, write_summary_csv
@@ -30,17 +33,16 @@ def test_run_plots_are_three_deterministic_pngs_written_atomically(tmp_path):
 
 def test_fusion_bars_show_merged_each_rank_best_mean_and_baselines_when_present(tmp_path):
     run_dir, _ = make_run_dir(tmp_path, "fused", world_size=2, ddp_baseline=True)
-    evaluation = plots.read_json(run_dir / "eval.json")
+    evaluation = EvalRecord.read(run_dir / "eval.json")
     bars = plots.fusion_bars(evaluation)
     assert [(label, round(value, 3)) for label, value, _ in bars] == [
         ("merged", 0.8), ("rank 0", 0.7), ("rank 1", 0.72), ("best rank", 0.72), ("mean rank", 0.71),
         ("ddp baseline\n(ddp)", 0.83), ("initial model", 0.34),
     ]  # fmt: skip
-    del evaluation["ddp_baseline"], evaluation["base"]
+    evaluation = replace(evaluation, ddp_baseline=None, base=None)
     assert [label for label, _, _ in plots.fusion_bars(evaluation)][-1] == "mean rank"
-    del evaluation["merged"]
-    with pytest.raises(UserError, match="re-run the evaluate stage"):
-        plots.fusion_bars(evaluation)
+    with pytest.raises(UserError, match=r"^eval.json lacks 'merged'; re-run the evaluate stage"):
+        plots.fusion_bars(replace(evaluation, merged=None))
 
 
 def test_smoothing_keeps_a_trend_and_damps_noise():
@@ -62,14 +64,14 @@ def test_run_plots_without_metrics_are_a_one_line_user_error(tmp_path):
 
 
 def test_fusion_plot_of_a_regression_run_shows_mse_lower_is_better_and_a_positive_gain():
-    fig = plots.fusion_figure(regression_evaluation("reg", ddp_baseline=True), "reg")
+    fig = plots.fusion_figure(EvalRecord.from_json(regression_evaluation("reg", ddp_baseline=True)), "reg")
     (ax,) = fig.axes
     assert ax.get_ylabel() == "test mse (lower is better)"
     assert ax.get_title() == "reg: merged vs ranks (fusion gain +0.050)"  # merged mse 0.25, best rank 0.30
-    labels = [label for label, _, _ in plots.fusion_bars(regression_evaluation("reg"))]
+    evaluation = EvalRecord.from_json(regression_evaluation("reg"))
+    labels = [label for label, _, _ in plots.fusion_bars(evaluation)]
     assert labels == ["merged", "rank 0", "rank 1", "best rank", "mean rank", "initial model"]
-    without_best = regression_evaluation("reg")
-    del without_best["best_rank_mse"]  # then the task picks it: the lowest mse, not the highest
+    without_best = replace(evaluation, best_rank=None)  # the task picks it: the lowest mse, not the highest
     bars = {label: value for label, value, _ in plots.fusion_bars(without_best)}
     assert bars["best rank"] == pytest.approx(0.3)
     figures.pyplot().close(fig)
@@ -77,7 +79,7 @@ def test_fusion_plot_of_a_regression_run_shows_mse_lower_is_better_and_a_positiv
 
 def test_fusion_plot_of_a_classification_run_says_higher_is_better_on_a_range_from_the_data(tmp_path):
     run_dir, _ = make_run_dir(tmp_path, "cls", ddp_baseline=True)
-    fig = plots.fusion_figure(plots.read_json(run_dir / "eval.json"), "cls")
+    fig = plots.fusion_figure(EvalRecord.read(run_dir / "eval.json"), "cls")
     (ax,) = fig.axes
     assert ax.get_ylabel() == "test accuracy (higher is better)"
     assert ax.get_title() == "cls: merged vs ranks (fusion gain +0.080)"
@@ -126,7 +128,7 @@ def test_a_summary_row_with_no_score_is_a_user_error(tmp_path):
 
 
 def test_fusion_plot_marks_the_ensemble_next_to_best_and_mean_rank_and_titles_the_fusion_gap():
-    evaluation = regression_evaluation("reg", ddp_baseline=True, ensemble=True)
+    evaluation = EvalRecord.from_json(regression_evaluation("reg", ddp_baseline=True, ensemble=True))
     bars = plots.fusion_bars(evaluation)
     assert [label.split("\n")[0] for label, _, _ in bars] == [
         "merged", "rank 0", "rank 1", "best rank", "mean rank", "ensemble", "ddp baseline", "initial model",

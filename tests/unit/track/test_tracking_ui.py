@@ -14,6 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from shardfuse import tracking
+from shardfuse.experiment.records import MergeRecord
 from shardfuse.track import ui as tracking_ui
 from shardfuse.track.inputs import LAYOUT_VERSION
 from tests.support.tracking import T0_MS, make_run_dir
@@ -160,11 +161,11 @@ def test_run_times_without_history_or_seconds():
 
 def test_merge_params_keep_what_the_method_takes_and_name_greedy_soups_choice():
     config = {"merge_method": "greedy_soup", "merge_weights": "None", "merge_density": "None", "lr": "0.1"}
-    merge = {"method": "greedy_soup", "params": {}, "greedy_soup": {"selected": [0, 2, 3]}}
+    merge = MergeRecord(method="greedy_soup", params={}, greedy_soup={"selected": [0, 2, 3]})
     assert tracking_ui.merge_params(config, merge) == {
         "merge_method": "greedy_soup", "lr": "0.1", "merge_greedy_soup_selected": "0,2,3",
     }  # fmt: skip
-    weighted = {"method": "weighted", "params": {"weights": [1.0, 3.0]}}
+    weighted = MergeRecord(method="weighted", params={"weights": [1.0, 3.0]})
     assert tracking_ui.merge_params(config, weighted)["merge_weights"] == "[1.0, 3.0]"
 
 
