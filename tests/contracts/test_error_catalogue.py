@@ -205,7 +205,7 @@ def case_hf_needs_pretrained_or_config(tmp):
     return config_case(
         tmp,
         base_config(model="hf"),
-        "model hf needs exactly one of model_args.pretrained (a save_pretrained folder) and model_args.config",
+        "model hf needs exactly one of model_args.pretrained (a save_pretrained folder) and model_args",
     )
 
 
@@ -228,7 +228,7 @@ def case_model_file_missing(tmp):
 def case_hf_tokenizer_without_tokenizer_json(tmp):
     spec = {"source": "text", "paths": ["{stdlib}/json/*.py"], "block_size": 8, "tokenizer": f"hf:{tmp}"}
     return prepare_case(
-        tmp, spec, "tokenizer.json does not exist; point hf: at a save_pretrained folder with a fast tokenizer"
+        tmp, spec, "tokenizer.json does not exist; point hf: at a save_pretrained folder with a fast"
     )
 
 
