@@ -244,11 +244,17 @@ def ddp_baseline_of_run(wildcards):
 
 def hf_export_of_run(wildcards):
     """The run's transformers folder (model hf only): exported, then logged with the MLflow model."""
-    return [f"results/runs/{wildcards.run}/hf"] if RUNS[wildcards.run]["model"] == "hf" else []
+    return (
+        [f"results/runs/{wildcards.run}/hf"]
+        if RUNS[wildcards.run]["model"] == "hf"
+        else []
+    )
 
 
 def hf_export_args(wildcards):
-    return " ".join(f"--hf-dir {shlex.quote(path)}" for path in hf_export_of_run(wildcards))
+    return " ".join(
+        f"--hf-dir {shlex.quote(path)}" for path in hf_export_of_run(wildcards)
+    )
 
 
 def tracking_config_json(wildcards):
