@@ -150,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merged", type=Path, required=True, help="merged.safetensors of the run")
     parser.add_argument("--batch-size", type=int, default=4096, help="rows per forward pass")
     parser.add_argument(
-        "--ddp-baseline", nargs="?", default="", help="eval.json of the ddp run trained like this one, if any"
+        "--ddp-baseline",
+        nargs="?",
+        default="",
+        help="eval.json of the ddp run trained like this one, recorded in this one (the workflow leaves it "
+        "to plots, track and summary, so that evaluate never waits for another run)",
     )
     parser.add_argument("--out", type=Path, required=True, help="eval.json to write")
     args = parser.parse_args(argv)

@@ -273,6 +273,23 @@ def failed_jobs(snakemake_log: Path) -> list[tuple[str, list[Path]]]:
     return jobs
 
 
+def baseline_warnings(failed_logs: list[Path], baselines: dict[str, tuple[str, str]]) -> list[str]:
+    """One warning per failed ddp baseline: the runs it serves (``baselines``: run -> (its ddp
+    baseline run, that run's training)) whose evaluation did not wait for it. A job is the baseline's
+    when its log is named after the baseline run or its training (logs/<stage>/<name>.log)."""
+    failed = {log.stem for log in failed_logs}
+    served: dict[str, list[str]] = {}
+    for run, (baseline, training) in baselines.items():
+        if run != baseline and (baseline in failed or training in failed):
+            served.setdefault(baseline, []).append(run)
+    return [
+        f"shardfuse: warning: ddp run {baseline} failed, so {', '.join(runs)} "
+        f"{'is' if len(runs) == 1 else 'are'} evaluated without a ddp baseline (empty baseline metrics); "
+        f"their plots, MLflow runs and the summary wait for {baseline}"
+        for baseline, runs in served.items()
+    ]
+
+
 def failed_job_errors(snakemake_log: Path, workdir: Path = Path(".")) -> list[str]:
     """Lines to print after a failed workflow: per failed job, its log and its one-line errors."""
     out = []

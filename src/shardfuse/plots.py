@@ -197,9 +197,9 @@ def plot_fusion(evaluation: EvalRecord, title: str, out: Path) -> Path:
     return save_figure(fusion_figure(evaluation, title), out)
 
 
-def plot_run(run_dir: Path, out_dir: Path, train_dir: Path) -> list[Path]:
+def plot_run(run_dir: Path, out_dir: Path, train_dir: Path, ddp_baseline: Path | None = None) -> list[Path]:
     metrics = rank_metrics(train_dir)
-    evaluation = EvalRecord.read(run_dir / "eval.json", "evaluation")
+    evaluation = EvalRecord.read_with_baseline(run_dir / "eval.json", ddp_baseline)
     name = run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
     return [
@@ -235,9 +235,13 @@ def main(argv: list[str] | None = None) -> None:
             required=True,
             help="its training's ranks/ (results/trainings/{training}/ranks)",
         )
+        parser.add_argument(
+            "--ddp-baseline", nargs="?", default="", help="eval.json of the ddp run trained alike, if any"
+        )
         parser.add_argument("--out-dir", type=Path, required=True, help="where loss/throughput/fusion.png go")
         args = parser.parse_args(argv)
-        written = plot_run(args.run_dir, args.out_dir, args.train_dir)
+        baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
+        written = plot_run(args.run_dir, args.out_dir, args.train_dir, baseline)
     print("wrote " + ", ".join(str(path) for path in written))
 
 

@@ -91,7 +91,9 @@ def _count(value: Any) -> int | str:
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
     """The run's cells by column name, plus ``task`` (a column only when tasks mix)."""
     eval_path = run_dir / "eval.json"
-    evaluation = EvalRecord.read(eval_path, "evaluation")
+    baseline = cfg.get("ddp_baseline")  # the ddp run trained alike (not this run itself)
+    baseline_path = run_dir.parent / baseline / "eval.json" if baseline and baseline != run else None
+    evaluation = EvalRecord.read_with_baseline(eval_path, baseline_path)
     task = evaluation_task(evaluation, eval_path)
     score = task.score
     training = TrainRecord.read(trainings_dir / cfg["training"] / "ranks" / "train.json", "training summary")

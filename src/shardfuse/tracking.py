@@ -331,6 +331,7 @@ def track_run(
     gather_path: str | os.PathLike | None = None,
     snakefile: str | os.PathLike | None = None,
     hf_dir: str | os.PathLike | None = None,
+    ddp_baseline: str | os.PathLike | None = None,
 ) -> TrackResult:
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
@@ -342,6 +343,7 @@ def track_run(
         plots_dir=Path(plots_dir) if plots_dir else None,
         train_dir=Path(train_dir) if train_dir else None,
         gather_path=Path(gather_path) if gather_path else None,
+        ddp_baseline=Path(ddp_baseline) if ddp_baseline else None,
     )
     options = SyncOptions(
         tracking_uri=tracking_uri,
@@ -399,6 +401,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--registered-model", help="also register the merged model under this name")
     parser.add_argument("--plots-dir", type=Path, help="upload its *.png under plots/ (skipped if missing)")
     parser.add_argument(
+        "--ddp-baseline", nargs="?", default="", help="eval.json of the ddp run trained alike, if any"
+    )
+    parser.add_argument(
         "--hf-dir", type=Path, help="model hf: the run's transformers export (shardfuse.export)"
     )
     parser.add_argument(
@@ -412,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment,
         registered_model=args.registered_model, plots_dir=args.plots_dir, train_dir=args.train_dir,
         gather_path=args.gather, snakefile=args.snakefile, hf_dir=args.hf_dir,
+        ddp_baseline=args.ddp_baseline or None,
     )  # fmt: skip
     write_json(args.out, result)
     print(

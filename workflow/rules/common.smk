@@ -63,13 +63,21 @@ wildcard_constraints:
 def print_failed_job_errors(snakemake_logs):
     """onerror: each failed job's one-line error, after Snakemake's own messages (``log`` is the
     Snakemake log's path, or a list of them)."""
-    from shardfuse.io import failed_job_errors
+    from shardfuse.io import baseline_warnings, failed_job_errors, failed_jobs
 
     paths = (
         [snakemake_logs] if isinstance(snakemake_logs, (str, Path)) else snakemake_logs
     )
+    baselines = {
+        run: (baseline, EXPERIMENT.training(baseline))
+        for run in RUNS
+        if (baseline := EXPERIMENT.ddp_baseline(run)) is not None
+    }
     for path in paths:
         for line in failed_job_errors(Path(path)):
+            print(line, file=sys.stderr)
+        logs = [log for _, job_logs in failed_jobs(Path(path)) for log in job_logs]
+        for line in baseline_warnings(logs, baselines):
             print(line, file=sys.stderr)
 
 
@@ -280,7 +288,11 @@ def registered_model_args(wildcards):
 def summary_runs_json(wildcards):
     keys = ("dataset", "world_size", "strategy", "sync_every")
     rows = {
-        run: {**{key: cfg[key] for key in keys}, "training": EXPERIMENT.training(run)}
+        run: {
+            **{key: cfg[key] for key in keys},
+            "training": EXPERIMENT.training(run),
+            "ddp_baseline": EXPERIMENT.ddp_baseline(run),
+        }
         for run, cfg in RUNS.items()
     }
     return json.dumps(

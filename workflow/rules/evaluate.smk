@@ -3,7 +3,6 @@ rule evaluate:
         test=test_split_of_run,
         gather=gather_of_run,
         merged=rules.merge.output.weights,
-        ddp_baseline=ddp_baseline_of_run,
     output:
         record="results/runs/{run}/eval.json",
     log:
@@ -17,4 +16,4 @@ rule evaluate:
     shell:
         "python -m shardfuse.evaluate --run {wildcards.run} --test {input.test} --gather {input.gather}"
         " --merged {input.merged} --batch-size {params.batch_size}"
-        " --ddp-baseline {input.ddp_baseline:q} --out {output.record} > {log} 2>&1"
+        " --out {output.record} > {log} 2>&1"

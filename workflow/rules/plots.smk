@@ -2,6 +2,7 @@ rule plots:
     input:
         ranks=ranks_of_run,
         evaluation=rules.evaluate.output.record,
+        ddp_baseline=ddp_baseline_of_run,
     output:
         loss=report(
             "results/runs/{run}/plots/loss.png",
@@ -29,6 +30,7 @@ rule plots:
         "../../envs/tracking.yaml"
     shell:
         "python -m shardfuse.plots --run-dir results/runs/{wildcards.run} --train-dir {input.ranks}"
+        " --ddp-baseline {input.ddp_baseline:q}"
         " --out-dir results/runs/{wildcards.run}/plots > {log} 2>&1"
 
 

@@ -6,6 +6,7 @@ rule track:
         merge=rules.merge.output.record,
         merged=rules.merge.output.weights,
         evaluation=rules.evaluate.output.record,
+        ddp_baseline=ddp_baseline_of_run,
         plots=rules.plots.output,
         hf=hf_export_of_run,
     output:
@@ -28,7 +29,7 @@ rule track:
         " --train-dir {input.ranks} --gather {input.gather}"
         " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
-        " {params.registered_model} {params.hf}"
+        " {params.registered_model} {params.hf} --ddp-baseline {input.ddp_baseline:q}"
         " --plots-dir results/runs/{wildcards.run}/plots --snakefile {params.snakefile:q}"
         " --out {output.record} > {log} 2>&1"
 

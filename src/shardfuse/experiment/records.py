@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
 from shardfuse.io import UserError, read_json
@@ -244,6 +244,20 @@ class EvalRecord(_Record):
             else:
                 keys[name] = f"{prefix}_{score}"
         return keys
+
+    @classmethod
+    def read_with_baseline(
+        cls, path: str | os.PathLike, baseline: str | os.PathLike | None, what: str = "evaluation"
+    ) -> EvalRecord:
+        """eval.json with ``ddp_baseline`` filled from the ddp run's eval.json ``baseline`` (the plots,
+        track and summary stages): evaluate no longer waits for that run, so a failed ddp baseline
+        leaves its sibling runs evaluated. A ddp run's own file already names itself; eval.json files
+        of older evaluate stages already hold the baseline."""
+        record = cls.read(path, what)
+        if baseline is None or record.ddp_baseline is not None:
+            return record
+        ddp = cls.read(baseline, "ddp baseline evaluation")
+        return replace(record, ddp_baseline={"run": ddp.required("run"), **ddp.required("merged")})
 
     def initial_model(self) -> dict[str, Any] | None:
         """The initial model's metrics: ``base``, unless the file has an ``initial`` (no evaluate stage

@@ -214,8 +214,10 @@ def load_inputs(
     plots_dir: Path | None = None,
     train_dir: Path | None = None,
     gather_path: Path | None = None,
+    ddp_baseline: Path | None = None,
 ) -> RunInputs:
-    """Read and check every file the push needs before MLflow is touched.
+    """Read and check every file the push needs before MLflow is touched (``ddp_baseline``: the ddp
+    run's eval.json, whose merged metrics are this run's baseline).
 
     ``train_dir`` (train.json, metrics/rank-{r}.parquet; default RUN_DIR/train) and ``gather_path``
     (default RUN_DIR/gather.json) may be shared by runs that differ only in how they merge.
@@ -228,7 +230,10 @@ def load_inputs(
     weights = _require_file(run_dir / "merged.safetensors", "merge")
     eval_path = _require_file(run_dir / "eval.json", "evaluate")
     train = TrainRecord.read(train_path, "train")
-    merge, evaluation = MergeRecord.read(merge_path, "merge"), EvalRecord.read(eval_path, "eval")
+    merge, evaluation = (
+        MergeRecord.read(merge_path, "merge"),
+        EvalRecord.read_with_baseline(eval_path, ddp_baseline, "eval"),
+    )
     read_gather(gather)  # only uploaded, but it must list this training's checkpoints
     try:
         world_size = int(_recorded(train, "world_size", train_path))

@@ -1,6 +1,7 @@
 """A user model with what real language models bring: input and output embeddings tied (one
 Parameter under two names, as GPT-2's), a dict output (as a Hugging Face ModelOutput), a buffer its
-forward updates (an EMA of the hidden state, not named running_*) and a parameter dtype of choice."""
+forward updates (an EMA of the hidden state, not named running_*), a parameter dtype of choice and, on
+request, a parameter no forward uses."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from torch import nn
 
 
 class TiedLM(nn.Module):
-    def __init__(self, vocab_size: int, block_size: int, width: int) -> None:
+    def __init__(self, vocab_size: int, block_size: int, width: int, unused: bool = False) -> None:
         super().__init__()
+        if unused:  # a parameter no forward reaches: DDP needs find_unused_parameters
+            self.spare = nn.Linear(width, width)
         self.embed = nn.Embedding(vocab_size, width)
         self.position = nn.Parameter(torch.randn(block_size, width) * 0.02)
         self.mix = nn.Linear(width, width)
@@ -29,6 +32,6 @@ class TiedLM(nn.Module):
         return {"logits": self.head(hidden), "hidden": hidden}
 
 
-def build(description, width: int = 16, dtype: str = "float32") -> nn.Module:
-    model = TiedLM(description.vocab_size, description.block_size, width)
+def build(description, width: int = 16, dtype: str = "float32", unused: bool = False) -> nn.Module:
+    model = TiedLM(description.vocab_size, description.block_size, width, unused)
     return model.to(getattr(torch, dtype))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields, replace
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +184,27 @@ def test_a_merge_or_eval_json_that_is_no_json_object_is_refused_naming_the_file_
     path.write_text('"done"')
     with pytest.raises(UserError, match=rf"{record.FILE} is not a JSON object; re-run the {stage} stage"):
         record.read(path)
+
+
+def test_the_ddp_baseline_is_filled_from_the_ddp_runs_eval_json(tmp_path):
+    """evaluate no longer waits for the ddp run: plots, track and summary read its metrics instead."""
+    from shardfuse.io import baseline_warnings
+
+    own = {"run": "soup", "task": "causal_lm", "score": "loss", "merged": {"loss": 2.0}, "ddp_baseline": None}
+    ddp = {"run": "ddp", "task": "causal_lm", "score": "loss", "merged": {"loss": 1.5}, "ddp_baseline": None}
+    (tmp_path / "soup.json").write_text(json.dumps(own))
+    (tmp_path / "ddp.json").write_text(json.dumps(ddp))
+    filled = EvalRecord.read_with_baseline(tmp_path / "soup.json", tmp_path / "ddp.json")
+    assert filled.ddp_baseline == {"run": "ddp", "loss": 1.5}
+    assert EvalRecord.read_with_baseline(tmp_path / "soup.json", None).ddp_baseline is None
+    older = {**own, "ddp_baseline": {"run": "old", "loss": 9.0}}  # written by an evaluate that waited
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert (
+        EvalRecord.read_with_baseline(tmp_path / "older.json", tmp_path / "ddp.json").ddp_baseline["run"]
+        == "old"
+    )
+    failed = [Path("logs/train/d-w2-ddp-abc.log")]
+    baselines = {"soup": ("ddp", "d-w2-ddp-abc"), "ddp": ("ddp", "d-w2-ddp-abc"), "x": ("other", "t")}
+    (warning,) = baseline_warnings(failed, baselines)
+    assert warning.startswith("shardfuse: warning: ddp run ddp failed, so soup is evaluated without")
+    assert baseline_warnings([Path("logs/merge/x.log")], baselines) == []
