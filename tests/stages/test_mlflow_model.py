@@ -207,7 +207,13 @@ def test_user_model_loads_from_its_logged_code_where_the_original_code_is_unreac
     assert logged["heavy"] == []
     uri = f"models:/{logged['model_id']}"
     code = _model_dir(store, uri) / "code"
-    assert sorted(p.name for p in code.iterdir()) == ["sf_blocks.py", "sf_lm", "sf_resmlp.py", "shardfuse"]
+    assert sorted(p.name for p in code.iterdir()) == [
+        "sf_blocks.py",
+        "sf_filed.py",
+        "sf_lm",
+        "sf_resmlp.py",
+        "shardfuse",
+    ]
 
     (workdir / "code").rename(workdir / "code-moved")
     elsewhere = tmp_path / "elsewhere"
@@ -219,6 +225,24 @@ def test_user_model_loads_from_its_logged_code_where_the_original_code_is_unreac
 
     expected = torch.softmax(torch.from_numpy(_outputs(model, frame)), dim=1).numpy()
     assert predicted["prediction"].tolist() == [info["label_names"][c] for c in expected.argmax(1)]
+    np.testing.assert_allclose(predicted.iloc[:, 1:].to_numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_user_model_ships_its_model_files_and_pins_its_third_party_imports(store, tmp_path, workdir):
+    (workdir / "assets").mkdir()
+    (workdir / "assets" / "shape.yaml").write_text("width: 7\n")
+    spec = model_spec("sf_filed:build", {}, ["code"], IRIS, model_files=["assets"])
+    assert spec["code"]["model_files"] == ["assets"] and "assets/shape.yaml" in spec["code"]["files"]
+    model, sha = _save(workdir / "merged.safetensors", spec)
+    uri = _log(store, workdir / "merged.safetensors", sha, spec)
+    requirements = (_model_dir(store, uri) / "requirements.txt").read_text().split()
+    assert any(line.startswith("PyYAML==") for line in requirements), requirements
+
+    (workdir / "assets").rename(workdir / "assets-moved")  # the source folder is gone
+    (workdir / "code").rename(workdir / "code-moved")
+    frame = _features(IRIS)
+    predicted = _predict_elsewhere(store, uri, frame, tmp_path / "elsewhere")
+    expected = torch.softmax(torch.from_numpy(_outputs(model, frame)), dim=1).numpy()
     np.testing.assert_allclose(predicted.iloc[:, 1:].to_numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
