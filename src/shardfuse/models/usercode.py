@@ -9,9 +9,11 @@ user's own module may of course import torch). A library module, e.g.::
 A model reference is a built-in name (``mlp``) or ``package.module:function``. ``code_paths`` are
 directories (relative to the working directory) put in front of ``sys.path`` in every process that
 builds the model, so the same files are imported locally and inside SLURM jobs. The fingerprint is the
-sha256 of every .py file under the code paths and of the package the factory's module comes from
-(an installed package counts too): the training name and every checkpoint carry it, so editing a user
-model re-trains instead of silently mixing networks, and a later stage finds the changed file by name.
+sha256 of the files the model runs — the factory's module and every module of the code paths it
+imports, transitively (the whole package when the factory comes from an installed one) — and of the
+files it is built from (``model_files``, a pretrained folder): the training name and every checkpoint
+carry it, so editing a user model re-trains instead of silently mixing networks, an unrelated file
+beside it changes nothing, and a later stage finds the changed file by name.
 :func:`stage_code` copies that code for a logged MLflow model.
 """
 
@@ -53,6 +55,60 @@ def _python_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+def _module_file(name: str, roots: list[Path]) -> Path | None:
+    """The file of module ``name`` in the first code path that holds it (a package: its __init__.py)."""
+    parts = name.split(".")
+    for root in roots:
+        base = root.joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def _imports_of(path: Path, name: str) -> set[str]:
+    """Every module name an import in ``path`` (module ``name``) may load: absolute imports, relative
+    ones resolved, and ``from X import y`` both as X and X.y (y may be a submodule)."""
+    try:
+        tree = ast.parse(path.read_bytes())
+    except (SyntaxError, ValueError):
+        return set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, up level - 1 packages
+                pieces = package.split(".") if package else []
+                anchor = pieces[: max(0, len(pieces) - (node.level - 1))]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            if base:
+                found.add(base)
+            found.update(f"{base}.{alias.name}" if base else alias.name for alias in node.names)
+    return found
+
+
+def _import_closure(module: str, roots: list[Path]) -> list[Path]:
+    """The files of ``module`` and of every module of the code paths it imports, transitively (with
+    their parent packages' __init__.py): what a model runs, not every .py file beside it. Imports made
+    by name at run time (importlib) are not seen: name such files in ``model_files``."""
+    seen: dict[str, Path | None] = {}
+    queue = [module]
+    while queue:
+        name = queue.pop()
+        if name in seen:
+            continue
+        seen[name] = path = _module_file(name, roots)
+        if path is None:
+            continue
+        parts = name.split(".")
+        queue += [".".join(parts[:i]) for i in range(1, len(parts))]
+        queue += sorted(_imports_of(path, name))
+    return sorted({path for path in seen.values() if path is not None})
+
+
 def _module_root(module_name: str) -> Path | None:
     """The file or top-level package directory a module comes from, found without importing it (only
     its parent packages are imported)."""
@@ -68,14 +124,6 @@ def _module_root(module_name: str) -> Path | None:
         if parent.name == top and (parent / "__init__.py").is_file():
             return parent
     return origin
-
-
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-    except ValueError:
-        return False
-    return True
 
 
 def _display(path: Path) -> str:
@@ -145,15 +193,21 @@ def code_fingerprint(
                 "working directory)"
             )
     add_code_paths(code_paths)
-    roots = [Path(entry) for entry in code_paths]
-    if not is_builtin(ref):
-        module_root = _module_root(ref.partition(":")[0])
-        if module_root is not None and not any(_inside(module_root, root) for root in roots):
-            roots.append(module_root)
+    paths = [Path(entry) for entry in code_paths]
+    hashed: list[Path] = []
+    if is_builtin(ref):  # no module to start from: everything the code paths hold
+        hashed = [path for root in paths for path in _python_files(root)]
+    else:
+        module = ref.partition(":")[0]
+        if _module_file(module, paths) is not None:
+            hashed = _import_closure(module, paths)
+        else:  # an installed or sys.path package: all of it
+            module_root = _module_root(module)
+            if module_root is not None:
+                hashed = _python_files(module_root)
     files: dict[str, str] = {}
-    for root in roots:
-        for path in _python_files(root):
-            files[_display(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    for path in hashed:
+        files[_display(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
     for path in _data_files(model_files):
         files[_display(path)] = _sha256_file(path)
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()

@@ -337,3 +337,26 @@ def test_init_from_file_mismatch_names_the_first_tensor(tmp_path):
         for a, b in zip(fresh.state_dict().values(), same.state_dict().values(), strict=True)
     )
     assert json.loads(json.dumps(spec)) == spec  # the spec travels as JSON in checkpoint headers
+
+
+def test_the_fingerprint_hashes_what_the_model_imports_not_every_file_beside_it(tmp_path, monkeypatch):
+    code = tmp_path / "code"
+    (code / "pkg").mkdir(parents=True)
+    (code / "net.py").write_text("import json\nfrom pkg import blocks\nfrom pkg.layers import dense\n")
+    (code / "pkg" / "__init__.py").write_text("")
+    (code / "pkg" / "blocks.py").write_text("from .layers import dense\n")
+    (code / "pkg" / "layers.py").write_text("def dense(): ...\n")
+    (code / "unrelated.py").write_text("x = 1\n")
+    monkeypatch.chdir(tmp_path)
+    before = code_fingerprint("net:build", ["code"])
+    assert sorted(before["files"]) == [
+        "code/net.py",
+        "code/pkg/__init__.py",
+        "code/pkg/blocks.py",
+        "code/pkg/layers.py",
+    ]
+    (code / "unrelated.py").write_text("x = 2\n")
+    (code / "another.py").write_text("y = 1\n")
+    assert code_fingerprint("net:build", ["code"])["digest"] == before["digest"]  # nothing the model runs
+    (code / "pkg" / "layers.py").write_text("def dense(): return 1\n")
+    assert code_fingerprint("net:build", ["code"])["digest"] != before["digest"]  # imported twice removed
