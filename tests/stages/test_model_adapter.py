@@ -4,15 +4,14 @@ bf16 parameters train, checkpoint, merge in float64 and come back as bf16."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardfuse.checkpoints.weights import load_weights, read_metadata
-from tests.support.helpers import REPO, run_stage
-from tests.support.training import train_and_gather
+from tests.support.helpers import REPO
+from tests.support.training import merge_and_evaluate, merged_path, train_and_gather
 
 TIED_LM = {
     "model": "tied_lm:build",
@@ -24,23 +23,6 @@ TIED_LM = {
     "checkpoint_every": 0,
     "dropout": 0.0,
 }
-
-
-def merge_and_evaluate(tmp_path: Path, dataset: Path, gather: Path, method: str, **params) -> tuple:
-    merged, record, evaluation = (
-        tmp_path / f"{method}{ext}" for ext in (".safetensors", ".json", ".eval.json")
-    )
-    proc = run_stage(
-        "merge", "--gather", gather, "--method", method, "--params-json", json.dumps(params),
-        "--out-weights", merged, "--out-json", record,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_stage(
-        "evaluate", "--run", "r", "--test", dataset / "test.parquet", "--gather", gather,
-        "--merged", merged, "--out", evaluation,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return merged, json.loads(evaluation.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +51,8 @@ def test_ddp_broadcasts_a_buffer_the_forward_updates(ddp_tied):
 
 def test_a_tied_model_merges_once_and_evaluates(tmp_path, ddp_tied, stdlib_tokens_data):
     dataset, _ = stdlib_tokens_data
-    merged, evaluation = merge_and_evaluate(tmp_path, dataset, ddp_tied, "consolidate")
-    tensors, metadata = load_weights(merged)
+    _, evaluation = merge_and_evaluate(tmp_path, dataset, ddp_tied, "none", "consolidate")
+    tensors, metadata = load_weights(merged_path(tmp_path, ddp_tied, "none", "consolidate"))
     assert "head.weight" not in tensors and metadata["ties"] == {"head.weight": "embed.weight"}
     assert evaluation["merged"]["loss"] == pytest.approx(evaluation["ranks"][0]["loss"])
 
@@ -83,7 +65,8 @@ def test_bf16_parameters_train_merge_in_float64_and_stay_bf16(tmp_path, stdlib_t
     ranks = [load_weights(gather.parent / "ranks" / f"rank-{r}.safetensors")[0] for r in (0, 1)]
     assert ranks[0]["embed.weight"].dtype == torch.bfloat16
     assert not torch.equal(ranks[0]["embed.weight"], ranks[1]["embed.weight"])  # independent ranks
-    merged, evaluation = merge_and_evaluate(tmp_path, dataset, gather, "ties", density=0.5)
+    _, evaluation = merge_and_evaluate(tmp_path, dataset, gather, "none", "ties", density=0.5)
+    merged = merged_path(tmp_path, gather, "none", "ties")
     tensors = load_weights(merged)[0]
     assert tensors["embed.weight"].dtype == torch.bfloat16
     assert read_metadata(merged)["ties"] == {"head.weight": "embed.weight"}

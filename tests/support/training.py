@@ -239,14 +239,21 @@ def train_and_gather(tmp_path, dataset, shards, name, world_size, **cfg) -> Path
     return gather
 
 
-def merge_and_evaluate(tmp_path, dataset, gather, align: str) -> tuple[dict, dict]:
-    """The uniform merge of a gathered training after ``align``, evaluated: (merge.json, eval.json)."""
-    merged, record, evaluation = (
-        tmp_path / f"{gather.parent.name}-{align}{ext}" for ext in (".safetensors", ".json", ".eval.json")
-    )
+def merged_path(tmp_path, gather, align: str = "none", method: str = "uniform") -> Path:
+    """Where :func:`merge_and_evaluate` writes the merged weights."""
+    return tmp_path / f"{gather.parent.name}-{method}-{align}.safetensors"
+
+
+def merge_and_evaluate(
+    tmp_path, dataset, gather, align: str, method: str = "uniform", **params
+) -> tuple[dict, dict]:
+    """The ``method`` merge (uniform by default) of a gathered training after ``align``, evaluated:
+    (merge.json, eval.json); the weights are at :func:`merged_path`."""
+    merged = merged_path(tmp_path, gather, align, method)
+    record, evaluation = merged.with_suffix(".json"), merged.with_suffix(".eval.json")
     proc = run_stage(
-        "merge", "--gather", gather, "--method", "uniform", "--align", align,
-        "--out-weights", merged, "--out-json", record,
+        "merge", "--gather", gather, "--method", method, "--params-json", json.dumps(params),
+        "--align", align, "--out-weights", merged, "--out-json", record,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = run_stage(
