@@ -1,6 +1,6 @@
 """The model adapter with real torchrun ranks: a language model with tied embeddings, a dict output and
 a buffer its forward updates trains under ddp (ranks identical, the tied tensor stored once) and merges;
-bf16 parameters train, checkpoint, merge in float64 and come back as bf16."""
+bf16 parameters are tests/slow/test_bf16_model.py's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfuse.checkpoints.weights import load_weights, read_metadata
+from shardfuse.checkpoints.weights import load_weights
 from tests.support.helpers import REPO
 from tests.support.training import merge_and_evaluate, merged_path, train_and_gather
 
@@ -55,19 +55,3 @@ def test_a_tied_model_merges_once_and_evaluates(tmp_path, ddp_tied, stdlib_token
     tensors, metadata = load_weights(merged_path(tmp_path, ddp_tied, "none", "consolidate"))
     assert "head.weight" not in tensors and metadata["ties"] == {"head.weight": "embed.weight"}
     assert evaluation["merged"]["loss"] == pytest.approx(evaluation["ranks"][0]["loss"])
-
-
-def test_bf16_parameters_train_merge_in_float64_and_stay_bf16(tmp_path, stdlib_tokens_data):
-    dataset, shards = stdlib_tokens_data
-    gather = train_and_gather(
-        tmp_path, dataset, shards, "bf16", 2, **{**TIED_LM, "model_args": {"dtype": "bfloat16"}}
-    )
-    ranks = [load_weights(gather.parent / "ranks" / f"rank-{r}.safetensors")[0] for r in (0, 1)]
-    assert ranks[0]["embed.weight"].dtype == torch.bfloat16
-    assert not torch.equal(ranks[0]["embed.weight"], ranks[1]["embed.weight"])  # independent ranks
-    _, evaluation = merge_and_evaluate(tmp_path, dataset, gather, "none", "ties", density=0.5)
-    merged = merged_path(tmp_path, gather, "none", "ties")
-    tensors = load_weights(merged)[0]
-    assert tensors["embed.weight"].dtype == torch.bfloat16
-    assert read_metadata(merged)["ties"] == {"head.weight": "embed.weight"}
-    assert evaluation["merged"]["loss"] < evaluation["base"]["loss"]
