@@ -708,6 +708,55 @@ def case_image_folder_is_a_file(tmp):
     return prepare_case(tmp, spec, "images is a file, not a directory; set 'path' to the folder holding")
 
 
+# ---------------------------------------------------------------- issue 28: init_from a foreign file
+
+# The digits MLP of base_config with hidden_sizes [8], as a file not written by shardfuse holds it.
+DIGITS_MLP_8 = {
+    "net.0.weight": (8, 64),
+    "net.0.bias": (8,),
+    "net.2.weight": (10, 8),
+    "net.2.bias": (10,),
+    "input_mean": (64,),
+    "input_scale": (64,),
+}
+
+
+def foreign_init_case(tmp: Path, shapes: dict, fragment: str) -> Case:
+    from safetensors.numpy import save_file
+
+    save_file({name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, tmp / "w.safetensors")
+    return config_case(tmp, base_config(init_from=str(tmp / "w.safetensors"), hidden_sizes=[8]), fragment)
+
+
+def case_init_from_missing_tensor(tmp):
+    shapes = {name: shape for name, shape in DIGITS_MLP_8.items() if name != "net.2.bias"}
+    return foreign_init_case(tmp, shapes, "w.safetensors has no tensor 'net.2.bias' that the model needs")
+
+
+def case_init_from_unexpected_tensor(tmp):
+    shapes = {**DIGITS_MLP_8, "head.extra": (3,)}
+    return foreign_init_case(tmp, shapes, "w.safetensors has tensor 'head.extra' the model does not have")
+
+
+def case_init_from_pickled_folder(tmp):
+    (tmp / "gpt2").mkdir()
+    (tmp / "gpt2" / "pytorch_model.bin").write_bytes(pickle.dumps(Evil(tmp / "UNPICKLED")))
+    return config_case(
+        tmp,
+        base_config(init_from=str(tmp / "gpt2")),
+        "gpt2 holds pytorch_model.bin but no model.safetensors: shardfuse reads safetensors only",
+    )
+
+
+def case_init_from_prefix_without_init_from(tmp):
+    return config_case(
+        tmp,
+        base_config(init_from_prefix={"model.": ""}),
+        "runs[r].init_from_prefix: it renames the tensors of init_from but init_from is not set; remove "
+        "init_from_prefix or set init_from",
+    )
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 

@@ -16,6 +16,7 @@ shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
 )
 
+from shardfuse.checkpoints.init_weights import weight_files  # noqa: E402
 from shardfuse.cluster.slurm import (  # noqa: E402
     CpuRequest,
     cpus_per_node,
@@ -178,20 +179,30 @@ def train_config_json(wildcards):
     return _json(train_config(_cfg(wildcards)))
 
 
-def init_weights_of(wildcards):
-    """init_from's weights: a file, or another run's merged model (a DAG edge: that run's merge
-    runs first, and re-running it re-trains this one)."""
+def init_path_of(wildcards):
+    """init_from's weights: a file, a save_pretrained folder, or another run's merged model (a DAG
+    edge: that run's merge runs first, and re-running it re-trains this one)."""
     source = _cfg(wildcards).get("init_source")
     if source is None:
+        return None
+    if "run" in source:
+        return f"results/runs/{source['run']}/merged.safetensors"
+    return source.get("file") or source["folder"]
+
+
+def init_weights_of(wildcards):
+    """The files init_from's weights are read from (a folder's index and shards)."""
+    path = init_path_of(wildcards)
+    if path is None:
         return []
-    if "file" in source:
-        return [source["file"]]
-    return [f"results/runs/{source['run']}/merged.safetensors"]
+    if "folder" in _cfg(wildcards)["init_source"]:
+        return [str(file) for file in weight_files(path).paths]
+    return [path]
 
 
 def init_from_args(wildcards):
-    weights = init_weights_of(wildcards)
-    return f"--init-from {shlex.quote(weights[0])}" if weights else ""
+    path = init_path_of(wildcards)
+    return f"--init-from {shlex.quote(path)}" if path else ""
 
 
 def train_job_resource(name):

@@ -8,6 +8,8 @@ import difflib
 from pathlib import Path
 from typing import Any
 
+from shardfuse.checkpoints.init_weights import read_init_weights
+from shardfuse.experiment.init_check import check_foreign_init
 from shardfuse.experiment.keys import (
     DECAY_RULE,
     FLOAT_TRAIN_KEYS,
@@ -78,14 +80,33 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
         raise ConfigError(f"{where}.model: {exc}") from None
     if fingerprint is not None:
         run["code_digest"] = fingerprint["digest"]
+    check_init_from(name, run, datasets)
+
+
+def check_init_from(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
+    """init_from's file or folder exists and is safetensors; a foreign one (not written by shardfuse)
+    fits the model, checked now (shardfuse.experiment.init_check). Sets init_source."""
+    where = f"config error at runs[{name}]"
     init_from = run["init_from"]
-    if init_from is not None and not init_from.startswith("run:"):
-        if not Path(init_from).is_file():
-            raise ConfigError(
-                f"{where}.init_from: {init_from} is not a file; give a safetensors checkpoint or "
-                "run:NAME (the merged model of run NAME)"
-            )
-        run["init_source"] = {"file": init_from}
+    if init_from is None and run["init_from_prefix"]:
+        raise ConfigError(
+            f"{where}.init_from_prefix: it renames the tensors of init_from but init_from is not set; "
+            "remove init_from_prefix or set init_from"
+        )
+    if init_from is None or init_from.startswith("run:"):
+        return
+    if not Path(init_from).exists():
+        raise ConfigError(
+            f"{where}.init_from: {init_from} is not a file or folder; give a safetensors file, a "
+            "save_pretrained folder or run:NAME (the merged model of run NAME)"
+        )
+    try:
+        foreign = read_init_weights(init_from).foreign
+    except UserError as exc:
+        raise ConfigError(f"{where}.init_from: {exc}") from None
+    run["init_source"] = {"file": init_from} if Path(init_from).is_file() else {"folder": init_from}
+    if foreign:
+        check_foreign_init(where, run, datasets[run["dataset"]])
 
 
 def resolve_init_sources(runs: dict[str, dict[str, Any]]) -> None:

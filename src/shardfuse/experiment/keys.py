@@ -101,6 +101,7 @@ OPTIONAL_TRAIN_KEYS = {
         "model_files",
         "find_unused_parameters",
         "static_graph",
+        "init_from_prefix",
     )
 }
 

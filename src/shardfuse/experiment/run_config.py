@@ -44,6 +44,8 @@ class ModelConfig:
     loss: str = "mse"  # regression only: mse | huber
     init: str = "shared"  # shared | per_rank
     init_from: str | None = None
+    # {file prefix: model prefix (null: leave those tensors out)} applied to init_from's tensor names
+    init_from_prefix: dict[str, str | None] = field(default_factory=dict)
     model_output: str = (
         "logits"  # the field of a dict or ModelOutput a model returns (shardfuse.models.adapter)
     )

@@ -184,6 +184,18 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     )
 
 
+def meta_model(spec: dict[str, Any]) -> nn.Module | None:
+    """The spec's model on the meta device (names, shapes, dtypes and ties; no memory for tensors), or
+    None for a user factory that cannot build without data (``.item()`` on a tensor, say; the
+    built-ins can): left to the real build, whose strict load refuses a mismatch, but only once the
+    model is allocated."""
+    try:
+        with torch.device("meta"):
+            return build_model(spec)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def check_model_fits(source: str, spec: dict[str, Any], held: Shapes, rerun: str) -> None:
     """Refuse a spec whose model is not exactly the tensors ``held`` (a checkpoint's), before building
     it for real: the torch-free bounds of shardfuse.checkpoints.trust first, then a build on the meta device
@@ -191,13 +203,8 @@ def check_model_fits(source: str, spec: dict[str, Any], held: Shapes, rerun: str
     its file, so a model that passes is no larger than the file. ``source`` names where the spec was
     read, ``rerun`` the stage that writes it."""
     spec = check_spec_bounds(source, spec, held, rerun)
-    try:
-        with torch.device("meta"):
-            model = build_model(spec)
-    except (RuntimeError, NotImplementedError):
-        # A user factory that cannot build without data (``.item()`` on a tensor, say; the built-ins
-        # can): left to the real build, whose strict load_state_dict refuses a mismatch, but only once
-        # the model is allocated.
+    model = meta_model(spec)
+    if model is None:
         return
     ties = ties_of(model)  # a tied tensor is stored once, under its first name
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in ties}

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_names, read_init_weights
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
@@ -158,33 +159,19 @@ def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path)
     return input_stats, target_stats
 
 
-def load_init_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load ``init_from`` weights into ``model``; the first key, shape or dtype that differs is a
-    one-line error (nothing is loaded by name guessing or partially)."""
-    from shardfuse.checkpoints.weights import load_weights
-
-    tensors, metadata = load_weights(path)
+def load_init_weights(
+    model: torch.nn.Module, path: Path, prefix_map: dict[str, str | None] | None = None
+) -> None:
+    """Load ``init_from`` (a shardfuse checkpoint, another safetensors file or a save_pretrained
+    folder) into ``model``, its names renamed by ``prefix_map`` (init_from_prefix); the first tensor
+    that does not fit is a one-line error, the config check's (nothing is loaded by name guessing or
+    partially; shardfuse.checkpoints.init_weights)."""
+    weights = read_init_weights(path)
     expected, ties = storable_state(model)
-    tensors = {name: t for name, t in tensors.items() if name not in ties}  # a file that stored both
-    for name, tensor in expected.items():
-        if name not in tensors:
-            raise UserError(
-                f"init_from {path} has no tensor {name!r} that the model needs; start from a checkpoint "
-                "of the same model (same model, model_args and dataset shape)"
-            )
-        found = tensors[name]
-        if tuple(found.shape) != tuple(tensor.shape) or found.dtype != tensor.dtype:
-            raise UserError(
-                f"init_from {path}: tensor {name!r} is {found.dtype} {list(found.shape)} but the model "
-                f"needs {tensor.dtype} {list(tensor.shape)}; start from a checkpoint of the same model"
-            )
-    extra = sorted(set(tensors) - set(expected))
-    if extra:
-        raise UserError(
-            f"init_from {path} has tensor {extra[0]!r} the model does not have; start from a checkpoint "
-            "of the same model"
-        )
-    load_state(model, tensors, f"init_from {path}", file_ties(metadata))
+    plan = match_names(weights, expected_of(expected), ties, prefix_map)
+    dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+    tensors = load_tensors(weights, plan, dtypes)
+    load_state(model, tensors, weights.source, file_ties(weights.metadata or {}))
 
 
 def set_up(
@@ -228,7 +215,7 @@ def set_up(
     model = build_model(spec).to(ctx.device)
     set_data_stats(model, input_stats, target_stats)
     if init_weights is not None:
-        load_init_weights(model, init_weights)
+        load_init_weights(model, init_weights, cfg.model.init_from_prefix)
     check_output_shape(model, spec, ctx.device)
     updates_buffers = forward_updates_buffers(model, probe_batch(spec, ctx.device))
     if not per_rank:

@@ -1,0 +1,73 @@
+"""Check a foreign ``init_from`` (a safetensors file or a save_pretrained folder) against the run's model
+before any job: every tensor's name, shape and dtype, the first misfit one line.
+
+The config check runs it for each run whose init_from is not a shardfuse checkpoint (nor run:NAME):
+the Snakefile's process must not import torch, and the model is built here, on the meta device (no
+memory for its tensors), from the spec its dataset's keys determine
+(:mod:`shardfuse.data.sources.describe`; for the sources whose shapes only their files tell, nothing
+is checked here and the train stage checks). The weights are matched by
+:func:`shardfuse.checkpoints.init_weights.match_names`, as the train stage loads them. By hand::
+
+    python -m shardfuse.check_init --init-from pretrained/gpt2-tiny \\
+        --run-json '{"model": "hf", "model_args": {"config": {"model_type": "gpt2", "n_layer": 1}}}' \\
+        --dataset-json '{"source": "text", "paths": ["{stdlib}/json/*.py"], "block_size": 32}'
+
+Prints ``{"checked": true, "tensors": N}`` (or ``"checked": false`` with the reason) on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardfuse.checkpoints.init_weights import expected_of, match_names, read_init_weights
+from shardfuse.data.sources.describe import info_from_spec
+from shardfuse.experiment.run_config import ModelConfig, TrainConfig
+from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
+from shardfuse.models.adapter import storable_state
+from shardfuse.models.registry import meta_model
+from shardfuse.models.spec import model_spec
+
+
+def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
+    """{"checked": bool, ...}; a misfit file is a UserError naming the tensor."""
+    cfg: ModelConfig = TrainConfig.from_flat(run).model
+    weights = read_init_weights(init_from)
+    info = info_from_spec(dataset_spec)
+    if info is None:
+        reason = f"source {dataset_spec['source']} learns its shapes from its files; train checks them"
+        return {"checked": False, "reason": reason}
+    spec = model_spec(
+        cfg.model,
+        cfg.model_args,
+        cfg.code_paths,
+        info,
+        run_cfg=cfg.mlp_keys(),
+        output=cfg.model_output,
+        model_files=cfg.model_files,
+    )
+    model = meta_model(spec)
+    if model is None:
+        return {"checked": False, "reason": f"model {cfg.model!r} does not build on the meta device"}
+    expected, ties = storable_state(model)
+    plan = match_names(weights, expected_of(expected), ties, cfg.init_from_prefix)
+    return {"checked": True, "tensors": len(plan)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = StageParser(prog="python -m shardfuse.check_init", description=__doc__.splitlines()[0])
+    parser.add_argument("--init-from", type=Path, required=True, help="a safetensors file or folder")
+    parser.add_argument(
+        "--run-json", default="{}", help="the run's model keys (model, model_args, init_from_prefix, ...)"
+    )
+    parser.add_argument("--dataset-json", required=True, help="the run's dataset spec, as in the config")
+    args = parser.parse_args(argv)
+    run = parse_json_arg(args.run_json, "--run-json")
+    dataset_spec = parse_json_arg(args.dataset_json, "--dataset-json")
+    if not isinstance(run, dict) or not isinstance(dataset_spec, dict) or "source" not in dataset_spec:
+        raise UserError("--run-json and --dataset-json must be JSON objects, the dataset's with a source")
+    print(json.dumps(check_init(args.init_from, run, dataset_spec)))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,120 @@
+"""A foreign ``init_from`` checked against its run's model while the config loads, before any job.
+
+The check builds the model, which needs torch, and the Snakefile's process must not import it: so it
+runs as ``python -m shardfuse.check_init`` in a subprocess (seconds: torch, and transformers for
+``model: hf``). A pass is cached in ``.snakemake/shardfuse/init-checks/`` under the sha256 of all it
+read: the weights' headers (names, dtypes, shapes; not the tensor data), the run's model keys and code
+digest, the dataset spec (and an hf tokenizer's file), init_from_prefix and the torch and transformers
+versions; so a repeated ``snakemake`` pays a few milliseconds. A failure is never cached: it is one line
+naming the first misfit tensor and the file, and the same line comes from the train stage should the
+file change after this check. Torch-free (the Snakefile imports it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import shardfuse
+from shardfuse.checkpoints.init_weights import header_digest
+from shardfuse.data.sources.hf_tokenizer import is_hf, tokenizer_file
+from shardfuse.experiment.schema import ConfigError
+from shardfuse.io import ERROR_LINE, UserError, sha256_file, write_json
+
+CACHE_DIR = Path(".snakemake") / "shardfuse" / "init-checks"  # under the working directory, as Snakemake's
+CHECK_FORMAT = 1  # raise when what a check decides changes, to drop the passes cached before
+# The run keys the model is built from (with the dataset's spec), hence what the check reads.
+MODEL_KEYS = (
+    "model",
+    "model_args",
+    "code_paths",
+    "model_files",
+    "hidden_sizes",
+    "activation",
+    "dropout",
+    "model_output",
+    "init_from_prefix",
+)
+TIMEOUT_S = 900
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_key(run: dict[str, Any], dataset_spec: dict[str, Any]) -> str:
+    """The sha256 of everything the check of ``run``'s init_from reads."""
+    tokenizer = dataset_spec.get("tokenizer")
+    record = {
+        "format": CHECK_FORMAT,
+        "weights": header_digest(run["init_from"]),
+        "run": {key: run[key] for key in MODEL_KEYS},
+        "code_digest": run.get("code_digest"),
+        "dataset": dataset_spec,
+        "tokenizer": sha256_file(tokenizer_file(tokenizer)) if is_hf(tokenizer) else None,
+        "versions": {package: _version(package) for package in ("torch", "transformers")},
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _subprocess_env() -> dict[str, str]:
+    """This process's environment with this shardfuse first on the path (the Snakefile puts its
+    checkout on sys.path, not in PYTHONPATH)."""
+    env = dict(os.environ)
+    src = str(Path(shardfuse.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+    return env
+
+
+def check_foreign_init(
+    where: str, run: dict[str, Any], dataset_spec: dict[str, Any], cache_dir: Path = CACHE_DIR
+) -> dict[str, Any]:
+    """The check's verdict ({"checked": ...}), cached; a misfit is a ConfigError at ``where``.init_from."""
+    try:
+        key = check_key(run, dataset_spec)
+    except UserError as exc:
+        raise ConfigError(f"{where}.init_from: {exc}") from None
+    cached = cache_dir / f"{key}.json"
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass  # not checked yet (or a broken cache file): check
+    command = [
+        sys.executable,
+        "-m",
+        "shardfuse.check_init",
+        "--init-from",
+        run["init_from"],
+        "--run-json",
+        json.dumps({key: run[key] for key in MODEL_KEYS}),
+        "--dataset-json",
+        json.dumps(dataset_spec),
+    ]
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=_subprocess_env(), timeout=TIMEOUT_S, check=False
+    )
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["(no output)"]
+        found = [match.group(1) for line in lines if (match := ERROR_LINE.match(line))]
+        if proc.returncode == 2 and found:
+            raise ConfigError(f"{where}.init_from: {found[-1].split(': error: ', 1)[1]}")
+        raise ConfigError(
+            f"{where}.init_from: checking {run['init_from']} against the model failed (exit status "
+            f"{proc.returncode}: {lines[-1]}); run {' '.join(command[2:5])} --run-json ... by hand to see why"
+        )
+    verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cached, verdict)
+    except OSError:
+        pass  # a read-only working directory: checked again next time
+    return verdict
