@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
+
+from tests.support.helpers import subprocess_env
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = REPO / "src" / "shardfuse"
@@ -190,3 +194,22 @@ def test_no_import_cycle_between_modules():
     for name in sorted(MODULES):
         if not state.get(name):
             visit(name, [name])
+
+
+def test_the_workflow_imports_only_torch_free_modules():
+    """The Snakefile imports these at every DAG build (a dry run too): torch would cost seconds each time."""
+    imported = sorted(
+        {
+            name
+            for path in WORKFLOW_FILES
+            for name in re.findall(r"from (shardfuse[\w.]*) import", path.read_text())
+        }
+    )
+    assert "shardfuse.data.provenance" in imported and "shardfuse.experiment.load" in imported
+    probe = (
+        f"import sys\nfor name in {imported!r}: __import__(name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"the workflow's imports pull in torch: {proc.stdout[:300]}"

@@ -24,6 +24,7 @@ from shardfuse.cluster.slurm import (  # noqa: E402
     partition_cpus,
 )
 from shardfuse.cluster.torchrun import Geometry, job_resources  # noqa: E402
+from shardfuse.data.provenance import dataset_files, files_digest  # noqa: E402
 from shardfuse.experiment.keys import (  # noqa: E402
     merge_align_args,
     merge_params,
@@ -135,8 +136,19 @@ def dataset_spec_json(wildcards):
 
 
 def dataset_source_files(wildcards):
-    spec = EXPERIMENT.datasets[wildcards.dataset]
-    return [spec["path"]] if "path" in spec else []
+    """Every file the dataset is built from (shardfuse.data.provenance): edit, add or remove one and
+    prepare runs again."""
+    return dataset_files(EXPERIMENT.datasets[wildcards.dataset])
+
+
+def dataset_content_digest(wildcards):
+    """A params trigger on the inputs' contents, for a file replaced under an older mtime (cp -p, a
+    restored backup). Per-file digests are cached by stat signature, so a DAG build reads only new files.
+    """
+    return files_digest(
+        dataset_source_files(wildcards),
+        Path(".snakemake/shardfuse/inputs") / f"{wildcards.dataset}.json",
+    )
 
 
 def shardset_args(wildcards):

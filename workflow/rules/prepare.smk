@@ -14,6 +14,7 @@ rule prepare_dataset:
         "../../envs/data.yaml"
     params:
         spec=dataset_spec_json,
+        content=dataset_content_digest,
     shell:
         "python -m shardfuse.prepare --name {wildcards.dataset} --spec-json {params.spec:q}"
         " --out-dir results/datasets/{wildcards.dataset} > {log} 2>&1"

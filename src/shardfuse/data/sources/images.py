@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from shardfuse.data.provenance import IMAGE_SUFFIXES
 from shardfuse.data.sources.tables import (
     SPEC_FIX,
     Loaded,
@@ -42,7 +43,6 @@ from shardfuse.data.sources.tables import (
 )
 from shardfuse.io import UserError, error_reason
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 IMAGE_MODES = {"L": 1, "RGB": 3}  # mode -> channels
 BAD_IMAGE_CHOICES = ("error", "skip")
 TENSOR_SOURCES = ("digits_images", "image_folder", "npz")

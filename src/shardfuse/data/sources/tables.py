@@ -18,11 +18,8 @@ Labels of a classification source are coded in sorted order of their distinct va
 
 from __future__ import annotations
 
-import fnmatch
-import glob
 import math
 import os
-import sysconfig
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from shardfuse.data.provenance import matching_text_files
 from shardfuse.data.shard_format import InputKind  # numeric columns, one tensor column, or token blocks
 from shardfuse.data.sources.hf_tokenizer import is_hf, load_hf_tokenizer, tokenizer_file
 from shardfuse.io import UserError, error_reason
@@ -378,29 +376,17 @@ def check_text_spec(spec: dict) -> None:
         raise UserError(f"spec key 'vocab_size' must be < 2**31, got {spec['vocab_size']}; {SPEC_FIX}")
 
 
-def _expand(pattern: str) -> str:
-    """``{stdlib}`` stands for the Python standard library's directory (a corpus every machine has)."""
-    return pattern.replace("{stdlib}", glob.escape(sysconfig.get_paths()["stdlib"]))
-
-
 def text_files(spec: dict) -> list[str]:
-    """The files the spec's ``paths`` globs match, less those an ``exclude`` pattern matches (against the
-    path as globbed or its absolute form), each once, sorted by absolute path."""
-    exclude = [_expand(pattern) for pattern in spec["exclude"]]
-    found: dict[str, str] = {}
-    for pattern in spec["paths"]:
-        for path in glob.glob(_expand(pattern), recursive=True):
-            full = os.path.abspath(path)
-            excluded = any(fnmatch.fnmatch(p, x) for p in (path, full) for x in exclude)
-            if not excluded and os.path.isfile(path):
-                found[full] = path
+    """The files a text spec reads (:func:`shardfuse.data.provenance.matching_text_files`, which the
+    workflow makes prepare's inputs); UserError when there are none."""
+    found = matching_text_files(spec)
     if not found:
         excluding = f" (after exclude {spec['exclude']})" if spec["exclude"] else ""
         raise UserError(
             f"no file matches the text dataset's paths {spec['paths']}{excluding}; fix 'paths' (relative "
             f"to {os.getcwd()}, or absolute)"
         )
-    return [found[full] for full in sorted(found)]
+    return found
 
 
 def _read_file(path: str, size: int = -1) -> bytes:
