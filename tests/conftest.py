@@ -34,6 +34,7 @@ DIGITS_SPEC = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
 SHARED_TRAINING_MODULES = {
     "tests/stages/test_train.py": "small_trainings",
     "tests/stages/test_trust.py": "small_trainings",
+    "tests/stages/test_stage_records.py": "small_trainings",
     "tests/stages/test_align.py": "small_trainings",
     "tests/stages/test_ensemble.py": "small_trainings",
     "tests/stages/test_resume.py": "ddp_resume_reference",

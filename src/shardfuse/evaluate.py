@@ -6,7 +6,9 @@ By hand::
         --gather results/trainings/<training>/gather.json --merged results/runs/ddp/merged.safetensors \
         --out results/runs/ddp/eval.json [--ddp-baseline results/runs/<ddp run>/eval.json]
 
-Before any model is built: every checkpoint gather.json lists must be this training's
+Before anything is read: the test split must be the one prepare wrote (the rows and sha256 of the
+dataset.json beside it, shardfuse.data.verify.check_split). Before any model is built: every checkpoint
+gather.json lists must be this training's
 (shardfuse.checkpoints.trust.read_gather), the merged model a merge of it, and each file's model spec must fit
 its tensors (shardfuse.models.registry.check_model_fits), so no model larger than its file is ever allocated.
 
@@ -29,6 +31,7 @@ import torch
 from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
 from shardfuse.checkpoints.weights import load_weights
 from shardfuse.data.reader import load_table
+from shardfuse.data.verify import check_split
 from shardfuse.experiment.records import EvalRecord
 from shardfuse.io import StageParser, UserError, run_cli, write_json
 from shardfuse.models.adapter import file_ties, load_state
@@ -90,6 +93,7 @@ def evaluate(
     batch_size: int,
     ddp_baseline: Path | None = None,
 ) -> EvalRecord:
+    check_split(test_path, "test")  # the split prepare wrote, not another file in its place
     features, labels = load_table(test_path)
     if features.shape[0] == 0:
         raise UserError(f"test split {test_path} has no rows; raise the dataset's test_fraction")

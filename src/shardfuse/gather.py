@@ -7,7 +7,10 @@ By hand (``<training>`` is a directory of ``results/trainings/``, named by ``con
 
 Checks that every rank 0..world_size-1 wrote a checkpoint, that each is readable safetensors with
 shardfuse metadata for that rank, that all ranks have the keys, shapes and dtypes of the run's base
-checkpoint, and records each file's checksums. Any problem is one error that names the rank.
+checkpoint, and records each file's checksums. Any problem is one error that names the rank. The base
+itself must be the one training wrote: its header names the run (train.json's) and no rank, its
+``init_sha256`` is the initial state the ranks' headers record, and its bytes match its sidecar
+base.json's sha256; a swapped base is refused here, where re-running training is the fix.
 
 gather.json format version 2 (``format_version: 2``, ``hash: "blake3"``) records each rank's BLAKE3
 digest, the one merge verifies (several times faster than sha256: bench/RESULTS.md, merge), next to its
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.weights import read_header, read_metadata
-from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, write_json
+from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, sha256_file, write_json
 
 RERUN = "re-run training (snakemake -R train)"
 FORMAT_VERSION = 2
@@ -43,6 +46,39 @@ def _compare_headers(rank: int, header: dict[str, Any], reference: dict[str, Any
             )
 
 
+def _check_base(path: Path, metadata: dict[str, Any], run: str) -> None:
+    """The base is the one training wrote for this run: its header names the run and no rank, and its
+    bytes are those its sidecar base.json records (one sha256 of the file)."""
+    if metadata.get("run") != run or metadata.get("rank") is not None:
+        said = "the base" if metadata.get("rank") is None else f"rank {metadata.get('rank')!r}"
+        raise UserError(
+            f"base checkpoint {path} is {said} of training {metadata.get('run')!r}, not the base of "
+            f"{run!r} (train.json): it was replaced after training; {RERUN}"
+        )
+    sidecar = path.with_suffix(".json")
+    if sidecar.is_file():
+        recorded = read_json(sidecar, "base sidecar").get("sha256")
+        digest = sha256_file(path)
+        if recorded not in (None, digest):
+            raise UserError(
+                f"base checkpoint {path} has sha256 {digest[:12]}… but {sidecar} records "
+                f"{str(recorded)[:12]}… (the file changed after training); {RERUN}"
+            )
+
+
+def _check_base_start(path: Path, base_meta: dict[str, Any], rank: int, metadata: dict[str, Any]) -> None:
+    """The base holds the initial weights the rank started from (``init_sha256``, the digest of the
+    initial state every rank records): every rank's of a shared init, rank 0's of ``init: per_rank``."""
+    if rank != 0 and metadata.get("init") == "per_rank":
+        return
+    started, recorded = metadata.get("init_sha256"), base_meta.get("init_sha256")
+    if started is not None and recorded != started:
+        raise UserError(
+            f"base checkpoint {path} holds initial weights {str(recorded)[:12]}… but rank {rank} started "
+            f"from {started[:12]}… (init_sha256 in their headers): it is not this training's base; {RERUN}"
+        )
+
+
 def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
     train_info = read_json(train_dir / "train.json", "training summary")
     if train_info["world_size"] != world_size:
@@ -50,7 +86,9 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
             f"{train_dir} was trained with world size {train_info['world_size']} but the run "
             f"config says {world_size}; {RERUN}"
         )
-    reference = read_header(train_dir / "base.safetensors")
+    base_path = train_dir / "base.safetensors"
+    reference = read_header(base_path)
+    base_meta = read_metadata(base_path)
     ranks = []
     for rank in range(world_size):
         path = train_dir / f"rank-{rank}.safetensors"
@@ -63,6 +101,7 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
                 f"{metadata.get('run')!r}, not rank {rank} of {train_info['run']!r}; {RERUN}"
             )
         _compare_headers(rank, read_header(path), reference)
+        _check_base_start(base_path, base_meta, rank, metadata)
         digests = file_digests(path, ("sha256", HASH))
         digest = digests["sha256"]
         sidecar = path.with_suffix(".json")
@@ -82,6 +121,7 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
                 "num_steps": int(metadata["num_steps"]),
             }
         )
+    _check_base(base_path, base_meta, train_info["run"])
     return {
         "format_version": FORMAT_VERSION,
         "hash": HASH,

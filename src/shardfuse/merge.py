@@ -7,9 +7,10 @@ By hand (as the merge rule runs it)::
         --out-weights results/runs/<run>/merged.safetensors --out-json results/runs/<run>/merge.json
 
 Methods and their parameters: ``shardfuse.fusion.methods.registry`` (one record per method: its plan,
-parameters and defaults). ``--val-split`` is read by greedy_soup only, and only
-a validation split is accepted (a file whose sha256 is the sibling dataset.json's test split is
-refused). ``--dcp-dir DIR`` (consolidate only) builds the output from a sharded
+parameters and defaults). ``--val-split`` is read by greedy_soup and ``--recalibrate`` only, and
+only the validation split prepare wrote is accepted (its rows and sha256 must be the sibling
+dataset.json's val entry; the test split is named as such and refused). ``--dcp-dir DIR``
+(consolidate only) builds the output from a sharded
 torch.distributed.checkpoint saved in DCP's safetensors format instead of the rank files; DCP's
 default format stores its index as a pickle and is refused (see ``ShardedCheckpoint``). ``--run``
 names the run in merge.json when several runs fuse one training. The two paths are
@@ -51,6 +52,7 @@ import numpy as np
 
 from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint
 from shardfuse.checkpoints.trust import STALE, checksum_algorithm, read_gather, shapes_of
+from shardfuse.data.verify import check_split
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine
 from shardfuse.fusion.methods.registry import METHODS, USES_BASE, USES_VAL, rank_weights, resolve_params
@@ -294,6 +296,8 @@ def merge(
             f"{method} ranks the ranks by their held-out score and needs --val-split PATH (the dataset's "
             "val.parquet; never the test split)"
         )
+    if val_split is not None and (method in USES_VAL or recalibrate):
+        check_split(val_split, "val")  # the validation split prepare wrote (never the test split)
     if method in USES_VAL:
         from shardfuse.models.registry import check_model_fits  # deferred: imports torch
 

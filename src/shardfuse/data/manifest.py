@@ -98,6 +98,7 @@ def read_manifest(shard_dir: str | Path) -> dict:
         raise UserError(
             f"shard manifest {path} does not list ranks 0..{world_size - 1} in order; {RERUN_PARTITION}"
         )
+    _check_rows_add_up(path, manifest)
     columns = manifest.get("columns")  # optional: older manifests do not have it
     if columns is not None and (not isinstance(columns, list) or any(map(_bad_column_entry, columns))):
         raise UserError(
@@ -105,3 +106,30 @@ def read_manifest(shard_dir: str | Path) -> dict:
             f"and shape); {RERUN_PARTITION}"
         )
     return manifest
+
+
+def _check_rows_add_up(path: Path, manifest: dict) -> None:
+    """The row counts agree with each other (shard rows, total_rows, dropped_rows, the source's rows) and
+    no shard is listed twice (the same sha256: a shard copied over another, the manifest edited to match)."""
+    shards = manifest["shards"]
+    counts = [shard["rows"] for shard in shards]
+    source = manifest["source"]
+    source_rows = source.get("rows") if isinstance(source, dict) else None
+    total, dropped = manifest["total_rows"], manifest["dropped_rows"]
+    numbers = [*counts, total, dropped, source_rows]
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        raise UserError(f"shard manifest {path} has a row count that is not an integer; {RERUN_PARTITION}")
+    if sum(counts) != total or dropped < 0 or total + dropped != source_rows:
+        raise UserError(
+            f"shard manifest {path} lists shards of {'+'.join(map(str, counts))} = {sum(counts)} rows but "
+            f"records total_rows {total} and dropped_rows {dropped} of its source's {source_rows}; "
+            f"{RERUN_PARTITION}"
+        )
+    first_rank: dict[str, int] = {}
+    for shard in shards:
+        other = first_rank.setdefault(str(shard["sha256"]), shard["rank"])
+        if other != shard["rank"]:
+            raise UserError(
+                f"shard manifest {path} lists the same sha256 for the shards of ranks {other} and "
+                f"{shard['rank']} (one shard copied over another); {RERUN_PARTITION}"
+            )

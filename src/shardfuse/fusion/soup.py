@@ -1,7 +1,8 @@
 """Greedy soup (Wortsman et al. 2022, Algorithm 1), the one merge method that builds the model: ranks in
 order of their own validation score, each added to the uniform soup if the soup's validation score does
 not get worse. Candidates are merged by the streaming engine, one in memory at a time. The merge stage
-calls :func:`greedy_soup` for ``--method greedy_soup``.
+calls :func:`greedy_soup` for ``--method greedy_soup``, once it has checked the validation split
+against dataset.json (``shardfuse.data.verify.check_split``: never the test split).
 """
 
 from __future__ import annotations
@@ -11,22 +12,7 @@ from typing import Any
 
 from shardfuse.checkpoints.stream import SafetensorsReader, file_order
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
-from shardfuse.io import (
-    UserError,
-    read_json,
-    sha256_file,
-)
-
-
-def refuse_test_split(val_split: Path) -> None:
-    info_path = val_split.parent / "dataset.json"
-    if info_path.is_file() and val_split.is_file():
-        test_digest = (read_json(info_path, "dataset info").get("sha256") or {}).get("test")
-        if test_digest is not None and test_digest == sha256_file(val_split):
-            raise UserError(
-                f"{val_split} is the dataset's test split (its sha256 is dataset.json's test entry); "
-                "greedy_soup chooses on held-out data — pass the val.parquet split"
-            )
+from shardfuse.io import UserError
 
 
 def greedy_soup(
@@ -46,7 +32,6 @@ def greedy_soup(
     from shardfuse.models.registry import normalized_spec, score_state_dict
     from shardfuse.models.tasks import task_for
 
-    refuse_test_split(val_split)
     features, labels = load_table(val_split)
     if labels.shape[0] == 0:
         raise UserError(

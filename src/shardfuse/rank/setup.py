@@ -19,6 +19,7 @@ from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
+from shardfuse.data.verify import check_shard_set
 from shardfuse.experiment.keys import RANK_SEED_STRIDE
 from shardfuse.experiment.run_config import TrainConfig
 from shardfuse.io import UserError
@@ -191,6 +192,7 @@ def set_up(
             f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
     info = read_dataset_info(dataset_dir)
+    check_shard_set(shard_dir, manifest, dataset_dir, info, ctx.rank)
     spec = model_spec(
         cfg.model.model,
         cfg.model.model_args,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.data.reader import load_table
+from shardfuse.data.verify import check_split
 from shardfuse.io import UserError
 from shardfuse.models.adapter import storable_state
 from shardfuse.models.tasks import Task, Totals
@@ -33,6 +34,7 @@ class Validator:
 
     def __init__(self, dataset_dir: Path, task: Task, batch_size: int, device: torch.device) -> None:
         path = dataset_dir / "val.parquet"
+        check_split(path, "val")
         features, targets = load_table(path)
         if features.shape[0] == 0:
             raise UserError(

@@ -342,8 +342,14 @@ def greedy_run(tmp_path):
     dataset.mkdir()
     write_split(dataset / "val.parquet", features[:200], (features[:200, 0] > 0).astype(int))
     write_split(dataset / "test.parquet", features[200:], (features[200:, 0] < 0).astype(int))  # opposite!
+    splits = ("val", "test")
     (dataset / "dataset.json").write_text(
-        json.dumps({"sha256": {"test": sha256_file(dataset / "test.parquet")}})
+        json.dumps(
+            {
+                "rows": dict.fromkeys(splits, 200),
+                "sha256": {split: sha256_file(dataset / f"{split}.parquet") for split in splits},
+            }
+        )
     )
     # rank 0 inverted (accuracy 0), 1 and 3 perfect, 2 decent: order 1, 3, 2, 0
     ranks = [classifier([-10.0, 0.0]), classifier([3.0, 0.0]), classifier([5.0, 3.0]), classifier([5.0, 0.0])]
@@ -394,11 +400,13 @@ def test_greedy_soup_refuses_the_test_split_and_needs_a_validation_split(greedy_
         UserError, match=r"greedy_soup ranks the ranks by their held-out score and needs --val-split"
     ):
         merge(gather_path, "greedy_soup", *out)
-    write_split(dataset / "empty.parquet", np.zeros((0, 2), np.float32), np.zeros(0, int))
-    with pytest.raises(
-        UserError, match=r"empty.parquet has no rows; greedy_soup needs one — set the dataset's"
-    ):
-        merge(gather_path, "greedy_soup", *out, val_split=dataset / "empty.parquet")
+    empty = tmp_path / "empty"  # a dataset prepared with val_fraction 0
+    empty.mkdir()
+    write_split(empty / "val.parquet", np.zeros((0, 2), np.float32), np.zeros(0, int))
+    info = {"rows": {"val": 0}, "sha256": {"val": sha256_file(empty / "val.parquet")}}
+    (empty / "dataset.json").write_text(json.dumps(info))
+    with pytest.raises(UserError, match=r"val.parquet has no rows; greedy_soup needs one — set the"):
+        merge(gather_path, "greedy_soup", *out, val_split=empty / "val.parquet")
     assert not list(tmp_path.glob("*m.*"))
 
 
