@@ -7,19 +7,7 @@ from __future__ import annotations
 import torch
 
 from shardfuse.checkpoints.weights import load_weights, read_metadata
-from tests.support.helpers import REPO
-from tests.support.training import merge_and_evaluate, merged_path, train_and_gather
-
-TIED_LM = {
-    "model": "tied_lm:build",
-    "code_paths": [str(REPO / "tests/support/models")],
-    "optimizer": "adamw",
-    "lr": 0.01,
-    "batch_size": 32,
-    "epochs": 1,
-    "checkpoint_every": 0,
-    "dropout": 0.0,
-}
+from tests.support.training import TIED_LM, merge_and_evaluate, merged_path, train_and_gather
 
 
 def test_bf16_parameters_train_merge_in_float64_and_stay_bf16(tmp_path, stdlib_tokens_data):

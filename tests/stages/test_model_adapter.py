@@ -10,19 +10,7 @@ import pytest
 import torch
 
 from shardfuse.checkpoints.weights import load_weights
-from tests.support.helpers import REPO
-from tests.support.training import merge_and_evaluate, merged_path, train_and_gather
-
-TIED_LM = {
-    "model": "tied_lm:build",
-    "code_paths": [str(REPO / "tests/support/models")],
-    "optimizer": "adamw",
-    "lr": 0.01,
-    "batch_size": 32,
-    "epochs": 1,
-    "checkpoint_every": 0,
-    "dropout": 0.0,
-}
+from tests.support.training import TIED_LM, merge_and_evaluate, merged_path, train_and_gather
 
 
 @pytest.fixture(scope="module")

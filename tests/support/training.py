@@ -18,7 +18,7 @@ import yaml
 
 from shardfuse.checkpoints.weights import load_weights
 from shardfuse.launch import staging_dir
-from tests.support.helpers import run_in, run_stage, subprocess_env
+from tests.support.helpers import REPO, run_in, run_stage, subprocess_env
 
 # The kill tests' training: long enough (12 epochs, a checkpoint every 40 steps) that the ranks still run
 # when the first checkpoint is complete.
@@ -237,6 +237,20 @@ def train_and_gather(tmp_path, dataset, shards, name, world_size, **cfg) -> Path
     proc = run_stage("gather", "--train-dir", out, "--world-size", world_size, "--out", gather)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return gather
+
+
+# A small language model with what real ones bring (tests/support/models/tied_lm.py: tied embeddings, a
+# dict output, a buffer its forward updates), trained one epoch per shard.
+TIED_LM = {
+    "model": "tied_lm:build",
+    "code_paths": [str(REPO / "tests/support/models")],
+    "optimizer": "adamw",
+    "lr": 0.01,
+    "batch_size": 32,
+    "epochs": 1,
+    "checkpoint_every": 0,
+    "dropout": 0.0,
+}
 
 
 def merged_path(tmp_path, gather, align: str = "none", method: str = "uniform") -> Path:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from shardfuse.data.sources.hf_tokenizer import PREFIX as HF_PREFIX
+from shardfuse.io import sha256_file
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # what the image_folder source reads (case-insensitive)
 PATH_SOURCES = ("parquet", "csv", "npz")  # a single file, named by the spec's ``path``
@@ -102,14 +103,6 @@ def dataset_files(spec: dict) -> list[str]:
 # ---------------------------------------------------------------- the digest of their contents
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _read_cache(cache_path: Path) -> dict[str, list]:
     try:
         cached = json.loads(cache_path.read_text())
@@ -148,7 +141,7 @@ def files_digest(paths: list[str], cache_path: Path) -> str:
                 continue
             signature = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
             entry = cached.get(path)
-            content = entry[-1] if entry is not None and entry[:-1] == signature else _sha256(path)
+            content = entry[-1] if entry is not None and entry[:-1] == signature else sha256_file(path)
             if now - max(stat.st_mtime_ns, stat.st_ctime_ns) > RACY_NS:
                 kept[path] = [*signature, content]
         except OSError as exc:

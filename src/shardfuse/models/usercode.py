@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import UserError
+from shardfuse.io import UserError, sha256_file
 
 BUILTIN_MODELS = ("mlp", "cnn", "transformer", "hf")
 FIX_MODEL = "fix `model` in the run (a built-in name or package.module:function)"
@@ -209,20 +209,12 @@ def code_fingerprint(
     for path in hashed:
         files[_display(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
     for path in _data_files(model_files):
-        files[_display(path)] = _sha256_file(path)
+        files[_display(path)] = sha256_file(path)
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
     fingerprint = {"paths": list(code_paths), "files": files, "digest": digest}
     if model_files:
         fingerprint["model_files"] = list(model_files)
     return fingerprint
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_code_unchanged(ref: str, code: dict[str, Any] | None, stage: str) -> None:
