@@ -18,8 +18,8 @@ def test_a_cached_digest_is_reused_until_the_contents_change_even_under_the_old_
         Path(path).write_text(f"contents of {path}")
     cache = tmp_path / "cache.json"
     first = files_digest(files, cache)
-    hashed, sha256 = [], provenance._sha256
-    monkeypatch.setattr(provenance, "_sha256", lambda path: hashed.append(path) or sha256(path))
+    hashed, sha256 = [], provenance.sha256_file
+    monkeypatch.setattr(provenance, "sha256_file", lambda path: hashed.append(path) or sha256(path))
     assert files_digest(files, cache) == first and hashed == []
 
     stat = os.stat(files[0])
