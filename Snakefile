@@ -45,5 +45,5 @@ rule all:
     default_target: True
     input:
         rules.summary.output.csv,
-        expand(rules.track.output.record, run=RUNS),
+        rules.track.output.records,
         rules.track_comparison.output.record,

@@ -1,4 +1,4 @@
-"""Push one finished run (config, per-rank step metrics, results, plots, merged model) to MLflow.
+"""Push finished runs (config, per-rank step metrics, results, plots, merged model) to MLflow.
 
 Run by hand (from the workflow's working directory)::
 
@@ -7,6 +7,10 @@ Run by hand (from the workflow's working directory)::
         --manifest results/shards/D/w2-seed0/manifest.json --config-json '{"model": {...}, ...}' \\
         --tracking-uri sqlite:///mlflow.db --experiment shardfuse [--registered-model NAME] \\
         [--plots-dir results/runs/NAME/plots] --out results/runs/NAME/mlflow.json
+
+The workflow's one ``track`` job pushes every run in one process (one import of MLflow, one store
+connection; unchanged runs cost a search each): ``--runs-json '[{"run": NAME, "run_dir": ...,
+"manifest": ..., "config": {...}, "out": ...}, ...]'`` instead of the single-run flags.
 
 Layout in MLflow: one parent run per shardfuse run (run_name NAME; the resolved config as params, the
 merge settings as merge.json resolved them; headline metrics at step 0, so the chart view draws a bar
@@ -386,16 +390,87 @@ def track_run(
     )
 
 
+# The per-run options of --runs-json (each entry): the single-run flags without their dashes.
+RUN_FIELDS = (
+    "run", "run_dir", "manifest", "config", "out", "train_dir", "gather", "plots_dir", "ddp_baseline",
+    "hf_dir",
+)  # fmt: skip
+REQUIRED_RUN_FIELDS = ("run", "run_dir", "manifest", "config", "out")
+
+
+def runs_from_json(text: str) -> list[dict[str, Any]]:
+    """The runs of ``--runs-json``: a JSON list of objects with RUN_FIELDS (paths as text)."""
+    entries = parse_json_arg(text, "--runs-json")
+    if not isinstance(entries, list) or not entries:
+        raise UserError('--runs-json must be a non-empty JSON list of runs, e.g. \'[{"run": "ddp", ...}]\'')
+    names = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise UserError(f"--runs-json entry {index} is not a JSON object; give one object per run")
+        missing = [key for key in REQUIRED_RUN_FIELDS if not entry.get(key)]
+        unknown = sorted(set(entry) - set(RUN_FIELDS))
+        if missing or unknown:
+            problem = f"lacks {', '.join(missing)}" if missing else f"has unknown keys {', '.join(unknown)}"
+            raise UserError(
+                f"--runs-json entry {index} {problem}; each run needs {', '.join(REQUIRED_RUN_FIELDS)} "
+                f"and may have {', '.join(RUN_FIELDS[len(REQUIRED_RUN_FIELDS) :])}"
+            )
+        names.append(entry["run"])
+    if len(set(names)) != len(names):
+        raise UserError(f"--runs-json names a run twice ({', '.join(names)}); give each run once")
+    return entries
+
+
+def track_and_record(entry: dict[str, Any], args) -> None:
+    """Sync one run (an entry of RUN_FIELDS) and write its ``--out`` record; one line on stderr."""
+    started = time.perf_counter()
+    result = track_run(
+        entry["run"], entry["run_dir"], entry["manifest"], entry["config"], args.tracking_uri,
+        args.experiment, registered_model=args.registered_model, plots_dir=entry.get("plots_dir"),
+        train_dir=entry.get("train_dir"), gather_path=entry.get("gather"), snakefile=args.snakefile,
+        hf_dir=entry.get("hf_dir"), ddp_baseline=entry.get("ddp_baseline") or None,
+    )  # fmt: skip
+    write_json(entry["out"], result)
+    print(
+        f"shardfuse.tracking: {result['action']} parent run {result['parent_run_id']} of {entry['run']} "
+        f"with {len(result['child_run_ids'])} rank runs in experiment '{args.experiment}' "
+        f"({result['num_points_pushed']} metric points in {time.perf_counter() - started:.1f} s)",
+        file=sys.stderr,
+    )
+
+
+def track_all(entries: list[dict[str, Any]], args) -> None:
+    """Sync every run in one process (one import of MLflow, one store connection): a run that fails
+    is one error line naming it, and the others are still pushed; then one error if any failed."""
+    failed = []
+    for entry in entries:
+        try:
+            track_and_record(entry, args)
+        except UserError as exc:
+            failed.append(entry["run"])
+            print(f"shardfuse.tracking: error: run {entry['run']}: {exc}", file=sys.stderr, flush=True)
+    if failed:
+        raise UserError(
+            f"{len(failed)} of {len(entries)} runs were not tracked ({', '.join(failed)}; their errors are "
+            "above); the others are in MLflow, and re-running pushes only what is missing"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="shardfuse.tracking", description=__doc__.splitlines()[0])
-    parser.add_argument("--run", required=True, help="run name (the {run} wildcard)")
-    parser.add_argument("--run-dir", required=True, type=Path, help="results/runs/{run}")
+    parser.add_argument("--run", help="run name (the {run} wildcard)")
+    parser.add_argument("--run-dir", type=Path, help="results/runs/{run}")
     parser.add_argument("--train-dir", type=Path, help="train.json + metrics/ (default: RUN_DIR/train)")
     parser.add_argument(
         "--gather", type=Path, help="the training's gather.json (default: RUN_DIR/gather.json)"
     )
-    parser.add_argument("--manifest", required=True, type=Path, help="the shards' manifest.json")
-    parser.add_argument("--config-json", required=True, help="the run's resolved config as a JSON object")
+    parser.add_argument("--manifest", type=Path, help="the shards' manifest.json")
+    parser.add_argument("--config-json", help="the run's resolved config as a JSON object")
+    parser.add_argument(
+        "--runs-json",
+        help="several runs in one process instead of --run ... --out: a JSON list of objects with "
+        f"the keys {', '.join(RUN_FIELDS)} (the workflow's track job)",
+    )
     parser.add_argument("--tracking-uri", required=True, help="e.g. sqlite:///mlflow.db or http://host:5000")
     parser.add_argument("--experiment", default="shardfuse", help="MLflow experiment (created if missing)")
     parser.add_argument("--registered-model", help="also register the merged model under this name")
@@ -409,23 +484,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--snakefile", type=Path, help="the workflow's Snakefile, the runs' Source (default: ./Snakefile)"
     )
-    parser.add_argument("--out", required=True, type=Path, help="where to write the run ids (JSON)")
+    parser.add_argument("--out", type=Path, help="where to write the run ids (JSON)")
     args = parser.parse_args(argv)
-    config = parse_json_arg(args.config_json, "--config-json")
-    started = time.perf_counter()
-    result = track_run(
-        args.run, args.run_dir, args.manifest, config, args.tracking_uri, args.experiment,
-        registered_model=args.registered_model, plots_dir=args.plots_dir, train_dir=args.train_dir,
-        gather_path=args.gather, snakefile=args.snakefile, hf_dir=args.hf_dir,
-        ddp_baseline=args.ddp_baseline or None,
-    )  # fmt: skip
-    write_json(args.out, result)
-    print(
-        f"shardfuse.tracking: {result['action']} parent run {result['parent_run_id']} with "
-        f"{len(result['child_run_ids'])} rank runs in experiment '{args.experiment}' "
-        f"({result['num_points_pushed']} metric points in {time.perf_counter() - started:.1f} s)",
-        file=sys.stderr,
-    )
+    single = {"--run": args.run, "--run-dir": args.run_dir, "--manifest": args.manifest}
+    single |= {"--config-json": args.config_json, "--out": args.out}
+    if args.runs_json is not None:
+        given = [flag for flag, value in single.items() if value is not None]
+        if given:
+            raise UserError(
+                f"--runs-json replaces {', '.join(given)}; give either --runs-json or one run's flags"
+            )
+        track_all(runs_from_json(args.runs_json), args)
+        return
+    missing = [flag for flag, value in single.items() if value is None]
+    if missing:
+        raise UserError(
+            f"the following arguments are required: {', '.join(missing)} (or --runs-json for several "
+            "runs); see shardfuse.tracking --help"
+        )
+    entry = {
+        "run": args.run, "run_dir": args.run_dir, "manifest": args.manifest,
+        "config": parse_json_arg(args.config_json, "--config-json"), "out": args.out,
+        "train_dir": args.train_dir, "gather": args.gather, "plots_dir": args.plots_dir,
+        "ddp_baseline": args.ddp_baseline, "hf_dir": args.hf_dir,
+    }  # fmt: skip
+    track_and_record(entry, args)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib
 import json
 import subprocess
+import sys
 import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from shardfuse import tracking
+from shardfuse.io import run_cli
 from shardfuse.track import inputs as tracking_inputs
 from tests.support.tracking import (
     TRACK_EXPERIMENT,
@@ -139,3 +141,66 @@ def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(track_sto
         assert track_store["client"].get_run(child_id).data.tags["shardfuse.host"] == f"node{rank}"
     assert parent.data.metrics["test_accuracy_initial"] == pytest.approx(0.34)
     assert parent.data.metrics["test_accuracy_ddp_baseline"] == pytest.approx(0.83)
+
+
+def test_the_workflows_one_track_job_pushes_every_run_and_names_each_that_fails(track_store, tmp_path):
+    # The workflow's track job: every run in one process; a broken run is its own error line, the
+    # others are still pushed and recorded, and the job fails (Snakemake keeps none of its outputs).
+    entries, outs = [], {}
+    for name in ("batch_a", "batch_broken", "batch_b"):
+        run_dir, manifest = make_run_dir(tmp_path, name)
+        outs[name] = run_dir / "mlflow.json"
+        entry = {"run": name, "run_dir": str(run_dir), "manifest": str(manifest), "config": run_config(name)}
+        entries.append({**entry, "out": str(outs[name])})
+    broken = tmp_path / "results/runs/batch_broken/train/metrics/rank-0.parquet"
+    kept = broken.read_bytes()
+    broken.unlink()
+    args = [
+        sys.executable, "-m", "shardfuse.tracking", "--runs-json", json.dumps(entries),
+        "--tracking-uri", track_store["uri"], "--experiment", TRACK_EXPERIMENT,
+    ]  # fmt: skip
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert [line.split(" parent run")[0] for line in lines if "parent run" in line] == [
+        "shardfuse.tracking: created",
+        "shardfuse.tracking: created",
+    ]
+    assert any(
+        line.startswith("shardfuse.tracking: error: run batch_broken: ") and "rank-0.parquet" in line
+        for line in lines
+    )
+    assert lines[-1].startswith("shardfuse.tracking: error: 1 of 3 runs were not tracked (batch_broken;")
+    for name, tracked in (("batch_a", True), ("batch_broken", False), ("batch_b", True)):
+        assert outs[name].exists() == tracked, name
+        parents, _ = active_runs(track_store, name)
+        assert len(parents) == int(tracked), name
+
+    # Tracked again once fixed: the two pushed runs are unchanged, only the fixed one is created.
+    broken.write_bytes(kept)
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    actions = [json.loads(out.read_text())["action"] for out in outs.values()]
+    assert actions == ["unchanged", "created", "unchanged"]
+
+
+@pytest.mark.parametrize(
+    ("runs_json", "fragment"),
+    [
+        ("{}", "--runs-json must be a non-empty JSON list of runs"),
+        ("[1]", "--runs-json entry 0 is not a JSON object"),
+        ('[{"run": "a"}]', "--runs-json entry 0 lacks run_dir, manifest, config, out"),
+        ('[{"run": "a", "run_dir": "d", "manifest": "m", "config": {}, "out": "o"}]', "entry 0 lacks config"),
+        (
+            '[{"run": "a", "run_dir": "d", "manifest": "m", "config": {"run": "a"}, "out": "o", "plot": 1}]',
+            "unknown keys plot",
+        ),
+    ],
+)
+def test_a_malformed_runs_json_is_one_line_before_mlflow_is_touched(tmp_path, capsys, runs_json, fragment):
+    uri = f"sqlite:///{tmp_path}/untouched.db"
+    with pytest.raises(SystemExit) as exited:
+        run_cli(tracking.main, ["--runs-json", runs_json, "--tracking-uri", uri])
+    assert exited.value.code == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "untouched.db").exists()

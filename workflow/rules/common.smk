@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.iocontainers import Wildcards
 
 SRC_DIR = str(Path(workflow.basedir) / "src")
 if SRC_DIR not in sys.path:
@@ -282,14 +283,41 @@ def hf_export_of_run(wildcards):
     )
 
 
-def hf_export_args(wildcards):
-    return " ".join(
-        f"--hf-dir {shlex.quote(path)}" for path in hf_export_of_run(wildcards)
-    )
+def _run_wildcards(run):
+    return Wildcards(fromdict={"run": run})
 
 
-def tracking_config_json(wildcards):
-    return _json(run_config_for_tracking(EXPERIMENT, wildcards.run))
+def tracking_inputs(wildcards):
+    """Every run's training, shards, ddp baseline and transformers export (the track job's inputs)."""
+    runs = [_run_wildcards(run) for run in RUNS]
+    return {
+        "ranks": sorted({ranks_of_run(w) for w in runs}),
+        "gathers": sorted({gather_of_run(w) for w in runs}),
+        "shards": sorted({shard_dir_of(w) for w in runs}),
+        "ddp_baselines": sorted({p for w in runs for p in ddp_baseline_of_run(w)}),
+        "hf": [p for w in runs for p in hf_export_of_run(w)],
+    }
+
+
+def tracking_runs_json(wildcards):
+    """The track job's --runs-json: per run, its files and its full resolved config."""
+    entries = []
+    for run in RUNS:
+        w = _run_wildcards(run)
+        entry = {
+            "run": run,
+            "run_dir": f"results/runs/{run}",
+            "train_dir": ranks_of_run(w),
+            "gather": gather_of_run(w),
+            "manifest": f"{shard_dir_of(w)}/manifest.json",
+            "config": run_config_for_tracking(EXPERIMENT, run),
+            "plots_dir": f"results/runs/{run}/plots",
+            "out": f"results/runs/{run}/mlflow.json",
+        }
+        entry.update({"ddp_baseline": path for path in ddp_baseline_of_run(w)})
+        entry.update({"hf_dir": path for path in hf_export_of_run(w)})
+        entries.append(entry)
+    return _json(entries)
 
 
 def live_logging_args(wildcards):

@@ -1,37 +1,30 @@
+# One job pushes every run (one MLflow writer process per invocation: MLflow is imported and the
+# store opened once; an unchanged run costs one search). It waits for every run, like the summary.
 rule track:
     input:
-        ranks=ranks_of_run,
-        shards=shard_dir_of,
-        gather=gather_of_run,
-        merge=rules.merge.output.record,
-        merged=rules.merge.output.weights,
-        evaluation=rules.evaluate.output.record,
-        ddp_baseline=ddp_baseline_of_run,
-        plots=rules.plots.output,
-        hf=hf_export_of_run,
+        unpack(tracking_inputs),
+        merges=expand(rules.merge.output.record, run=RUNS),
+        merged=expand(rules.merge.output.weights, run=RUNS),
+        evaluations=expand(rules.evaluate.output.record, run=RUNS),
+        plots=expand(rules.plots.output, run=RUNS),
     output:
-        record="results/runs/{run}/mlflow.json",
+        records=expand("results/runs/{run}/mlflow.json", run=RUNS),
     log:
-        "logs/track/{run}.log",
+        "logs/track/runs.log",
     benchmark:
-        "benchmarks/track/{run}.tsv"
+        "benchmarks/track/runs.tsv"
     conda:
         "../../envs/tracking.yaml"
     params:
-        config=tracking_config_json,
+        runs=tracking_runs_json,
         tracking_uri=EXPERIMENT.tracking_uri,
         experiment=EXPERIMENT.mlflow_experiment,
         registered_model=registered_model_args,
-        hf=hf_export_args,
         snakefile=workflow.main_snakefile,
     shell:
-        "python -m shardfuse.tracking --run {wildcards.run} --run-dir results/runs/{wildcards.run}"
-        " --train-dir {input.ranks} --gather {input.gather}"
-        " --manifest {input.shards}/manifest.json --config-json {params.config:q}"
+        "python -m shardfuse.tracking --runs-json {params.runs:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
-        " {params.registered_model} {params.hf} --ddp-baseline {input.ddp_baseline:q}"
-        " --plots-dir results/runs/{wildcards.run}/plots --snakefile {params.snakefile:q}"
-        " --out {output.record} > {log} 2>&1"
+        " {params.registered_model} --snakefile {params.snakefile:q} > {log} 2>&1"
 
 
 rule track_comparison:
@@ -39,7 +32,7 @@ rule track_comparison:
         png=rules.compare_merge_methods.output.png,
         communication=rules.compare_communication.output.png,
         summary=rules.summary.output.csv,
-        records=expand(rules.track.output.record, run=RUNS),
+        records=rules.track.output.records,
     output:
         record="results/plots/comparison.mlflow.json",
     log:
