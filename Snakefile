@@ -19,6 +19,11 @@ localrules:
     compare_communication,
 
 
+# A SLURM job group's own pool (profiles/slurm: groups, resources: group_slots=N), not the workflow's.
+resource_scopes:
+    group_slots="local",
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/partition.smk"

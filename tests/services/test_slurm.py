@@ -81,8 +81,20 @@ def job_records(state_dir: Path) -> dict[str, str]:
     return dict(re.findall(r"JobId=(\d+) .*?JobState=(\S+)", text))
 
 
+def slurm_job_dirs(workdir: Path, rule: str) -> list[Path]:
+    """The plugin's log folders of the jobs that ran ``rule``: its own (rule_RULE) and the group jobs
+    it was part of (group_GROUP_RULE1_RULE2..., the rules in lexical order)."""
+    logs = workdir / ".snakemake" / "slurm_logs"
+    groups = [path for path in logs.glob("group_*") if f"_{rule}_" in f"{path.name}_"]
+    return [logs / f"rule_{rule}", *groups]
+
+
 def slurm_job_ids(workdir: Path, rule: str) -> list[str]:
-    return sorted(p.stem for p in (workdir / ".snakemake" / "slurm_logs" / f"rule_{rule}").rglob("*.log"))
+    return sorted(log.stem for folder in slurm_job_dirs(workdir, rule) for log in folder.rglob("*.log"))
+
+
+def all_slurm_job_ids(workdir: Path) -> list[str]:
+    return sorted(log.stem for log in (workdir / ".snakemake" / "slurm_logs").rglob("*.log"))
 
 
 @pytest.fixture(scope="module")
@@ -133,24 +145,43 @@ def test_user_model_from_a_code_path_trains_inside_slurm_jobs(slurm_cluster, tmp
     assert evaluation["merged"]["accuracy"] > 0.5
 
 
-def test_default_experiment_runs_partition_and_train_as_slurm_jobs(slurm_and_local_runs, slurm_cluster):
+def test_default_experiment_submits_one_job_per_training_and_per_fusion_group(
+    slurm_and_local_runs, slurm_cluster
+):
+    """Job groups (profiles/slurm `groups:`): one SLURM job prepares the dataset and writes both shard
+    sets, one per training trains it, one per training gathers it and merges and evaluates every run
+    that fuses it — 11 jobs for 18 runs, where one job per rule and wildcard would be 49."""
     workdir = slurm_and_local_runs["slurm"]
     records = job_records(slurm_cluster)
     num_runs = len((workdir / "results" / "summary.csv").read_text().splitlines()) - 1
     num_trainings = len(list((workdir / "results" / "trainings").glob("*/ranks")))
-    for rule, expected in (
-        ("partition", 2),
-        ("train", num_trainings),
-        ("gather", num_trainings),
-        ("merge", num_runs),
-        ("evaluate", num_runs),
-    ):
-        job_ids = slurm_job_ids(workdir, rule)
-        assert len(job_ids) == expected, rule
-        assert all(records.get(job_id) == "COMPLETED" for job_id in job_ids), (rule, job_ids)
-    # track and summary are local rules: they never went to the cluster.
-    assert slurm_job_ids(workdir, "track") == [] and slurm_job_ids(workdir, "summary") == []
     assert num_runs == 18 and num_trainings == 5  # config/runs.tsv
+    jobs = all_slurm_job_ids(workdir)
+    MEASUREMENTS.append(
+        f"default experiment on SLURM: {len(jobs)} SLURM jobs (one per rule and wildcard: 49)"
+    )
+    assert len(jobs) == 1 + 2 * num_trainings <= 13, jobs
+    assert all(records.get(job_id) == "COMPLETED" for job_id in jobs), {j: records.get(j) for j in jobs}
+    (data_job,) = slurm_job_ids(workdir, "partition")
+    assert slurm_job_ids(workdir, "prepare_dataset") == [data_job]
+    assert len(slurm_job_ids(workdir, "train")) == num_trainings
+    fusion_jobs = slurm_job_ids(workdir, "gather")
+    assert len(fusion_jobs) == num_trainings
+    assert slurm_job_ids(workdir, "merge") == fusion_jobs == slurm_job_ids(workdir, "evaluate")
+    # Each fusion job ran its training's gather, then merge and evaluate of each run that fuses it.
+    for job_id in fusion_jobs:
+        (log,) = (workdir / ".snakemake" / "slurm_logs").rglob(f"{job_id}.log")
+        text = log.read_text()
+        (training,) = set(re.findall(r"wildcards: training=(\S+)", text))
+        runs = set(re.findall(r"wildcards: run=(\S+)", text))
+        expected = {
+            path.parent.name
+            for path in (workdir / "results" / "runs").glob("*/eval.json")
+            if json.loads(path.read_text())["training"] == training
+        }
+        assert runs == expected and runs, (job_id, training)
+    # track, summary and the plots are local rules: they never went to the cluster.
+    assert slurm_job_ids(workdir, "track") == [] and slurm_job_ids(workdir, "summary") == []
 
     from mlflow.tracking import MlflowClient
 
@@ -229,7 +260,8 @@ def test_partition_account_and_gpus_from_the_cluster_profile_reach_sbatch(slurm_
     (train_job,) = slurm_job_ids(workdir, "train")
     partition, train = scontrol_job(partition_job), scontrol_job(train_job)
     assert (partition["Partition"], partition["Account"]) == ("debug", "shardfuse_test")
-    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("1500M", "00:20:00")
+    # prepare and partition share a job (profiles/slurm `groups:`): the memory of either, both runtimes.
+    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("1500M", "00:40:00")
     # The second partition and per-node GPUs for train only; the rule's own memory and time stay.
     assert (train["Partition"], train["Account"]) == ("gpu", "shardfuse_test")
     assert train["TresPerNode"] == "gres:gpu:2"
@@ -247,7 +279,7 @@ def test_set_resources_on_the_command_line_keeps_the_rules_memory_and_runtime(sl
     assert (train["MinMemoryNode"], train["TimeLimit"]) == ("4000M", "02:00:00")
     assert train["NumCPUs"] == "2"  # one CPU per rank
     partition = scontrol_job(partition_job)
-    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("2000M", "00:30:00")
+    assert (partition["MinMemoryNode"], partition["TimeLimit"]) == ("2000M", "01:00:00")
 
 
 def corrupt_keeping_mtime(path: Path) -> None:

@@ -11,6 +11,9 @@ rule evaluate:
         "benchmarks/evaluate/{run}.tsv"
     conda:
         "../../envs/train.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
     params:
         batch_size=eval_batch_size_of_run,
     shell:

@@ -9,6 +9,9 @@ rule gather:
         "benchmarks/gather/{training}.tsv"
     conda:
         "../../envs/train.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
     params:
         world_size=world_size_of,
     shell:

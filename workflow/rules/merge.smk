@@ -11,6 +11,9 @@ rule merge:
         "benchmarks/merge/{run}.tsv"
     conda:
         "../../envs/train.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
     params:
         method=merge_method_of_run,
         merge_params=merge_params_json,
@@ -33,5 +36,8 @@ rule export_hf:
         "benchmarks/export/{run}.tsv"
     conda:
         "../../envs/train.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
     shell:
         "python -m shardfuse.export --weights {input.weights} --out {output.folder} > {log} 2>&1"

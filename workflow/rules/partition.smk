@@ -9,6 +9,9 @@ rule partition:
         "benchmarks/partition/{dataset}/{shardset}.tsv"
     conda:
         "../../envs/data.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
     params:
         layout=shardset_args,
     shell:

@@ -12,6 +12,9 @@ rule prepare_dataset:
         "benchmarks/prepare_dataset/{dataset}.tsv"
     conda:
         "../../envs/data.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
     params:
         spec=dataset_spec_json,
         content=dataset_content_digest,
