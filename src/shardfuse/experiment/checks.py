@@ -5,6 +5,7 @@ merge method's demands, the training loop's keys; each refused with the key and 
 from __future__ import annotations
 
 import difflib
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,11 @@ def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
     missing = [key for key in needs.get((source, task), ()) if key not in spec]
     if missing:
         raise ConfigError(f"{where}: a {task} dataset from {source} needs `{missing[0]}`; add it")
+    if task == "classification" and len(spec.get("classes", [0, 1])) < 2:
+        raise ConfigError(
+            f"{where}.classes: {spec['classes']!r} keeps a single class, and a classifier needs at "
+            "least 2; list two or more labels, or remove classes"
+        )
     other_task = {"classification": "regression", "regression": "classification"}.get(task)
     stray = [key for key in needs.get((source, other_task), ()) if key in spec and other_task]
     stray += ["classes"] if "classes" in spec and task != "classification" else []
@@ -313,3 +319,24 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     run["betas"] = [float(beta) for beta in run["betas"]]
     if optimizer == "adamw" and run["weight_decay"] > 0:
         run["decay_rule"] = DECAY_RULE
+
+
+def check_registered_model(name: str | None, where: str = "config error at mlflow.registered_model") -> None:
+    """MLflow's rules for a registered model's name (mlflow 3: utils.validation._validate_model_name,
+    and the file store's): not blank, no '/', ':' or '%', not a path that resolves to another name
+    ('.', '..x'). MLflow itself refuses it only at track, after the run is logged."""
+    if name is None:
+        return
+    bad = [char for char in "/:%" if char in name]
+    if not name.strip():
+        reason = "it is blank"
+    elif bad:
+        reason = f"it contains {bad[0]!r}"
+    elif name == "." or name.startswith(".."):
+        reason = f"MLflow would read it as the path {posixpath.normpath(name)!r}"
+    else:
+        return
+    raise ConfigError(
+        f"{where}: {name!r} is not a name MLflow accepts ({reason}); use a name without '/', ':' or '%' "
+        "that does not start with '..', e.g. shardfuse-digits"
+    )
