@@ -353,6 +353,7 @@ def track_run(
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
         raise UserError("--config-json must be a JSON object (the run's resolved config)")
+    check_run_config(config, run_name)
     check_no_password(tracking_uri)
     inputs = load_inputs(
         Path(run_dir),
@@ -362,7 +363,6 @@ def track_run(
         gather_path=Path(gather_path) if gather_path else None,
         ddp_baseline=Path(ddp_baseline) if ddp_baseline else None,
     )
-    check_run_config(config, run_name)
     options = SyncOptions(
         tracking_uri=tracking_uri,
         registered_model=registered_model,

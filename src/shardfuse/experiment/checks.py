@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
-from shardfuse.experiment.init_check import check_foreign_init
+from shardfuse.experiment.init_check import check_foreign_init, check_model_aligns
 from shardfuse.experiment.keys import (
     DECAY_RULE,
     FLOAT_TRAIN_KEYS,
@@ -87,6 +87,27 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
     if fingerprint is not None:
         run["code_digest"] = fingerprint["digest"]
     check_init_from(name, run, datasets)
+    check_align(name, run, datasets)
+
+
+# The built-in models whose permutation groups merge knows (shardfuse.fusion.align.BUILTIN_GROUPS, which
+# imports torch: a test holds the two equal).
+ALIGNED_BUILTINS = ("mlp", "cnn")
+
+
+def check_align(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
+    """merge_align needs the model's permutation groups: the built-in mlp and cnn have them, the other
+    built-ins not, a user model declares them (looked up now in a subprocess, as init_from is checked)."""
+    model = run["model"]
+    if run["merge_align"] == "none" or model in ALIGNED_BUILTINS:
+        return
+    where = f"config error at runs[{name}]"
+    if is_builtin(model):
+        raise ConfigError(
+            f"{where}.merge_align: weight_matching needs the model's permutation groups: the built-in "
+            f"mlp and cnn declare them, {model!r} does not; set merge_align: none or use mlp or cnn"
+        )
+    check_model_aligns(where, run, datasets[run["dataset"]])
 
 
 def check_init_from(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
