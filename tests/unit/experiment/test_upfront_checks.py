@@ -10,7 +10,7 @@ import os
 import pytest
 
 from shardfuse.experiment import init_check
-from shardfuse.experiment.checks import ALIGNED_BUILTINS, check_registered_model
+from shardfuse.experiment.checks import ALIGNED_BUILTINS, check_align, check_registered_model
 from shardfuse.experiment.keys import LONGEST_FILE_OF_NAME, MAX_NAME_LENGTH, NAME_MAX
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import ConfigError
@@ -110,10 +110,8 @@ def test_the_builtins_the_config_aligns_are_those_merge_has_groups_for():
 @pytest.mark.parametrize("model", ["transformer", "hf"])
 def test_merge_align_on_a_builtin_without_groups_is_refused_without_a_subprocess(model, monkeypatch):
     monkeypatch.setattr(init_check.subprocess, "run", None)  # calling it would fail
-    run = {"merge_align": "weight_matching", "strategy": "localsgd", "merge_method": "uniform", "model": model}
+    run = {"merge_align": "weight_matching", "strategy": "localsgd", "model": model}
     with pytest.raises(ConfigError, match=f"'{model}' does not; set merge_align: none"):
-        from shardfuse.experiment.checks import check_align
-
         check_align("r", run, {})
 
 
