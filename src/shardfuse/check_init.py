@@ -13,6 +13,8 @@ is checked here and the train stage checks). The weights are matched by
         --dataset-json '{"source": "text", "paths": ["{stdlib}/json/*.py"], "block_size": 32}'
 
 Prints ``{"checked": true, "tensors": N}`` (or ``"checked": false`` with the reason) on stdout.
+With ``--align`` instead of ``--init-from`` it checks ``merge_align`` on a user model: the model built
+on the meta device must declare ``permutation_groups()`` (``{"checked": true, "groups": N}``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from shardfuse.checkpoints.init_weights import expected_of, match_names, read_init_weights
 from shardfuse.data.sources.describe import info_from_spec
 from shardfuse.experiment.run_config import ModelConfig, TrainConfig
+from shardfuse.fusion.align import declared_groups
 from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
 from shardfuse.models.adapter import storable_state
 from shardfuse.models.registry import meta_model
@@ -54,9 +57,31 @@ def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
     return {"checked": True, "tensors": len(plan)}
 
 
+def check_align(run: dict, dataset_spec: dict) -> dict:
+    """{"checked": bool, ...}; a model without permutation_groups() is a UserError (merge's own line)."""
+    cfg: ModelConfig = TrainConfig.from_flat(run).model
+    info = info_from_spec(dataset_spec)
+    if info is None:
+        reason = f"source {dataset_spec['source']} learns its shapes from its files; merge checks it"
+        return {"checked": False, "reason": reason}
+    spec = model_spec(
+        cfg.model,
+        cfg.model_args,
+        cfg.code_paths,
+        info,
+        run_cfg=cfg.mlp_keys(),
+        output=cfg.model_output,
+        model_files=cfg.model_files,
+    )
+    if meta_model(spec) is None:
+        return {"checked": False, "reason": f"model {cfg.model!r} does not build on the meta device"}
+    return {"checked": True, "groups": len(declared_groups(spec, cfg.model))}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.check_init", description=__doc__.splitlines()[0])
-    parser.add_argument("--init-from", type=Path, required=True, help="a safetensors file or folder")
+    parser.add_argument("--init-from", type=Path, help="a safetensors file or folder")
+    parser.add_argument("--align", action="store_true", help="check merge_align: the permutation groups")
     parser.add_argument(
         "--run-json", default="{}", help="the run's model keys (model, model_args, init_from_prefix, ...)"
     )
@@ -66,7 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     dataset_spec = parse_json_arg(args.dataset_json, "--dataset-json")
     if not isinstance(run, dict) or not isinstance(dataset_spec, dict) or "source" not in dataset_spec:
         raise UserError("--run-json and --dataset-json must be JSON objects, the dataset's with a source")
-    print(json.dumps(check_init(args.init_from, run, dataset_spec)))
+    if args.align:
+        print(json.dumps(check_align(run, dataset_spec)))
+    elif args.init_from is not None:
+        print(json.dumps(check_init(args.init_from, run, dataset_spec)))
+    else:
+        raise UserError("pass --init-from PATH (check init_from) or --align (check merge_align)")
 
 
 if __name__ == "__main__":

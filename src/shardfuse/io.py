@@ -194,6 +194,38 @@ def parse_json_arg(text: str, flag: str) -> Any:
         ) from None
 
 
+# Seeds are 64-bit integers wherever they go (torch generators, JSON records, MLflow params).
+MAX_SEED = 2**63 - 1
+
+
+def seed_arg(text: str) -> int:
+    """The argparse type of a seed flag: an integer from 0 to MAX_SEED (a bad one is StageParser's
+    one-line error naming the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a seed; use an integer from 0 to {MAX_SEED} (seeds are 64-bit integers)"
+        )
+    return value
+
+
+def refuse_shared_outputs(args: argparse.Namespace, *flags: str) -> None:
+    """Two output flags of one stage naming one file: the later write would silently replace the
+    earlier one, so it is refused before anything is read or written."""
+    seen: dict[Path, str] = {}
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is None:
+            continue
+        path = Path(value).resolve()
+        if path in seen:
+            raise UserError(f"{seen[path]} and {flag} both name {value}; give each output its own path")
+        seen[path] = flag
+
+
 class StageParser(argparse.ArgumentParser):
     """argparse, but a bad flag is a one-line UserError (exit 2) like every other input error."""
 

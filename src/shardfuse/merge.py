@@ -64,6 +64,7 @@ from shardfuse.io import (
     atomic_path,
     parse_json_arg,
     read_json,
+    refuse_shared_outputs,
     run_cli,
     write_json,
 )
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-weights", type=Path, required=True, help="merged.safetensors to write")
     parser.add_argument("--out-json", type=Path, required=True, help="merge.json to write")
     args = parser.parse_args(argv)
+    refuse_shared_outputs(args, "--out-weights", "--out-json")
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
     if args.align_max_iter < 1:

@@ -58,6 +58,7 @@ from shardfuse.io import (
     atomic_dir,
     recorded_sha256,
     run_cli,
+    seed_arg,
     sha256_file,
     write_json,
 )
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.partition", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, help="Parquet file to partition (e.g. a train.parquet)")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks = number of shards")
-    parser.add_argument("--seed", type=int, required=True, help="seed of the row-to-rank permutation")
+    parser.add_argument("--seed", type=seed_arg, required=True, help="seed of the row-to-rank permutation")
     parser.add_argument(
         "--drop-remainder",
         action="store_true",

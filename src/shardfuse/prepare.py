@@ -64,7 +64,6 @@ from shardfuse.data.sources.images import LOADED_HERE, TENSOR_SOURCES, check_ten
 from shardfuse.data.sources.registry import SOURCES
 from shardfuse.data.sources.synthetic import Chunk, check_synthetic_spec, synthetic_data
 from shardfuse.data.sources.tables import (
-    MAX_SEED,
     SPEC_FIX,
     check_text_spec,
     check_user_file_spec,
@@ -77,6 +76,7 @@ from shardfuse.data.sources.tables import (
 )
 from shardfuse.data.splits import random_split_masks, split_masks
 from shardfuse.io import (
+    MAX_SEED,
     StageParser,
     UserError,
     atomic_path,
@@ -205,13 +205,13 @@ def validate_spec(spec: Any) -> dict:
         classes = spec["classes"]
         if (
             not isinstance(classes, list)
-            or not classes
+            or len(classes) < 2
             or not all(isinstance(c, str) or is_int(c) for c in classes)
             or len({str(c) for c in classes}) != len(classes)
         ):
             raise UserError(
-                f"spec key 'classes' must be a non-empty list of distinct label values (strings or "
-                f"integers), got {classes!r}; {SPEC_FIX}"
+                f"spec key 'classes' must be a list of 2 or more distinct label values (strings or "
+                f"integers; a classifier needs at least 2 classes), got {classes!r}; {SPEC_FIX}"
             )
     return spec
 

@@ -310,6 +310,23 @@ def _sync(
     return Synced(parent_id, child_ids, model_id, registered, pushed)
 
 
+def check_run_config(config: dict, run_name: str) -> None:
+    """The parent run carries the run's config as params: a config without the run's keys (``{}``)
+    would give a complete parent with nothing to compare it by."""
+    missing = [key for key in ("run", "dataset") if key not in config]
+    if missing:
+        raise UserError(
+            f"--config-json has no {' or '.join(map(repr, missing))} key, so it is not a run's resolved "
+            'config; pass the run\'s config with its name, as the track rule does ({"run": NAME, '
+            '"dataset": ..., ...})'
+        )
+    if config["run"] != run_name:
+        raise UserError(
+            f"--config-json is the config of run {config['run']!r}, not of --run {run_name!r}; pass this "
+            "run's config"
+        )
+
+
 def _dataset_name(config: dict) -> str:
     """The config's dataset name (a run config names it; a nested spec carries it as "name")."""
     dataset = config.get("dataset")
@@ -340,6 +357,7 @@ def track_run(
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
         raise UserError("--config-json must be a JSON object (the run's resolved config)")
+    check_run_config(config, run_name)
     check_no_password(tracking_uri)
     inputs = load_inputs(
         Path(run_dir),
@@ -369,6 +387,8 @@ def track_run(
         parent, children = plan.parent, plan.children
         keep = {parent.info.run_id} | {c.info.run_id for c in children.values()} if parent else set()
         _delete_runs(client, experiment_id, [r for r in runs if r.info.run_id not in keep])
+        if parent is not None:  # a model an earlier, killed track left PENDING
+            mlflow_model.delete_unfinished_models(client, experiment_id, parent.info.run_id)
         if plan.action == "unchanged":
             tags, child_ids = parent.data.tags, {rank: c.info.run_id for rank, c in children.items()}
             synced = Synced(parent.info.run_id, child_ids, tags.get(MODEL_TAG), tags.get(REGISTERED_TAG), 0)

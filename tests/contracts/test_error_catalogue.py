@@ -516,7 +516,7 @@ def case_tracking_inputs_missing(tmp):
             "--manifest",
             tmp / "manifest.json",
             "--config-json",
-            "{}",
+            '{"run": "r", "dataset": "d"}',
             "--tracking-uri",
             "http://127.0.0.1:9",
             "--out",
@@ -755,6 +755,119 @@ def case_init_from_prefix_without_init_from(tmp):
         "runs[r].init_from_prefix: it renames the tensors of init_from but init_from is not set; remove "
         "init_from_prefix or set init_from",
     )
+
+
+# ---------------------------------------------------------------- issue 29: config checks up front, CLI
+
+
+def config_yaml(runs: str, datasets: str = "{d: {source: digits}}", dataset: str = "d") -> str:
+    return f"runs: {runs}\ndatasets: {datasets}\nrun_defaults: {{dataset: {dataset}}}\n"
+
+
+def case_one_class(tmp):
+    config = base_config()
+    config["datasets"]["d"]["classes"] = [3]
+    return config_case(
+        tmp, config, "datasets.d.classes: [3] keeps a single class, and a classifier needs at least 2"
+    )
+
+
+def case_run_name_read_as_number(tmp):
+    return yaml_case(
+        tmp,
+        config_yaml("{010: {}}"),
+        "config error at runs: run name 8 is not a string: YAML reads unquoted 010 as the number 8 "
+        "(config file ",
+    )
+
+
+def case_dataset_name_read_as_boolean(tmp):
+    return yaml_case(
+        tmp,
+        config_yaml("{r: {}}", "{on: {source: digits}}", "'on'"),
+        "dataset name True is not a string: YAML reads unquoted on as true",
+    )
+
+
+def case_run_name_too_long(tmp):
+    config = base_config()
+    config["runs"] = {"r" * 300: {}}
+    return config_case(
+        tmp,
+        config,
+        "is 300 characters long; at most 236 fit (a file name holds 255 bytes and the workflow writes "
+        ".NAME.json.tmp-XXXXXXXX); shorten it",
+    )
+
+
+def case_merge_align_without_groups(tmp):
+    models = str(REPO / "config" / "examples" / "models")
+    run = {"model": "resmlp:build", "code_paths": [models], "merge_align": "weight_matching"}
+    run.update(strategy="localsgd", init="per_rank", merge_method="uniform")
+    return config_case(
+        tmp,
+        base_config(**run),
+        "runs[r].merge_align: merge_align weight_matching needs the model's permutation groups: the "
+        "built-in mlp and cnn declare them, 'resmlp:build' does not",
+    )
+
+
+def case_invalid_registered_model(tmp):
+    config = base_config()
+    config["mlflow"] = {"registered_model": "team/digits"}
+    return config_case(
+        tmp,
+        config,
+        "config error at mlflow.registered_model: 'team/digits' is not a name MLflow accepts (it contains "
+        "'/')",
+    )
+
+
+def case_short_runs_row(tmp):
+    return tsv_case(
+        tmp,
+        "run\tlr\tepochs\nr\t0.1\n",
+        "runs.tsv line 2 has 2 cell(s) but the header has 3 columns; give every row one cell per column",
+    )
+
+
+def case_empty_runs_mapping(tmp):
+    return yaml_case(tmp, config_yaml("{}"), "config error at runs: the runs mapping is empty; add a run")
+
+
+def case_decimal_in_integer_column(tmp):
+    return tsv_case(
+        tmp,
+        "run\tworld_size\nr\t2.5\n",
+        "runs[r].world_size: '2.5' is a decimal but column world_size expects an integer",
+    )
+
+
+def case_partition_seed_too_large(tmp):
+    return Case(
+        "partition",
+        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 2**63, "--out-dir", tmp / "out"],
+        "argument --seed: '9223372036854775808' is not a seed; use an integer from 0 to 9223372036854775807",
+        tmp / "out",
+    )
+
+
+def case_merge_output_twice(tmp):
+    out = tmp / "merged.safetensors"
+    args = ["--gather", tmp / "gather.json", "--method", "uniform", "--out-weights", out, "--out-json", out]
+    return Case("merge", args, "--out-weights and --out-json both name", out)
+
+
+def case_tracking_config_without_run(tmp):
+    return Case(
+        "tracking",
+        [
+            "--run", "r", "--run-dir", tmp, "--manifest", tmp / "manifest.json", "--config-json", "{}",
+            "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--out", tmp / "o.json",
+        ],
+        "--config-json has no 'run' or 'dataset' key, so it is not a run's resolved config",
+        tmp / "o.json",
+    )  # fmt: skip
 
 
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}

@@ -256,7 +256,8 @@ def test_a_tampered_gather_json_is_refused_naming_the_file_and_gather(
 def tracking_args(workdir: Path, digits_shards: Path) -> list[object]:
     return [
         "--run", RUN, "--run-dir", RUN_DIR, "--train-dir", RANKS, "--gather", GATHER,
-        "--manifest", digits_shards / "manifest.json", "--config-json", "{}",
+        "--manifest", digits_shards / "manifest.json",
+        "--config-json", json.dumps({"run": RUN, "dataset": "d"}),
         "--tracking-uri", f"sqlite:///{workdir / 'mlflow.db'}", "--out", f"{RUN_DIR}/mlflow.json",
     ]  # fmt: skip
 

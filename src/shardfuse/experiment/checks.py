@@ -5,11 +5,12 @@ merge method's demands, the training loop's keys; each refused with the key and 
 from __future__ import annotations
 
 import difflib
+import posixpath
 from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
-from shardfuse.experiment.init_check import check_foreign_init
+from shardfuse.experiment.init_check import check_foreign_init, check_model_aligns
 from shardfuse.experiment.keys import (
     DECAY_RULE,
     FLOAT_TRAIN_KEYS,
@@ -50,6 +51,11 @@ def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
     missing = [key for key in needs.get((source, task), ()) if key not in spec]
     if missing:
         raise ConfigError(f"{where}: a {task} dataset from {source} needs `{missing[0]}`; add it")
+    if task == "classification" and len(spec.get("classes", [0, 1])) < 2:
+        raise ConfigError(
+            f"{where}.classes: {spec['classes']!r} keeps a single class, and a classifier needs at "
+            "least 2; list two or more labels, or remove classes"
+        )
     other_task = {"classification": "regression", "regression": "classification"}.get(task)
     stray = [key for key in needs.get((source, other_task), ()) if key in spec and other_task]
     stray += ["classes"] if "classes" in spec and task != "classification" else []
@@ -81,6 +87,27 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
     if fingerprint is not None:
         run["code_digest"] = fingerprint["digest"]
     check_init_from(name, run, datasets)
+    check_align(name, run, datasets)
+
+
+# The built-in models whose permutation groups merge knows (shardfuse.fusion.align.BUILTIN_GROUPS, which
+# imports torch: a test holds the two equal).
+ALIGNED_BUILTINS = ("mlp", "cnn")
+
+
+def check_align(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
+    """merge_align needs the model's permutation groups: the built-in mlp and cnn have them, the other
+    built-ins not, a user model declares them (looked up now in a subprocess, as init_from is checked)."""
+    model = run["model"]
+    if run["merge_align"] == "none" or model in ALIGNED_BUILTINS:
+        return
+    where = f"config error at runs[{name}]"
+    if is_builtin(model):
+        raise ConfigError(
+            f"{where}.merge_align: weight_matching needs the model's permutation groups: the built-in "
+            f"mlp and cnn declare them, {model!r} does not; set merge_align: none or use mlp or cnn"
+        )
+    check_model_aligns(where, run, datasets[run["dataset"]])
 
 
 def check_init_from(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
@@ -313,3 +340,24 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     run["betas"] = [float(beta) for beta in run["betas"]]
     if optimizer == "adamw" and run["weight_decay"] > 0:
         run["decay_rule"] = DECAY_RULE
+
+
+def check_registered_model(name: str | None, where: str = "config error at mlflow.registered_model") -> None:
+    """MLflow's rules for a registered model's name (mlflow 3: utils.validation._validate_model_name,
+    and the file store's): not blank, no '/', ':' or '%', not a path that resolves to another name
+    ('.', '..x'). MLflow itself refuses it only at track, after the run is logged."""
+    if name is None:
+        return
+    bad = [char for char in "/:%" if char in name]
+    if not name.strip():
+        reason = "it is blank"
+    elif bad:
+        reason = f"it contains {bad[0]!r}"
+    elif name == "." or name.startswith(".."):
+        reason = f"MLflow would read it as the path {posixpath.normpath(name)!r}"
+    else:
+        return
+    raise ConfigError(
+        f"{where}: {name!r} is not a name MLflow accepts ({reason}); use a name without '/', ':' or '%' "
+        "that does not start with '..', e.g. shardfuse-digits"
+    )

@@ -7,7 +7,9 @@ read: the weights' headers (names, dtypes, shapes; not the tensor data), the run
 digest, the dataset spec (and an hf tokenizer's file), init_from_prefix and the torch and transformers
 versions; so a repeated ``snakemake`` pays a few milliseconds. A failure is never cached: it is one line
 naming the first misfit tensor and the file, and the same line comes from the train stage should the
-file change after this check. Torch-free (the Snakefile imports it).
+file change after this check. ``merge_align`` on a user model is checked the same way (its
+``permutation_groups()``, looked up on the model built on the meta device), so merge does not refuse it
+after training. Torch-free (the Snakefile imports it).
 """
 
 from __future__ import annotations
@@ -51,19 +53,31 @@ def _version(package: str) -> str | None:
         return None
 
 
-def check_key(run: dict[str, Any], dataset_spec: dict[str, Any]) -> str:
-    """The sha256 of everything the check of ``run``'s init_from reads."""
-    tokenizer = dataset_spec.get("tokenizer")
-    record = {
+def _digest(record: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _model_record(run: dict[str, Any], dataset_spec: dict[str, Any]) -> dict[str, Any]:
+    """What building ``run``'s model reads: its keys and code, the dataset and the library versions."""
+    return {
         "format": CHECK_FORMAT,
-        "weights": header_digest(run["init_from"]),
         "run": {key: run[key] for key in MODEL_KEYS},
         "code_digest": run.get("code_digest"),
         "dataset": dataset_spec,
-        "tokenizer": sha256_file(tokenizer_file(tokenizer)) if is_hf(tokenizer) else None,
         "versions": {package: _version(package) for package in ("torch", "transformers")},
     }
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def check_key(run: dict[str, Any], dataset_spec: dict[str, Any]) -> str:
+    """The sha256 of everything the check of ``run``'s init_from reads."""
+    tokenizer = dataset_spec.get("tokenizer")
+    return _digest(
+        {
+            **_model_record(run, dataset_spec),
+            "weights": header_digest(run["init_from"]),
+            "tokenizer": sha256_file(tokenizer_file(tokenizer)) if is_hf(tokenizer) else None,
+        }
+    )
 
 
 def _subprocess_env() -> dict[str, str]:
@@ -75,6 +89,11 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
+def _model_args(run: dict[str, Any], dataset_spec: dict[str, Any]) -> list[str]:
+    run_json = json.dumps({key: run[key] for key in MODEL_KEYS})
+    return ["--run-json", run_json, "--dataset-json", json.dumps(dataset_spec)]
+
+
 def check_foreign_init(
     where: str, run: dict[str, Any], dataset_spec: dict[str, Any], cache_dir: Path = CACHE_DIR
 ) -> dict[str, Any]:
@@ -83,22 +102,31 @@ def check_foreign_init(
         key = check_key(run, dataset_spec)
     except UserError as exc:
         raise ConfigError(f"{where}.init_from: {exc}") from None
+    args = ["--init-from", run["init_from"], *_model_args(run, dataset_spec)]
+    what = f"checking {run['init_from']} against the model"
+    return _cached_check(f"{where}.init_from", key, args, what, cache_dir)
+
+
+def check_model_aligns(
+    where: str, run: dict[str, Any], dataset_spec: dict[str, Any], cache_dir: Path = CACHE_DIR
+) -> dict[str, Any]:
+    """merge_align on a user model: its permutation_groups() is looked up now (on the meta device),
+    not by merge after training. Cached like the init_from check; a ConfigError at ``where``.merge_align."""
+    key = _digest({**_model_record(run, dataset_spec), "check": "align"})
+    what = f"looking up the permutation groups of model {run['model']!r}"
+    return _cached_check(
+        f"{where}.merge_align", key, ["--align", *_model_args(run, dataset_spec)], what, cache_dir
+    )
+
+
+def _cached_check(where: str, key: str, args: list[str], what: str, cache_dir: Path) -> dict[str, Any]:
+    """Run ``python -m shardfuse.check_init ARGS`` unless its pass is cached under ``key``."""
     cached = cache_dir / f"{key}.json"
     try:
         return json.loads(cached.read_text())
     except (OSError, ValueError):
         pass  # not checked yet (or a broken cache file): check
-    command = [
-        sys.executable,
-        "-m",
-        "shardfuse.check_init",
-        "--init-from",
-        run["init_from"],
-        "--run-json",
-        json.dumps({key: run[key] for key in MODEL_KEYS}),
-        "--dataset-json",
-        json.dumps(dataset_spec),
-    ]
+    command = [sys.executable, "-m", "shardfuse.check_init", *args]
     proc = subprocess.run(
         command, capture_output=True, text=True, env=_subprocess_env(), timeout=TIMEOUT_S, check=False
     )
@@ -106,10 +134,10 @@ def check_foreign_init(
         lines = proc.stderr.strip().splitlines() or ["(no output)"]
         found = [match.group(1) for line in lines if (match := ERROR_LINE.match(line))]
         if proc.returncode == 2 and found:
-            raise ConfigError(f"{where}.init_from: {found[-1].split(': error: ', 1)[1]}")
+            raise ConfigError(f"{where}: {found[-1].split(': error: ', 1)[1]}")
         raise ConfigError(
-            f"{where}.init_from: checking {run['init_from']} against the model failed (exit status "
-            f"{proc.returncode}: {lines[-1]}); run {' '.join(command[2:5])} --run-json ... by hand to see why"
+            f"{where}: {what} failed (exit status {proc.returncode}: {lines[-1]}); run "
+            f"{' '.join(command[2:5])} --run-json ... by hand to see why"
         )
     verdict = json.loads(proc.stdout.strip().splitlines()[-1])
     try:

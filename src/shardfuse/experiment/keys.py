@@ -10,9 +10,19 @@ from typing import Any
 from shardfuse.data.sources.registry import SOURCES
 from shardfuse.experiment.run_config import flat_defaults
 from shardfuse.fusion.methods.registry import RECORDS
+from shardfuse.io import MAX_SEED
 
 # Run and dataset names become directory names; matched in full (``$`` would accept a trailing newline).
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+# A file name holds at most NAME_MAX (255) bytes. The longest the workflow makes from a run, dataset or
+# training name is io.atomic_path's temporary sibling of NAME.json (the dataset's input digests in
+# .snakemake/shardfuse/inputs/); logs and benchmarks add only .log or .tsv, a training's staging
+# directory .partial. Names are ASCII (RUN_NAME), so characters are bytes.
+NAME_MAX = 255
+LONGEST_FILE_OF_NAME = ".NAME.json.tmp-XXXXXXXX"
+MAX_NAME_LENGTH = NAME_MAX - len(LONGEST_FILE_OF_NAME.replace("NAME", ""))
 
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -22,9 +32,6 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 # alone would take any size. The train stage seeds rank r's torch generator with
 # seed * RANK_SEED_STRIDE + r + 1 (train.py), so a run's seed leaves room for the schema's 4096 ranks.
 # The schema's maxima are these numbers (a test holds them equal).
-MAX_SEED = 2**63 - 1
-
-
 RANK_SEED_STRIDE = 1_000_003
 
 

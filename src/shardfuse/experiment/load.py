@@ -12,6 +12,7 @@ from typing import Any
 from shardfuse.experiment.checks import (
     check_dataset_task,
     check_model,
+    check_registered_model,
     check_run,
     check_training_loop,
     resolve_init_sources,
@@ -19,6 +20,9 @@ from shardfuse.experiment.checks import (
 from shardfuse.experiment.keys import (
     DEFAULT_TASKS,
     DEFAULT_TRACKING_URI,
+    LONGEST_FILE_OF_NAME,
+    MAX_NAME_LENGTH,
+    NAME_MAX,
     RUN_NAME,
     STRATEGY_KEYS,
     training_identity,
@@ -87,9 +91,11 @@ def load_experiment(
     schema = load_schema(schema_path)
     config = with_defaults(config, schema)
     config_fix = "fix it in config/config.yaml (see config/README.md)"
+    check_names(config)
     for key in ("datasets", "mlflow"):
         check_finite(config.get(key), key, config_fix)
     validate(config, schema, "", config_fix)
+    check_registered_model(config["mlflow"].get("registered_model"))
     run_schema = schema["$defs"]["run"]
     run_props = run_schema["properties"]
     defaults = with_defaults(config["run_defaults"], run_schema)
@@ -99,24 +105,13 @@ def load_experiment(
     table = config["runs"]
     rows = read_runs_table(table, run_props) if isinstance(table, str) else table
     fix = f"fix that cell in {table}" if isinstance(table, str) else "fix it in the runs mapping"
-    for name in config["datasets"]:
-        if not RUN_NAME.fullmatch(str(name)):
-            raise ConfigError(
-                f"config error at datasets: dataset name {name!r} is not allowed; use letters, digits, "
-                "'_', '.', '-' (it becomes a directory name)"
-            )
     datasets = {
         name: _dataset_with_defaults(name, spec, schema["$defs"]["dataset"])
         for name, spec in config["datasets"].items()
     }
     runs: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
-        name = str(name)
-        if not RUN_NAME.fullmatch(name):
-            raise ConfigError(
-                f"config error at runs: run name {name!r} is not allowed; use letters, digits, "
-                "'_', '.', '-' (it becomes a directory name)"
-            )
+        check_name("run", name)
         if row is None or not isinstance(row, dict):
             raise ConfigError(f"config error at runs[{name}]: expected a mapping of run keys; {fix}")
         resolved = {**defaults, **row}
@@ -125,6 +120,7 @@ def load_experiment(
         check_run(name, resolved, datasets, fix)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
+        check_training_name(name, resolved)
         runs[name] = resolved
     resolve_init_sources(runs)
 
@@ -138,6 +134,54 @@ def load_experiment(
         mlflow_cfg["registered_model"],
         mlflow_cfg["live"],
     )
+
+
+def check_names(config: dict[str, Any]) -> None:
+    """The names of an inline runs mapping and of the datasets, before the schema sees them (an empty
+    runs mapping is said so here: the schema's oneOf can only say what runs may be)."""
+    if config.get("runs") == {}:
+        raise ConfigError(
+            "config error at runs: the runs mapping is empty; add a run such as `runs: {r1: {}}` (each "
+            "run's keys override run_defaults), or point runs at a TSV table such as config/runs.tsv"
+        )
+    for kind, names in (("run", config.get("runs")), ("dataset", config.get("datasets"))):
+        for name in names if isinstance(names, dict) else ():
+            check_name(kind, name)
+
+
+def check_name(kind: str, name: Any) -> None:
+    """A run or dataset name becomes a directory and file names: a string (YAML 1.1 reads unquoted
+    010, yes, ~ as 8, True, None), of RUN_NAME's characters, at most MAX_NAME_LENGTH long."""
+    where = f"config error at {kind}s: {kind} name"
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"{where} {name!r} is not a string: YAML reads unquoted names such as 010, yes, on, ~ or "
+            "2024 as numbers, booleans or null; quote it (e.g. '010')"
+        )
+    if not RUN_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where} {name!r} is not allowed; use letters, digits, '_', '.', '-' (it becomes a "
+            "directory name)"
+        )
+    if len(name) > MAX_NAME_LENGTH:
+        raise ConfigError(
+            f"{where} {name[:12]!r}... is {len(name)} characters long; at most {MAX_NAME_LENGTH} fit "
+            f"(a file name holds {NAME_MAX} bytes and the workflow writes {LONGEST_FILE_OF_NAME}); "
+            "shorten it"
+        )
+
+
+def check_training_name(name: str, run: dict[str, Any]) -> None:
+    """The training's name (the dataset's, then world size, strategy and digest) names files too."""
+    training = training_name(run)
+    if len(training) > MAX_NAME_LENGTH:
+        limit = MAX_NAME_LENGTH - (len(training) - len(run["dataset"]))
+        raise ConfigError(
+            f"config error at runs[{name}].dataset: its training name {training[:12]!r}... is "
+            f"{len(training)} characters long; at most {MAX_NAME_LENGTH} fit (a file name holds "
+            f"{NAME_MAX} bytes and the workflow writes {LONGEST_FILE_OF_NAME}); shorten the dataset's "
+            f"name to at most {limit} characters"
+        )
 
 
 def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

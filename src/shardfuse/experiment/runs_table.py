@@ -44,11 +44,39 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
             item = {"integer": int, "string": str}.get(prop.get("items", {}).get("type"), float)
             return [item(part) for part in re.split(r"[,\s]+", text) if part]
     except (ValueError, json.JSONDecodeError):
+        _refuse_decimal(text, key, kind, prop, where)
         raise ConfigError(
             f"config error at {where}.{key}: {text!r} is not a valid {kind}; "
             f"write e.g. {_example(kind)} in that cell"
         ) from None
     return text
+
+
+def _refuse_decimal(text: str, key: str, kind: str | None, prop: dict[str, Any], where: str) -> None:
+    """A decimal such as 2.5 where the column takes integers: say that the column expects integers."""
+    items = prop.get("items", {}).get("type") if kind == "array" else None
+    if kind != "integer" and items != "integer":
+        return
+    parts = [part for part in re.split(r"[,\s\[\]]+", text) if part] if items else [text]
+    decimal = next((part for part in parts if _is_decimal(part)), None)
+    if decimal is not None:
+        expects = "a list of integers" if items else "an integer"
+        raise ConfigError(
+            f"config error at {where}.{key}: {decimal!r} is a decimal but column {key} expects {expects}; "
+            f"write e.g. {_example(kind)} in that cell"
+        )
+
+
+def _is_decimal(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        try:
+            float(text)
+        except ValueError:
+            return False
+        return True
+    return False
 
 
 def _example(kind: str | None) -> str:
@@ -70,7 +98,7 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
             f"config error at runs: runs table {path} does not exist; create it or point "
             "`runs:` at your TSV (paths are relative to the working directory)"
         )
-    with open(path, newline="") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a leading byte-order mark is dropped
         # Comment and blank lines are left out; line_numbers maps what the reader sees to the file.
         numbered = [
             (number, line)
@@ -113,6 +141,13 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
                 f"config error at runs: {path} line {line_no} has more cells than the header; "
                 "separate columns with single tabs"
             )
+        if None in row.values():
+            num_cells = sum(value is not None for value in row.values())
+            raise ConfigError(
+                f"config error at runs: {path} line {line_no} has {num_cells} cell(s) but the header has "
+                f"{len(header)} columns; give every row one cell per column (an empty cell takes the "
+                "default), separated by single tabs"
+            )
         if name in runs:
             raise ConfigError(
                 f"config error at runs: run {name!r} appears twice in {path}; run names must be unique"
@@ -121,7 +156,7 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
         runs[name] = {
             key: _coerce_cell(value, key, run_props[key], where)
             for key, value in row.items()
-            if key != "run" and value is not None and value.strip() != ""
+            if key != "run" and value.strip() != ""
         }
     if not runs:
         raise ConfigError(f"config error at runs: {path} has no rows; add one line per run below the header")

@@ -163,6 +163,7 @@ def _check_nodes(root: yaml.Node, path: str | os.PathLike) -> None:
             first_lines: dict[tuple[str, str], int] = {}
             for key_node, value_node in node.value:
                 key_line = key_node.start_mark.line + 1
+                _check_name_key(key_node, where, f"config file {path} line {key_line}")
                 if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                     key = (key_node.tag, key_node.value)
                     if key in first_lines:
@@ -177,3 +178,28 @@ def _check_nodes(root: yaml.Node, path: str | os.PathLike) -> None:
                 stack += [(key_node, where), (value_node, child)]
         elif isinstance(node, yaml.SequenceNode):
             stack += [(item, f"{where}[{index}]") for index, item in enumerate(node.value)]
+
+
+# The mappings whose keys are names (run and dataset names become directory names).
+NAMED_MAPPINGS = {"runs": "run", "datasets": "dataset"}
+STR_TAG = "tag:yaml.org,2002:str"
+
+
+def _check_name_key(key_node: yaml.Node, where: str, at: str) -> None:
+    """A run or dataset name YAML 1.1 reads as something else than text (unquoted 010 is the number
+    8, yes is true, ~ is null): refused, naming what was written, as it cannot be told apart later."""
+    kind = NAMED_MAPPINGS.get(where)
+    if kind is None or not isinstance(key_node, yaml.ScalarNode) or key_node.tag == STR_TAG:
+        return
+    written = key_node.value
+    value = yaml.safe_load(written)
+    if isinstance(value, bool) or value is None:
+        reading = "true" if value is True else "false" if value is False else "null"
+    elif isinstance(value, (int, float)):
+        reading = f"the number {value}"
+    else:
+        reading = f"a {type(value).__name__}"
+    raise ConfigError(
+        f"config error at {where}: {kind} name {value} is not a string: YAML reads unquoted {written} "
+        f"as {reading} ({at}); quote it ('{written}')"
+    )

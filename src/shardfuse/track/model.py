@@ -466,3 +466,23 @@ def delete_unregistered_models(client, experiment_id: str, run_id: str, keep: st
     for model in models:
         if model.model_id != keep and model.artifact_location not in sources:
             client.delete_logged_model(model.model_id)
+
+
+def delete_unfinished_models(client, experiment_id: str, run_id: str) -> None:
+    """Delete the logged models of ``run_id`` that never became READY: MLflow creates a model PENDING
+    before it uploads the files, so a track that failed or was killed meanwhile leaves one behind."""
+    models = client.search_logged_models([experiment_id], filter_string=f"source_run_id = '{run_id}'")
+    for model in models:
+        if not str(model.status).endswith("READY"):
+            client.delete_logged_model(model.model_id)
+
+
+@contextlib.contextmanager
+def unfinished_models_deleted(client, experiment_id: str, run_id: str) -> Iterator[None]:
+    """Log a model in the block; should it fail (or be interrupted), its PENDING model is deleted."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the failure, not this clean-up's, is the one to report
+            delete_unfinished_models(client, experiment_id, run_id)
+        raise

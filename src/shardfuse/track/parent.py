@@ -77,10 +77,11 @@ def sync_parent_extras(
     model = mlflow_model.find_logged_model(client, experiment_id, parent_id, weights_sha)
     model_id = model.model_id if model is not None else None
     if model_id is None:
-        model_id = mlflow_model.log_merged_model(
-            options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
-            name=options.run_name, hf_dir=options.hf_dir,
-        )  # fmt: skip
+        with mlflow_model.unfinished_models_deleted(client, experiment_id, parent_id):
+            model_id = mlflow_model.log_merged_model(
+                options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
+                name=options.run_name, hf_dir=options.hf_dir,
+            )  # fmt: skip
         # MLflow copies the run's params to the model it logs; add what the model page should also say.
         described = {"training": str(inputs.train.run or ""), **_model_params(inputs)}
         have = client.get_logged_model(model_id).params or {}

@@ -515,13 +515,13 @@ def test_same_spec_gives_identical_files_for_regression_and_text(tmp_path, monke
 
 
 def test_integral_float_labels_are_classes(tmp_path):
-    labels = [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
-    pq.write_table(pa.table({"f": np.arange(6.0), "y": labels}), tmp_path / "in.parquet")
+    labels = [1.0, 2.0, 3.0] * 4
+    pq.write_table(pa.table({"f": np.arange(12.0), "y": labels}), tmp_path / "in.parquet")
     spec = {"source": "parquet", "path": str(tmp_path / "in.parquet"), "feature_columns": ["f"],
-            "label_column": "y", "classes": [2]}  # fmt: skip
+            "label_column": "y", "classes": [2, 3]}  # fmt: skip
     info = prepare("floats", spec, tmp_path / "out")
-    assert info["label_names"] == ["1.0", "2.0"]
-    assert set(all_splits(tmp_path / "out")["label"].to_pylist()) == {1}
+    assert info["label_names"] == ["1.0", "2.0", "3.0"]
+    assert set(all_splits(tmp_path / "out")["label"].to_pylist()) == {1, 2}
 
 
 def test_classes_keep_the_full_label_space(digits_dir, tmp_path):
@@ -654,7 +654,7 @@ def test_each_source_defaults_to_its_task():
         ),
         (
             {"a": [1.0, 2, 3, 4], "b": [0, 1, 0, 1]},
-            {"classes": [5]},
+            {"classes": [0, 5]},
             r"class 5 in spec key 'classes' is not a label of this dataset; valid labels: 0, 1$",
         ),
         (
@@ -670,7 +670,8 @@ def test_each_source_defaults_to_its_task():
             r"spec key\(s\) 'classes', 'label_column' only apply to task 'classification'",
         ),
         ({}, {"label_columns": ["b"]}, r"spec key\(s\) 'label_columns' only apply to task 'regression'"),
-        ({}, {"classes": []}, r"spec key 'classes' must be a non-empty list"),
+        ({}, {"classes": []}, r"spec key 'classes' must be a list of 2 or more distinct label values"),
+        ({}, {"classes": [3]}, r"a classifier needs at least 2 classes\), got \[3\]"),
     ],
 )
 def test_bad_task_input_is_a_one_line_user_error_with_no_output(

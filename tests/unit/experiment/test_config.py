@@ -423,13 +423,13 @@ def test_seed_bounds_are_what_torch_and_the_rank_seeds_take():
     is a 64-bit integer; the other seeds are 64-bit integers too. torch itself checks the first."""
     import torch
 
-    from shardfuse.data.sources import tables as sources
+    from shardfuse import io
 
     run_props = load_schema()["$defs"]["run"]["properties"]
     dataset_props = load_schema()["$defs"]["dataset"]["properties"]
     assert run_props["seed"]["maximum"] == MAX_RUN_SEED
     assert run_props["shard_seed"]["maximum"] == run_props["merge_seed"]["maximum"] == MAX_SEED
-    assert dataset_props["seed"]["maximum"] == MAX_SEED == sources.MAX_SEED == 2**63 - 1
+    assert dataset_props["seed"]["maximum"] == MAX_SEED == io.MAX_SEED == 2**63 - 1
     largest_rank_seed = MAX_RUN_SEED * RANK_SEED_STRIDE + 4095 + 1
     assert largest_rank_seed <= MAX_SEED < (MAX_RUN_SEED + 1) * RANK_SEED_STRIDE + 4096
     torch.manual_seed(largest_rank_seed)

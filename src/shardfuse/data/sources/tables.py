@@ -36,7 +36,6 @@ from shardfuse.io import UserError, error_reason
 from shardfuse.models.usercode import load_factory
 
 VOCAB_SIZE = 256  # the byte tokenizer's vocabulary
-MAX_SEED = 2**63 - 1  # seeds are 64-bit integers wherever they go (JSON records, MLflow params)
 # A float label column with more distinct values than this, averaging fewer than MIN_CLASS_ROWS rows
 # each, is a measurement rather than classes (config/README.md, label_column).
 MAX_FLOAT_CLASSES = 20

@@ -44,7 +44,7 @@ from shardfuse.fusion.methods.sparse import (
     TiesPlan,
 )
 from shardfuse.fusion.methods.spherical import KarcherPlan, MultislerpPlan, NuslerpPlan, SlerpPlan
-from shardfuse.io import UserError
+from shardfuse.io import MAX_SEED, UserError
 
 Check = Callable[[str, dict[str, Any], int], None]  # (method, resolved params, number of ranks)
 
@@ -93,7 +93,7 @@ DENSITY = {
     "ties": Param(0.2, "number", "a number in (0, 1]", lambda v: 0 < v <= 1),
     "dare": Param(0.5, "number", "a number in (0, 1]", lambda v: 0 < v <= 1),
 }
-SEED = Param(0, "integer", "an integer >= 0", lambda v: v >= 0)
+SEED = Param(0, "integer", f"an integer from 0 to {MAX_SEED}", lambda v: 0 <= v <= MAX_SEED)
 T = Param(0.5, "number", "a number in [0, 1]", lambda v: 0 <= v <= 1)
 BREADCRUMBS = {
     "density": UNIT_DENSITY,
