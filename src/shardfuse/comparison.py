@@ -80,7 +80,7 @@ def attach(pngs: list[Path], records: list[Path], summary: Path | None = None) -
         record = read_json(path, "tracking record")
         by_uri.setdefault(record["tracking_uri"], []).append(record)
     for uri, entries in by_uri.items():
-        with writer_lock(uri), tracking_errors(uri):
+        with tracking_errors(uri), writer_lock(uri):
             client = tracking_client(uri)
             for record in entries:
                 for png in pngs:

@@ -98,16 +98,33 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def not_utf8(path: str | os.PathLike, data: bytes, exc: UnicodeDecodeError) -> str:
+    """What is wrong with a file that is not UTF-8: the byte, its line and column."""
+    line = data.count(b"\n", 0, exc.start) + 1
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+    return f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, column {column})"
+
+
+def read_text(path: str | os.PathLike, fix: str) -> str:
+    """A text file's content as UTF-8; a byte that is not is a UserError naming the file, the line and
+    ``fix`` (what to do about it)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{not_utf8(path, data, exc)}; {fix}") from None
+
+
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist; run the stage that produces it first")
+    rerun = "delete it and re-run the stage that produces it"
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, rerun))
     except json.JSONDecodeError as exc:
         raise UserError(
-            f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-            "delete it and re-run the stage that produces it"
+            f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); {rerun}"
         ) from None
 
 
