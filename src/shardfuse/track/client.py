@@ -86,6 +86,8 @@ def writer_lock(tracking_uri: str) -> Iterator[None]:
     if db_path is None:
         yield
         return
+    if db_path.is_dir():  # refused here: MLflow retries a store it cannot open for minutes
+        raise UserError(store_error(tracking_uri, f"{db_path} is a directory, not a database file", SQL_FIX))
     db_path.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{db_path}.lock", "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
