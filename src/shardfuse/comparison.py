@@ -78,9 +78,16 @@ def attach(pngs: list[Path], records: list[Path], summary: Path | None = None) -
     by_uri: dict[str, list[dict]] = {}
     for path in records:
         record = read_json(path, "tracking record")
+        if not isinstance(record, dict) or not all(
+            isinstance(record.get(key), str) for key in ("tracking_uri", "parent_run_id")
+        ):
+            raise UserError(
+                f"tracking record {path} has no tracking_uri and parent_run_id strings; re-run the track "
+                "stage (snakemake -R track)"
+            )
         by_uri.setdefault(record["tracking_uri"], []).append(record)
     for uri, entries in by_uri.items():
-        with writer_lock(uri), tracking_errors(uri):
+        with tracking_errors(uri), writer_lock(uri):
             client = tracking_client(uri)
             for record in entries:
                 for png in pngs:

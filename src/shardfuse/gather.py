@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardfuse.checkpoints.trust import check_base_header
 from shardfuse.checkpoints.weights import read_header, read_metadata
 from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, sha256_file, write_json
 
@@ -49,12 +50,7 @@ def _compare_headers(rank: int, header: dict[str, Any], reference: dict[str, Any
 def _check_base(path: Path, metadata: dict[str, Any], run: str) -> None:
     """The base is the one training wrote for this run: its header names the run and no rank, and its
     bytes are those its sidecar base.json records (one sha256 of the file)."""
-    if metadata.get("run") != run or metadata.get("rank") is not None:
-        said = "the base" if metadata.get("rank") is None else f"rank {metadata.get('rank')!r}"
-        raise UserError(
-            f"base checkpoint {path} is {said} of training {metadata.get('run')!r}, not the base of "
-            f"{run!r} (train.json): it was replaced after training; {RERUN}"
-        )
+    check_base_header(path, metadata, run)
     sidecar = path.with_suffix(".json")
     if sidecar.is_file():
         recorded = read_json(sidecar, "base sidecar").get("sha256")

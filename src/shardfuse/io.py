@@ -98,16 +98,33 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def not_utf8(path: str | os.PathLike, data: bytes, exc: UnicodeDecodeError) -> str:
+    """What is wrong with a file that is not UTF-8: the byte, its line and column."""
+    line = data.count(b"\n", 0, exc.start) + 1
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+    return f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}, column {column})"
+
+
+def read_text(path: str | os.PathLike, fix: str) -> str:
+    """A text file's content as UTF-8; a byte that is not is a UserError naming the file, the line and
+    ``fix`` (what to do about it)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{not_utf8(path, data, exc)}; {fix}") from None
+
+
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist; run the stage that produces it first")
+    rerun = "delete it and re-run the stage that produces it"
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path, rerun))
     except json.JSONDecodeError as exc:
         raise UserError(
-            f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-            "delete it and re-run the stage that produces it"
+            f"{what} {path} is not valid JSON ({exc.msg} at line {exc.lineno}); {rerun}"
         ) from None
 
 
@@ -233,32 +250,118 @@ class StageParser(argparse.ArgumentParser):
         raise UserError(f"{message}; see {self.prog} --help")
 
 
+def destination(path: str | os.PathLike) -> Path:
+    """The file a path stands for: a temporary sibling ``.X.tmp-abc`` (:func:`atomic_path`, or a
+    directory of :func:`atomic_dir` on the way) is named as the ``X`` it was to become."""
+    parts = [TMP_SIBLING.sub(r"\1", part) for part in Path(path).parts]
+    return Path(*parts) if parts else Path(path)
+
+
+TMP_SIBLING = re.compile(r"^\.(.+)\.tmp-[^/]+$")
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _os_error_line(exc: OSError) -> str | None:
+    """An OSError about a file (disk full, read-only, permissions, a directory where a file belongs):
+    the file it concerns (a temporary sibling named as its destination) and the fix for that file's
+    own filesystem."""
+    if exc.filename is None and exc.errno not in (*NO_SPACE, *NOT_WRITABLE):
+        return None  # a socket, a pipe, a bug: not a file the user can fix
+    path = destination(exc.filename) if exc.filename is not None else None
+    where = str(path) if path is not None else "the output"
+    reason = exc.strerror or type(exc).__name__
+    if exc.errno in NO_SPACE:
+        place = f"the filesystem of {path.parent}" if path is not None else "its filesystem"
+        return (
+            f"cannot write {where} ({reason}); free space on {place} or point results at another filesystem"
+        )
+    if exc.errno == errno.EROFS:
+        return (
+            f"cannot write {where}: its filesystem is read-only ({reason}); choose a writable results "
+            "directory"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"cannot use {where}: it is not writable or readable by this user ({reason}); fix its "
+            "permissions or choose another results directory"
+        )
+    if isinstance(exc, IsADirectoryError):
+        return f"{where} is a directory where a file is expected ({reason}); remove or rename it"
+    if isinstance(exc, (NotADirectoryError, FileExistsError)):
+        return f"cannot write {where} ({reason}); choose a writable, existing results directory"
+    if isinstance(exc, FileNotFoundError):
+        return f"{where} does not exist ({reason}); run the stage that produces it first"
+    if exc.errno == errno.EIO:
+        return f"cannot read or write {where} ({reason}); check the disk or filesystem it is on"
+    return None
+
+
+def _named(exc: BaseException, *names: str) -> bool:
+    """``exc`` is an instance of a class called one of ``names``, or comes from a module under one of
+    them (matched by name: io never imports safetensors, sqlalchemy or mlflow)."""
+    return any(kind.__name__ in names or kind.__module__.split(".")[0] in names for kind in type(exc).__mro__)
+
+
+def foreign_error(exc: BaseException) -> str | None:
+    """The one-line message for an exception that is not shardfuse's own check but a broken input or
+    environment: the filesystem (disk full, read-only, a directory where a file belongs), bytes that are
+    not UTF-8, an SQL store, a safetensors file. None for anything else: a bug keeps its traceback.
+    Readers that know the file say more (they catch these where they read); this is the last net."""
+    reason = error_reason(exc)[:300]
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({reason}); save it as UTF-8, or re-run the stage that wrote it"
+    if isinstance(exc, OSError):
+        return _os_error_line(exc)
+    if _named(exc, "sqlalchemy"):
+        return (
+            f"the SQL tracking store cannot be used ({reason}); check mlflow.tracking_uri and the "
+            "store's file"
+        )
+    if _named(exc, "SafetensorError", "safetensors_rust", "HeaderTooLarge"):
+        return f"a checkpoint is not a readable safetensors file ({reason}); re-run the stage that wrote it"
+    return None
+
+
+def error_line(prog: str, message: str) -> str:
+    """The console's one-line error (:data:`ERROR_LINE` reads it back from a log)."""
+    return f"{prog}: error: {message}"
+
+
+def write_line(line: str, stream: Any = None) -> None:
+    """``line`` and its newline in one write, so the lines of ranks sharing a console or a log never
+    interleave (``print`` writes the text and the newline separately)."""
+    stream = sys.stderr if stream is None else stream
+    data = (line.rstrip("\n") + "\n").encode(errors="replace")
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # captured (tests): no descriptor of its own
+        stream.write(data.decode())
+        stream.flush()
+        return
+    stream.flush()
+    os.write(fd, data)
+
+
+def user_error_message(exc: BaseException) -> str | None:
+    """The one-line message of a UserError or of a foreign exception :func:`foreign_error` maps; None
+    for anything else (a bug)."""
+    return str(exc) if isinstance(exc, UserError) else foreign_error(exc)
+
+
 def run_cli(main: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> None:
-    """Run a stage's ``main`` and turn a UserError into one line on stderr and exit status 2."""
+    """Run a stage's ``main``; a UserError, or a broken input or environment (:func:`foreign_error`), is
+    one line on stderr and exit status 2. Anything else (a bug) keeps its traceback."""
     prog = main.__module__
     if prog == "__main__":
         prog = "shardfuse." + Path(sys.argv[0]).stem
     try:
         main(argv)
-    except UserError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except (PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError) as exc:
-        # A results directory we cannot write to: say where, not a traceback.
-        print(
-            f"{prog}: error: cannot write {exc.filename or 'the output'} ({exc.strerror}); choose a "
-            "writable, existing results directory",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EDQUOT):
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:
             raise
-        print(
-            f"{prog}: error: cannot write {exc.filename or 'the output'} ({exc.strerror}); free space or "
-            "point results at another filesystem",
-            file=sys.stderr,
-        )
+        write_line(error_line(prog, message))
         sys.exit(2)
 
 

@@ -28,6 +28,7 @@ re-run resumes from a checkpoint or starts over.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import json
@@ -58,7 +59,17 @@ from shardfuse.cluster.torchrun import (
     node_step_command,
     rank_environ,
 )
-from shardfuse.io import StageParser, UserError, replace_dir, run_cli, write_json
+from shardfuse.io import (
+    StageParser,
+    UserError,
+    error_line,
+    error_reason,
+    replace_dir,
+    run_cli,
+    stage_errors,
+    user_error_message,
+    write_json,
+)
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, failure_message
 
@@ -198,13 +209,16 @@ def attempt_log(log: Path) -> tuple[Path, int]:
     return attempt, number
 
 
-def log_to(log: Path) -> None:
+def log_to(log: Path) -> tuple[Path, int]:
     """Send this process's stdout and stderr (inherited by torchrun and the ranks) to this attempt's
-    log file (see :func:`attempt_log`)."""
+    log file (see :func:`attempt_log`). Returns the attempt file and a copy of the console's stderr,
+    where the launcher's own one-line error goes too (by hand, ``--log`` would leave the console
+    silent)."""
     attempt, number = attempt_log(log)
     fd = os.open(attempt, os.O_WRONLY | os.O_APPEND)
     sys.stdout.flush()
     sys.stderr.flush()
+    console = os.dup(2)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -217,6 +231,24 @@ def log_to(log: Path) -> None:
         print(
             f"launch: attempt {number}; earlier attempts' logs: {earlier} (in {log.parent})", file=sys.stderr
         )
+    return attempt, console
+
+
+@contextlib.contextmanager
+def error_on_console(attempt: Path, console: int):
+    """A failed launch's one-line errors also on the console the log replaced: the ranks' (read back
+    from the log), then the launcher's, which says where the whole output is."""
+    try:
+        yield
+    except Exception as exc:
+        message = user_error_message(exc)
+        if message is None:  # a bug: its traceback goes to the log
+            message = f"{type(exc).__name__}: {error_reason(exc)}"
+        lines = [line for line in stage_errors(attempt) if not line.startswith("shardfuse.launch:")]
+        lines.append(error_line("shardfuse.launch", f"{message} (the whole output: {attempt})"))
+        with contextlib.suppress(OSError):
+            os.write(console, "".join(f"{line}\n" for line in lines).encode(errors="replace"))
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -243,8 +275,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("train_args", nargs="*", help="-- then the arguments of shardfuse.train")
     args = parser.parse_args(argv)
-    if args.log is not None:
-        log_to(args.log)
+    if args.log is None:
+        run_launch(args)
+        return
+    attempt, console = log_to(args.log)
+    with error_on_console(attempt, console):
+        run_launch(args)
+
+
+def run_launch(args: argparse.Namespace) -> None:
+    """What main does once the output goes where ``--log`` says."""
     geometry = Geometry(args.nodes, args.nproc_per_node)
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint
-from shardfuse.checkpoints.trust import STALE, checksum_algorithm, read_gather, shapes_of
+from shardfuse.checkpoints.trust import STALE, check_base_header, checksum_algorithm, read_gather, shapes_of
 from shardfuse.data.verify import check_split
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine
@@ -189,6 +189,7 @@ def merge_rank_files(
         base = None
         if method in USES_BASE:
             base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
+            check_base_header(base.path, json.loads(base.metadata.get(METADATA_KEY) or "{}"), info["run"])
             _check_header(base, info["tensors"], "base")
         metadata = _merged_metadata(readers[0], method, params)
         selected = list(range(len(readers)))

@@ -125,7 +125,8 @@ def fusion_bars(evaluation: EvalRecord) -> list[tuple[str, float, str]]:
         mean = sum(values) / len(values) if evaluation.mean_rank is None else evaluation.mean_rank
         bars += [("best rank", float(best), SUMMARY_COLOR), ("mean rank", float(mean), SUMMARY_COLOR)]
     except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"eval.json lacks {exc}; re-run the evaluate stage") from None
+        detail = repr(exc.args[0]) if isinstance(exc, KeyError) else exc  # a MissingField names its file
+        raise UserError(f"eval.json lacks {detail}; re-run the evaluate stage") from None
     if (value := ensemble_score(evaluation, score)) is not None:  # older evaluate stages: no ensemble
         bars.append(("ensemble", value, ENSEMBLE_COLOR))
     references = {"ddp baseline": evaluation.ddp_baseline, INITIAL: evaluation.initial_model()}

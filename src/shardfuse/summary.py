@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
-from shardfuse.io import StageParser, atomic_path, parse_json_arg, run_cli
+from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli
 from shardfuse.models.tasks import TASKS, evaluation_task, score_first, task_for
 
 # The header when every run classifies: the one summary.csv has always had, kept byte for byte.
@@ -88,6 +88,34 @@ def _count(value: Any) -> int | str:
     return value if isinstance(value, int) and not isinstance(value, bool) else ""
 
 
+def scored(metrics: dict[str, float], score: str, key: str, eval_path: Path) -> float:
+    """The run's score among eval.json's ``key`` metrics (types are checked as the record is read)."""
+    if score not in metrics:
+        raise UserError(f"{eval_path}: '{key}' has no {score}; re-run the evaluate stage")
+    return metrics[score]
+
+
+# What summary_row reads of each run's resolved config (the workflow passes them all), and its kind.
+RUN_KEYS = {"training": "string", "dataset": "string", "world_size": "integer", "strategy": "string"}
+KIND_OF = {"string": str, "integer": int}
+
+
+def checked_runs(runs: Any) -> dict[str, dict[str, Any]]:
+    """``--runs-json``: {run: its resolved config}, each with the :data:`RUN_KEYS` summary reads."""
+    fix = "pass {run: its resolved config}, as the workflow's summary rule does"
+    if not isinstance(runs, dict) or not all(isinstance(cfg, dict) for cfg in runs.values()):
+        raise UserError(f"--runs-json must be a JSON object of objects; {fix}")
+    for run, cfg in runs.items():
+        for key in (*RUN_KEYS, "sync_every"):
+            if key not in cfg:
+                raise UserError(f"--runs-json: run {run!r} has no {key!r}; {fix}")
+        for key, kind in RUN_KEYS.items():
+            value = cfg[key]
+            if not isinstance(value, KIND_OF[kind]) or isinstance(value, bool):
+                raise UserError(f"--runs-json: run {run!r} has {key} {value!r}, not a {kind}; {fix}")
+    return runs
+
+
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
     """The run's cells by column name, plus ``task`` (a column only when tasks mix)."""
     eval_path = run_dir / "eval.json"
@@ -100,13 +128,14 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
     baseline = evaluation.ddp_baseline or {}
     merging = MergeRecord.read(run_dir / "merge.json", "merge record")
     merged = evaluation.required("merged")
+    merged_score = scored(merged, score, "merged", eval_path)
     gain = evaluation.fusion_gain
     if gain is None:  # eval.json from before the evaluate stage wrote it
-        gain = task.gain(merged[score], evaluation.required("best_rank"))
+        gain = task.gain(merged_score, evaluation.required("best_rank"))
     ensemble = evaluation.ensemble or {}  # absent from eval.json of older evaluate stages
     gap = evaluation.fusion_gap
     if gap is None and score in ensemble:
-        gap = task.gain(ensemble[score], merged[score])
+        gap = task.gain(ensemble[score], merged_score)
     return {
         "run": run,
         "task": task.name,
@@ -120,12 +149,12 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         **{f"test_{metric}_merged": merged.get(metric, "") for metric in score_first(task)},
         f"test_{score}_best_rank": evaluation.required("best_rank"),
         f"test_{score}_mean_rank": evaluation.required("mean_rank"),
-        f"test_{score}_base": evaluation.required("base")[score],
+        f"test_{score}_base": scored(evaluation.required("base"), score, "base", eval_path),
         f"test_{score}_ddp_baseline": baseline.get(score, ""),
         "fusion_gain": gain,
         "max_abs_diff_between_ranks": merging.max_abs_diff_between_ranks,
         "num_steps": training.num_steps,
-        "train_seconds": round(training.train_seconds, 3),
+        "train_seconds": round(training.required("train_seconds"), 3),
         "mode": training.training_mode(cfg.get("strategy"), cfg.get("sync_every")),
         "effective_batch_size": _count(training.effective_batch_size),
         "bytes_all_reduced_per_rank": _count(training.bytes_all_reduced_per_rank),
@@ -156,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="CSV to write")
     args = parser.parse_args(argv)
-    runs = parse_json_arg(args.runs_json, "--runs-json")
+    runs = checked_runs(parse_json_arg(args.runs_json, "--runs-json"))
     rows = write_summary(runs, args.results_dir, args.trainings_dir, args.out)
     for row in rows:
         score = task_for(row["task"]).score

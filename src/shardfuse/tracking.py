@@ -380,7 +380,7 @@ def track_run(
     # The config says it first: train.json's params only add what it has no key for; the merge
     # settings are those merge.json says were used.
     params = merge_params({**inputs.params, **flatten_params(config)}, inputs.merge)
-    with writer_lock(tracking_uri), tracking_errors(tracking_uri):
+    with tracking_errors(tracking_uri), writer_lock(tracking_uri):
         client, experiment_id = connect(tracking_uri, experiment)
         runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {_quote(run_name)}")
         plan = _plan(runs, options, inputs, params)

@@ -13,10 +13,14 @@ from tests.support.training import FAIL_AT_FORWARD_ENV, SMALL_TRAIN_CFG, write_f
 
 def test_launch_logs_every_attempt_and_names_the_earlier_ones(tmp_path):
     log = tmp_path / "train.log"
-    for _ in range(2):
+    for number in (1, 2):
         log.unlink(missing_ok=True)
         proc = run_stage("launch", "--nproc-per-node", "1", "--max-restarts", "-1", "--log", log)
-        assert proc.returncode == 2 and proc.stderr == ""
+        # By hand the console still shows the one line, and where the whole output is.
+        assert proc.returncode == 2 and proc.stderr == (
+            "shardfuse.launch: error: --max-restarts -1 must be >= 0 (the whole output: "
+            f"{tmp_path / f'train.attempt-{number}.log'})\n"
+        )
     first = (tmp_path / "train.attempt-1.log").read_text()
     assert "--max-restarts -1 must be >= 0" in first and "attempt" not in first
     second = log.read_text()
@@ -37,7 +41,7 @@ def test_a_rank_that_raises_after_a_checkpoint_is_one_line_and_a_rerun_resumes_f
         "launch", "--nproc-per-node", 2, "--out-dir", out, "--log", log, "--", "--run-name", "t",
         "--shard-dir", digits_shards, "--dataset-dir", digits_dataset, "--config-json", json.dumps(cfg),
     )  # fmt: skip
-    assert proc.returncode == 2 and proc.stderr == ""  # with --log, everything goes to the log
+    assert proc.returncode == 2
     text = log.read_text()
     assert 'raise RuntimeError("boom in forward")' in text and "Connection closed by peer" in text
     # ddp keeps the ranks in step: rank 0 marked step 4's checkpoint complete before rank 1 reached step 6.
@@ -47,4 +51,6 @@ def test_a_rank_that_raises_after_a_checkpoint_is_one_line_and_a_rerun_resumes_f
         f"shardfuse.launch: error: rank 1 failed: RuntimeError: boom in forward (full traceback: {log}); "
         f"a re-run with unchanged config and code resumes from the checkpoint of step 4 in {checkpoints}"
     ]
+    # With --log everything goes to the log; the console gets the one line and where the log is.
+    assert proc.stderr == f"{stage_errors(log)[0]} (the whole output: {log.with_name('t.attempt-1.log')})\n"
     assert not out.exists()

@@ -67,12 +67,15 @@ def assert_same_ranks(left: Path, right: Path) -> None:
         assert all(torch.equal(a[name], b[name]) for name in a), f"rank {rank} differs"
 
 
-def wait_for_checkpoint(staging: Path, timeout: float = 120) -> int:
+def wait_for_checkpoint(staging: Path, timeout: float = 120, count: int = 1) -> int:
+    """The newest complete checkpoint's step, once ``count`` are complete."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = sorted(staging.glob("checkpoints/step-*/COMPLETE"))
-        if done:
-            return int(done[-1].parent.name.split("-")[1])
+        done = sorted(
+            int(path.parent.name.split("-")[1]) for path in staging.glob("checkpoints/step-*/COMPLETE")
+        )
+        if len(done) >= count:
+            return done[-1]
         time.sleep(0.1)
     raise AssertionError(f"no complete checkpoint in {staging} within {timeout} s")
 

@@ -159,6 +159,18 @@ def read_gather(
     return info
 
 
+def check_base_header(path: str | os.PathLike, metadata: dict[str, Any], run: str) -> None:
+    """The base checkpoint's header names the training (train.json's, gather.json's ``run``) and no rank:
+    a base copied in from another training, or a rank's file, is refused where re-running training is
+    the fix (gather, and merge for a base swapped after gather: re-running gather would not help)."""
+    if metadata.get("run") != run or metadata.get("rank") is not None:
+        said = "the base" if metadata.get("rank") is None else f"rank {metadata.get('rank')!r}"
+        raise UserError(
+            f"base checkpoint {path} is {said} of training {metadata.get('run')!r}, not the base of "
+            f"{run!r} (train.json): it was replaced after training; {RERUN_TRAIN}"
+        )
+
+
 def checksum_algorithm(info: dict[str, Any]) -> str:
     """The hash whose digest merge verifies for each rank: gather.json's ``hash`` (format version 2:
     blake3); sha256 for a gather.json without one (version 1). The rank entry's field has its name."""

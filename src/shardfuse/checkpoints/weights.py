@@ -10,8 +10,10 @@ imported only to save or load tensors.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,16 +27,44 @@ if TYPE_CHECKING:
 METADATA_KEY = "shardfuse"
 
 
+# safetensors reports a failed write as "I/O error: No space left on device (os error 28)".
+OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
+    """``save_file``, but a failed or short write is an OSError naming ``path`` (disk full, read-only,
+    ...), as a Python write's would be: safetensors raises its own error for a failed write, and a
+    small file's last buffer can fail to reach the disk silently, so the file is read back once (its
+    header and its size, not its tensors)."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = OS_ERROR.search(str(exc))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from None
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise OSError(
+            errno.EIO, f"written incompletely ({exc}); is its filesystem full?", str(path)
+        ) from None
+
+
 def save_weights(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], sidecar: bool = True
 ) -> str:
     """Write ``tensors`` (contiguous CPU copies) atomically; returns the file's sha256."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(cpu, str(tmp), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+        write_safetensors(cpu, tmp, {METADATA_KEY: json.dumps(metadata, sort_keys=True)})
     digest = sha256_file(path)
     if sidecar:
         write_json(path.with_suffix(".json"), {**metadata, "sha256": digest, "bytes": path.stat().st_size})

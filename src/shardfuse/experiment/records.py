@@ -18,6 +18,7 @@ unchanged, after the known ones. By hand::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -61,16 +62,18 @@ class _Record:
 
     @classmethod
     def from_json(cls: type[RecordT], data: Any, source: str | os.PathLike | None = None) -> RecordT:
+        where = cls.FILE if source is None else str(source)
         if not isinstance(data, dict):
-            raise UserError(
-                f"{cls.FILE if source is None else source} is not a JSON object; re-run the {cls.STAGE} stage"
-            )
+            raise UserError(f"{where} is not a JSON object; re-run the {cls.STAGE} stage")
         keys = cls._keys(data)
         known = set(keys.values())
-        return cls(
-            **{name: data[key] for name, key in keys.items() if key in data},
-            extra={key: value for key, value in data.items() if key not in known},
-        )
+        values = {name: data[key] for name, key in keys.items() if key in data}
+        for name, value in values.items():
+            if (wrong := wrong_type(value, cls.__dataclass_fields__[name].type)) is not None:
+                raise UserError(f"{where}: '{keys[name]}' is {wrong}; re-run the {cls.STAGE} stage")
+        record = cls(**values, extra={key: value for key, value in data.items() if key not in known})
+        object.__setattr__(record, "_source", where)  # for required()'s error; not a field
+        return record
 
     @classmethod
     def read(cls: type[RecordT], path: str | os.PathLike, what: str | None = None) -> RecordT:
@@ -89,11 +92,64 @@ class _Record:
         return {**found, **extra}
 
     def required(self, name: str) -> Any:
-        """Field ``name``; KeyError naming its key in the file when the file has none (for the reader's
-        error)."""
+        """Field ``name``; :class:`MissingField` (a KeyError naming its key in the file, and a UserError
+        naming the file) when the file has none."""
         if (value := getattr(self, name)) is None:
-            raise KeyError(self._keys(vars(self)).get(name, name))
+            key = self._keys(vars(self)).get(name, name)
+            raise MissingField(key, getattr(self, "_source", self.FILE), self.STAGE)
         return value
+
+
+class MissingField(UserError, KeyError):
+    """A field a record's file must have is absent (or null). A KeyError whose argument is the key, for
+    readers that say more; uncaught, a one-line UserError naming the file and the stage to re-run."""
+
+    def __init__(self, key: str, source: str, stage: str) -> None:
+        super().__init__(key)
+        self.message = f"{source} has no '{key}' field; re-run the {stage} stage"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# Each field's JSON kinds, by the outer type of its annotation (``int | None`` -> int); a float field
+# takes an integer (JSON writes 1.0 as 1 in some tools), no field takes a boolean for a number.
+KINDS: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "dict": (dict,),
+    "list": (list,),
+}
+
+
+def wrong_type(value: Any, annotation: Any) -> str | None:
+    """How ``value`` fails the field's annotation (a string: ``dict[str, float] | None``), or None. A
+    ``dict[str, float]`` must map to numbers too: the readers do arithmetic on them."""
+    text = str(annotation)
+    outer = text.split("|")[0].strip()
+    kinds = KINDS.get(outer.split("[")[0])
+    if value is None or kinds is None:
+        return None
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        return f"{json_kind(value)} {_short(value)}, not {outer.split('[')[0]}"
+    if outer == "dict[str, float]":
+        for key, item in value.items():
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                return f"a mapping whose '{key}' is {json_kind(item)} {_short(item)}, not a number"
+    return None
+
+
+def json_kind(value: Any) -> str:
+    """How JSON names the kind of ``value``: a string, a number, an object, ..."""
+    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", dict: "an object"}
+    return "null" if value is None else names.get(type(value), "a list")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import io
 import json
 import os
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.experiment.schema import ConfigError
+from shardfuse.io import UserError, read_text
 
 
 def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
@@ -98,13 +100,17 @@ def read_runs_table(path: str | os.PathLike, run_props: dict[str, Any]) -> dict[
             f"config error at runs: runs table {path} does not exist; create it or point "
             "`runs:` at your TSV (paths are relative to the working directory)"
         )
-    with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a leading byte-order mark is dropped
-        # Comment and blank lines are left out; line_numbers maps what the reader sees to the file.
-        numbered = [
-            (number, line)
-            for number, line in enumerate(fh, start=1)
-            if line.strip() and not line.lstrip().startswith("#")
-        ]
+    try:
+        text = read_text(path, "save it as UTF-8 (spreadsheets: export as 'UTF-8 tab-separated')")
+    except UserError as exc:
+        raise ConfigError(f"config error at runs: {exc}") from None
+    text = text.removeprefix("\ufeff")  # a leading byte-order mark (spreadsheets write one) is dropped
+    # Comment and blank lines are left out; line_numbers maps what the reader sees to the file.
+    numbered = [
+        (number, line)
+        for number, line in enumerate(io.StringIO(text, newline=""), start=1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     line_numbers = [number for number, _ in numbered]
     reader = csv.DictReader([line for _, line in numbered], delimiter="\t")
     header = reader.fieldnames or []

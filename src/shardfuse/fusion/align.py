@@ -178,7 +178,9 @@ def align_gather(
     (aligned ranks point at files in ``work_dir``; identity-aligned ranks keep their own file) and the
     record for merge.json. Each original file's sha256 is checked against gather.json as it is read."""
     from safetensors import safe_open
-    from safetensors.torch import load, save_file
+    from safetensors.torch import load
+
+    from shardfuse.checkpoints.weights import write_safetensors
 
     ranks = info["ranks"]
     first = _read_checked(Path(ranks[0]["path"]), ranks[0]["sha256"], f"rank {ranks[0]['rank']}")
@@ -197,7 +199,7 @@ def align_gather(
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata()
         aligned = work_dir / f"aligned-rank-{entry['rank']}.safetensors"
-        save_file(apply_permutations(tensors, groups, perms), str(aligned), metadata=metadata)
+        write_safetensors(apply_permutations(tensors, groups, perms), aligned, metadata)
         algorithms = tuple(algorithm for algorithm in HASH_ALGORITHMS if algorithm in entry)
         digests = file_digests(aligned, algorithms)  # the copy's digests, as gather records the files'
         engine_ranks.append({**entry, **digests, "path": str(aligned), "bytes": aligned.stat().st_size})

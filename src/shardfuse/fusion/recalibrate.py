@@ -63,8 +63,8 @@ def recalibrate_file(
     """Re-estimate the BatchNorm statistics of the merged file in place (atomically, its safetensors
     metadata kept); what was done, with the file's new sha256, for merge.json."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
+    from shardfuse.checkpoints.weights import write_safetensors
     from shardfuse.io import atomic_path, sha256_file
 
     if val_split is None:
@@ -77,5 +77,5 @@ def recalibrate_file(
     updated, done = recalibrate_batchnorm(tensors, spec, val_split, batch_size)
     if done["batchnorm_layers"]:
         with atomic_path(weights) as tmp:
-            save_file(updated, str(tmp), metadata=metadata)
+            write_safetensors(updated, tmp, metadata)
     return {**done, "sha256": sha256_file(weights)}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from shardfuse.io import UserError, write_json
+from shardfuse.io import UserError, write_json, write_line
 from shardfuse.rank.progress import Progress
 from shardfuse.track.live import LiveLogger
 
@@ -106,7 +105,7 @@ class RankGate:
     """
 
     def log(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        write_line(message)  # one write: the ranks' lines never interleave
 
     def write_json(self, path: Any, obj: Any) -> None:
         write_json(path, obj)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shardfuse.io import UserError
+from shardfuse.io import user_error_message
 from shardfuse.rank.checkpoint_steps import complete_steps
 
 FAILURES_DIR = "failures"
@@ -40,7 +40,8 @@ class RankFailure:
     attempt: int
     exception: str  # the type, qualified by its module unless a builtin: RuntimeError, torch.OutOfMemoryError
     message: str  # the first line of the message (shortened), "" if it has none
-    user_error: bool  # a UserError: the rank printed its own one-line error already
+    # a UserError or a broken input (shardfuse.io.foreign_error): the rank printed its own one line already
+    user_error: bool
 
     def describe(self) -> str:
         return f"{self.exception}: {self.message}" if self.message else self.exception
@@ -61,7 +62,7 @@ def rank_failure(rank: int, exc: BaseException, attempt: int) -> RankFailure:
     message = lines[0].strip() if lines else ""
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "…"
-    return RankFailure(rank, attempt, name, message, isinstance(exc, UserError))
+    return RankFailure(rank, attempt, name, message, user_error_message(exc) is not None)
 
 
 def record_failure(out_dir: Path, failure: RankFailure) -> bool:

@@ -7,8 +7,10 @@ survives a failed or killed job)::
     checkpoints/step-{N}/rank-{r}.json          step, epoch, next batch, optimiser param groups, ...
     checkpoints/step-{N}/COMPLETE               written by rank 0 once every rank's files exist
 
-Only directories with COMPLETE count; the newest ``keep`` complete ones are kept. Tensors go through
-safetensors and everything else through JSON: nothing here is ever unpickled.
+Only directories with COMPLETE count; the newest ``keep`` complete ones are kept, so that a newest one
+left unreadable (a file truncated by a full disk or a crash of the filesystem) has a predecessor to
+resume from instead (:func:`resume_step`). Tensors go through safetensors and everything else through
+JSON: nothing here is ever unpickled.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
-from shardfuse.io import UserError, atomic_path, write_json
+from shardfuse.checkpoints.weights import write_safetensors
+from shardfuse.io import UserError, atomic_path, error_reason, write_json
 from shardfuse.models.adapter import load_state, storable_state
 from shardfuse.rank.checkpoint_steps import COMPLETE, STEP_DIR, complete_steps
 
@@ -62,7 +66,7 @@ def save_rank_state(
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     with atomic_path(step_dir / f"rank-{rank}.safetensors") as tmp:
-        save_file(tensors, str(tmp))
+        write_safetensors(tensors, tmp)
     write_json(
         step_dir / f"rank-{rank}.json",
         {
@@ -76,6 +80,65 @@ def save_rank_state(
         },
     )
     return step_dir
+
+
+# What a rank's checkpoint record must hold to resume from it.
+RECORD_KEYS = ("step", "epoch", "next_batch", "param_groups")
+
+
+def checkpoint_problem(checkpoint_dir: Path, step: int, rank: int) -> str | None:
+    """Why this rank cannot resume from the checkpoint of ``step``: its file and what is wrong with it
+    (a safetensors file whose header or size is broken, a record that is not JSON or lacks the data
+    position); None when both read. Reads headers and the record only, not the tensors."""
+    step_dir = checkpoint_dir / f"step-{step}"
+    tensors, record_path = step_dir / f"rank-{rank}.safetensors", step_dir / f"rank-{rank}.json"
+    try:
+        with safe_open(str(tensors), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        return f"{tensors} ({error_reason(exc)})"
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{record_path} ({error_reason(exc)})"
+    if (
+        not isinstance(record, dict)
+        or record.get("step") != step
+        or any(k not in record for k in RECORD_KEYS)
+    ):
+        return f"{record_path} (not a checkpoint record of step {step})"
+    return None
+
+
+def resume_step(steps: list[int], problems: list[dict[int, str]]) -> tuple[int | None, list[tuple[int, str]]]:
+    """The newest of the complete checkpoints ``steps`` that every rank can read (``problems``: per rank,
+    step -> :func:`checkpoint_problem`), or None; and (step, problem) of each newer one passed over,
+    newest first."""
+    skipped: list[tuple[int, str]] = []
+    for step in reversed(steps):
+        bad = [problem[step] for problem in problems if step in problem]
+        if not bad:
+            return step, skipped
+        skipped.append((step, bad[0]))
+    return None, skipped
+
+
+def passed_over(step: int, problem: str, resumed: int) -> str:
+    """The warning for a complete checkpoint that cannot be read, when an older one is resumed from."""
+    return (
+        f"shardfuse.train: warning: checkpoint step {step} cannot be read: {problem}; resuming from "
+        f"step {resumed} instead"
+    )
+
+
+def none_readable(checkpoint_dir: Path, skipped: list[tuple[int, str]]) -> str:
+    """The error when no complete checkpoint can be read by every rank (``skipped``: newest first)."""
+    step, problem = skipped[0]
+    return (
+        f"no checkpoint in {checkpoint_dir} can be read: the newest, step {step}, has {problem}"
+        f"{'' if len(skipped) == 1 else f' (and {len(skipped) - 1} older ones cannot be read either)'}; "
+        f"delete {checkpoint_dir} to start afresh"
+    )
 
 
 def mark_complete(checkpoint_dir: Path, step: int, keep: int) -> None:

@@ -38,8 +38,12 @@ from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
 from shardfuse.rank.optim import check_schedule, make_optimizer
 from shardfuse.rank.resume import (
     Position,
+    checkpoint_problem,
     load_rank_extras,
     load_rank_state,
+    none_readable,
+    passed_over,
+    resume_step,
 )
 from shardfuse.rank.sync import Sync, make_sync
 from shardfuse.rank.validation import BestTracker, Validator
@@ -258,27 +262,48 @@ def set_up(
 
 
 def resume_or_start(setup: RankSetup) -> Position:
-    """Continue from the newest complete checkpoint (model, optimiser, RNG, data position), or start
-    at step 0 and save the shared initial weights as ``base.safetensors``."""
+    """Continue from the newest complete checkpoint every rank can read (model, optimiser, RNG, data
+    position), or start at step 0 and save the shared initial weights as ``base.safetensors``."""
     model, checkpoint_dir = setup.model, setup.checkpoint_dir
-    # Rank 0 picks the checkpoint and every rank takes it: ranks that looked at the directory at
-    # different moments (a checkpoint completing in between) would otherwise resume out of step.
-    chosen = [complete_steps(checkpoint_dir)[-1:] if setup.ctx.rank == 0 else None]
-    torch_dist.broadcast_object_list(chosen, src=0)
-    resumable = chosen[0]
-    if not resumable:
+    step = agreed_resume_step(setup)
+    if step is None:
         base_meta = {**setup.meta, "rank": None}
         base = storable_state(model)[0]
         setup.gate.call(save_weights, setup.out_dir / "base.safetensors", base, base_meta)
         return Position()
     position = load_rank_state(
-        checkpoint_dir, resumable[-1], setup.ctx.rank, model, setup.optimizer, expect=setup.identity
+        checkpoint_dir, step, setup.ctx.rank, model, setup.optimizer, expect=setup.identity
     )
     setup.gate.log(
         f"[{setup.run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
         f"batch {position.next_batch})"
     )
     return position
+
+
+def agreed_resume_step(setup: RankSetup) -> int | None:
+    """The step every rank resumes from: the newest complete checkpoint that all ranks can read, each
+    newer one passed over with a warning (a file truncated by a full disk); None to start afresh.
+    Rank 0 lists the checkpoints and every rank takes its list: ranks that looked at the directory at
+    different moments (a checkpoint completing in between) would otherwise resume out of step."""
+    listed = [complete_steps(setup.checkpoint_dir) if setup.ctx.rank == 0 else None]
+    torch_dist.broadcast_object_list(listed, src=0)
+    steps = listed[0]
+    if not steps:
+        return None
+    own = {
+        step: problem
+        for step in steps
+        if (problem := checkpoint_problem(setup.checkpoint_dir, step, setup.ctx.rank)) is not None
+    }
+    problems: list[dict[int, str]] = [{} for _ in range(setup.ctx.world_size)]
+    torch_dist.all_gather_object(problems, own)
+    step, skipped = resume_step(steps, problems)
+    if step is None:
+        raise UserError(none_readable(setup.checkpoint_dir, skipped))
+    for skipped_step, problem in skipped:
+        setup.gate.log(passed_over(skipped_step, problem, step))
+    return step
 
 
 def forward_updates_buffers(model: torch.nn.Module, probe: torch.Tensor | None = None) -> bool:

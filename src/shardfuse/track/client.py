@@ -6,7 +6,7 @@ imports another. Importing it costs no MLflow import; :func:`tracking_client` do
 called::
 
     from shardfuse.track.client import tracking_client, tracking_errors, writer_lock
-    with writer_lock(uri), tracking_errors(uri):
+    with tracking_errors(uri), writer_lock(uri):
         tracking_client(uri).log_artifact(run_id, "plot.png")
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from shardfuse.io import UserError
+from shardfuse.io import NO_SPACE, NOT_WRITABLE, UserError, destination, error_reason
 
 LIVE_TAG = "shardfuse.live"
 LIVE_RUN_TAG = "shardfuse.live_run"
@@ -86,6 +86,8 @@ def writer_lock(tracking_uri: str) -> Iterator[None]:
     if db_path is None:
         yield
         return
+    if db_path.is_dir():  # refused here: MLflow retries a store it cannot open for minutes
+        raise UserError(store_error(tracking_uri, f"{db_path} is a directory, not a database file", SQL_FIX))
     db_path.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{db_path}.lock", "a") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
@@ -97,7 +99,9 @@ def writer_lock(tracking_uri: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def tracking_errors(tracking_uri: str) -> Iterator[None]:
-    """A dead server or broken store is one line that says how to finish the job later."""
+    """A dead server or a broken store is one line that names the store, the cause and how to finish
+    the job later: an MLflow or HTTP error, the SQL store's (a locked database, a sqlite:/// path that
+    is a directory), the filesystem's (a read-only store, a full mlruns/)."""
     import requests
     from mlflow.exceptions import MlflowException
 
@@ -105,11 +109,44 @@ def tracking_errors(tracking_uri: str) -> Iterator[None]:
         yield
     except (MlflowException, requests.RequestException, ConnectionError) as exc:
         text = str(getattr(exc, "message", exc)).strip() or type(exc).__name__
-        reason = text.splitlines()[0][:300]
-        raise UserError(
-            f"cannot use tracking URI {redact_uri(tracking_uri)} ({reason}); {RERUN_HINT}: "
-            "the local results are kept and only what is missing in MLflow is uploaded"
-        ) from None
+        raise UserError(store_error(tracking_uri, text.splitlines()[0][:300])) from None
+    except OSError as exc:
+        raise UserError(store_error(tracking_uri, _file_reason(exc), _file_fix(exc))) from None
+    except Exception as exc:
+        if not type(exc).__module__.startswith("sqlalchemy"):
+            raise
+        raise UserError(store_error(tracking_uri, error_reason(exc)[:300], SQL_FIX)) from None
+
+
+SQL_FIX = (
+    "a sqlite:/// URI must name a database file (not a directory) that no other program holds locked; "
+    "fix mlflow.tracking_uri or stop the other program, then re-run `snakemake -R track`"
+)
+
+
+def store_error(tracking_uri: str, reason: str, fix: str = RERUN_HINT) -> str:
+    return (
+        f"cannot use tracking URI {redact_uri(tracking_uri)} ({reason}); {fix}: the local results are kept "
+        "and only what is missing in MLflow is uploaded"
+    )
+
+
+def _file_reason(exc: OSError) -> str:
+    where = f": {destination(exc.filename)}" if exc.filename is not None else ""
+    return f"{exc.strerror or type(exc).__name__}{where}"
+
+
+def _file_fix(exc: OSError) -> str:
+    """The fix for the store's own filesystem (not the results')."""
+    rerun = "then re-run `snakemake -R track`"
+    if exc.errno in NO_SPACE:
+        return f"free space on the store's filesystem or point mlflow.tracking_uri at another, {rerun}"
+    if exc.errno in NOT_WRITABLE:
+        return (
+            "the store is read-only or not writable by this user: make it writable or point "
+            f"mlflow.tracking_uri at a writable store, {rerun}"
+        )
+    return f"fix the store or mlflow.tracking_uri, {rerun}"
 
 
 def exit_now() -> NoReturn:

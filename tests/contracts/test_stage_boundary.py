@@ -1,0 +1,293 @@
+"""The stage boundary (issue 29): a broken file between stages, or a broken environment (a full or
+read-only disk, an SQL store that is a directory), is one line naming the file, the cause and the fix;
+exit status 2; nothing that looks complete at the output path; never a traceback.
+
+Each case builds its input from small hand-made records (no training) and runs the stage's ``main``
+under ``run_cli`` in this process, as ``python -m shardfuse.<stage>`` does; SUBPROCESS_CASES also run as
+real processes (the exit status and stderr a user sees). The docs/errors.md section "Broken files
+between stages" lists every case, with the message fragment asserted here.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfuse.io import destination, run_cli
+from tests.support.helpers import REPO, run_stage, write_train_dir
+
+DOCS = REPO / "docs" / "errors.md"
+SECTION = "## Broken files between stages"
+
+
+@dataclass
+class Case:
+    stage: str
+    args: list
+    fragment: str
+    out: Path | None = None  # must not exist afterwards, nor a temporary sibling of it
+    fault: tuple[int, str] | None = None  # (errno, strerror) os.replace raises, as a disk would
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def run_dir(tmp: Path, **overrides) -> tuple[Path, Path, str]:
+    """(results/runs, results/trainings, --runs-json) of one run ``r`` whose eval.json, merge.json and
+    train.json are well formed; ``overrides``: {file name: its content (an object, or raw bytes)}."""
+    runs, trainings = tmp / "runs", tmp / "trainings"
+    (runs / "r").mkdir(parents=True)
+    (trainings / "t" / "ranks").mkdir(parents=True)
+    scores = {"accuracy": 0.8, "loss": 0.5}
+    files = {
+        runs / "r" / "eval.json": {
+            "run": "r", "task": "classification", "score": "accuracy", "merged": scores, "base": scores,
+            "ranks": [{"rank": 0, **scores}], "best_rank_accuracy": 0.8, "mean_rank_accuracy": 0.8,
+        },
+        runs / "r" / "merge.json": {"run": "r", "method": "uniform", "max_abs_diff_between_ranks": 0.1},
+        trainings / "t" / "ranks" / "train.json": {"run": "t", "num_steps": 4, "train_seconds": 1.0},
+    }  # fmt: skip
+    for path, content in files.items():
+        content = overrides.get(path.name, content)
+        path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    config = {"training": "t", "dataset": "d", "world_size": 2, "strategy": "localsgd", "sync_every": 0}
+    return runs, trainings, json.dumps({"r": config})
+
+
+def summary_case(tmp: Path, fragment: str, runs_json: str | None = None, **overrides) -> Case:
+    runs, trainings, default_runs = run_dir(tmp, **overrides)
+    out = tmp / "summary.csv"
+    args = ["--runs-json", runs_json or default_runs, "--results-dir", runs, "--trainings-dir", trainings]
+    return Case("summary", [*args, "--out", out], fragment, out)
+
+
+def ranks_dir(tmp: Path) -> Path:
+    return write_train_dir(tmp / "ranks", {"net.0.weight": torch.zeros(3, 4), "net.0.bias": torch.zeros(3)})
+
+
+def gather_case(tmp: Path, ranks: Path, fragment: str, **fields) -> Case:
+    out = tmp / "gather.json"
+    return Case("gather", ["--train-dir", ranks, "--world-size", 2, "--out", out], fragment, out, **fields)
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def case_runs_table_not_utf8(tmp):
+    runs = tmp / "runs.tsv"
+    runs.write_bytes(b"run\tlr\nr\t0.1\nna\xefve\t0.2\n")  # Latin-1, as a spreadsheet may save it
+    config = tmp / "config.yaml"
+    datasets = {"d": {"source": "digits"}}
+    config.write_text(json.dumps({"runs": str(runs), "datasets": datasets, "run_defaults": {"dataset": "d"}}))
+    return Case(
+        "config", ["--configfile", config], f"{runs} is not UTF-8 text (byte 0xef at line 3, column 3)"
+    )
+
+
+def case_record_not_utf8(tmp):
+    return summary_case(tmp, "train.json is not UTF-8 text (byte 0xff at line 1, column 2); delete it", **{
+        "train.json": b'{\xff"run": "t"}'
+    })  # fmt: skip
+
+
+def case_record_field_wrong_type(tmp):
+    return summary_case(
+        tmp,
+        "eval.json: 'merged' is a string \"high\", not dict; re-run the evaluate stage",
+        **{"eval.json": {"run": "r", "task": "classification", "merged": "high"}},
+    )
+
+
+def case_record_metric_not_a_number(tmp):
+    scores = {"accuracy": "0.8"}
+    return summary_case(
+        tmp,
+        "eval.json: 'base' is a mapping whose 'accuracy' is a string \"0.8\", not a number",
+        **{"eval.json": {"run": "r", "task": "classification", "merged": {"accuracy": 0.8}, "base": scores}},
+    )
+
+
+def case_record_field_missing(tmp):
+    return summary_case(
+        tmp, "train.json has no 'train_seconds' field; re-run the train stage", **{"train.json": {"run": "t"}}
+    )
+
+
+def case_record_not_json(tmp):
+    return summary_case(tmp, "merge.json is not valid JSON", **{"merge.json": b'{"run": "r",'})
+
+
+def case_runs_json_missing_key(tmp):
+    return summary_case(tmp, "--runs-json: run 'r' has no 'training'", runs_json='{"r": {"dataset": "d"}}')
+
+
+def case_runs_json_not_objects(tmp):
+    return summary_case(tmp, "--runs-json must be a JSON object of objects", runs_json='["r"]')
+
+
+def case_directory_where_a_file_is_expected(tmp):
+    case = summary_case(tmp, "")
+    case.out.mkdir()
+    case.fragment = f"{case.out} is a directory where a file is expected"
+    case.out = None  # the directory stays, untouched
+    return case
+
+
+def case_disk_full_names_the_destination(tmp):
+    ranks = ranks_dir(tmp)
+    out = tmp / "gather.json"
+    return gather_case(
+        tmp, ranks, f"cannot write {out} (No space left on device); free space on the filesystem of {tmp}",
+        fault=(errno.ENOSPC, "No space left on device"),
+    )  # fmt: skip
+
+
+def case_read_only_output(tmp):
+    fragment = f"cannot write {tmp / 'gather.json'}: its filesystem is read-only (Read-only file system)"
+    return gather_case(tmp, ranks_dir(tmp), fragment, fault=(errno.EROFS, "Read-only file system"))
+
+
+def case_training_record_not_utf8(tmp):
+    ranks = ranks_dir(tmp)
+    (ranks / "train.json").write_bytes(b'{"run": "t\xe9"}')
+    return gather_case(
+        tmp, ranks, f"{ranks / 'train.json'} is not UTF-8 text (byte 0xe9 at line 1, column 11)"
+    )
+
+
+def case_truncated_base_checkpoint(tmp):
+    ranks = ranks_dir(tmp)
+    base = ranks / "base.safetensors"
+    base.write_bytes(base.read_bytes()[:60])
+    return gather_case(tmp, ranks, f"checkpoint {base} is not a readable safetensors file")
+
+
+def case_tracking_record_malformed(tmp):
+    png, record = tmp / "a.png", tmp / "mlflow.json"
+    png.write_bytes(b"png")
+    record.write_text('{"parent_run_id": "x"}')
+    out = tmp / "out.json"
+    args = ["--png", png, "--records", record, "--out", out]
+    return Case("comparison", args, f"tracking record {record} has no tracking_uri and parent_run_id", out)
+
+
+def case_sqlite_uri_is_a_directory(tmp):
+    png, record, store = tmp / "a.png", tmp / "mlflow.json", tmp / "mlflow.db"
+    png.write_bytes(b"png")
+    store.mkdir()
+    record.write_text(json.dumps({"tracking_uri": f"sqlite:///{store}", "parent_run_id": "x"}))
+    out = tmp / "out.json"
+    return Case(
+        "comparison",
+        ["--png", png, "--records", record, "--out", out],
+        f"cannot use tracking URI sqlite:///{store} (",
+        out,
+    )
+
+
+CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
+SUBPROCESS_CASES = {"record_not_utf8", "training_record_not_utf8"}
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def run_in_process(case: Case, capsys, monkeypatch) -> tuple[int, str]:
+    module = importlib.import_module(f"shardfuse.{case.stage}")
+    if case.fault is not None:
+        number, text = case.fault
+
+        def failing_replace(src, dst):  # the disk refuses the rename of the finished temporary file
+            raise OSError(number, text, str(src))
+
+        monkeypatch.setattr("shardfuse.io.os.replace", failing_replace)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        run_cli(module.main, [str(arg) for arg in case.args])
+    monkeypatch.undo()
+    return exited.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_broken_file_or_disk_is_one_line_at_the_stage_boundary(name, tmp_path, capsys, monkeypatch):
+    case = CASES[name](tmp_path)
+    if name in SUBPROCESS_CASES:
+        proc = run_stage(case.stage, *case.args)
+        returncode, stderr = proc.returncode, proc.stderr
+    else:
+        returncode, stderr = run_in_process(case, capsys, monkeypatch)
+    assert returncode == 2, stderr[-2000:]
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith(f"shardfuse.{case.stage}: error: "), stderr[-2000:]
+    assert case.fragment in lines[-1], lines[-1]
+    assert ".tmp-" not in lines[-1]  # a temporary file is named as the file it was to become
+    if case.out is not None:
+        assert not case.out.exists()
+        assert not list(case.out.parent.glob(f".{case.out.name}.tmp-*"))
+
+
+def test_a_temporary_sibling_is_named_as_its_destination():
+    assert destination("/r/.gather.json.tmp-abc123") == Path("/r/gather.json")
+    assert destination("/r/.ranks.tmp-x1/rank-0.safetensors") == Path("/r/ranks/rank-0.safetensors")
+    assert destination("/r/gather.json") == Path("/r/gather.json")
+
+
+def test_a_bug_keeps_its_traceback(capsys):
+    def main(argv):
+        raise IndexError("list index out of range")
+
+    with pytest.raises(IndexError):
+        run_cli(main, [])
+
+
+def test_each_error_line_is_one_write(monkeypatch):
+    """Ranks share a console and a log: each line and its newline leave in one write (print makes two),
+    so two ranks' lines never join into one."""
+    from shardfuse import io
+
+    writes = []
+    monkeypatch.setattr(io.os, "write", lambda fd, data: writes.append(data) or len(data))
+
+    class Console:
+        def fileno(self):
+            return 2
+
+        def flush(self):
+            pass
+
+    io.write_line("shardfuse.train: error: rank 1: x", Console())
+    assert writes == [b"shardfuse.train: error: rank 1: x\n"]
+
+
+def documented_cases() -> dict[str, str]:
+    """{case: its message excerpt} of the docs/errors.md section on broken files between stages."""
+    text = DOCS.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and (match := re.fullmatch(r"`(\w+)`", cells[0])):
+            rows[match.group(1)] = cells[2]
+    return rows
+
+
+def test_every_case_is_documented_with_its_message():
+    rows = documented_cases()
+    assert set(rows) == set(CASES)
+    drifted = []
+    source = Path(__file__).read_text().replace('\\"', '"')  # the fragments as the user reads them
+    for name, message in rows.items():
+        for piece in re.findall(r"`([^`]+)`", message):
+            for part in (part.strip(" ;:,()") for part in piece.split("…")):
+                if len(part) >= 8 and part not in source:
+                    drifted.append(f"{name}: {part!r}")
+    assert not drifted, f"docs/errors.md quotes what no case asserts: {drifted}"
+    assert os.path.basename(__file__) in DOCS.read_text().split(SECTION, 1)[1]
