@@ -446,3 +446,44 @@ def test_kill_9_of_snakemake_with_the_job_running_then_an_immediate_rerun_takes_
     (ranks,) = workdir.glob("results/trainings/*/ranks")
     info = json.loads((ranks / "train.json").read_text())
     assert info["slurm_job_id"] == first_job and info["num_steps"] == 500 * info["steps_per_epoch"]
+
+
+def readme_group_example() -> tuple[str, str]:
+    """(runs table, sbatch line) of the README's `<!-- sbatch group example: fuse -->` section."""
+    text = (REPO / "README.md").read_text()
+    body = text.split("<!-- sbatch group example: fuse -->", 1)[1]
+    blocks = [code.strip() for code in re.findall(r"```\n(.*?)```", body, flags=re.DOTALL)[:2]]
+    table, line = blocks
+    assert table.startswith("run\t") and line.startswith("sbatch "), blocks
+    return table, line
+
+
+def test_readme_group_sbatch_line_is_what_the_plugin_submits(slurm_cluster, tmp_path):
+    """The README's fuse job: a training fused two ways, trained locally, then gathered, merged and
+    evaluated on the cluster in one SLURM job whose sbatch call (the plugin's --verbose log) is the
+    README's line."""
+    table, expected = readme_group_example()
+    workdir = tmp_path / "work"
+    (workdir / "config").mkdir(parents=True)
+    (workdir / "config" / "runs.tsv").write_text(table + "\n")
+    config = {
+        "runs": "config/runs.tsv",
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2, "hidden_sizes": [16], "epochs": 1},
+        "mlflow": {"tracking_uri": f"sqlite:///{workdir}/mlflow.db"},
+    }
+    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "train", profile=False)
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    proc, _ = run_snakemake(workdir, "--verbose", "--until", "evaluate")
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    calls = re.findall(r"^sbatch call: (sbatch .*)$", proc.stderr + proc.stdout, flags=re.MULTILINE)
+    assert len(calls) == 1, calls  # gather, both merges and both evaluations: one job
+    call = calls[0].split(" --wrap=")[0]
+    call = re.sub(r"shardfuse_[0-9a-f-]{36}", "shardfuse_<uuid>", call).replace(str(workdir), "<workdir>")
+    partition = subprocess.run(
+        ["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    default = next(name.rstrip("*") for name in partition if name.endswith("*"))
+    assert " ".join(call.split()) == expected.replace("<partition>", default)
+    assert sorted(p.parent.name for p in workdir.glob("results/runs/*/eval.json")) == ["ties", "uniform"]
