@@ -193,6 +193,122 @@ def case_sqlite_uri_is_a_directory(tmp):
     )
 
 
+def gathered(tmp: Path) -> Path:
+    """gather.json of hand-made ranks (gather's own main, in this process)."""
+    from shardfuse import gather
+
+    ranks = ranks_dir(tmp)
+    gather.main(["--train-dir", str(ranks), "--world-size", "2", "--out", str(tmp / "gather.json")])
+    return tmp / "gather.json"
+
+
+def hand_made_shards(tmp: Path, **first_shard) -> Path:
+    """A shard directory whose manifest.json adds up; ``first_shard`` edits rank 0's entry."""
+    shard_dir = tmp / "shards"
+    shard_dir.mkdir()
+    shards = [
+        {"rank": rank, "path": f"shard-{rank}.parquet", "rows": 5, "sha256": f"{rank}" * 64, "bytes": 1}
+        for rank in range(2)
+    ]
+    shards[0].update(first_shard)
+    manifest = {
+        "format": "shardfuse.shards/1", "world_size": 2, "seed": 0, "drop_remainder": False,
+        "source": {"path": "train.parquet", "sha256": "f" * 64, "rows": 10}, "total_rows": 10,
+        "dropped_rows": 0, "schema": [], "shards": shards,
+    }  # fmt: skip
+    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+    return shard_dir
+
+
+def case_prepare_source_not_parquet(tmp):
+    data = tmp / "data.parquet"
+    data.write_bytes(b"PAR1" + b"\xff" * 20)
+    spec = json.dumps({"source": "parquet", "path": str(data), "label_column": "y", "feature_columns": ["a"]})
+    out = tmp / "dataset"
+    return Case("prepare", ["--name", "d", "--spec-json", spec, "--out-dir", out], f"{data}", out)
+
+
+def case_partition_input_not_parquet(tmp):
+    split = tmp / "train.parquet"
+    split.write_bytes(b"PAR1" + b"\xff" * 20)
+    out = tmp / "shards"
+    args = ["--input", split, "--world-size", 2, "--seed", 0, "--out-dir", out]
+    return Case("partition", args, f"--input {split} is not a readable Parquet file", out)
+
+
+def case_launch_manifest_path_edited(tmp):
+    shard_dir = hand_made_shards(tmp, path=5)
+    out = tmp / "train"
+    args = [
+        "--nproc-per-node", 2, "--out-dir", out, "--", "--run-name", "r", "--shard-dir", shard_dir,
+        "--dataset-dir", tmp, "--config-json", "{}",
+    ]  # fmt: skip
+    fragment = f"shard manifest {shard_dir / 'manifest.json'} has a malformed shards[0].path (5)"
+    return Case("launch", args, fragment, out)
+
+
+def case_merge_base_swapped_after_gather(tmp):
+    gather_json = gathered(tmp)
+    other = write_train_dir(
+        tmp / "other", {"net.0.weight": torch.ones(3, 4), "net.0.bias": torch.ones(3)}, run="another"
+    )
+    for name in ("base.safetensors", "base.json"):
+        if (other / name).exists():
+            (tmp / "ranks" / name).write_bytes((other / name).read_bytes())
+    out = tmp / "merged.safetensors"
+    args = ["--gather", gather_json, "--method", "task_arithmetic", "--out-weights", out]
+    return Case(
+        "merge", [*args, "--out-json", tmp / "merge.json"], "re-run training (snakemake -R train)", out
+    )
+
+
+def case_evaluate_dataset_json_not_utf8(tmp):
+    gather_json = gathered(tmp)
+    test = tmp / "test.parquet"
+    test.write_bytes(b"PAR1")
+    (tmp / "dataset.json").write_bytes(b'{"rows": "\xe9"}')
+    out = tmp / "eval.json"
+    args = ["--run", "r", "--test", test, "--gather", gather_json, "--merged", tmp / "m.safetensors"]
+    return Case("evaluate", [*args, "--out", out], f"{tmp / 'dataset.json'} is not UTF-8 text", out)
+
+
+def case_plots_summary_not_utf8(tmp):
+    summary, out = tmp / "summary.csv", tmp / "merge_methods.png"
+    summary.write_bytes(b"run,method\nr,unif\xe9\n")
+    return Case("plots", ["compare", "--summary", summary, "--out", out], f"{summary} is not UTF-8 text", out)
+
+
+def case_tracking_gather_record_not_utf8(tmp):
+    runs, trainings, _ = run_dir(tmp)
+    manifest, record = tmp / "manifest.json", runs / "r" / "gather.json"
+    record.write_bytes(b'{"format": "\xff"}')
+    manifest.write_text("{}")  # present: the inputs' existence is checked first
+    (runs / "r" / "merged.safetensors").write_bytes(b"")
+    config = json.dumps({"run": "r", "dataset": "d", "training": "t"})
+    out = tmp / "ids.json"
+    args = [
+        "--run", "r", "--run-dir", runs / "r", "--train-dir", trainings / "t" / "ranks", "--manifest",
+        manifest, "--config-json", config, "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--out", out,
+    ]  # fmt: skip
+    return Case("tracking", args, f"{record} is not UTF-8 text", out)
+
+
+def case_export_truncated_weights(tmp):
+    weights = ranks_dir(tmp) / "base.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    out = tmp / "exported"
+    return Case(
+        "export", ["--weights", weights, "--out", out], f"{weights} is not a readable safetensors", out
+    )
+
+
+def case_init_from_truncated(tmp):
+    weights = ranks_dir(tmp) / "base.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    args = ["--init-from", weights, "--dataset-json", '{"source": "digits"}']
+    return Case("check_init", args, f"init_from {weights} is not a readable safetensors file")
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 SUBPROCESS_CASES = {"record_not_utf8", "training_record_not_utf8"}
 

@@ -316,3 +316,55 @@ def test_gather_refuses_a_base_whose_bytes_or_initial_weights_differ(ranks_copy,
         f"(init_sha256 in their headers): it is not this training's base; {RERUN_TRAIN}",
     )  # fmt: skip
     assert not (tmp_path / "gather.json").exists()
+
+
+# ---------------------------------------------------------------- edited manifest.json and dataset.json
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda m: m["shards"][0].update(path=5), "has a malformed shards[0].path (5)"),
+        (lambda m: m["shards"][1].update(path="../shard-1.parquet"), "malformed shards[1].path"),
+        (lambda m: m["shards"][0].update(bytes="38387"), 'malformed shards[0].bytes ("38387")'),
+        (lambda m: m["shards"][1].update(label_counts=[1, 2]), "malformed shards[1].label_counts ([1, 2])"),
+        (
+            lambda m: m["shards"][0]["column_moments"]["x0"].update(sum="1"),
+            "malformed shards[0].column_moments",
+        ),
+    ],
+)
+def test_a_rank_refuses_an_edited_manifest_in_one_line(digits_shards, tmp_path, change, fragment):
+    """Edits that reached the ranks as TypeError, AttributeError or a NumPy error: each is now the
+    manifest's one line (read_manifest, which the launcher and every rank call before anything else)."""
+    shard_dir = shards_copy(digits_shards, tmp_path)
+    edit_json(shard_dir / "manifest.json", change)
+    with pytest.raises(UserError) as error:
+        read_manifest(shard_dir)
+    assert str(error.value).startswith(f"shard manifest {shard_dir / 'manifest.json'} ")
+    assert fragment in str(error.value) and str(error.value).endswith(RERUN_PARTITION)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"num_classes": 10.0}, "'num_classes' is a number 10.0, not int"),
+        ({"num_features": [64]}, "'num_features' is a list [64], not int"),
+        ({"num_features": -1}, "'num_features' is -1, not a positive count of input values"),
+        ({"num_features": None}, "'num_features' is null"),
+        ({"input": "numeric"}, "'input' is a string \"numeric\", not dict"),
+        ({"input": {"kind": "numeric", "shape": "64"}}, "'input' has shape '64', not a list of positive"),
+        ({"task": "ranking"}, "'task' is 'ranking', not one of classification, regression, causal_lm"),
+        ({"task": "regression"}, "task regression needs target_names"),
+        ({"feature_names": 64}, "'feature_names' is a number 64, not list"),
+    ],
+)
+def test_a_rank_refuses_an_edited_dataset_json_in_one_line(digits_dataset, tmp_path, change, fragment):
+    """Edits that reached the ranks as TypeError, KeyError or AttributeError (building the model spec)."""
+    dataset = dataset_copy(digits_dataset, tmp_path)
+    edit_json(dataset / "dataset.json", lambda info: info.update(change))
+    with pytest.raises(UserError) as error:
+        read_dataset_info(dataset)
+    assert str(error.value).startswith(f"dataset info {dataset / 'dataset.json'}: {fragment}")
+    assert str(error.value).endswith(f"; {RERUN_PREPARE}")
+    read_dataset_info(digits_dataset)  # the intact file

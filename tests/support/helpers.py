@@ -97,7 +97,11 @@ def snakemake_failure(workdir: Path, proc: subprocess.CompletedProcess, tail: in
 
 
 def write_train_dir(
-    out: Path, base: dict, ranks: int = 2, rank_tensors: Callable[[int], dict] | None = None
+    out: Path,
+    base: dict,
+    ranks: int = 2,
+    rank_tensors: Callable[[int], dict] | None = None,
+    run: str = "t",
 ) -> Path:
     """A train directory as training writes it (base and rank checkpoints, train.json) from hand-made
     tensors: ``base`` for the base model, ``rank_tensors(rank)`` (default: ``base``) for each rank."""
@@ -111,7 +115,7 @@ def write_train_dir(
         "activation": "relu",
         "dropout": 0.0,
     }
-    meta = {"run": "t", "world_size": ranks, "strategy": "localsgd", "model": spec}
+    meta = {"run": run, "world_size": ranks, "strategy": "localsgd", "model": spec}
     save_weights(out / "base.safetensors", base, {**meta, "rank": None})
     for rank in range(ranks):
         tensors = rank_tensors(rank) if rank_tensors else base

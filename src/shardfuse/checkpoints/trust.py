@@ -216,6 +216,8 @@ def _check_entry(
             f"{where}, which has no shardfuse header: it is not a checkpoint of this training; {STALE}"
         )
     said = metadata.get("run")
+    if rank is None:  # the ranks (checked first) agree with gather.json: the base alone was swapped
+        check_base_header(path, metadata, info["run"])
     if said != info["run"]:
         raise UserError(f"{where}, whose header says training {said!r}, not {info['run']!r}; {STALE}")
     said = metadata.get("rank")

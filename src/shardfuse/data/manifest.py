@@ -8,6 +8,7 @@ A library module: the partition stage writes manifests, ``shardfuse.data.reader`
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -99,6 +100,7 @@ def read_manifest(shard_dir: str | Path) -> dict:
             f"shard manifest {path} does not list ranks 0..{world_size - 1} in order; {RERUN_PARTITION}"
         )
     _check_rows_add_up(path, manifest)
+    _check_shard_entries(path, shards)
     columns = manifest.get("columns")  # optional: older manifests do not have it
     if columns is not None and (not isinstance(columns, list) or any(map(_bad_column_entry, columns))):
         raise UserError(
@@ -106,6 +108,47 @@ def read_manifest(shard_dir: str | Path) -> dict:
             f"and shape); {RERUN_PARTITION}"
         )
     return manifest
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _bad_shard_field(shard: dict) -> str | None:
+    """The first field of a shard entry a rank could not use as it is (a path that is not a file name in
+    the shard directory, a size, label count or column moment that is not a number), or None."""
+    checks = {
+        "path": lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v,
+        "sha256": lambda v: isinstance(v, str),
+        "bytes": _is_count,
+        "label_counts": lambda v: v is None or (isinstance(v, dict) and all(map(_is_count, v.values()))),
+        "column_moments": lambda v: (
+            v is None
+            or (
+                isinstance(v, dict)
+                and all(
+                    isinstance(m, dict)
+                    and _is_count(m.get("count"))
+                    and all(_is_number(m.get(k)) for k in ("sum", "sum_squares"))
+                    for m in v.values()
+                )
+            )
+        ),
+    }
+    return next((key for key, fits in checks.items() if not fits(shard.get(key))), None)
+
+
+def _check_shard_entries(path: Path, shards: list[dict]) -> None:
+    for shard in shards:
+        if (key := _bad_shard_field(shard)) is not None:
+            raise UserError(
+                f"shard manifest {path} has a malformed shards[{shard['rank']}].{key} "
+                f"({json.dumps(shard.get(key))[:40]}); {RERUN_PARTITION}"
+            )
 
 
 def _check_rows_add_up(path: Path, manifest: dict) -> None:

@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +41,9 @@ from shardfuse.data.shard_format import (
     read_layout,
     shard_name,
 )
+from shardfuse.experiment.records import wrong_type
 from shardfuse.io import UserError, error_reason, read_json, sha256_file
+from shardfuse.models.tasks import TASKS
 
 DATASET_KEYS = (
     "name",
@@ -460,4 +463,47 @@ def read_dataset_info(dataset_dir: str | Path) -> dict:
             f"dataset info {path} lacks {', '.join(missing)}; re-run the prepare stage "
             "(snakemake -R prepare_dataset)"
         )
+    _check_info_fields(path, info)
     return info
+
+
+# dataset.json's fields as a rank builds from them, typed as the records of shardfuse.experiment.records
+# are: an edited field is this file's one-line error, not a TypeError or KeyError inside the ranks.
+DATASET_FIELDS = {
+    "name": "str", "source": "str", "task": "str", "input": "dict", "num_features": "int",
+    "num_classes": "int", "feature_names": "list", "label_names": "list", "rows": "dict",
+    "sha256": "dict", "seed": "int", "test_fraction": "float", "target_names": "list",
+    "vocab_size": "int", "block_size": "int",
+}  # fmt: skip
+TASK_FIELDS = {"regression": ("target_names",), "causal_lm": ("vocab_size", "block_size")}
+
+
+def _info_problem(info: dict[str, Any]) -> str | None:
+    """How dataset.json fails :data:`DATASET_FIELDS` or the task's own fields, or None."""
+    for key, annotation in DATASET_FIELDS.items():
+        if key in info and (wrong := wrong_type(info[key], annotation)) is not None:
+            return f"'{key}' is {wrong}"
+    if (
+        null := next((key for key in ("num_features", "num_classes") if info[key] is None), None)
+    ) is not None:
+        return f"'{null}' is null"
+    task = info.get("task", "classification")
+    if task not in TASKS:
+        return f"'task' is {task!r}, not one of {', '.join(TASKS)}"
+    if missing := [key for key in TASK_FIELDS.get(task, ()) if info.get(key) is None]:
+        return f"task {task} needs {', '.join(missing)}"
+    if info["num_features"] < 1:
+        return f"'num_features' is {info['num_features']}, not a positive count of input values"
+    if info["num_classes"] < 0:
+        return f"'num_classes' is {info['num_classes']}, not a count of classes"
+    shape = info.get("input", {}).get("shape", [info["num_features"]])
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 1 for n in shape):
+        return f"'input' has shape {shape!r}, not a list of positive integers"
+    return None
+
+
+def _check_info_fields(path: Path, info: dict[str, Any]) -> None:
+    if (problem := _info_problem(info)) is not None:
+        raise UserError(
+            f"dataset info {path}: {problem}; re-run the prepare stage (snakemake -R prepare_dataset)"
+        )

@@ -29,6 +29,7 @@ and named under the plot.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -36,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shardfuse.io import UserError, atomic_path
+from shardfuse.io import UserError, atomic_path, read_text
 from shardfuse.models.tasks import TASKS, Task, task_for
 
 MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
@@ -114,8 +115,8 @@ def row_task(row: dict[str, str]) -> Task:
 def read_summary(path: Path) -> list[dict[str, str]]:
     if not path.is_file():
         raise UserError(f"{path} does not exist; run the summary stage first")
-    with open(path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
+    text = read_text(path, "delete it and re-run the summary stage")
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
     header = set(rows[0]) if rows else set()
     needed = {"run", "merge_method"}
     if not any({f"test_{score}_merged", f"test_{score}_best_rank"} <= header for score in TASK_OF_SCORE):
