@@ -234,13 +234,20 @@ def log_to(log: Path) -> tuple[Path, int]:
     return attempt, console
 
 
+# Set by the workflow for its jobs (workflow/rules/common.smk): Snakemake prints each failed job's
+# one-line errors at the end of the run (onerror), so the launcher does not echo them too.
+ERRORS_AT_END = "SHARDFUSE_ERRORS_AT_END"
+
+
 @contextlib.contextmanager
 def error_on_console(attempt: Path, console: int):
-    """A failed launch's one-line errors also on the console the log replaced: the ranks' (read back
-    from the log), then the launcher's, which says where the whole output is."""
+    """A failed launch's one-line errors also on the console the log replaced (by hand): the ranks'
+    (read back from the log), then the launcher's, which says where the whole output is."""
     try:
         yield
     except Exception as exc:
+        if os.environ.get(ERRORS_AT_END):
+            raise
         message = user_error_message(exc)
         if message is None:  # a bug: its traceback goes to the log
             message = f"{type(exc).__name__}: {error_reason(exc)}"

@@ -13,8 +13,11 @@ if SRC_DIR not in sys.path:
     sys.path.insert(0, SRC_DIR)
 # Jobs (local, or re-executed on a SLURM node) import shardfuse from this checkout even when the
 # environment has only the dependencies installed (e.g. the per-rule conda envs).
+# SHARDFUSE_ERRORS_AT_END: the onerror handler prints each failed job's one-line errors last, so a
+# stage run as a job does not echo them on the console as well (shardfuse.launch).
 shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+    "export SHARDFUSE_ERRORS_AT_END=1; "
 )
 
 from shardfuse.checkpoints.init_weights import weight_files  # noqa: E402
