@@ -38,7 +38,8 @@ SHARED_TRAINING_MODULES = {
     "tests/stages/test_align.py": "small_trainings",
     "tests/stages/test_ensemble.py": "small_trainings",
     "tests/stages/test_resume.py": "ddp_resume_reference",
-    "tests/workflow/test_resume_snakemake.py": "ddp_resume_reference",
+    "tests/slow/test_resume_snakemake.py": "ddp_resume_reference",
+    "tests/slow/test_resume_fallback.py": "ddp_resume_reference",
     "tests/slow/test_ownership.py": "ddp_resume_reference",
 }
 
