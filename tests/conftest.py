@@ -40,6 +40,7 @@ SHARED_TRAINING_MODULES = {
     "tests/stages/test_resume.py": "ddp_resume_reference",
     "tests/slow/test_resume_snakemake.py": "ddp_resume_reference",
     "tests/slow/test_resume_fallback.py": "ddp_resume_reference",
+    "tests/slow/test_stop_with_a_checkpoint.py": "ddp_resume_reference",
     "tests/slow/test_ownership.py": "ddp_resume_reference",
 }
 

@@ -27,6 +27,15 @@ class UserError(Exception):
     The message is one line that names the problem and the fix; no traceback is shown.
     """
 
+    exit_status = 2
+
+
+class Interrupted(UserError):
+    """The work stopped before its end on request (a signal, a job's time limit) and can go on from
+    where it stopped: one line, exit status 75 (EX_TEMPFAIL: try again)."""
+
+    exit_status = 75
+
 
 def error_reason(exc: BaseException) -> str:
     """First line of an exception's message (Arrow's can span many), for a one-line UserError."""
@@ -362,7 +371,7 @@ def run_cli(main: Callable[[list[str] | None], Any], argv: list[str] | None = No
         if message is None:
             raise
         write_line(error_line(prog, message))
-        sys.exit(2)
+        sys.exit(getattr(exc, "exit_status", 2))
 
 
 # What a failed workflow tells the user last (the Snakefile's onerror handler): each failed job's

@@ -39,9 +39,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from shardfuse.cluster.deadline import DeadlineWatcher, requeue
 from shardfuse.cluster.ownership import (
     keep_published,
     launch_identity,
@@ -60,6 +62,7 @@ from shardfuse.cluster.torchrun import (
     rank_environ,
 )
 from shardfuse.io import (
+    Interrupted,
     StageParser,
     UserError,
     error_line,
@@ -72,6 +75,12 @@ from shardfuse.io import (
 )
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, failure_message
+from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
+
+REQUEUE_WAIT_SECONDS = 120
+# Inside a SLURM job the ranks stop this long before the time limit, with a checkpoint (seconds).
+STOP_BEFORE_ENV = "SHARDFUSE_STOP_BEFORE_LIMIT"
+DEFAULT_STOP_BEFORE = 180.0
 
 
 def staging_dir(out_dir: Path) -> Path:
@@ -129,6 +138,7 @@ def launch(
     environ: Mapping[str, str],
     max_restarts: int = 0,
     log: Path | None = None,
+    stop_before_limit: float = 0,
 ) -> None:
     shards = _shard_world_size(train_args)
     if shards is not None and shards != geometry.world_size:
@@ -154,7 +164,10 @@ def launch(
                 file=sys.stderr,
             )
             return
-        _train(geometry, out_dir, staging, cmd, train_args, environ, workflow, max_restarts, log)
+        _train(
+            geometry, out_dir, staging, cmd, train_args, environ, workflow, max_restarts, log,
+            stop_before_limit,
+        )  # fmt: skip
         if workflow is not None:
             keep_published(out_dir, identity)
 
@@ -169,14 +182,26 @@ def _train(
     workflow: tuple[int, str] | None,
     max_restarts: int,
     log: Path | None,
+    stop_before_limit: float,
 ) -> None:
     """Run the ranks into the staging directory (resuming from its checkpoints) and publish it."""
     if prepare_staging(staging, train_args):
         print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)  # an earlier launch's
+    for name in (STOP_FILE, STOPPED_FILE):
+        (staging / name).unlink(missing_ok=True)
     # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
     env = rank_environ(geometry, environ) if geometry.nnodes == 1 else None
-    status = run_and_forward_signals(cmd, env, watch=workflow)
+    job = environ.get("SLURM_JOB_ID")
+    with (
+        DeadlineWatcher(job, stop_before_limit, staging / STOP_FILE)
+        if job and stop_before_limit > 0
+        else contextlib.nullcontext()
+    ) as deadline:
+        status = run_and_forward_signals(cmd, env, watch=workflow)
+    stopped = read_stop(staging)
+    if stopped is not None:
+        stop_and_requeue(stopped, job if deadline is not None and deadline.fired else None)
     if status != 0:
         raise UserError(failure_message(status, staging, max_restarts, log))
     if not (staging / "train.json").is_file():
@@ -189,6 +214,28 @@ def _train(
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
     (staging / "launch.json").unlink(missing_ok=True)
     replace_dir(staging, out_dir)
+
+
+def stop_and_requeue(stopped: dict, job: str | None) -> None:
+    """The ranks stopped at a step with a checkpoint (a signal, or ``job``'s time limit): say so, requeue
+    ``job`` (it resumes from that step when it starts again), and end with exit status 75."""
+    step, reason = stopped["step"], stopped.get("reason", "asked to stop")
+    message = f"training stopped after step {step} ({reason}) with a complete checkpoint of that step"
+    if job is None:
+        raise Interrupted(f"{message}; a re-run resumes from step {step}, losing no step")
+    refused = requeue(job)
+    if refused is not None:
+        raise Interrupted(
+            f"{message}, but SLURM did not requeue job {job} ({refused}); re-run snakemake to resume from "
+            f"step {step}, or ask for a longer runtime (set-resources: train: runtime)"
+        )
+    print(
+        f"launch: requeued SLURM job {job}: it resumes from step {step} when it starts again",
+        file=sys.stderr,
+        flush=True,
+    )
+    time.sleep(REQUEUE_WAIT_SECONDS)  # SLURM ends this job meanwhile; should it not, say so
+    raise Interrupted(f"{message}; SLURM job {job} was requeued but did not end")
 
 
 def attempt_log(log: Path) -> tuple[Path, int]:
@@ -280,6 +327,14 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         help="write all output here (a hard link to <name>.attempt-N.log, so every attempt's log is kept)",
     )
+    parser.add_argument(
+        "--stop-before-limit",
+        type=float,
+        default=None,
+        help="inside a SLURM job: this many seconds before its time limit, stop the ranks at a step "
+        f"with a checkpoint and requeue the job (shardfuse.cluster.deadline; 0: off; default: "
+        f"${STOP_BEFORE_ENV} or {DEFAULT_STOP_BEFORE:.0f})",
+    )
     parser.add_argument("train_args", nargs="*", help="-- then the arguments of shardfuse.train")
     args = parser.parse_args(argv)
     if args.log is None:
@@ -300,7 +355,32 @@ def run_launch(args: argparse.Namespace) -> None:
         sys.exit(run_and_forward_signals(cmd, rank_environ(geometry, os.environ)))
     if args.out_dir is None:
         raise UserError("--out-dir is required; pass the run's train directory")
-    launch(geometry, args.out_dir, args.train_args, os.environ, args.max_restarts, args.log)
+    launch(
+        geometry, args.out_dir, args.train_args, os.environ, args.max_restarts, args.log,
+        stop_before_limit(args.stop_before_limit, os.environ),
+    )  # fmt: skip
+
+
+def stop_before_limit(flag: float | None, environ: Mapping[str, str]) -> float:
+    """Seconds before a SLURM job's time limit at which the ranks stop with a checkpoint: the flag, else
+    $SHARDFUSE_STOP_BEFORE_LIMIT (the workflow's knob: sbatch passes the environment to the job), else
+    DEFAULT_STOP_BEFORE."""
+    where, value = "--stop-before-limit", flag
+    if value is None and environ.get(STOP_BEFORE_ENV, "").strip():
+        where, text = STOP_BEFORE_ENV, environ[STOP_BEFORE_ENV]
+        try:
+            value = float(text)
+        except ValueError:
+            raise UserError(
+                f"{where} is {text!r}, not a number of seconds; set e.g. 300, or 0 for off"
+            ) from None
+    if value is None:
+        return DEFAULT_STOP_BEFORE
+    if not 0 <= value < float("inf"):
+        raise UserError(
+            f"{where} is {value:g}; give the seconds before the time limit, e.g. 300, or 0 for off"
+        )
+    return value
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from shardfuse.rank.failure import failures_recorded
 from shardfuse.rank.loop import train_loop
 from shardfuse.rank.publish import publish
 from shardfuse.rank.setup import plan_steps, resume_or_start, set_up
+from shardfuse.rank.stop_files import record_stop
 from shardfuse.track.client import exit_now
 from shardfuse.track.live import LiveLogger
 
@@ -59,8 +60,13 @@ def train_rank(
     gpu = ctx.device.index if ctx.device.type == "cuda" else None
     with SystemSampler(out_dir / "metrics", ctx.rank, gpu, interval_s=None if step_metrics else 0) as system:
         plan = plan_steps(setup, position)
-        num_steps, loop_seconds, stopped_early = train_loop(setup, plan, position, metrics, live)
-        publish(setup, plan, num_steps, loop_seconds, stopped_early, metrics, system)
+        end = train_loop(setup, plan, position, metrics, live)
+        if end.interrupted:
+            # The step's checkpoint is complete (save_checkpoint's barrier): nothing is published, and
+            # the launcher reads why the ranks stopped and what a re-run resumes from.
+            setup.gate.call(record_stop, out_dir, end.step, end.interrupted)
+            return
+        publish(setup, plan, end.step, end.seconds, end.stopped_early, metrics, system)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -487,3 +487,62 @@ def test_readme_group_sbatch_line_is_what_the_plugin_submits(slurm_cluster, tmp_
     default = next(name.rstrip("*") for name in partition if name.endswith("*"))
     assert " ".join(call.split()) == expected.replace("<partition>", default)
     assert sorted(p.parent.name for p in workdir.glob("results/runs/*/eval.json")) == ["ties", "uniform"]
+
+
+LONG_TRAINING = {"strategy": "ddp", "merge_method": "consolidate", "hidden_sizes": [512, 512], "epochs": 200}
+
+
+def release_requeued_jobs() -> None:
+    """A requeued job waits about two minutes before it may start again (SLURM's BeginTime); on the test
+    cluster let it start at once."""
+    listing = subprocess.run(
+        ["squeue", "-h", "-t", "PD", "-o", "%i %r"], capture_output=True, text=True, check=False
+    ).stdout
+    for job_id, reason in (line.split(maxsplit=1) for line in listing.splitlines() if line.strip()):
+        if reason.strip() == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+
+
+def test_a_training_longer_than_its_time_limit_is_requeued_and_loses_no_step(slurm_cluster, tmp_path):
+    """runtime: 1 (minute) for a training of about half a minute, the ranks stopping 40 s before the
+    limit: each attempt trains a few seconds, stops at a step with its checkpoint and requeues its job;
+    the next attempt resumes from that very step; the result equals an uninterrupted local run bitwise."""
+    reference = tiny_experiment(tmp_path / "local", **LONG_TRAINING, checkpoint_every=0)
+    proc, _ = run_snakemake(reference, "--cores", "2", "--until", "train", profile=False)
+    assert proc.returncode == 0, snakemake_failure(reference, proc)
+
+    workdir = tiny_experiment(tmp_path / "work", **LONG_TRAINING, checkpoint_every=0)
+    profile = cluster_profile(tmp_path / "profile", **{"set-resources": {"train": {"runtime": 1}}})
+    command = snakemake_command(workdir, "--profile", profile, *FAST_STATUS, "--until", "train")
+    env = {**subprocess_env(), "SHARDFUSE_STOP_BEFORE_LIMIT": "40"}
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    ) as run:
+        deadline = time.monotonic() + 900
+        while run.poll() is None and time.monotonic() < deadline:
+            release_requeued_jobs()
+            time.sleep(2)
+        run.kill()
+        console, _ = run.communicate()
+    assert run.returncode == 0, console[-4000:]
+    (job_id,) = slurm_job_ids(workdir, "train")  # one job, requeued: Snakemake saw no failure
+    (training,) = [p.name for p in (workdir / "results" / "trainings").iterdir()]
+    attempts = sorted((workdir / "logs" / "train").glob(f"{training}.attempt-*.log"))
+    assert len(attempts) >= 3, [a.name for a in attempts]
+    stops = []
+    for attempt in attempts[:-1]:
+        text = attempt.read_text()
+        (step,) = re.findall(r"\] stopped after step (\d+) \(the SLURM job's time limit is 40 s away\)", text)
+        assert f"launch: requeued SLURM job {job_id}: it resumes from step {step}" in text
+        stops.append(step)
+    for attempt, step in zip(attempts[1:], stops, strict=True):
+        assert f"resuming from checkpoint step {step} " in attempt.read_text(), attempt.name
+    MEASUREMENTS.append(
+        f"time-limit requeue: {len(attempts)} attempts of one SLURM job, stopped at steps {stops}"
+    )
+    ours = workdir / "results" / "trainings" / training / "ranks"
+    theirs = reference / "results" / "trainings" / training / "ranks"
+    for rank in (0, 1):
+        mine, _ = load_weights(ours / f"rank-{rank}.safetensors")
+        local, _ = load_weights(theirs / f"rank-{rank}.safetensors")
+        assert mine.keys() == local.keys() and all(torch.equal(mine[k], local[k]) for k in mine), rank

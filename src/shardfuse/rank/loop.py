@@ -31,6 +31,7 @@ from shardfuse.rank.setup import (
     optimizer_steps,
     publish_rank0_buffers,
 )
+from shardfuse.rank.stop import StopRequest
 from shardfuse.rank.validation import all_out_of_patience, shared_score
 from shardfuse.track.live import LiveLogger
 
@@ -84,11 +85,18 @@ def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
     return score, stop
 
 
+class LoopEnd(NamedTuple):
+    step: int  # the last step taken
+    seconds: float  # this rank's time in the loop
+    stopped_early: bool  # validation stopped the run (it is finished)
+    interrupted: str | None  # why the ranks stopped before the end, with a checkpoint of ``step``
+
+
 def train_loop(
     setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None, live: LiveLogger | None
-) -> tuple[int, float, bool]:
-    """Run the remaining optimiser steps; the last step's number, this rank's seconds in the loop and
-    whether validation stopped the run early."""
+) -> LoopEnd:
+    """Run the remaining optimiser steps, or stop at a step boundary with a checkpoint when asked to
+    (:mod:`shardfuse.rank.stop`)."""
     ctx, cfg, run, gate = setup.ctx, setup.cfg, setup.run, setup.gate
     model, optimizer, num_batches = setup.model, setup.optimizer, plan.num_batches
     accum = plan.grad_accum_steps
@@ -107,6 +115,8 @@ def train_loop(
     step = position.step
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
     stop = False
+    interrupted = None
+    stop_request = StopRequest(setup.out_dir, ctx.device, step)
     # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
@@ -142,10 +152,22 @@ def train_loop(
                     if live is not None:
                         live.log(step, {"loss": loss_value, "samples_per_second": throughput})
                 # No checkpoint at the stopping step: a run resumed from an earlier one stops here again.
-                if plan.checkpoint_every and step % plan.checkpoint_every == 0 and not stop:
-                    save_checkpoint(setup, plan, Position(step, epoch, group_start + group_size), metrics)
+                here = Position(step, epoch, group_start + group_size)
+                saved = plan.checkpoint_every and step % plan.checkpoint_every == 0 and not stop
+                if saved:
+                    save_checkpoint(setup, plan, here, metrics)
                 if stop:
                     break
+                if stop_request.due(step):
+                    interrupted = stop_request.reason
+                    if not saved:
+                        save_checkpoint(setup, plan, here, metrics)
+                    gate.log(
+                        f"[{run}] stopped after step {step} ({interrupted}): checkpoint of step {step} saved"
+                    )
+                    break
+            if interrupted:
+                break
             gate.log(f"[{run}] epoch {epoch + 1}/{cfg.loop.epochs} step {step} rank-0 loss {loss_value:.4f}")
             if stop:
                 gate.log(
@@ -153,8 +175,12 @@ def train_loop(
                     f"{plan.tracker.patience} validations"
                 )
                 break
+    stop_request.restore()
+    seconds = time.perf_counter() - started
+    if interrupted:
+        return LoopEnd(step, seconds, False, interrupted)
     plan.sync.finish(step)
-    return step, time.perf_counter() - started, stop
+    return LoopEnd(step, seconds, stop, None)
 
 
 def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None) -> None:
