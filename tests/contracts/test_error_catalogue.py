@@ -870,6 +870,31 @@ def case_tracking_config_without_run(tmp):
     )  # fmt: skip
 
 
+def case_tracking_runs_json_without_a_config(tmp):
+    entry = {
+        "run": "r",
+        "run_dir": str(tmp),
+        "manifest": str(tmp / "m.json"),
+        "config": {},
+        "out": str(tmp / "o.json"),
+    }
+    return Case(
+        "tracking",
+        ["--runs-json", json.dumps([entry]), "--tracking-uri", f"sqlite:///{tmp / 'mlflow.db'}"],
+        "--runs-json entry 0 lacks config; each run needs run, run_dir, manifest, config, out",
+        tmp / "o.json",
+    )
+
+
+def case_stop_before_limit_negative(tmp):
+    return Case(
+        "launch",
+        ["--nproc-per-node", 1, "--out-dir", tmp / "ranks", "--stop-before-limit", "-5"],
+        "--stop-before-limit is -5; give the seconds before the time limit, e.g. 300, or 0 for off",
+        tmp / "ranks",
+    )
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
