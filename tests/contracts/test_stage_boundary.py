@@ -225,7 +225,10 @@ def case_prepare_source_not_parquet(tmp):
     data.write_bytes(b"PAR1" + b"\xff" * 20)
     spec = json.dumps({"source": "parquet", "path": str(data), "label_column": "y", "feature_columns": ["a"]})
     out = tmp / "dataset"
-    return Case("prepare", ["--name", "d", "--spec-json", spec, "--out-dir", out], f"{data}", out)
+    # Arrow's reason, then the fix, as docs/errors.md quotes them.
+    fragment = f"cannot read {data} as parquet (Parquet magic bytes not found in footer. Either the file is "
+    fragment += "corrupted or this is not a parquet file.); check the file and the spec's 'source'"
+    return Case("prepare", ["--name", "d", "--spec-json", spec, "--out-dir", out], fragment, out)
 
 
 def case_partition_input_not_parquet(tmp):
