@@ -1,5 +1,6 @@
 """Every merge method, one record each: its plan, its parameters with their defaults, whether it needs the
-base weights or the validation split, its cross-parameter check and its reference.
+base weights or the validation split, its cross-parameter check, its reference, and why it cannot
+fuse LoRA updates (``not_on_updates``) where it cannot.
 
 The merge stage's ``--method`` choices, the config schema's ``merge_method`` enum, the config's
 ``merge_<param>`` keys and their checks all derive from ``RECORDS`` (tests/contracts hold them equal).
@@ -58,6 +59,10 @@ class Method:
     uses_base: bool = False  # reads the run's base weights (task vectors)
     uses_val: bool = False  # reads the validation split (the merge stage selects ranks)
     check: Check | None = None  # checks across parameters and ranks, after each parameter passed its own
+    # Why the method is no function of the ranks' updates theta_i - base alone, and what to use instead
+    # (shardfuse.fusion.lora refuses it on LoRA adapters with this); None: merging the updates and adding
+    # the result to the base gives what merging the models gives.
+    not_on_updates: str | None = None
 
 
 def _two_ranks(fallback: str) -> Check:
@@ -101,6 +106,11 @@ BREADCRUMBS = {
     "scale": SCALE,
 }
 
+SPHERICAL = (
+    "interpolates the whole weights on a sphere, and their angles and norms move with the frozen base, "
+    "not only with the updates; use weighted or task_arithmetic"
+)
+
 RECORDS: tuple[Method, ...] = (
     Method(
         "consolidate",
@@ -110,7 +120,13 @@ RECORDS: tuple[Method, ...] = (
     ),
     Method("uniform", UniformPlan, "Wortsman et al. 2022, model soups (uniform)"),
     Method("weighted", WeightedPlan, "McMahan et al. 2017, FedAvg", {"weights": WEIGHTS}),
-    Method("greedy_soup", UniformPlan, "Wortsman et al. 2022, model soups (greedy)", uses_val=True),
+    Method(
+        "greedy_soup",
+        UniformPlan,
+        "Wortsman et al. 2022, model soups (greedy)",
+        uses_val=True,
+        not_on_updates="scores candidate soups as whole models on the validation split; use uniform",
+    ),
     Method("task_arithmetic", TaskArithmeticPlan, "Ilharco et al. 2023", {"scale": SCALE}, uses_base=True),
     Method(
         "ties", TiesPlan, "Yadav et al. 2023", {"density": DENSITY["ties"], "scale": SCALE}, uses_base=True
@@ -127,7 +143,14 @@ RECORDS: tuple[Method, ...] = (
         },
         uses_base=True,
     ),
-    Method("slerp", SlerpPlan, "Shoemake 1985; mergekit's slerp", {"t": T}, check=_exactly_two_ranks),
+    Method(
+        "slerp",
+        SlerpPlan,
+        "Shoemake 1985; mergekit's slerp",
+        {"t": T},
+        check=_exactly_two_ranks,
+        not_on_updates=SPHERICAL,
+    ),
     Method("model_stock", ModelStockPlan, "Jang et al. 2024", uses_base=True),
     Method("breadcrumbs", BreadcrumbsPlan, "Davari & Belilovsky 2023", BREADCRUMBS, uses_base=True),
     Method(
@@ -153,8 +176,17 @@ RECORDS: tuple[Method, ...] = (
     Method(
         "sce", ScePlan, "Wan et al. 2025, FuseChat-2", {"topk": UNIT_DENSITY, "scale": SCALE}, uses_base=True
     ),
-    Method("nuslerp", NuslerpPlan, "mergekit's nuslerp", {"t": T}, check=_two_ranks("multislerp/karcher")),
-    Method("multislerp", MultislerpPlan, "mergekit's multislerp", {"weights": WEIGHTS}),
+    Method(
+        "nuslerp",
+        NuslerpPlan,
+        "mergekit's nuslerp",
+        {"t": T},
+        check=_two_ranks("multislerp/karcher"),
+        not_on_updates=SPHERICAL,
+    ),
+    Method(
+        "multislerp", MultislerpPlan, "mergekit's multislerp", {"weights": WEIGHTS}, not_on_updates=SPHERICAL
+    ),
     Method(
         "karcher",
         KarcherPlan,
@@ -164,6 +196,7 @@ RECORDS: tuple[Method, ...] = (
             "max_iter": Param(10, "integer", "an integer >= 1", lambda v: v >= 1),
             "tol": Param(1e-5, "number", "a number > 0", lambda v: v > 0),
         },
+        not_on_updates=SPHERICAL,
     ),
 )
 

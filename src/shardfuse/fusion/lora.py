@@ -1,0 +1,312 @@
+"""LoRA adapters fused in update space: each rank's update ΔW_i = s_i·B_i·A_i, merged over the frozen base.
+
+A LoRA adapter of a module with frozen weight W0 holds A [r, in] and B [out, r]; the fine-tuned weight
+is W_i = W0 + ΔW_i with ΔW_i = s_i·B_i·A_i and s_i = alpha / r (:class:`LoraFactors`). Merging A and B
+separately is not merging the updates (mean(B)·mean(A) is not mean(B·A): cross terms), so fusion goes
+through the products, one adapted module at a time:
+
+  merged W = W0 + M(ΔW_1, ..., ΔW_N)
+
+where M is the merge method run by the merge engine on the updates with an all-zero base. For every
+method whose record has no ``not_on_updates`` (registry) that is what the method gives on the dense
+models W_i with base W0, to float rounding: the task-vector methods see tau_i = W_i - W0 = ΔW_i either
+way (DARE's and della's masks are drawn from the same (seed, rank, tensor name) streams, and W0 comes
+back in as ``base + scale·merged``, model_stock's ``t·mean + (1 - t)·base``); uniform and weighted
+(weights summing to 1) commute with adding W0; consolidate compares the ranks through their differences,
+which are the updates' differences. The spherical methods (angles and norms of the whole weights move
+with W0) and greedy_soup (it scores whole models) are refused with their record's one line.
+
+Streaming: :func:`merge_updates` hands each rank's updates to the engine (:class:`UpdateReader`, read as
+a checkpoint of float64 tensors) and yields one merged module at a time. Each read forms a block of
+ΔW_i straight from the factors (only the rows the block touches); blocks hold at most ``block_bytes``
+of float64 over all ranks, so they shrink as ranks are added: no dense model, and no rank's whole ΔW,
+is ever held, and memory is one merged module plus a few blocks whatever the number of ranks (besides
+the input factors, r·(in + out) per rank and module, and what a plan keeps of a whole tensor, as in
+the merge stage: TIES one rank's magnitudes, della and sce with topk < 1 every rank's). :func:`merge_model`
+adds the base: every base tensor in order, the adapted ones as W0 + merged ΔW, the others the base's
+own array.
+
+Adapters out: :func:`svd_factors` re-factorises a merged ΔW to rank r (the best rank-r approximation,
+Eckart-Young) and returns its relative truncation error; :func:`cat_factors` concatenates the ranks'
+factors to rank sum_i r_i, exact for the methods linear in the updates (:data:`LINEAR_METHODS`).
+
+No command line; by hand::
+
+    python -c "import numpy as np; from shardfuse.fusion import lora; \\
+        f = [lora.LoraFactors(np.ones((1, 3)), np.full((2, 1), float(i)), 0.5) for i in (1, 3)]; \\
+        print(next(lora.merge_updates('uniform', {}, [{'w': x} for x in f])).update)"
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from shardfuse.checkpoints.stream import DTYPES, TensorInfo
+from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
+from shardfuse.fusion.methods.registry import BY_NAME, RECORDS, USES_BASE
+from shardfuse.io import UserError
+
+UPDATE_METHODS = tuple(record.name for record in RECORDS if record.not_on_updates is None)
+LINEAR_METHODS = ("uniform", "weighted", "task_arithmetic")  # merged ΔW = sum_i c_i ΔW_i, c fixed
+F64 = DTYPES["F64"]
+
+
+@dataclass(frozen=True, eq=False)  # arrays: identity, not elementwise ==
+class LoraFactors:
+    """One rank's adapter of one module: ΔW = scaling·B·A, in the layout of the module's weight.
+
+    ``a`` is [r, in], ``b`` [out, r], ``scaling`` alpha / r. ``fan_in_fan_out`` (PEFT's flag) says the
+    weight is stored [in, out], as GPT-2's Conv1D stores it: ΔW is then (B·A)^T. Held in float64."""
+
+    a: np.ndarray
+    b: np.ndarray
+    scaling: float
+    fan_in_fan_out: bool = False
+
+    def __post_init__(self) -> None:
+        a, b = np.asarray(self.a, dtype=np.float64), np.asarray(self.b, dtype=np.float64)
+        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0]:
+            raise ValueError(f"LoRA factors need A [r, in] and B [out, r], got {a.shape} and {b.shape}")
+        object.__setattr__(self, "a", a)
+        object.__setattr__(self, "b", b)
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape of ΔW, the module weight's."""
+        out_features, in_features = self.b.shape[0], self.a.shape[1]
+        return (in_features, out_features) if self.fan_in_fan_out else (out_features, in_features)
+
+    def update(self) -> np.ndarray:
+        """ΔW, the whole matrix, in float64."""
+        return self.update_block(0, math.prod(self.shape)).reshape(self.shape)
+
+    def update_block(self, start: int, count: int) -> np.ndarray:
+        """Entries [start, start + count) of ΔW flattened row-major, in float64: only the rows they
+        touch are formed (row j of B·A is B[j]·A; row j of (B·A)^T is A[:, j]^T·B^T)."""
+        width = self.shape[1]
+        if count == 0:
+            return np.empty(0)
+        first, last = start // width, (start + count - 1) // width + 1
+        rows = self.a[:, first:last].T @ self.b.T if self.fan_in_fan_out else self.b[first:last] @ self.a
+        rows *= self.scaling
+        offset = start - first * width
+        return rows.ravel()[offset : offset + count]
+
+
+class MergedUpdate(NamedTuple):
+    """One adapted module's merged update M(ΔW_1..ΔW_N) (float64, the weight's shape) and the engine's
+    statistics of it (max_abs_diff between the ranks' updates, the method's own, e.g. kept_fraction)."""
+
+    name: str
+    update: np.ndarray
+    stats: dict[str, Any]
+
+
+class ModelTensor(NamedTuple):
+    """One tensor of the merged model: the base's own array where no adapter touches it (``merged`` is
+    None), else W0 + merged ΔW in the base's dtype, with the merged update it came from."""
+
+    name: str
+    weight: np.ndarray
+    merged: MergedUpdate | None
+
+
+class UpdateReader:
+    """One rank's updates as the merge engine reads a checkpoint (``tensors``, ``read_into``,
+    ``extend_hash``): float64 tensors whose blocks are formed from the factors on each read.
+    ``factors=None`` is the all-zero base of the updates."""
+
+    def __init__(self, tensors: dict[str, TensorInfo], factors: Mapping[str, LoraFactors] | None) -> None:
+        self.tensors = tensors
+        self.factors = factors
+
+    def read_into(
+        self, info: TensorInfo, start: int, count: int, out: np.ndarray, *, extend_hash: bool = True
+    ) -> np.ndarray:
+        view = out[: count * F64.itemsize]
+        values = view.view(np.float64)
+        if self.factors is None:
+            values.fill(0.0)
+        else:
+            values[:] = self.factors[info.name].update_block(start, count)
+        return view
+
+    def extend_hash(self, info: TensorInfo, start: int, view: np.ndarray) -> None:
+        """Nothing to hash: the factors are in memory; whoever read them from a file checked them."""
+
+
+def refuse_unless_on_updates(method: str) -> None:
+    """The one-line refusal of a method that is no function of the updates over the frozen base."""
+    reason = BY_NAME[method].not_on_updates
+    if reason is not None:
+        raise UserError(f"merge method {method} cannot fuse LoRA adapters: it {reason}")
+
+
+def update_tensors(ranks: Sequence[Mapping[str, LoraFactors]]) -> dict[str, TensorInfo]:
+    """The updates every rank holds, as float64 tensors named like the module weights (rank 0's order);
+    every rank must adapt the same modules, with updates of the same shape and layout."""
+    if not ranks:
+        raise ValueError("no adapters to fuse")
+    first = ranks[0]
+    for index, factors in enumerate(ranks[1:], start=1):
+        if set(factors) != set(first):
+            odd = sorted(set(factors) ^ set(first))[:3]
+            raise UserError(
+                f"the adapters of rank {index} and rank 0 adapt different modules ({', '.join(odd)}); "
+                "fuse adapters trained with the same target_modules"
+            )
+        for name, factor in factors.items():
+            if (factor.shape, factor.fan_in_fan_out) != (first[name].shape, first[name].fan_in_fan_out):
+                raise UserError(
+                    f"module {name!r}: the update of rank {index} is {list(factor.shape)} but rank 0's is "
+                    f"{list(first[name].shape)} (or its fan_in_fan_out differs); fuse adapters of one model"
+                )
+    tensors, begin = {}, 0
+    for name, factor in first.items():
+        end = begin + math.prod(factor.shape) * F64.itemsize
+        tensors[name] = TensorInfo(name, F64, factor.shape, begin, end)
+        begin = end
+    return tensors
+
+
+def merge_updates(
+    method: str,
+    params: dict[str, Any],
+    ranks: Sequence[Mapping[str, LoraFactors]],
+    *,
+    rank_numbers: list[int] | None = None,
+    weights: list[float] | None = None,
+    names: list[str] | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> Iterator[MergedUpdate]:
+    """M(ΔW_1..ΔW_N) for each adapted module (``names``, default rank 0's order), one module at a time.
+
+    ``ranks``: each rank's factors by module weight name, in rank order; ``rank_numbers`` their ranks
+    (DARE's and della's streams are seeded by them, as in the merge stage; default 0..N-1); ``params``
+    from ``resolve_params``; ``weights`` weighted's, summing to 1 (``rank_weights``; default equal). A
+    method that cannot fuse updates, or adapters that disagree, are refused here, before any work."""
+    refuse_unless_on_updates(method)
+    tensors = update_tensors(ranks)
+    rank_numbers = list(range(len(ranks))) if rank_numbers is None else rank_numbers
+    if method == "weighted" and weights is None:
+        weights = [1.0 / len(ranks)] * len(ranks)
+    readers = [UpdateReader(tensors, factors) for factors in ranks]
+    zero_base = UpdateReader(tensors, None) if method in USES_BASE else None
+    engine = Engine(readers, zero_base, method, params, rank_numbers, weights, block_bytes)
+    return _merged_one_by_one(engine, tensors, list(tensors) if names is None else names)
+
+
+def _merged_one_by_one(
+    engine: Engine, tensors: dict[str, TensorInfo], names: list[str]
+) -> Iterator[MergedUpdate]:
+    for name in names:
+        info = tensors[name]
+        sink = MemorySink({name: info})
+        stats = engine.run([name], sink)[name]
+        yield MergedUpdate(name, sink.buffers[name].view(np.float64).reshape(info.shape), stats)
+
+
+def add_update(base_weight: np.ndarray, update: np.ndarray) -> np.ndarray:
+    """W0 + ΔW, summed in float64 and cast back to W0's dtype (as the engine casts every merged tensor)."""
+    return (np.asarray(base_weight, dtype=np.float64) + update).astype(base_weight.dtype)
+
+
+def merge_model(
+    method: str,
+    params: dict[str, Any],
+    base: Mapping[str, np.ndarray],
+    ranks: Sequence[Mapping[str, LoraFactors]],
+    **options: Any,
+) -> Iterator[ModelTensor]:
+    """Every tensor of ``base`` in its order: W0 + M(ΔW_1..ΔW_N) where the ranks adapt it, the base's
+    own array elsewhere. ``options`` are :func:`merge_updates`'s. ``base`` is read one tensor at a time
+    (a lazy mapping keeps only one in memory)."""
+    refuse_unless_on_updates(method)
+    tensors = update_tensors(ranks)
+    for name, info in tensors.items():
+        if name not in base or tuple(base[name].shape) != info.shape:
+            found = "no such tensor" if name not in base else f"shape {list(base[name].shape)}"
+            raise UserError(
+                f"the adapters update {name!r} as {list(info.shape)} but the base has {found}; "
+                "fuse adapters over the base they were trained on"
+            )
+    merged = merge_updates(method, params, ranks, names=[n for n in base if n in tensors], **options)
+    return _with_base(base, tensors, merged)
+
+
+def _with_base(
+    base: Mapping[str, np.ndarray], tensors: dict[str, TensorInfo], merged: Iterator[MergedUpdate]
+) -> Iterator[ModelTensor]:
+    for name in base:
+        if name not in tensors:
+            yield ModelTensor(name, base[name], None)
+            continue
+        update = next(merged)
+        yield ModelTensor(name, add_update(base[name], update.update), update)
+
+
+# ---------------------------------------------------------------- adapters out
+
+
+def svd_factors(
+    update: np.ndarray, rank: int, scaling: float, fan_in_fan_out: bool = False
+) -> tuple[LoraFactors, float]:
+    """The best rank-``rank`` adapter of ``update`` (Eckart-Young: the truncated SVD U_r S_r V_r^T) and
+    its relative truncation error ||ΔW - ΔW_r||_F / ||ΔW||_F = sqrt(sum_{k>r} s_k^2 / sum_k s_k^2)
+    (0 for a zero update).
+
+    Factors for ``scaling`` (alpha / r of the adapter written): B = U_r sqrt(S_r / scaling),
+    A = sqrt(S_r / scaling) V_r^T, the singular values split evenly so that neither factor carries the
+    whole scale. A rank above min(out, in) pads with zero rows and columns."""
+    matrix = update.T if fan_in_fan_out else update  # [out, in]
+    left, singular, right = np.linalg.svd(matrix, full_matrices=False)
+    kept = min(rank, len(singular))
+    root = np.sqrt(singular[:kept] / scaling)
+    b = np.zeros((matrix.shape[0], rank))
+    a = np.zeros((rank, matrix.shape[1]))
+    b[:, :kept] = left[:, :kept] * root
+    a[:kept] = root[:, None] * right[:kept]
+    return LoraFactors(a, b, scaling, fan_in_fan_out), truncation_error(singular, kept)
+
+
+def truncation_error(singular: np.ndarray, kept: int) -> float:
+    """Relative Frobenius error of keeping the ``kept`` largest of the singular values ``singular``."""
+    total = float(np.linalg.norm(singular))
+    return float(np.linalg.norm(singular[kept:])) / total if total > 0 else 0.0
+
+
+def linear_coefficients(
+    method: str, params: dict[str, Any], num_ranks: int, weights: list[float] | None = None
+) -> list[float]:
+    """c_i with merged ΔW = sum_i c_i ΔW_i: uniform 1/N, weighted w_i (summing to 1; default equal),
+    task_arithmetic scale/N. Other methods are not linear in the updates: refused."""
+    if method == "uniform" or (method == "weighted" and weights is None):
+        return [1.0 / num_ranks] * num_ranks
+    if method == "weighted":
+        return list(weights)
+    if method == "task_arithmetic":
+        return [params["scale"] / num_ranks] * num_ranks
+    raise UserError(
+        f"merge_adapter cat is exact only for the methods linear in the updates "
+        f"({', '.join(LINEAR_METHODS)}), not {method}; use merge_adapter svd"
+    )
+
+
+def cat_factors(factors: Sequence[LoraFactors], coefficients: Sequence[float], scaling: float) -> LoraFactors:
+    """One adapter of rank sum_i r_i whose update is sum_i c_i ΔW_i exactly: B' = [B_1 ... B_N] (columns),
+    A' = [c_1 s_1/s' A_1; ...; c_N s_N/s' A_N] (rows), s' = ``scaling``, since B'·A' = sum_i B_i·(c_i s_i/s')
+    A_i. ``coefficients`` from :func:`linear_coefficients`."""
+    a = np.concatenate(
+        [(c * f.scaling / scaling) * f.a for c, f in zip(coefficients, factors, strict=True)], axis=0
+    )
+    b = np.concatenate([f.b for f in factors], axis=1)
+    return LoraFactors(a, b, scaling, factors[0].fan_in_fan_out)
