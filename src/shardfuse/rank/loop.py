@@ -116,10 +116,10 @@ def train_loop(
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
     stop = False
     interrupted = None
-    stop_request = StopRequest(setup.out_dir, ctx.device, step)
     # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
+        StopRequest(setup.out_dir, ctx.device, step) as stop_request,
         ShardReader(setup.shard_dir, ctx.rank, seed=setup.rank_seed, cache=True, verify=True) as reader,
         gate.progress(plan.total_steps, initial_step=step, description=run) as progress,
     ):
@@ -175,7 +175,6 @@ def train_loop(
                     f"{plan.tracker.patience} validations"
                 )
                 break
-    stop_request.restore()
     seconds = time.perf_counter() - started
     if interrupted:
         return LoopEnd(step, seconds, False, interrupted)

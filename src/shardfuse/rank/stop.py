@@ -66,6 +66,10 @@ class StopRequest:
             self.reason = "another rank was asked to stop"
         return bool(agreed[0] > 0)
 
-    def restore(self) -> None:
+    def __enter__(self) -> StopRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """The signals' earlier handlers again (after the loop, also when it raised)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
