@@ -56,7 +56,16 @@ import time
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypedDict
 
-from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli, write_json
+from shardfuse.io import (
+    StageParser,
+    UserError,
+    error_line,
+    parse_json_arg,
+    run_cli,
+    user_error_message,
+    write_json,
+    write_line,
+)
 from shardfuse.track import model as mlflow_model
 from shardfuse.track.client import (
     EXPERIMENT_TAGS,
@@ -466,9 +475,12 @@ def track_all(entries: list[dict[str, Any]], args) -> None:
     for entry in entries:
         try:
             track_and_record(entry, args)
-        except UserError as exc:
+        except Exception as exc:
+            message = user_error_message(exc)  # a UserError, or a broken file or store (io.foreign_error)
+            if message is None:
+                raise  # a bug: its traceback
             failed.append(entry["run"])
-            print(f"shardfuse.tracking: error: run {entry['run']}: {exc}", file=sys.stderr, flush=True)
+            write_line(error_line("shardfuse.tracking", f"run {entry['run']}: {message}"))
     if failed:
         raise UserError(
             f"{len(failed)} of {len(entries)} runs were not tracked ({', '.join(failed)}; their errors are "
