@@ -61,6 +61,7 @@ from shardfuse.io import (
     UserError,
     error_line,
     parse_json_arg,
+    read_json,
     run_cli,
     user_error_message,
     write_json,
@@ -428,8 +429,12 @@ REQUIRED_RUN_FIELDS = ("run", "run_dir", "manifest", "config", "out")
 
 
 def runs_from_json(text: str) -> list[dict[str, Any]]:
-    """The runs of ``--runs-json``: a JSON list of objects with RUN_FIELDS (paths as text)."""
-    entries = parse_json_arg(text, "--runs-json")
+    """The runs of ``--runs-json``: a JSON list of objects with RUN_FIELDS (paths as text), inline or, as
+    ``@PATH``, in a file (the workflow's: a command line holds at most 128 KiB, a sweep's configs more)."""
+    if text.startswith("@"):
+        entries = read_json(text[1:], "--runs-json file")
+    else:
+        entries = parse_json_arg(text, "--runs-json")
     if not isinstance(entries, list) or not entries:
         raise UserError('--runs-json must be a non-empty JSON list of runs, e.g. \'[{"run": "ddp", ...}]\'')
     names = []
@@ -501,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--runs-json",
         help="several runs in one process instead of --run ... --out: a JSON list of objects with "
-        f"the keys {', '.join(RUN_FIELDS)} (the workflow's track job)",
+        f"the keys {', '.join(RUN_FIELDS)}, or @FILE holding it (the workflow's track job)",
     )
     parser.add_argument("--tracking-uri", required=True, help="e.g. sqlite:///mlflow.db or http://host:5000")
     parser.add_argument("--experiment", default="shardfuse", help="MLflow experiment (created if missing)")

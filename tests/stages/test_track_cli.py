@@ -190,6 +190,7 @@ def test_the_workflows_one_track_job_pushes_every_run_and_names_each_that_fails(
         ("{}", "--runs-json must be a non-empty JSON list of runs"),
         ("[1]", "--runs-json entry 0 is not a JSON object"),
         ('[{"run": "a"}]', "--runs-json entry 0 lacks run_dir, manifest, config, out"),
+        ("@no-such-runs.json", "--runs-json file no-such-runs.json does not exist"),
         ('[{"run": "a", "run_dir": "d", "manifest": "m", "config": {}, "out": "o"}]', "entry 0 lacks config"),
         (
             '[{"run": "a", "run_dir": "d", "manifest": "m", "config": {"run": "a"}, "out": "o", "plot": 1}]',

@@ -155,3 +155,25 @@ def test_snakemake_refuses_a_config_file_with_a_duplicated_key(tmp_path):
     assert proc.returncode != 0
     message = "line 5: key 'datasets' appears twice at the top level (first on line 1)"
     assert message in proc.stdout + proc.stderr
+
+
+def test_a_sweep_of_many_runs_keeps_the_track_jobs_command_short(tmp_path):
+    """The one track job takes every run's config from a file named by its content: a sweep's configs
+    would pass the 128 KiB a single command line may hold."""
+    runs = {f"sweep_{index:03d}": {"merge_method": "task_arithmetic", "merge_scale": 0.5 + index / 1000}
+            for index in range(150)}  # fmt: skip
+    config = {
+        "runs": runs,
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {"dataset": "digits", "world_size": 2, "strategy": "localsgd", "sync_every": 0},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    dry = snakemake(tmp_path, "--dry-run")
+    (command,) = [line for line in dry.stdout.splitlines() if "python -m shardfuse.tracking" in line]
+    assert len(command) < 2000, len(command)
+    (runs_file,) = (tmp_path / ".snakemake" / "shardfuse" / "track-runs").glob("*.json")
+    assert f"--runs-json @{runs_file.relative_to(tmp_path)}" in command
+    entries = json.loads(runs_file.read_text())
+    assert [entry["run"] for entry in entries] == list(runs)
+    assert len(runs_file.read_bytes()) > 128 * 1024  # what the command line could not have held

@@ -1,4 +1,5 @@
 # Wiring only: config validation, the run table, wildcard constraints and named input functions.
+import hashlib
 import json
 import re
 import shlex
@@ -40,6 +41,7 @@ from shardfuse.experiment.load import (  # noqa: E402
     run_config_for_tracking,
 )
 from shardfuse.experiment.schema import ConfigError  # noqa: E402
+from shardfuse.io import write_json  # noqa: E402
 
 try:
     EXPERIMENT = load_experiment(
@@ -302,8 +304,8 @@ def tracking_inputs(wildcards):
     }
 
 
-def tracking_runs_json(wildcards):
-    """The track job's --runs-json: per run, its files and its full resolved config."""
+def tracking_runs(wildcards):
+    """The track job's runs: per run, its files and its full resolved config."""
     entries = []
     for run in RUNS:
         w = _run_wildcards(run)
@@ -320,7 +322,19 @@ def tracking_runs_json(wildcards):
         entry.update({"ddp_baseline": path for path in ddp_baseline_of_run(w)})
         entry.update({"hf_dir": path for path in hf_export_of_run(w)})
         entries.append(entry)
-    return _json(entries)
+    return entries
+
+
+def tracking_runs_file(wildcards):
+    """The track job's --runs-json @FILE, named by its content under .snakemake/shardfuse/track-runs/ (a
+    command line holds at most 128 KiB, a sweep's configs more). As the job's param, a changed run
+    changes the name, so the job runs again."""
+    text = _json(tracking_runs(wildcards))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = Path(".snakemake/shardfuse/track-runs") / f"{digest}.json"
+    if not path.is_file():
+        write_json(path, json.loads(text))
+    return str(path)
 
 
 def live_logging_args(wildcards):

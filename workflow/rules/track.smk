@@ -16,13 +16,13 @@ rule track:
     conda:
         "../../envs/tracking.yaml"
     params:
-        runs=tracking_runs_json,
+        runs_file=tracking_runs_file,
         tracking_uri=EXPERIMENT.tracking_uri,
         experiment=EXPERIMENT.mlflow_experiment,
         registered_model=registered_model_args,
         snakefile=workflow.main_snakefile,
     shell:
-        "python -m shardfuse.tracking --runs-json {params.runs:q}"
+        "python -m shardfuse.tracking --runs-json @{params.runs_file:q}"
         " --tracking-uri {params.tracking_uri:q} --experiment {params.experiment:q}"
         " {params.registered_model} --snakefile {params.snakefile:q} > {log} 2>&1"
 
