@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from shardfuse.checkpoints.init_weights import expected_of, match_names, read_init_weights
 from shardfuse.data.sources.describe import info_from_spec
@@ -32,14 +33,15 @@ from shardfuse.models.registry import meta_model
 from shardfuse.models.spec import model_spec
 
 
-def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
-    """{"checked": bool, ...}; a misfit file is a UserError naming the tensor."""
+def meta_model_of(run: dict, dataset_spec: dict, checked_by: str) -> tuple[ModelConfig, Any, Any]:
+    """(model config, model spec, the model on the meta device), or a {"checked": False} answer as the
+    third item when the shapes come from the files (``checked_by`` checks them) or the model does not
+    build on the meta device."""
     cfg: ModelConfig = TrainConfig.from_flat(run).model
-    weights = read_init_weights(init_from)
     info = info_from_spec(dataset_spec)
     if info is None:
-        reason = f"source {dataset_spec['source']} learns its shapes from its files; train checks them"
-        return {"checked": False, "reason": reason}
+        reason = f"source {dataset_spec['source']} learns its shapes from its files; {checked_by} checks them"
+        return cfg, None, {"checked": False, "reason": reason}
     spec = model_spec(
         cfg.model,
         cfg.model_args,
@@ -51,7 +53,20 @@ def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
     )
     model = meta_model(spec)
     if model is None:
-        return {"checked": False, "reason": f"model {cfg.model!r} does not build on the meta device"}
+        return (
+            cfg,
+            spec,
+            {"checked": False, "reason": f"model {cfg.model!r} does not build on the meta device"},
+        )
+    return cfg, spec, model
+
+
+def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
+    """{"checked": bool, ...}; a misfit file is a UserError naming the tensor."""
+    weights = read_init_weights(init_from)
+    cfg, _, model = meta_model_of(run, dataset_spec, "train")
+    if isinstance(model, dict):
+        return model
     expected, ties = storable_state(model)
     plan = match_names(weights, expected_of(expected), ties, cfg.init_from_prefix)
     return {"checked": True, "tensors": len(plan)}
@@ -59,22 +74,9 @@ def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
 
 def check_align(run: dict, dataset_spec: dict) -> dict:
     """{"checked": bool, ...}; a model without permutation_groups() is a UserError (merge's own line)."""
-    cfg: ModelConfig = TrainConfig.from_flat(run).model
-    info = info_from_spec(dataset_spec)
-    if info is None:
-        reason = f"source {dataset_spec['source']} learns its shapes from its files; merge checks it"
-        return {"checked": False, "reason": reason}
-    spec = model_spec(
-        cfg.model,
-        cfg.model_args,
-        cfg.code_paths,
-        info,
-        run_cfg=cfg.mlp_keys(),
-        output=cfg.model_output,
-        model_files=cfg.model_files,
-    )
-    if meta_model(spec) is None:
-        return {"checked": False, "reason": f"model {cfg.model!r} does not build on the meta device"}
+    cfg, spec, model = meta_model_of(run, dataset_spec, "merge")
+    if isinstance(model, dict):
+        return model
     return {"checked": True, "groups": len(declared_groups(spec, cfg.model))}
 
 

@@ -26,17 +26,8 @@ def test_killed_snakemake_resumes_from_checkpoint_on_rerun(tmp_path, ddp_resume_
     workdir = tmp_path / "work"
     write_resume_config(workdir)
     command = snakemake_command(workdir, "--cores", "2", "--until", "gather")
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=subprocess_env(),
-        start_new_session=True,
-    ) as snakemake:
-        staging = next(iter(wait_for_staging(workdir)))
-        wait_for_checkpoint(staging)
-        os.killpg(snakemake.pid, signal.SIGKILL)  # snakemake, the launcher, torchrun and the ranks
-        snakemake.wait(timeout=60)
+    # snakemake, the launcher, torchrun and the ranks
+    signal_mid_training(workdir, command, signal.SIGKILL, timeout=60)
     time.sleep(1)
     assert not list((workdir / "results" / "trainings").glob("*/ranks"))
     subprocess.run([*command, "--unlock"], check=True, capture_output=True, env=subprocess_env())
@@ -61,18 +52,7 @@ def test_ctrl_c_to_snakemake_checkpoints_the_step_it_stops_at_and_the_rerun_lose
     workdir = tmp_path / "work"
     write_resume_config(workdir)
     command = snakemake_command(workdir, "--cores", "2", "--until", "gather")
-    with subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=subprocess_env(),
-        start_new_session=True,
-    ) as snakemake:
-        staging = next(iter(wait_for_staging(workdir)))
-        wait_for_checkpoint(staging)
-        os.killpg(snakemake.pid, signal.SIGINT)
-        console, _ = snakemake.communicate(timeout=180)
+    snakemake, staging, console = signal_mid_training(workdir, command, signal.SIGINT, timeout=180)
     assert snakemake.returncode != 0
     stopped = json.loads((staging / "STOPPED.json").read_text())
     assert complete_steps(staging / "checkpoints")[-1] == stopped["step"]
@@ -85,3 +65,21 @@ def test_ctrl_c_to_snakemake_checkpoints_the_step_it_stops_at_and_the_rerun_lose
     assert f"resuming from checkpoint step {stopped['step']} " in log.read_text()
     (ranks,) = (workdir / "results" / "trainings").glob("*/ranks")
     assert_same_ranks(ddp_resume_reference, ranks)
+
+
+def signal_mid_training(workdir, command: list, sig: int, timeout: float):
+    """Start ``command`` (snakemake) in a session of its own, send ``sig`` to its whole process group
+    once the training has a complete checkpoint; (the finished process, the staging dir, its console)."""
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+        start_new_session=True,
+    ) as snakemake:
+        staging = next(iter(wait_for_staging(workdir)))
+        wait_for_checkpoint(staging)
+        os.killpg(snakemake.pid, sig)
+        console, _ = snakemake.communicate(timeout=timeout)
+    return snakemake, staging, console
