@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
-from shardfuse.checkpoints.weights import load_weights
 from shardfuse.data.reader import load_table
 from shardfuse.data.verify import check_split
 from shardfuse.experiment.records import EvalRecord
 from shardfuse.io import StageParser, UserError, run_cli, write_json
 from shardfuse.models.adapter import file_ties, load_state
+from shardfuse.models.lora import load_model_weights
 from shardfuse.models.registry import (
     build_model,
     check_model_fits,
@@ -49,12 +49,12 @@ from shardfuse.models.usercode import check_code_unchanged
 def evaluate_weights(
     path: Path, features: torch.Tensor, labels: torch.Tensor, batch_size: int
 ) -> dict[str, float]:
-    tensors, metadata = load_weights(path)
+    tensors, metadata = load_model_weights(path)
     return score_state_dict(tensors, metadata["model"], features, labels, batch_size)
 
 
 def _load_model(path: Path) -> tuple[torch.nn.Module, Task]:
-    tensors, metadata = load_weights(path)
+    tensors, metadata = load_model_weights(path)
     model = build_model(metadata["model"])
     load_state(model, tensors, str(path), file_ties(metadata))
     model.eval()
@@ -103,7 +103,10 @@ def evaluate(
     # would read the user's code files once per checkpoint.
     check_code_unchanged(spec["model"], spec.get("code"), "evaluate")
     check_merged(merged_path, info)
-    checkpoints = [(Path(r["path"]), RERUN_TRAIN) for r in info["ranks"]]
+    # An adapter training's ranks hold factors, not the model: the base is checked, and each factor
+    # against its base weight when the rank's model is formed (shardfuse.models.lora.dense_weights).
+    adapted = info.get("adapter") is not None
+    checkpoints = [] if adapted else [(Path(r["path"]), RERUN_TRAIN) for r in info["ranks"]]
     checkpoints += [(Path(info["base"]), RERUN_TRAIN), (merged_path, RERUN_MERGE)]
     for path, rerun in checkpoints:
         check_model_fits(f"the header of {path}", *header_spec(path, rerun), rerun)

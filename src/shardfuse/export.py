@@ -19,14 +19,14 @@ from shardfuse.io import StageParser, UserError, atomic_dir, run_cli
 
 
 def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:
-    from shardfuse.checkpoints.weights import load_weights  # deferred: torch
     from shardfuse.models.adapter import file_ties, load_state
     from shardfuse.models.hf import export_pretrained
+    from shardfuse.models.lora import load_model_weights  # deferred: torch
     from shardfuse.models.registry import build_model
     from shardfuse.models.spec import normalized_spec
     from shardfuse.models.usercode import check_code_unchanged
 
-    tensors, metadata = load_weights(weights)
+    tensors, metadata = load_model_weights(weights)
     spec = normalized_spec(metadata.get("model"))
     if spec["model"] != "hf":
         raise UserError(

@@ -47,19 +47,20 @@ def _compare_headers(rank: int, header: dict[str, Any], reference: dict[str, Any
             )
 
 
-def _check_base(path: Path, metadata: dict[str, Any], run: str) -> None:
+def _check_base(path: Path, metadata: dict[str, Any], run: str) -> str:
     """The base is the one training wrote for this run: its header names the run and no rank, and its
-    bytes are those its sidecar base.json records (one sha256 of the file)."""
+    bytes are those its sidecar base.json records (one sha256 of the file, returned)."""
     check_base_header(path, metadata, run)
     sidecar = path.with_suffix(".json")
+    digest = sha256_file(path)
     if sidecar.is_file():
         recorded = read_json(sidecar, "base sidecar").get("sha256")
-        digest = sha256_file(path)
         if recorded not in (None, digest):
             raise UserError(
                 f"base checkpoint {path} has sha256 {digest[:12]}… but {sidecar} records "
                 f"{str(recorded)[:12]}… (the file changed after training); {RERUN}"
             )
+    return digest
 
 
 def _check_base_start(path: Path, base_meta: dict[str, Any], rank: int, metadata: dict[str, Any]) -> None:
@@ -83,8 +84,10 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
             f"config says {world_size}; {RERUN}"
         )
     base_path = train_dir / "base.safetensors"
-    reference = read_header(base_path)
+    base_header = read_header(base_path)
     base_meta = read_metadata(base_path)
+    adapter = train_info.get("adapter")
+    reference = base_header if adapter is None else adapter_header(adapter, base_header)
     ranks = []
     for rank in range(world_size):
         path = train_dir / f"rank-{rank}.safetensors"
@@ -95,6 +98,12 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
             raise UserError(
                 f"rank {rank}: {path} holds rank {metadata.get('rank')} of run "
                 f"{metadata.get('run')!r}, not rank {rank} of {train_info['run']!r}; {RERUN}"
+            )
+        if metadata.get("adapter") != adapter:
+            raise UserError(
+                f"rank {rank}: {path} holds {'an adapter' if metadata.get('adapter') else 'a whole model'} "
+                f"but train.json records {'an adapter training' if adapter else 'a whole-model training'} "
+                f"(or another adapter); {RERUN}"
             )
         _compare_headers(rank, read_header(path), reference)
         _check_base_start(base_path, base_meta, rank, metadata)
@@ -117,7 +126,13 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
                 "num_steps": int(metadata["num_steps"]),
             }
         )
-    _check_base(base_path, base_meta, train_info["run"])
+    base_sha256 = _check_base(base_path, base_meta, train_info["run"])
+    if adapter is not None and adapter.get("base_sha256") != base_sha256:
+        raise UserError(
+            f"base checkpoint {base_path} is not the base the adapters were trained on (its sha256 is "
+            f"not their header's base_sha256); {RERUN}"
+        )
+    extra = {} if adapter is None else {"adapter": adapter, "base_tensors": base_header}
     return {
         "format_version": FORMAT_VERSION,
         "hash": HASH,
@@ -126,10 +141,32 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
         "strategy": train_info["strategy"],
         "model": train_info["model"],
         "base": str(train_dir / "base.safetensors"),
-        "num_parameters": sum(_numel(info["shape"]) for info in reference.values()),
+        "num_parameters": sum(_numel(info["shape"]) for info in base_header.values()),
         "tensors": reference,
         "ranks": ranks,
+        **extra,
     }
+
+
+def adapter_header(adapter: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The factors every rank of an adapter training holds ({module}.lora_A.weight [r, in],
+    lora_B [out, r], in the base weight's dtype), from train.json's targets over the base's header."""
+    header: dict[str, Any] = {}
+    r = adapter.get("r")
+    targets = adapter.get("targets")
+    if not isinstance(r, int) or not isinstance(targets, dict) or not targets:
+        raise UserError(f"train.json's adapter entry has no rank r or no targets; {RERUN}")
+    for module, target in targets.items():
+        weight = base.get(f"{module}.weight")
+        if weight is None or not isinstance(target, dict) or weight["shape"] != target.get("shape"):
+            raise UserError(
+                f"the base has no weight {module}.weight of the shape the adapter of {module!r} was "
+                f"trained on; {RERUN}"
+            )
+        out, inp = weight["shape"][::-1] if target.get("fan_in_fan_out") else weight["shape"]
+        header[f"{module}.lora_A.weight"] = {"shape": [r, inp], "dtype": weight["dtype"]}
+        header[f"{module}.lora_B.weight"] = {"shape": [out, r], "dtype": weight["dtype"]}
+    return header
 
 
 def _numel(shape: list[int]) -> int:

@@ -228,6 +228,66 @@ def merge_rank_files(
     return Fused(digest, stats, inputs)
 
 
+def merge_adapter_files(
+    info: dict[str, Any],
+    method: str,
+    params: dict[str, Any],
+    weights: list[float] | None,
+    out_weights: Path,
+    *,
+    block_bytes: int,
+) -> Fused:
+    """Fuse the LoRA adapters gather.json lists in update space: merged W = W0 + M(ΔW_1..ΔW_N) for each
+    adapted module (``shardfuse.fusion.lora``), the base's other tensors as they are; the output is a
+    whole model in the base's layout. The factors (small) are read whole, the base one tensor at a
+    time as it is written; every input's digest is checked before the output is in place."""
+    from shardfuse.fusion import lora  # the adapter path only
+
+    lora.refuse_unless_on_updates(method)
+    adapter, ranks = info["adapter"], info["ranks"]
+    rank_numbers = [int(r["rank"]) for r in ranks]
+    factors = lora.read_rank_factors(info)  # each file's header and digest checked
+    with contextlib.ExitStack() as stack:
+        base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
+        check_base_header(base.path, json.loads(base.metadata.get(METADATA_KEY) or "{}"), info["run"])
+        _check_header(base, info["base_tensors"], "base")
+        base_meta = json.loads(base.metadata[METADATA_KEY])
+        metadata = {**base_meta, "merge_method": method, "merge_params": params}
+        metadata["merged_adapter"] = {k: adapter[k] for k in ("type", "r", "alpha", "targets", "base_sha256")}
+        entries = {name: (t.dtype.name, list(t.shape)) for name, t in base.tensors.items()}
+        stats: dict[str, dict[str, Any]] = {}
+
+        def fill(writer: SafetensorsWriter) -> None:
+            tensors = lora.BaseTensors(base, writer.names)
+            options = {"rank_numbers": rank_numbers, "weights": weights, "block_bytes": block_bytes}
+            for tensor in lora.merge_model(method, params, tensors, factors, **options):
+                writer.write(tensor.name, lora.encode_tensor(tensor.weight, entries[tensor.name][0]))
+                if tensor.merged is not None:
+                    stats[tensor.name] = tensor.merged.stats
+            if _base_sha256(base) != adapter.get("base_sha256"):
+                raise UserError(
+                    f"base checkpoint {base.path} is not the base the adapters were trained on (its sha256 "
+                    "differs from their header's base_sha256); re-run training (snakemake -R train)"
+                )
+
+        digest, _ = _write(out_weights, entries, {METADATA_KEY: json.dumps(metadata, sort_keys=True)}, fill)
+    inputs = {
+        "hash": checksum_algorithm(info),
+        "base": {"path": str(base.path), "sha256": adapter["base_sha256"]},
+        "ingredients": [
+            {
+                "rank": n,
+                "path": r["path"],
+                **{a: r[a] for a in HASH_ALGORITHMS if a in r},
+                "rows": int(r["rows"]),
+            }
+            for n, r in zip(rank_numbers, ranks, strict=True)
+        ],
+        "adapter": {k: adapter[k] for k in ("type", "r", "alpha", "init") if k in adapter},
+    }
+    return Fused(digest, stats, inputs)
+
+
 def merge_from_dcp(
     dcp_dir: Path, info: dict[str, Any], method: str, params: dict[str, Any], out_weights: Path
 ) -> Fused:
@@ -283,6 +343,10 @@ def merge(
         need=("tensors", "model") if method in USES_VAL else ("tensors",),
         need_in_ranks=("sha256", "rows"),
     )
+    if info.get("adapter") is not None:
+        from shardfuse.fusion.lora import refuse_unless_on_updates
+
+        refuse_unless_on_updates(method)  # before anything else reads the adapters as whole models
     spec = info.get("model") if isinstance(info.get("model"), dict) else {}
     # The tensors are merged by name, whatever network they belong to; but a merged file whose model
     # code changed since training would be rebuilt as another network by every later stage.
@@ -310,7 +374,15 @@ def merge(
             f"merge_align {align} permutes ranks that differ; consolidate (identical ranks) takes none"
         )
     alignment = None
-    if dcp_dir is not None:
+    if info.get("adapter") is not None:
+        if align != "none" or dcp_dir is not None or recalibrate:
+            raise UserError(
+                "LoRA adapters are fused in update space over their shared frozen base: merge_align, "
+                "--dcp-dir and merge_recalibrate do not apply; leave them out"
+            )
+        out_weights.parent.mkdir(parents=True, exist_ok=True)
+        fused = merge_adapter_files(info, method, resolved, weights, out_weights, block_bytes=block_bytes)
+    elif dcp_dir is not None:
         fused = merge_from_dcp(dcp_dir, info, method, resolved, out_weights)
     else:
         out_weights.parent.mkdir(parents=True, exist_ok=True)
@@ -344,6 +416,7 @@ def merge(
         recalibration = recalibrate_file(out_weights, spec, val_split, batch_size)
         output_sha256 = recalibration["sha256"]
     stats = fused.tensor_stats
+    model_tensors = info.get("base_tensors") or info["tensors"]  # an adapter training's: the base's
     spreads = [s["max_abs_diff"] for s in stats.values()]
     record = MergeRecord(
         run=run or info["run"],
@@ -362,8 +435,8 @@ def merge(
         peak_rss_mb=peak_rss_mb(),
         output=out_weights.name,
         sha256=output_sha256,
-        num_tensors=len(info["tensors"]),
-        num_parameters=sum(math.prod(t["shape"]) for t in info["tensors"].values()),
+        num_tensors=len(model_tensors),
+        num_parameters=sum(math.prod(t["shape"]) for t in model_tensors.values()),
     )
     write_json(out_json, record.to_json())
     return record

@@ -363,6 +363,7 @@ def track_run(
     snakefile: str | os.PathLike | None = None,
     hf_dir: str | os.PathLike | None = None,
     ddp_baseline: str | os.PathLike | None = None,
+    adapter_dir: str | os.PathLike | None = None,
 ) -> TrackResult:
     """Sync one run to MLflow (see the module docstring); return what ``--out`` records."""
     if not isinstance(config, dict):
@@ -376,6 +377,7 @@ def track_run(
         train_dir=Path(train_dir) if train_dir else None,
         gather_path=Path(gather_path) if gather_path else None,
         ddp_baseline=Path(ddp_baseline) if ddp_baseline else None,
+        adapter_dir=Path(adapter_dir) if adapter_dir else None,
     )
     options = SyncOptions(
         tracking_uri=tracking_uri,
@@ -423,7 +425,7 @@ def track_run(
 # The per-run options of --runs-json (each entry): the single-run flags without their dashes.
 RUN_FIELDS = (
     "run", "run_dir", "manifest", "config", "out", "train_dir", "gather", "plots_dir", "ddp_baseline",
-    "hf_dir",
+    "hf_dir", "adapter_dir",
 )  # fmt: skip
 REQUIRED_RUN_FIELDS = ("run", "run_dir", "manifest", "config", "out")
 
@@ -463,6 +465,7 @@ def track_and_record(entry: dict[str, Any], args) -> None:
         args.experiment, registered_model=args.registered_model, plots_dir=entry.get("plots_dir"),
         train_dir=entry.get("train_dir"), gather_path=entry.get("gather"), snakefile=args.snakefile,
         hf_dir=entry.get("hf_dir"), ddp_baseline=entry.get("ddp_baseline") or None,
+        adapter_dir=entry.get("adapter_dir"),
     )  # fmt: skip
     write_json(entry["out"], result)
     print(
@@ -519,6 +522,9 @@ def main(argv: list[str] | None = None) -> None:
         "--hf-dir", type=Path, help="model hf: the run's transformers export (shardfuse.export)"
     )
     parser.add_argument(
+        "--adapter-dir", type=Path, help="merge_adapter: the run's PEFT adapter (shardfuse.export_adapter)"
+    )
+    parser.add_argument(
         "--snakefile", type=Path, help="the workflow's Snakefile, the runs' Source (default: ./Snakefile)"
     )
     parser.add_argument("--out", type=Path, help="where to write the run ids (JSON)")
@@ -543,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         "run": args.run, "run_dir": args.run_dir, "manifest": args.manifest,
         "config": parse_json_arg(args.config_json, "--config-json"), "out": args.out,
         "train_dir": args.train_dir, "gather": args.gather, "plots_dir": args.plots_dir,
-        "ddp_baseline": args.ddp_baseline, "hf_dir": args.hf_dir,
+        "ddp_baseline": args.ddp_baseline, "hf_dir": args.hf_dir, "adapter_dir": args.adapter_dir,
     }  # fmt: skip
     track_and_record(entry, args)
 

@@ -288,6 +288,15 @@ def hf_export_of_run(wildcards):
     )
 
 
+def adapter_export_of_run(wildcards):
+    """The run's fused LoRA update as a PEFT adapter folder (merge_adapter svd or cat only)."""
+    return (
+        [f"results/runs/{wildcards.run}/adapter"]
+        if RUNS[wildcards.run].get("merge_adapter", "none") != "none"
+        else []
+    )
+
+
 def _run_wildcards(run):
     return Wildcards(fromdict={"run": run})
 
@@ -301,6 +310,7 @@ def tracking_inputs(wildcards):
         "shards": sorted({shard_dir_of(w) for w in runs}),
         "ddp_baselines": sorted({p for w in runs for p in ddp_baseline_of_run(w)}),
         "hf": [p for w in runs for p in hf_export_of_run(w)],
+        "adapters": [p for w in runs for p in adapter_export_of_run(w)],
     }
 
 
@@ -321,6 +331,7 @@ def tracking_runs(wildcards):
         }
         entry.update({"ddp_baseline": path for path in ddp_baseline_of_run(w)})
         entry.update({"hf_dir": path for path in hf_export_of_run(w)})
+        entry.update({"adapter_dir": path for path in adapter_export_of_run(w)})
         entries.append(entry)
     return entries
 

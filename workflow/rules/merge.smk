@@ -25,6 +25,28 @@ rule merge:
         " {params.align} --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"
 
 
+rule export_adapter:
+    input:
+        gather=gather_of_run,
+        record=rules.merge.output.record,
+    output:
+        folder=directory("results/runs/{run}/adapter"),
+    log:
+        "logs/export_adapter/{run}.log",
+    benchmark:
+        "benchmarks/export_adapter/{run}.tsv"
+    conda:
+        "../../envs/train.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
+    params:
+        mode=lambda wildcards: RUNS[wildcards.run]["merge_adapter"],
+    shell:
+        "python -m shardfuse.export_adapter --gather {input.gather} --merge-json {input.record}"
+        " --mode {params.mode} --out {output.folder} > {log} 2>&1"
+
+
 rule export_hf:
     input:
         weights=rules.merge.output.weights,

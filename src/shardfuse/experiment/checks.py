@@ -19,8 +19,9 @@ from shardfuse.experiment.keys import (
     merge_params,
     training_name,
 )
+from shardfuse.experiment.run_config import ADAPTER_DEFAULTS
 from shardfuse.experiment.schema import ConfigError
-from shardfuse.fusion.methods.registry import WEIGHTED_METHODS
+from shardfuse.fusion.methods.registry import BY_NAME, WEIGHTED_METHODS
 from shardfuse.io import UserError
 from shardfuse.models.hf import check_hf_args
 from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
@@ -340,6 +341,53 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     run["betas"] = [float(beta) for beta in run["betas"]]
     if optimizer == "adamw" and run["weight_decay"] > 0:
         run["decay_rule"] = DECAY_RULE
+
+
+LINEAR_IN_UPDATES = ("uniform", "weighted", "task_arithmetic")
+
+
+def check_adapter(name: str, run: dict[str, Any]) -> None:
+    """A LoRA adapter and the keys it rules out; fills the adapter's defaults in (so that spelling a
+    default out, or 16 for 16.0, names the same training)."""
+    where = f"config error at runs[{name}]"
+    adapter, method = run.get("adapter"), run["merge_method"]
+    if adapter is None:
+        if run.get("merge_adapter", "none") != "none":
+            raise ConfigError(
+                f"{where}.merge_adapter: writes the fused LoRA update as an adapter, but the run trains no "
+                "adapter; set adapter: {type: lora, r: 8} or remove merge_adapter"
+            )
+        return
+    adapter = {**ADAPTER_DEFAULTS, **adapter}
+    adapter["alpha"], adapter["dropout"] = float(adapter["alpha"]), float(adapter["dropout"])
+    run["adapter"] = adapter
+    reason = BY_NAME[method].not_on_updates if method in BY_NAME else None
+    if reason is not None:
+        raise ConfigError(
+            f"{where}.merge_method: {method} cannot fuse LoRA adapters: it {reason}; choose a method that "
+            "works on task vectors (uniform, weighted, task_arithmetic, ties, dare, ...)"
+        )
+    for key, fix in (("merge_align", "none"), ("merge_recalibrate", False)):
+        if run.get(key) not in (fix, None):
+            raise ConfigError(
+                f"{where}.{key}: LoRA adapters are fused in update space over their one frozen base, "
+                f"there is nothing to {'align' if key == 'merge_align' else 'recalibrate'}; remove {key}"
+            )
+    if run["init"] == "per_rank":
+        raise ConfigError(
+            f"{where}.init: per_rank gives each rank its own base, but adapters train over one frozen "
+            "base; remove init (adapter.init: per_rank draws each rank's own adapter)"
+        )
+    if adapter["init"] == "per_rank" and run["strategy"] in EQUAL_RANKS:
+        raise ConfigError(
+            f"{where}.adapter.init: per_rank gives each rank its own adapter but "
+            f"{EQUAL_RANKS[run['strategy']]}; use adapter.init shared or strategy localsgd"
+        )
+    if run.get("merge_adapter") == "cat" and method not in LINEAR_IN_UPDATES:
+        raise ConfigError(
+            f"{where}.merge_adapter: cat is exact only for the methods linear in the updates "
+            f"({', '.join(LINEAR_IN_UPDATES)}), not {method}; use merge_adapter svd"
+        )
 
 
 def check_registered_model(name: str | None, where: str = "config error at mlflow.registered_model") -> None:

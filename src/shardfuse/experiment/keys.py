@@ -109,6 +109,7 @@ OPTIONAL_TRAIN_KEYS = {
         "find_unused_parameters",
         "static_graph",
         "init_from_prefix",
+        "adapter",
     )
 }
 

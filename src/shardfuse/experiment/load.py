@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfuse.experiment.checks import (
+    check_adapter,
     check_dataset_task,
     check_model,
     check_registered_model,
@@ -120,6 +121,7 @@ def load_experiment(
         check_run(name, resolved, datasets, fix)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
+        check_adapter(name, resolved)
         check_training_name(name, resolved)
         runs[name] = resolved
     resolve_init_sources(runs)

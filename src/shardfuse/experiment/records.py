@@ -157,7 +157,7 @@ class TrainRecord(_Record):
     """train.json, field by field in the order the train stage writes them."""
 
     FILE, STAGE, WHAT = "train.json", "train", "training"
-    OPTIONAL = frozenset({"git_commit", "git_dirty"})
+    OPTIONAL = frozenset({"git_commit", "git_dirty", "adapter"})
 
     run: str | None = None
     world_size: int | None = None
@@ -193,6 +193,8 @@ class TrainRecord(_Record):
     model: dict[str, Any] | None = None
     init_from: str | None = None
     ranks: list[dict[str, Any]] | None = None  # rank, rows, host, checkpoint, published_step, best_val_score
+    # LoRA runs: the adapter config, its targets and the base's sha256 (shardfuse.models.lora)
+    adapter: dict[str, Any] | None = None
     git_commit: str | None = None  # older train stages only
     git_dirty: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -218,8 +220,8 @@ class MergeRecord(_Record):
 
     FILE, STAGE, WHAT = "merge.json", "merge", "merge record"
     # Written by one merge path only: alignment (merge_align), hash and ingredients (the rank files), dcp
-    # (a sharded checkpoint), recalibration (merge_recalibrate).
-    OPTIONAL = frozenset({"alignment", "hash", "ingredients", "dcp", "recalibration"})
+    # (a sharded checkpoint), recalibration (merge_recalibrate), adapter (LoRA updates fused).
+    OPTIONAL = frozenset({"alignment", "hash", "ingredients", "dcp", "recalibration", "adapter"})
 
     run: str | None = None
     training: str | None = None
@@ -234,6 +236,7 @@ class MergeRecord(_Record):
     ingredients: list[dict[str, Any]] | None = None  # rank, path, each digest gather.json records, rows
     dcp: dict[str, Any] | None = None  # {"dir", "files", "skipped_tensors"}
     recalibration: dict[str, Any] | None = None  # shardfuse.fusion.recalibrate, with the output's new sha256
+    adapter: dict[str, Any] | None = None  # {"type", "r", "alpha", "init"} of the adapters fused
     tensor_stats: dict[str, dict[str, Any]] | None = None
     max_abs_diff_between_ranks: float | None = None  # null for a sharded checkpoint
     seconds: float | None = None

@@ -30,6 +30,17 @@ class SyncConfig:
     static_graph: bool = False  # ddp: the same parameters are used in every step
 
 
+# A LoRA adapter's keys and their defaults (the schema's; shardfuse.models.lora).
+ADAPTER_DEFAULTS = {
+    "type": "lora",
+    "r": 8,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "init": "shared",
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What is trained: the model, its initial weights and its loss."""
@@ -46,6 +57,8 @@ class ModelConfig:
     init_from: str | None = None
     # {file prefix: model prefix (null: leave those tensors out)} applied to init_from's tensor names
     init_from_prefix: dict[str, str | None] = field(default_factory=dict)
+    # LoRA over the frozen model: {type, r, alpha, dropout, target_modules, init} (shardfuse.models.lora)
+    adapter: dict[str, Any] | None = None
     model_output: str = (
         "logits"  # the field of a dict or ModelOutput a model returns (shardfuse.models.adapter)
     )

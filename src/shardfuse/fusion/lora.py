@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardfuse.checkpoints.stream import DTYPES, TensorInfo
+from shardfuse.checkpoints.stream import DTYPES, SafetensorsReader, TensorInfo, decode_float, encode_float
+from shardfuse.checkpoints.trust import checksum_algorithm
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.fusion.methods.registry import BY_NAME, RECORDS, USES_BASE
 from shardfuse.io import UserError
@@ -233,14 +234,21 @@ def merge_model(
     refuse_unless_on_updates(method)
     tensors = update_tensors(ranks)
     for name, info in tensors.items():
-        if name not in base or tuple(base[name].shape) != info.shape:
-            found = "no such tensor" if name not in base else f"shape {list(base[name].shape)}"
+        shape = _shape(base, name) if name in base else None
+        if shape != info.shape:
+            found = "no such tensor" if shape is None else f"shape {list(shape)}"
             raise UserError(
                 f"the adapters update {name!r} as {list(info.shape)} but the base has {found}; "
                 "fuse adapters over the base they were trained on"
             )
     merged = merge_updates(method, params, ranks, names=[n for n in base if n in tensors], **options)
     return _with_base(base, tensors, merged)
+
+
+def _shape(base: Mapping[str, np.ndarray], name: str) -> tuple[int, ...]:
+    """A base tensor's shape without reading it where the mapping can say (:class:`BaseTensors`)."""
+    shape_of = getattr(base, "shape_of", None)
+    return tuple(shape_of(name)) if shape_of is not None else tuple(base[name].shape)
 
 
 def _with_base(
@@ -310,3 +318,100 @@ def cat_factors(factors: Sequence[LoraFactors], coefficients: Sequence[float], s
     )
     b = np.concatenate([f.b for f in factors], axis=1)
     return LoraFactors(a, b, scaling, factors[0].fan_in_fan_out)
+
+
+# ---------------------------------------------------------------- files
+
+
+FACTOR_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+RERUN_TRAIN = "re-run training (snakemake -R train)"
+
+
+def read_factors(reader: SafetensorsReader, adapter: Mapping[str, Any]) -> dict[str, LoraFactors]:
+    """One rank's adapter file as {module weight name: factors}: every tensor read once, in file order
+    (so the reader's digest covers the bytes used), decoded to float64. ``adapter``: the header's entry
+    (r, alpha, targets)."""
+    scaling = float(adapter["alpha"]) / int(adapter["r"])
+    raw: dict[str, dict[str, np.ndarray]] = {}
+    for name, info in reader.tensors.items():
+        suffix = next((s for s in FACTOR_SUFFIXES if name.endswith(s)), None)
+        if suffix is None or not info.dtype.is_float:
+            raise UserError(f"{reader.path}: {name!r} is not a LoRA factor; {RERUN_TRAIN}")
+        values = np.empty(info.numel, dtype=np.float64)
+        decode_float(reader.read_array(info).reshape(-1).view(np.uint8), info.dtype, values)
+        raw.setdefault(name[: -len(suffix)], {})[suffix[6]] = values.reshape(info.shape)
+    factors = {}
+    for module, pair in raw.items():
+        target = adapter["targets"].get(module)
+        if set(pair) != {"A", "B"} or not isinstance(target, Mapping):
+            raise UserError(
+                f"{reader.path}: the adapter of {module!r} is incomplete or not among the training's "
+                f"targets; {RERUN_TRAIN}"
+            )
+        fan_in_fan_out = bool(target.get("fan_in_fan_out"))
+        factors[f"{module}.weight"] = LoraFactors(pair["A"], pair["B"], scaling, fan_in_fan_out)
+    return factors
+
+
+class BaseTensors(Mapping):
+    """The base checkpoint as a mapping read one tensor at a time, in the order ``names`` gives (the
+    output's file order): float tensors decoded to float64 (:func:`encode_tensor` writes them back
+    exactly), others as their raw holder arrays. Reads extend the reader's digest when in file order."""
+
+    def __init__(self, reader: SafetensorsReader, names: Sequence[str]) -> None:
+        self.reader, self.names = reader, list(names)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        info = self.reader.tensors[name]
+        array = self.reader.read_array(info)
+        if not info.dtype.is_float:
+            return array
+        values = np.empty(info.numel, dtype=np.float64)
+        return decode_float(array.reshape(-1).view(np.uint8), info.dtype, values).reshape(info.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.reader.tensors
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.reader.tensors[name].shape
+
+
+def encode_tensor(values: np.ndarray, dtype_name: str) -> np.ndarray:
+    """The bytes of ``values`` (float64, or a raw holder array) in the file dtype ``dtype_name``."""
+    dtype = DTYPES[dtype_name]
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if not dtype.is_float:
+        return flat.view(np.uint8)
+    out = np.empty(flat.size * dtype.itemsize, dtype=np.uint8)
+    return encode_float(flat.astype(np.float64, copy=False), dtype, out)
+
+
+RERUN_GATHER = "re-run gather (snakemake -R gather)"
+
+
+def read_rank_factors(info: Mapping[str, Any]) -> list[dict[str, LoraFactors]]:
+    """Every rank's factors gather.json lists, each file's header and digest checked against it (the
+    digest over the very bytes read)."""
+    algorithm = checksum_algorithm(dict(info))
+    ranks = []
+    for entry in info["ranks"]:
+        path = entry["path"]
+        with SafetensorsReader(path, hash_algorithm=algorithm) as reader:
+            if reader.header() != info["tensors"]:
+                raise UserError(
+                    f"rank {entry['rank']}: {path} does not hold the adapter gather.json records; "
+                    f"{RERUN_GATHER}"
+                )
+            factors = read_factors(reader, info["adapter"])
+            if reader.hexdigest() != entry.get(algorithm):
+                raise UserError(
+                    f"rank {entry['rank']}: {path} is missing or changed since gather; {RERUN_GATHER}"
+                )
+        ranks.append(factors)
+    return ranks

@@ -38,7 +38,13 @@ def ties_of(model: nn.Module) -> dict[str, str]:
 
 
 def storable_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(the state dict without the aliases of tied tensors, the ties): what a weights file holds."""
+    """(the state dict without the aliases of tied tensors, the ties): what a weights file holds. For a
+    model with a LoRA adapter, its factors alone (the frozen base is stored once per training:
+    :mod:`shardfuse.models.lora`)."""
+    if getattr(model, "shardfuse_adapter", None):
+        from shardfuse.models.lora import adapter_state
+
+        return adapter_state(model), {}
     ties = ties_of(model)
     state = {name: tensor for name, tensor in model.state_dict().items() if name not in ties}
     return state, ties
@@ -66,7 +72,13 @@ def load_state(
     model: nn.Module, tensors: Mapping[str, torch.Tensor], source: str, file_ties: Mapping[str, str] = ()
 ) -> None:
     """Load a stored state (aliases of tied tensors left out) into ``model``, strictly; the ties are
-    the model's own and those the file's header records."""
+    the model's own and those the file's header records. A model with a LoRA adapter loads its factors
+    (what :func:`storable_state` stored)."""
+    if getattr(model, "shardfuse_adapter", None):
+        from shardfuse.models.lora import load_adapter_state
+
+        load_adapter_state(model, tensors, source)
+        return
     ties = {**dict(file_ties or {}), **ties_of(model)}
     model.load_state_dict(expand_ties(tensors, ties, source))
 

@@ -13,6 +13,7 @@ import torch.distributed as torch_dist
 
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.experiment.records import TrainRecord, mode_of
+from shardfuse.io import read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.models.adapter import storable_state
@@ -46,6 +47,9 @@ def publish(
         weights, published_step = tracker.best_weights, tracker.best_step
     num_rows = manifest["shards"][ctx.rank]["rows"]
     rank_meta = {**setup.meta, "rank": ctx.rank, "rows": num_rows, "num_steps": num_steps}
+    if "adapter" in rank_meta:  # the frozen base it was trained on, by the sha256 of its one file
+        base_sha256 = read_json(setup.out_dir / "base.json", "base sidecar")["sha256"]
+        rank_meta["adapter"] = {**rank_meta["adapter"], "base_sha256": base_sha256}
     if published_step != num_steps:
         rank_meta["published_step"] = published_step
     save_weights(setup.out_dir / f"rank-{ctx.rank}.safetensors", weights, rank_meta)
@@ -96,6 +100,7 @@ def publish(
         task=setup.task.name,
         model=setup.spec,
         init_from=setup.meta["init_from"],
+        adapter=rank_meta.get("adapter"),
         ranks=[
             {
                 "rank": s["rank"],

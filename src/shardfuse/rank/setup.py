@@ -24,6 +24,10 @@ from shardfuse.experiment.keys import RANK_SEED_STRIDE
 from shardfuse.experiment.run_config import TrainConfig
 from shardfuse.io import UserError
 from shardfuse.models.adapter import file_ties, load_state, storable_state, tensor_bytes, ties_of
+from shardfuse.models.lora import base_name, is_adapted
+from shardfuse.models.lora import base_state as lora_base_state
+from shardfuse.models.lora import inject as inject_lora
+from shardfuse.models.lora import settings as lora_settings
 from shardfuse.models.registry import (
     build_model,
     check_output_shape,
@@ -226,18 +230,27 @@ def set_up(
     updates_buffers = forward_updates_buffers(model, probe_batch(spec, ctx.device))
     if not per_rank:
         broadcast_from_rank0(model)
+    init_sha256 = state_digest(model)
+    adapter = None
+    if cfg.model.adapter is not None:  # LoRA over the frozen weights, drawn alike or per rank
+        adapter = lora_settings(cfg.model.adapter)
+        shared = adapter["init"] == "shared"
+        targets = inject_lora(model, adapter, cfg.loop.seed if shared else rank_seed)
+        adapter = {**adapter, "targets": targets, "base": "base.safetensors"}
     meta = {
         "run": run,
         "world_size": ctx.world_size,
         "strategy": cfg.sync.strategy,
         "model": spec,
         "init_from": str(init_weights) if init_weights is not None else None,
-        "init_sha256": state_digest(model),
+        "init_sha256": init_sha256,
         "host": socket.gethostname(),
     }
     if per_rank:
         meta["init"] = "per_rank"  # headers of shared-init runs stay as they were
-    if ties := ties_of(model):
+    if adapter is not None:
+        meta["adapter"] = adapter  # base_sha256 joins it when the rank publishes (the base is written then)
+    elif ties := ties_of(model):
         meta["ties"] = ties  # {alias: source}: the alias is not in the file (shardfuse.models.adapter)
     out_dir.mkdir(parents=True, exist_ok=True)
     optimizer = make_optimizer(model, cfg.optim)
@@ -267,8 +280,15 @@ def resume_or_start(setup: RankSetup) -> Position:
     model, checkpoint_dir = setup.model, setup.checkpoint_dir
     step = agreed_resume_step(setup)
     if step is None:
-        base_meta = {**setup.meta, "rank": None}
-        base = storable_state(model)[0]
+        base_meta = {key: value for key, value in setup.meta.items() if key != "adapter"}
+        base_meta["rank"] = None
+        if is_adapted(model):  # the frozen weights under the model's own names
+            ties = ties_of(model)
+            base = lora_base_state(model, ties)
+            if ties:
+                base_meta["ties"] = {base_name(alias): base_name(source) for alias, source in ties.items()}
+        else:
+            base = storable_state(model)[0]
         setup.gate.call(save_weights, setup.out_dir / "base.safetensors", base, base_meta)
         return Position()
     position = load_rank_state(

@@ -159,6 +159,7 @@ class RunFiles:
     metrics: dict[int, Path]  # rank -> metrics/rank-{r}.parquet
     plots: tuple[Path, ...]  # sorted *.png of the plots dir, if any
     system: dict[int, Path] | None = None  # rank -> metrics/system-rank-{r}.parquet, where the rank wrote one
+    adapter: tuple[Path, ...] = ()  # the run's PEFT adapter folder (merge_adapter), its files sorted
 
     def results(self) -> tuple[Path, ...]:
         """The JSON results uploaded under ``results/``, in upload order."""
@@ -171,6 +172,7 @@ class RunFiles:
         named.update({f"metrics-{rank}": path for rank, path in self.metrics.items()})
         named.update({f"plot-{path.name}": path for path in self.plots})
         named.update({f"system-{rank}": path for rank, path in (self.system or {}).items()})
+        named.update({f"adapter-{path.name}": path for path in self.adapter})
         return named
 
 
@@ -215,6 +217,7 @@ def load_inputs(
     train_dir: Path | None = None,
     gather_path: Path | None = None,
     ddp_baseline: Path | None = None,
+    adapter_dir: Path | None = None,
 ) -> RunInputs:
     """Read and check every file the push needs before MLflow is touched (``ddp_baseline``: the ddp
     run's eval.json, whose merged metrics are this run's baseline).
@@ -259,8 +262,12 @@ def load_inputs(
         for rank in range(world_size)
         if (path := system_metrics_path(train_dir / "metrics", rank)).is_file()
     }
+    adapter = ()
+    if adapter_dir is not None:
+        fusion = _require_file(adapter_dir / "fusion.json", "export_adapter")
+        adapter = tuple(sorted(p for p in adapter_dir.iterdir() if p.is_file()))
     files = RunFiles(
-        manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system
+        manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system, adapter
     )
     task = evaluation_task(evaluation, eval_path)
     test_metrics = {
@@ -291,8 +298,18 @@ def load_inputs(
     )
     headline = headline_metrics(files, train, merge, evaluation, ranks)
     headline.update(node_peaks(samples, hosts))
+    if adapter_dir is not None:
+        headline.update(adapter_metrics(read_json(fusion, "adapter fusion record"), fusion))
     manifest_json = read_json(manifest, "manifest")
     return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
+
+
+def adapter_metrics(record: Any, path: Path) -> dict[str, float]:
+    """The exported adapter's rank, size and how much of the fused update it keeps (fusion.json)."""
+    keys = ("r", "num_parameters", "max_truncation_error", "mean_truncation_error")
+    if not isinstance(record, dict) or any(_number(record.get(key)) is None for key in keys):
+        raise UserError(f"{path} is not an adapter fusion record; re-run export_adapter (snakemake -R merge)")
+    return {f"adapter_{key}": float(record[key]) for key in keys}
 
 
 def _read_system(path: Path) -> dict[str, np.ndarray]:

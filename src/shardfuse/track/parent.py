@@ -66,6 +66,7 @@ def sync_parent_extras(
     files = inputs.files
     uploads = [(path, "results") for path in files.results()]
     uploads += [(path, "plots") for path in files.plots] + [(path, None) for path in files.plots]
+    uploads += [(path, "adapter") for path in files.adapter]
     artifacts_sha = hashlib.sha256(
         "".join(f"{d or '.'}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode()
     )
