@@ -136,3 +136,93 @@ def test_the_pretrained_folder_is_an_input_of_the_dag(example):
         weights.write_bytes(saved)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert planned_jobs(dry.stdout)["train"] == 2  # both trainings, under new names
+
+
+# ---------------------------------------------------------------- LoRA (the README's next example)
+
+LORA_RUNS = ("lora_ddp", "lora_uniform", "lora_ties", "full_ddp", "full_uniform")
+
+
+@pytest.fixture(scope="module")
+def lora_example(example) -> Path:
+    """The README's LoRA example in the same checkout, after the Hugging Face one (its pretrained folder
+    and its full fine-tuning trainings are reused, as the README says)."""
+    trainings_before = set((example / "results/trainings").iterdir())
+    for line in readme_block("examples-hf-lora").splitlines():
+        command = shlex.split(line.split("#")[0])
+        if command:
+            assert command[0] == "snakemake", command
+            proc = run_in(example, command)
+            assert proc.returncode == 0, snakemake_failure(example, proc)
+    new = set((example / "results/trainings").iterdir()) - trainings_before
+    assert len(new) == 2, sorted(p.name for p in new)  # the two LoRA trainings; full fine-tuning reused
+    return example
+
+
+def test_the_lora_example_fuses_per_shard_adapters_and_stores_factors_only(lora_example):
+    rows = summary(lora_example)
+    assert set(rows) == set(LORA_RUNS)
+    before = float(rows["lora_ddp"]["test_loss_base"])
+    assert all(float(rows[run]["test_loss_merged"]) < before for run in LORA_RUNS)  # every one learned
+    sizes = {}
+    for run in ("lora_uniform", "full_uniform"):
+        train = json.loads((lora_example / "results/runs" / run / "merge.json").read_text())["training"]
+        ranks = lora_example / "results/trainings" / train / "ranks"
+        sizes[run] = (ranks / "rank-0.safetensors").stat().st_size
+        tensors, _ = load_weights(ranks / "rank-0.safetensors")
+        assert all(".lora_" in name for name in tensors) == (run == "lora_uniform")
+    assert sizes["lora_uniform"] < sizes["full_uniform"] / 5
+    record = json.loads((lora_example / "results/runs/lora_ties/adapter/fusion.json").read_text())
+    assert record["mode"] == "svd" and record["r"] == 8 and 0 < record["mean_truncation_error"] < 1
+    # the fused model exports to transformers like any run (base + merged update, tied embeddings kept)
+    assert (lora_example / "results/runs/lora_ties/hf/model.safetensors").is_file()
+
+
+def test_the_fused_adapter_loads_in_peft_with_the_logits_of_the_fused_model(lora_example, monkeypatch):
+    """AutoPeftModel (its base from base_model_name_or_path, the training's base exported) with the cat
+    adapter of the uniform fusion gives the logits of the fused model's transformers export."""
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(lora_example)  # base_model_name_or_path is relative to the workflow, as results/ are
+    adapter = Path("results/runs/lora_uniform/adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 16 and config["fan_in_fan_out"] is True  # GPT-2's Conv1D, two ranks of r 8
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    fused = AutoModelForCausalLM.from_pretrained("results/runs/lora_uniform/hf").eval()
+    tokens = torch.randint(0, fused.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = fused(tokens).logits, peft_model(tokens).logits
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-4), (ours - theirs).abs().max()
+    # the svd adapter loads onto the base by hand too
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    svd = PeftModel.from_pretrained(base, "results/runs/lora_ties/adapter").eval()
+    with torch.no_grad():
+        assert svd(tokens).logits.shape == theirs.shape
+
+
+def test_mlflow_logs_the_adapter_and_names_its_base(lora_example):
+    script = (
+        "import json, mlflow\n"
+        f"mlflow.set_tracking_uri('sqlite:///{lora_example}/mlflow.db')\n"
+        "client = mlflow.MlflowClient()\n"
+        f"record = json.load(open('{lora_example}/results/runs/lora_ties/mlflow.json'))\n"
+        "run = client.get_run(record['parent_run_id'])\n"
+        "files = sorted(f.path for f in client.list_artifacts(run.info.run_id, 'adapter'))\n"
+        "print(json.dumps({'files': files, 'metrics': run.data.metrics, 'tags': run.data.tags}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert logged["files"] == [
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+        "adapter/fusion.json",
+    ]
+    assert logged["metrics"]["adapter_r"] == 8 and 0 < logged["metrics"]["adapter_max_truncation_error"] < 1
+    train = json.loads((lora_example / "results/runs/lora_ties/merge.json").read_text())["training"]
+    train_json = json.loads((lora_example / "results/trainings" / train / "ranks/train.json").read_text())
+    assert logged["tags"]["shardfuse.adapter_base_sha256"] == train_json["adapter"]["base_sha256"]
+    assert logged["tags"]["shardfuse.adapter"] == "lora r=8 alpha=16.0"

@@ -297,6 +297,19 @@ def adapter_export_of_run(wildcards):
     )
 
 
+def base_hf_of_run(wildcards):
+    """The training's base as a transformers folder (model hf with an adapter exported): the
+    base_model_name_or_path of the run's PEFT adapter, so AutoPeftModel loads both."""
+    run = RUNS[wildcards.run]
+    if run["model"] != "hf" or run.get("merge_adapter", "none") == "none":
+        return []
+    return [f"{training_dir_of_run(wildcards)}/base-hf"]
+
+
+def base_ref_args(wildcards):
+    return " ".join(f"--base-ref {path}" for path in base_hf_of_run(wildcards))
+
+
 def _run_wildcards(run):
     return Wildcards(fromdict={"run": run})
 

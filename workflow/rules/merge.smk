@@ -29,6 +29,7 @@ rule export_adapter:
     input:
         gather=gather_of_run,
         record=rules.merge.output.record,
+        base_hf=base_hf_of_run,
     output:
         folder=directory("results/runs/{run}/adapter"),
     log:
@@ -42,9 +43,28 @@ rule export_adapter:
         group_slots=1,
     params:
         mode=lambda wildcards: RUNS[wildcards.run]["merge_adapter"],
+        base_ref=base_ref_args,
     shell:
         "python -m shardfuse.export_adapter --gather {input.gather} --merge-json {input.record}"
-        " --mode {params.mode} --out {output.folder} > {log} 2>&1"
+        " --mode {params.mode} {params.base_ref} --out {output.folder} > {log} 2>&1"
+
+
+rule export_base_hf:
+    input:
+        ranks="results/trainings/{training}/ranks",
+    output:
+        folder=directory("results/trainings/{training}/base-hf"),
+    log:
+        "logs/export/{training}-base.log",
+    benchmark:
+        "benchmarks/export/{training}-base.tsv"
+    conda:
+        "../../envs/train.yaml"
+    resources:
+        # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
+        group_slots=1,
+    shell:
+        "python -m shardfuse.export --weights {input.ranks}/base.safetensors --out {output.folder} > {log} 2>&1"
 
 
 rule export_hf:

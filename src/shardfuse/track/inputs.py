@@ -265,7 +265,9 @@ def load_inputs(
     adapter = ()
     if adapter_dir is not None:
         fusion = _require_file(adapter_dir / "fusion.json", "export_adapter")
-        adapter = tuple(sorted(p for p in adapter_dir.iterdir() if p.is_file()))
+        adapter = tuple(
+            sorted(p for p in adapter_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+        )
     files = RunFiles(
         manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system, adapter
     )
@@ -475,4 +477,7 @@ def provenance_tags(inputs: RunInputs, run_config_hash: str) -> dict[str, str]:
         tags["shardfuse.hosts"] = ",".join(sorted(set(hosts.values())))
     if train.slurm_job_id:
         tags["shardfuse.slurm_job_id"] = str(train.slurm_job_id)
+    if isinstance(train.adapter, dict):  # LoRA: the frozen base every rank's adapter was trained over
+        tags["shardfuse.adapter"] = f"lora r={train.adapter.get('r')} alpha={train.adapter.get('alpha')}"
+        tags["shardfuse.adapter_base_sha256"] = str(train.adapter.get("base_sha256"))
     return tags
