@@ -37,6 +37,14 @@ DILOCO = {
     "patience": 40,
     "checkpoint_every": 20,
 }
+# LoRA adapters (factors only in every checkpoint, the base frozen): adapter dropout draws from the
+# checkpointed generator; ddp all-reduces the factors' gradients; per-rank adapters on the transformer.
+LORA_DDP = {"adapter": {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.1}, "dropout": 0.0}
+LORA_TRANSFORMER = {
+    **TRANSFORMER,
+    "checkpoint_every": 10,
+    "adapter": {"type": "lora", "r": 2, "target_modules": ["qkv", "proj"], "init": "per_rank"},
+}
 DATA_FIXTURES = {
     "digits": "digits_data",
     "diabetes": "diabetes_data",
@@ -55,8 +63,20 @@ DATA_FIXTURES = {
         ("localsgd", "stdlib", {**TRANSFORMER, "checkpoint_every": 10}),
         ("ddp", "digits", SCHEDULE_ACCUM),
         ("diloco", "digits", DILOCO),
+        ("ddp", "digits", LORA_DDP),
+        ("localsgd", "stdlib", LORA_TRANSFORMER),
     ],
-    ids=["localsgd", "user-model", "regression", "cnn", "transformer", "schedule-accum", "diloco"],
+    ids=[
+        "localsgd",
+        "user-model",
+        "regression",
+        "cnn",
+        "transformer",
+        "schedule-accum",
+        "diloco",
+        "lora-ddp",
+        "lora-transformer",
+    ],
 )
 def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
     tmp_path, request, strategy, data, extra

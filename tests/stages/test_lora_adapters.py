@@ -272,12 +272,21 @@ def test_a_method_on_whole_weights_is_refused_for_adapters(tmp_path, lora_traini
 def test_a_swapped_base_or_an_adapter_without_its_base_is_refused(tmp_path, lora_training, digits_dataset):
     work = tmp_path / "ranks"
     shutil.copytree(lora_training / "lora" / "ranks", work)
+    gathered = gather(work, tmp_path / "before.json")
     base, meta = load_weights(work / "base.safetensors")
     base["net.0.weight"] = base["net.0.weight"] + 0.01
     save_weights(work / "base.safetensors", base, meta)  # a consistent sidecar: only the digest tells
     proc = run_stage("gather", "--train-dir", work, "--world-size", 2, "--out", tmp_path / "gather.json")
     assert proc.returncode == 2 and not (tmp_path / "gather.json").exists()
     assert "is not the base the adapters were trained on" in proc.stderr
+    # swapped after gather: merge refuses it before its output is in place
+    out = tmp_path / "merged.safetensors"
+    proc = run_stage(
+        "merge", "--gather", gathered, "--method", "uniform", "--out-weights", out,
+        "--out-json", tmp_path / "merge.json",
+    )  # fmt: skip
+    assert proc.returncode == 2 and not out.exists() and not (tmp_path / "merge.json").exists()
+    assert "is not the base the adapters were trained on" in proc.stderr, proc.stderr[-2000:]
     (work / "base.safetensors").unlink()
     from shardfuse.io import UserError
     from shardfuse.models.lora import load_model_weights
