@@ -171,6 +171,31 @@ def case_slerp_needs_two(tmp):
     )
 
 
+LORA = {"type": "lora", "r": 4}
+
+
+def case_adapter_with_a_whole_weight_method(tmp):
+    config = base_config(world_size=2, strategy="localsgd", merge_method="slerp", adapter=LORA)
+    return config_case(tmp, config, "runs[r].merge_method: slerp cannot fuse LoRA adapters")
+
+
+def case_adapter_with_alignment(tmp):
+    config = base_config(
+        strategy="localsgd", merge_method="uniform", merge_align="weight_matching", adapter=LORA
+    )
+    return config_case(tmp, config, "runs[r].merge_align: LoRA adapters are fused in update space")
+
+
+def case_merge_adapter_cat_with_ties(tmp):
+    config = base_config(strategy="localsgd", merge_method="ties", merge_adapter="cat", adapter=LORA)
+    return config_case(tmp, config, "cat is exact only for the methods linear in the updates")
+
+
+def case_merge_adapter_without_adapter(tmp):
+    config = base_config(strategy="localsgd", merge_method="uniform", merge_adapter="svd")
+    return config_case(tmp, config, "runs[r].merge_adapter: writes the fused LoRA update as an adapter, but")
+
+
 def case_greedy_soup_without_val(tmp):
     config = base_config(merge_method="greedy_soup")
     config["datasets"]["d"]["val_fraction"] = 0

@@ -67,6 +67,8 @@ class Experiment:
 
         def rest(run_cfg: dict[str, Any]) -> dict[str, Any]:
             identity = training_identity(run_cfg)
+            if isinstance(identity.get("adapter"), dict):  # adapter.init is a strategy choice too
+                identity["adapter"] = {k: v for k, v in identity["adapter"].items() if k != "init"}
             return {k: v for k, v in identity.items() if k not in STRATEGY_KEYS}
 
         for other, other_cfg in self.runs.items():

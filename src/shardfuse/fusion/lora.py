@@ -46,7 +46,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardfuse.checkpoints.stream import DTYPES, SafetensorsReader, TensorInfo, decode_float, encode_float
+from shardfuse.checkpoints.stream import (
+    DTYPES,
+    SafetensorsReader,
+    TensorInfo,
+    decode_float,
+    decode_narrow,
+    encode_float,
+)
 from shardfuse.checkpoints.trust import checksum_algorithm
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.fusion.methods.registry import BY_NAME, RECORDS, USES_BASE
@@ -217,8 +224,11 @@ def _merged_one_by_one(
 
 
 def add_update(base_weight: np.ndarray, update: np.ndarray) -> np.ndarray:
-    """W0 + ΔW, summed in float64 and cast back to W0's dtype (as the engine casts every merged tensor)."""
-    return (np.asarray(base_weight, dtype=np.float64) + update).astype(base_weight.dtype)
+    """W0 + ΔW, summed in float64 and cast back to W0's dtype (as the engine casts every merged tensor).
+    ``update`` (float64, the merged update, used once) receives the sum in place: no second buffer."""
+    update = np.asarray(update, dtype=np.float64)
+    update += base_weight
+    return update.astype(base_weight.dtype)
 
 
 def merge_model(
@@ -355,8 +365,9 @@ def read_factors(reader: SafetensorsReader, adapter: Mapping[str, Any]) -> dict[
 
 class BaseTensors(Mapping):
     """The base checkpoint as a mapping read one tensor at a time, in the order ``names`` gives (the
-    output's file order): float tensors decoded to float64 (:func:`encode_tensor` writes them back
-    exactly), others as their raw holder arrays. Reads extend the reader's digest when in file order."""
+    output's file order): float tensors in the narrowest numpy type that holds them exactly (F32 and F64
+    as read, F16 and BF16 as float32; :func:`encode_tensor` writes them back exactly), others as their
+    raw holder arrays. Reads extend the reader's digest when in file order."""
 
     def __init__(self, reader: SafetensorsReader, names: Sequence[str]) -> None:
         self.reader, self.names = reader, list(names)
@@ -364,10 +375,10 @@ class BaseTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         info = self.reader.tensors[name]
         array = self.reader.read_array(info)
-        if not info.dtype.is_float:
+        if not info.dtype.is_float or info.dtype.name in ("F32", "F64"):
             return array
-        values = np.empty(info.numel, dtype=np.float64)
-        return decode_float(array.reshape(-1).view(np.uint8), info.dtype, values).reshape(info.shape)
+        out = np.empty(info.numel * 4, dtype=np.uint8)
+        return decode_narrow(array.reshape(-1).view(np.uint8), info.dtype, out).reshape(info.shape)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -383,10 +394,11 @@ class BaseTensors(Mapping):
 
 
 def encode_tensor(values: np.ndarray, dtype_name: str) -> np.ndarray:
-    """The bytes of ``values`` (float64, or a raw holder array) in the file dtype ``dtype_name``."""
+    """The bytes of ``values`` (floats, or a raw holder array) in the file dtype ``dtype_name``: as they
+    are where they already have its holder type, else rounded as :func:`encode_float` rounds."""
     dtype = DTYPES[dtype_name]
     flat = np.ascontiguousarray(values).reshape(-1)
-    if not dtype.is_float:
+    if not dtype.is_float or flat.dtype == np.dtype(dtype.holder):
         return flat.view(np.uint8)
     out = np.empty(flat.size * dtype.itemsize, dtype=np.uint8)
     return encode_float(flat.astype(np.float64, copy=False), dtype, out)

@@ -78,6 +78,8 @@ class LocalSGD(Sync):
     @torch.no_grad()
     def sync(self) -> None:
         for param in self.model.parameters():
+            if not param.requires_grad:  # frozen (an adapter's base): the same on every rank
+                continue
             torch_dist.all_reduce(param, op=torch_dist.ReduceOp.SUM)
             param.div_(self.world_size)
         self.num_syncs += 1

@@ -61,3 +61,13 @@ def test_merge_adapter_without_an_adapter_and_bad_adapter_keys_are_refused():
     for adapter in ({"type": "dora"}, {"type": "lora", "r": 0}, {"type": "lora", "rank": 4}, {"r": 4}):
         with pytest.raises(ConfigError, match=r"runs\[r\]"):
             experiment(adapter=adapter)
+
+
+def test_a_per_rank_adapter_run_has_the_shared_ddp_adapter_run_as_its_baseline():
+    runs = {
+        "ddp": {"strategy": "ddp", "merge_method": "consolidate", "adapter": LORA},
+        "soup": {"strategy": "localsgd", "merge_method": "uniform", "adapter": {**LORA, "init": "per_rank"}},
+        "other": {"strategy": "localsgd", "merge_method": "uniform", "adapter": {**LORA, "r": 8}},
+    }
+    loaded = load_experiment(base_config(runs), environ={})
+    assert loaded.ddp_baseline("soup") == "ddp" and loaded.ddp_baseline("other") is None
