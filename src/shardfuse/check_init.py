@@ -14,7 +14,9 @@ is checked here and the train stage checks). The weights are matched by
 
 Prints ``{"checked": true, "tensors": N}`` (or ``"checked": false`` with the reason) on stdout.
 With ``--align`` instead of ``--init-from`` it checks ``merge_align`` on a user model: the model built
-on the meta device must declare ``permutation_groups()`` (``{"checked": true, "groups": N}``).
+on the meta device must declare ``permutation_groups()`` (``{"checked": true, "groups": N}``); with
+``--adapter``, a LoRA ``adapter``: its target_modules must match modules of the model and its r fit
+them (``{"checked": true, "targets": N}``; the run JSON then carries ``adapter``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from shardfuse.checkpoints.init_weights import expected_of, match_names, read_init_weights
 from shardfuse.data.sources.describe import info_from_spec
@@ -72,6 +76,19 @@ def check_init(init_from: Path, run: dict, dataset_spec: dict) -> dict:
     return {"checked": True, "tensors": len(plan)}
 
 
+def check_adapter(run: dict, dataset_spec: dict) -> dict:
+    """{"checked": bool, ...}; target_modules matching nothing, or an r above a target's smaller dimension,
+    is the train stage's own UserError (:func:`shardfuse.models.lora.inject`, on the meta device here)."""
+    from shardfuse.models.lora import inject  # deferred: peft
+
+    cfg, _, model = meta_model_of(run, dataset_spec, "train")
+    if isinstance(model, dict):
+        return model
+    with torch.device("meta"):
+        targets = inject(model, cfg.adapter, seed=0)
+    return {"checked": True, "targets": len(targets)}
+
+
 def check_align(run: dict, dataset_spec: dict) -> dict:
     """{"checked": bool, ...}; a model without permutation_groups() is a UserError (merge's own line)."""
     cfg, spec, model = meta_model_of(run, dataset_spec, "merge")
@@ -84,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.check_init", description=__doc__.splitlines()[0])
     parser.add_argument("--init-from", type=Path, help="a safetensors file or folder")
     parser.add_argument("--align", action="store_true", help="check merge_align: the permutation groups")
+    parser.add_argument("--adapter", action="store_true", help="check adapter: its target modules and r")
     parser.add_argument(
         "--run-json", default="{}", help="the run's model keys (model, model_args, init_from_prefix, ...)"
     )
@@ -95,10 +113,15 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError("--run-json and --dataset-json must be JSON objects, the dataset's with a source")
     if args.align:
         print(json.dumps(check_align(run, dataset_spec)))
+    elif args.adapter:
+        print(json.dumps(check_adapter(run, dataset_spec)))
     elif args.init_from is not None:
         print(json.dumps(check_init(args.init_from, run, dataset_spec)))
     else:
-        raise UserError("pass --init-from PATH (check init_from) or --align (check merge_align)")
+        raise UserError(
+            "pass --init-from PATH (check init_from), --align (check merge_align) or --adapter "
+            "(check adapter)"
+        )
 
 
 if __name__ == "__main__":

@@ -295,20 +295,15 @@ def test_a_swapped_base_or_an_adapter_without_its_base_is_refused(tmp_path, lora
         load_model_weights(work / "rank-0.safetensors")
 
 
-def test_an_adapter_matching_no_module_or_larger_than_a_module_is_one_line(
+def test_an_adapter_that_fits_no_module_is_one_line_from_the_train_stage_too(
     tmp_path, digits_dataset, digits_shards
 ):
-    cases = {
-        "nomatch": ({"type": "lora", "target_modules": ["attn"]}, "matches no module of the model; its "
-                    "adaptable modules are net.0, net.2: name some of them (or all-linear)"),
-        "rank": ({"type": "lora", "r": 12}, "adapter.r 12 exceeds the smaller dimension of module 'net.2'"),
-    }  # fmt: skip
-    for name, (adapter, message) in cases.items():
-        cfg = {**LORA_CFG, "epochs": 1, "adapter": adapter}
-        proc = launch(tmp_path / name, digits_dataset, digits_shards, cfg)
-        assert proc.returncode == 2 and not (tmp_path / name).exists(), proc.stderr[-2000:]
-        (line,) = {line for line in proc.stderr.splitlines() if line.startswith("shardfuse.train: error:")}
-        assert message in line, proc.stderr[-2000:]
+    """By hand (no config check before it): the ranks' own check, one line, nothing left behind."""
+    cfg = {**LORA_CFG, "epochs": 1, "adapter": {"type": "lora", "r": 12}}
+    proc = launch(tmp_path / "out", digits_dataset, digits_shards, cfg)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr[-2000:]
+    (line,) = {line for line in proc.stderr.splitlines() if line.startswith("shardfuse.train: error:")}
+    assert "adapter.r 12 exceeds the smaller dimension of module 'net.2'" in line
 
 
 def test_ddp_all_reduces_the_adapter_gradients_only(tmp_path, digits_dataset, digits_shards):

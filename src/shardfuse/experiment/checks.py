@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
-from shardfuse.experiment.init_check import check_foreign_init, check_model_aligns
+from shardfuse.experiment.init_check import check_foreign_init, check_model_adapter, check_model_aligns
 from shardfuse.experiment.keys import (
     DECAY_RULE,
     FLOAT_TRAIN_KEYS,
@@ -346,7 +346,7 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
 LINEAR_IN_UPDATES = ("uniform", "weighted", "task_arithmetic")
 
 
-def check_adapter(name: str, run: dict[str, Any]) -> None:
+def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | None = None) -> None:
     """A LoRA adapter and the keys it rules out; fills the adapter's defaults in (so that spelling a
     default out, or 16 for 16.0, names the same training)."""
     where = f"config error at runs[{name}]"
@@ -388,6 +388,8 @@ def check_adapter(name: str, run: dict[str, Any]) -> None:
             f"{where}.merge_adapter: cat is exact only for the methods linear in the updates "
             f"({', '.join(LINEAR_IN_UPDATES)}), not {method}; use merge_adapter svd"
         )
+    if datasets is not None:  # its targets and r against the model, built on the meta device
+        check_model_adapter(where, run, datasets[run["dataset"]])
 
 
 def check_registered_model(name: str | None, where: str = "config error at mlflow.registered_model") -> None:

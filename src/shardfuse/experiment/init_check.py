@@ -89,8 +89,8 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
-def _model_args(run: dict[str, Any], dataset_spec: dict[str, Any]) -> list[str]:
-    run_json = json.dumps({key: run[key] for key in MODEL_KEYS})
+def _model_args(run: dict[str, Any], dataset_spec: dict[str, Any], **extra: Any) -> list[str]:
+    run_json = json.dumps({**{key: run[key] for key in MODEL_KEYS}, **extra})
     return ["--run-json", run_json, "--dataset-json", json.dumps(dataset_spec)]
 
 
@@ -117,6 +117,19 @@ def check_model_aligns(
     return _cached_check(
         f"{where}.merge_align", key, ["--align", *_model_args(run, dataset_spec)], what, cache_dir
     )
+
+
+def check_model_adapter(
+    where: str, run: dict[str, Any], dataset_spec: dict[str, Any], cache_dir: Path = CACHE_DIR
+) -> dict[str, Any]:
+    """A LoRA adapter against its model (built on the meta device): target_modules that match nothing,
+    or an r above a target's smaller dimension, is a ConfigError at ``where``.adapter now, not a failed
+    training. Cached like the init_from check."""
+    fits = {key: run["adapter"][key] for key in ("type", "r", "target_modules")}  # what the check reads
+    key = _digest({**_model_record(run, dataset_spec), "check": "adapter", "adapter": fits})
+    what = f"checking the adapter against model {run['model']!r}"
+    args = ["--adapter", *_model_args(run, dataset_spec, adapter=run["adapter"])]
+    return _cached_check(f"{where}.adapter", key, args, what, cache_dir)
 
 
 def _cached_check(where: str, key: str, args: list[str], what: str, cache_dir: Path) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def load_experiment(
         check_run(name, resolved, datasets, fix)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
-        check_adapter(name, resolved)
+        check_adapter(name, resolved, datasets)
         check_training_name(name, resolved)
         runs[name] = resolved
     resolve_init_sources(runs)
