@@ -26,6 +26,8 @@ on.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -185,6 +187,17 @@ def factor_pairs(tensors: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     return {module: (pair["A"], pair["B"]) for module, pair in found.items()}
 
 
+def _sha256(path: Path, stat: os.stat_result) -> str:
+    """The file's sha256, computed once per (path, size, mtime) in this process: evaluate forms every
+    rank's model over one base."""
+    return _cached_sha256(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_sha256(path: str, _size: int, _mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
 def base_of(path: Path, metadata: Mapping[str, Any]) -> Path:
     """The base ``path``'s adapter was trained on (its sibling ``base.safetensors``), checked: present,
     and the very file the adapter's header names by sha256."""
@@ -195,7 +208,7 @@ def base_of(path: Path, metadata: Mapping[str, Any]) -> Path:
             f"adapter checkpoint {path} has no base beside it ({base.name}, the frozen weights it was "
             "trained on); keep the training's directory whole, or re-run training (snakemake -R train)"
         )
-    if sha256_file(base) != adapter.get("base_sha256"):
+    if _sha256(base, base.stat()) != adapter.get("base_sha256"):
         raise UserError(
             f"the base {base} is not the one adapter checkpoint {path} was trained on (its sha256 "
             "differs from the header's base_sha256); re-run training (snakemake -R train)"
