@@ -534,7 +534,10 @@ def test_a_training_longer_than_its_time_limit_is_requeued_and_loses_no_step(slu
     assert run.returncode == 0, console[-4000:]
     (job_id,) = slurm_job_ids(workdir, "train")  # one job, requeued: Snakemake saw no failure
     (training,) = [p.name for p in (workdir / "results" / "trainings").iterdir()]
-    attempts = sorted((workdir / "logs" / "train").glob(f"{training}.attempt-*.log"))
+    attempts = sorted(  # by number: attempt-10 comes after attempt-9
+        (workdir / "logs" / "train").glob(f"{training}.attempt-*.log"),
+        key=lambda path: int(path.name.rsplit("-", 1)[1].split(".")[0]),
+    )
     assert len(attempts) >= 3, [a.name for a in attempts]
     stops = []
     for attempt in attempts[:-1]:
