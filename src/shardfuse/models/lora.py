@@ -55,10 +55,12 @@ def is_adapted(model: nn.Module) -> bool:
     return bool(getattr(model, "shardfuse_adapter", None))
 
 
+ADAPTED_KINDS = ("Linear", "Conv1D")  # the layers whose update is one matrix B·A (GPT-2's Conv1D too)
+
+
 def _linear_names(model: nn.Module) -> list[str]:
-    """Modules PEFT's LoRA can adapt (Linear, GPT-2's Conv1D, Embedding, Conv2d), by name."""
-    kinds = ("Linear", "Conv1D", "Embedding", "Conv2d")
-    return [name for name, module in model.named_modules() if name and type(module).__name__ in kinds]
+    """The modules an adapter can target here (Linear and GPT-2's Conv1D), by name."""
+    return [name for name, module in model.named_modules() if name and type(module).__name__ in ADAPTED_KINDS]
 
 
 def inject(model: nn.Module, adapter: Mapping[str, Any], seed: int) -> dict[str, dict[str, Any]]:
@@ -91,6 +93,12 @@ def inject(model: nn.Module, adapter: Mapping[str, Any], seed: int) -> dict[str,
         ) from None
     found = {}
     for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and type(module.get_base_layer()).__name__ not in ADAPTED_KINDS:
+            kind = type(module.get_base_layer()).__name__
+            raise UserError(
+                f"adapter.target_modules {targets!r} matches module {name!r} ({kind}); adapters here "
+                "train and fuse the updates of Linear and Conv1D layers only: leave it out of target_modules"
+            )
         if isinstance(module, LoraLayer) and ADAPTER_NAME in getattr(module, "lora_A", {}):
             weight = module.get_base_layer().weight
             found[name] = {
