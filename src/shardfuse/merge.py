@@ -51,7 +51,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint
-from shardfuse.checkpoints.trust import STALE, check_base_header, checksum_algorithm, read_gather, shapes_of
+from shardfuse.checkpoints.trust import (
+    STALE,
+    check_base_header,
+    check_listed_digest,
+    check_listed_header,
+    checksum_algorithm,
+    open_listed,
+    read_gather,
+    shapes_of,
+)
 from shardfuse.data.verify import check_split
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine
@@ -71,33 +80,9 @@ from shardfuse.io import (
 from shardfuse.models.usercode import check_code_unchanged
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: it would import torch)
-RERUN_GATHER = "re-run gather (snakemake -R gather)"
 
 
 # ---------------------------------------------------------------- inputs and checks
-
-
-def _open_checked(
-    path: Path, expected_bytes: int | None, what: str, hash_algorithm: str = "sha256"
-) -> SafetensorsReader:
-    if not path.is_file() or (expected_bytes is not None and path.stat().st_size != expected_bytes):
-        raise UserError(f"{what}: {path} is missing or changed since gather; {RERUN_GATHER}")
-    return SafetensorsReader(path, hash_algorithm=hash_algorithm)
-
-
-def _check_digest(reader: SafetensorsReader, entry: dict[str, Any], what: str) -> None:
-    """The rank file's bytes, as merged, must match the digest its gather.json entry records for the
-    reader's algorithm (alignment's permuted copies carry their own digests: shardfuse.fusion.align)."""
-    algorithm = reader.hash_algorithm
-    if reader.hexdigest() != entry[algorithm]:
-        raise UserError(f"{what}: {entry['path']} is missing or changed since gather; {RERUN_GATHER}")
-
-
-def _check_header(reader: SafetensorsReader, expected: dict[str, Any], what: str) -> None:
-    if reader.header() != expected:
-        raise UserError(
-            f"{what}: {reader.path} does not hold the tensors gather.json records; {RERUN_GATHER}"
-        )
 
 
 def _merged_metadata(first: SafetensorsReader, method: str, params: dict[str, Any]) -> dict[str, str]:
@@ -175,22 +160,21 @@ def merge_rank_files(
     the engine; every input's sha256 is checked against gather.json before the output is in place."""
     ranks = info["ranks"]
     rank_numbers = [int(r["rank"]) for r in ranks]
-    rows = [int(r["rows"]) for r in ranks]
     what = [f"rank {number}" for number in rank_numbers]
     algorithm = checksum_algorithm(info)
     inputs: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         readers = [
-            stack.enter_context(_open_checked(Path(r["path"]), r.get("bytes"), label, algorithm))
+            stack.enter_context(open_listed(Path(r["path"]), r.get("bytes"), label, algorithm))
             for r, label in zip(ranks, what, strict=True)
         ]
         for reader, label in zip(readers, what, strict=True):
-            _check_header(reader, info["tensors"], label)
+            check_listed_header(reader, info["tensors"], label)
         base = None
         if method in USES_BASE:
-            base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
+            base = stack.enter_context(open_listed(Path(info["base"]), None, "base"))
             check_base_header(base.path, json.loads(base.metadata.get(METADATA_KEY) or "{}"), info["run"])
-            _check_header(base, info["tensors"], "base")
+            check_listed_header(base, info["tensors"], "base")
         metadata = _merged_metadata(readers[0], method, params)
         selected = list(range(len(readers)))
         if method == "greedy_soup":
@@ -212,7 +196,7 @@ def merge_rank_files(
         def fill(writer: SafetensorsWriter) -> dict:
             stats = engine.run(writer.names, writer)
             for reader, r, label in zip(readers, ranks, what, strict=True):
-                _check_digest(reader, r, label)
+                check_listed_digest(reader, r, label)
             if base is not None:
                 inputs["base"] = {"path": str(base.path), "sha256": _base_sha256(base)}
             return stats
@@ -221,11 +205,22 @@ def merge_rank_files(
     # Each ingredient with the digests gather.json records, each under its algorithm's name; merge.json's
     # ``hash`` names the one checked against the merged bytes.
     inputs["hash"] = algorithm
-    inputs["ingredients"] = [
-        {"rank": number, "path": r["path"], **{a: r[a] for a in HASH_ALGORITHMS if a in r}, "rows": n}
-        for number, r, n in zip(rank_numbers, ranks, rows, strict=True)
-    ]
+    inputs["ingredients"] = _ingredients(ranks)
     return Fused(digest, stats, inputs)
+
+
+def _ingredients(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """merge.json's ingredients: each rank with the digests gather.json records, each under its
+    algorithm's name, and its rows."""
+    return [
+        {
+            "rank": int(r["rank"]),
+            "path": r["path"],
+            **{a: r[a] for a in HASH_ALGORITHMS if a in r},
+            "rows": int(r["rows"]),
+        }
+        for r in ranks
+    ]
 
 
 def merge_adapter_files(
@@ -243,14 +238,12 @@ def merge_adapter_files(
     time as it is written; every input's digest is checked before the output is in place."""
     from shardfuse.fusion import lora  # the adapter path only
 
-    lora.refuse_unless_on_updates(method)
     adapter, ranks = info["adapter"], info["ranks"]
     rank_numbers = [int(r["rank"]) for r in ranks]
-    factors = lora.read_rank_factors(info)  # each file's header and digest checked
-    with contextlib.ExitStack() as stack:
-        base = stack.enter_context(_open_checked(Path(info["base"]), None, "base"))
+    factors = lora.read_rank_factors(info)  # each file's size, header and digest checked
+    with open_listed(Path(info["base"]), None, "base") as base:
         check_base_header(base.path, json.loads(base.metadata.get(METADATA_KEY) or "{}"), info["run"])
-        _check_header(base, info["base_tensors"], "base")
+        check_listed_header(base, info["base_tensors"], "base")
         base_meta = json.loads(base.metadata[METADATA_KEY])
         metadata = {**base_meta, "merge_method": method, "merge_params": params}
         metadata["merged_adapter"] = {k: adapter[k] for k in ("type", "r", "alpha", "targets", "base_sha256")}
@@ -274,15 +267,7 @@ def merge_adapter_files(
     inputs = {
         "hash": checksum_algorithm(info),
         "base": {"path": str(base.path), "sha256": adapter["base_sha256"]},
-        "ingredients": [
-            {
-                "rank": n,
-                "path": r["path"],
-                **{a: r[a] for a in HASH_ALGORITHMS if a in r},
-                "rows": int(r["rows"]),
-            }
-            for n, r in zip(rank_numbers, ranks, strict=True)
-        ],
+        "ingredients": _ingredients(ranks),
         "adapter": {k: adapter[k] for k in ("type", "r", "alpha", "init") if k in adapter},
     }
     return Fused(digest, stats, inputs)

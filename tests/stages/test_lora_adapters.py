@@ -64,6 +64,20 @@ def densify(adapter_dir: Path, out: Path) -> Path:
     return out
 
 
+def merge_then_export(tmp_path: Path, gather_path: Path, method: str, params: dict, mode: str):
+    """The run's merge (into tmp_path/merged.safetensors and merge.json), then export_adapter of it
+    (into tmp_path/adapter): the merge must pass; the export's process is returned."""
+    proc = run_stage(
+        "merge", "--gather", gather_path, "--method", method, "--params-json", json.dumps(params),
+        "--out-weights", tmp_path / "merged.safetensors", "--out-json", tmp_path / "merge.json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_stage(
+        "export_adapter", "--gather", gather_path, "--merge-json", tmp_path / "merge.json", "--mode", mode,
+        "--out", tmp_path / "adapter",
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def lora_training(tmp_path_factory, digits_dataset, digits_shards) -> Path:
     """results/{lora,dense}/: the adapter training with its gather.json, and its dense twin's."""
@@ -163,17 +177,8 @@ def test_the_cat_adapter_loads_in_peft_with_the_merged_models_logits(tmp_path, l
     from shardfuse.models.registry import build_model
 
     gather_path = lora_training / "lora" / "gather.json"
-    merged = tmp_path / "merged.safetensors"
-    proc = run_stage(
-        "merge", "--gather", gather_path, "--method", "uniform", "--out-weights", merged,
-        "--out-json", tmp_path / "merge.json",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    folder = tmp_path / "adapter"
-    proc = run_stage(
-        "export_adapter", "--gather", gather_path, "--merge-json", tmp_path / "merge.json", "--mode", "cat",
-        "--out", folder,
-    )  # fmt: skip
+    merged, folder = tmp_path / "merged.safetensors", tmp_path / "adapter"
+    proc = merge_then_export(tmp_path, gather_path, "uniform", {}, "cat")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in folder.iterdir()) == [
         "adapter_config.json",
@@ -210,18 +215,10 @@ def test_the_cat_adapter_loads_in_peft_with_the_merged_models_logits(tmp_path, l
 
 def test_the_svd_adapter_records_each_modules_truncation_error(tmp_path, lora_training):
     """ties + svd: rank r again; the recorded error is ||ΔW - B'A'||/||ΔW|| of the merged update."""
-    gather_path = lora_training / "lora" / "gather.json"
-    merged = tmp_path / "merged.safetensors"
-    proc = run_stage(
-        "merge", "--gather", gather_path, "--method", "ties", "--params-json", '{"density": 0.3}',
-        "--out-weights", merged, "--out-json", tmp_path / "merge.json",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    folder = tmp_path / "adapter"
-    proc = run_stage(
-        "export_adapter", "--gather", gather_path, "--merge-json", tmp_path / "merge.json", "--mode", "svd",
-        "--out", folder,
-    )  # fmt: skip
+    merged, folder = tmp_path / "merged.safetensors", tmp_path / "adapter"
+    proc = merge_then_export(
+        tmp_path, lora_training / "lora" / "gather.json", "ties", {"density": 0.3}, "svd"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((folder / "fusion.json").read_text())
     assert record["r"] == 4 and record["method"] == "ties"
@@ -238,16 +235,7 @@ def test_the_svd_adapter_records_each_modules_truncation_error(tmp_path, lora_tr
 
 
 def test_cat_of_a_method_not_linear_in_the_updates_is_refused_in_one_line(tmp_path, lora_training):
-    gather_path = lora_training / "lora" / "gather.json"
-    proc = run_stage(
-        "merge", "--gather", gather_path, "--method", "ties", "--out-weights", tmp_path / "m.safetensors",
-        "--out-json", tmp_path / "merge.json",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_stage(
-        "export_adapter", "--gather", gather_path, "--merge-json", tmp_path / "merge.json", "--mode", "cat",
-        "--out", tmp_path / "adapter",
-    )  # fmt: skip
+    proc = merge_then_export(tmp_path, lora_training / "lora" / "gather.json", "ties", {}, "cat")
     assert proc.returncode == 2 and not (tmp_path / "adapter").exists()
     assert (
         proc.stderr.strip()

@@ -47,6 +47,7 @@ METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: ke
 STALE = "gather.json was edited or is stale: re-run gather (snakemake -R gather)"
 RERUN_TRAIN = "re-run training (snakemake -R train)"
 RERUN_MERGE = "re-run merge (snakemake -R merge)"
+RERUN_GATHER = "re-run gather (snakemake -R gather)"
 GATHER_FORMAT_VERSION = 2  # the newest gather.json this module reads (as shardfuse.gather writes)
 
 # The entries gather writes and their types. Each is checked where present; a stage names the ones it
@@ -157,6 +158,30 @@ def read_gather(
     for label, path, rank in entries:
         _check_entry(gather_path, training_dir, label, path, rank, info, seen)
     return info
+
+
+def open_listed(
+    path: Path, expected_bytes: int | None, what: str, hash_algorithm: str = "sha256"
+) -> SafetensorsReader:
+    """A checkpoint gather.json lists, opened for hashed reads once its size is the one recorded."""
+    if not path.is_file() or (expected_bytes is not None and path.stat().st_size != expected_bytes):
+        raise UserError(f"{what}: {path} is missing or changed since gather; {RERUN_GATHER}")
+    return SafetensorsReader(path, hash_algorithm=hash_algorithm)
+
+
+def check_listed_digest(reader: SafetensorsReader, entry: dict[str, Any], what: str) -> None:
+    """The rank file's bytes, as read, must match the digest its gather.json entry records for the
+    reader's algorithm (alignment's permuted copies carry their own digests: shardfuse.fusion.align)."""
+    algorithm = reader.hash_algorithm
+    if reader.hexdigest() != entry[algorithm]:
+        raise UserError(f"{what}: {entry['path']} is missing or changed since gather; {RERUN_GATHER}")
+
+
+def check_listed_header(reader: SafetensorsReader, expected: dict[str, Any], what: str) -> None:
+    if reader.header() != expected:
+        raise UserError(
+            f"{what}: {reader.path} does not hold the tensors gather.json records; {RERUN_GATHER}"
+        )
 
 
 def check_base_header(path: str | os.PathLike, metadata: dict[str, Any], run: str) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -54,7 +55,12 @@ from shardfuse.checkpoints.stream import (
     decode_narrow,
     encode_float,
 )
-from shardfuse.checkpoints.trust import checksum_algorithm
+from shardfuse.checkpoints.trust import (
+    check_listed_digest,
+    check_listed_header,
+    checksum_algorithm,
+    open_listed,
+)
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.fusion.methods.registry import BY_NAME, RECORDS, USES_BASE
 from shardfuse.io import UserError
@@ -404,26 +410,16 @@ def encode_tensor(values: np.ndarray, dtype_name: str) -> np.ndarray:
     return encode_float(flat.astype(np.float64, copy=False), dtype, out)
 
 
-RERUN_GATHER = "re-run gather (snakemake -R gather)"
-
-
 def read_rank_factors(info: Mapping[str, Any]) -> list[dict[str, LoraFactors]]:
-    """Every rank's factors gather.json lists, each file's header and digest checked against it (the
-    digest over the very bytes read)."""
+    """Every rank's factors gather.json lists, each file's size, header and digest checked against it
+    (the digest over the very bytes read), as the merge stage checks whole checkpoints."""
     algorithm = checksum_algorithm(dict(info))
     ranks = []
     for entry in info["ranks"]:
-        path = entry["path"]
-        with SafetensorsReader(path, hash_algorithm=algorithm) as reader:
-            if reader.header() != info["tensors"]:
-                raise UserError(
-                    f"rank {entry['rank']}: {path} does not hold the adapter gather.json records; "
-                    f"{RERUN_GATHER}"
-                )
+        what = f"rank {entry['rank']}"
+        with open_listed(Path(entry["path"]), entry.get("bytes"), what, algorithm) as reader:
+            check_listed_header(reader, info["tensors"], what)
             factors = read_factors(reader, info["adapter"])
-            if reader.hexdigest() != entry.get(algorithm):
-                raise UserError(
-                    f"rank {entry['rank']}: {path} is missing or changed since gather; {RERUN_GATHER}"
-                )
+            check_listed_digest(reader, entry, what)
         ranks.append(factors)
     return ranks
