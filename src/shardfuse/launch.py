@@ -223,17 +223,19 @@ def stop_and_requeue(stopped: dict, job: str | None) -> None:
     message = f"training stopped after step {step} ({reason}) with a complete checkpoint of that step"
     if job is None:
         raise Interrupted(f"{message}; a re-run resumes from step {step}, losing no step")
+    # Said before the request: SLURM ends this job (this process too) as it requeues it, which may be
+    # before `scontrol requeue` returns here.
+    print(
+        f"launch: requeueing SLURM job {job}: it resumes from step {step} when it starts again",
+        file=sys.stderr,
+        flush=True,
+    )
     refused = requeue(job)
     if refused is not None:
         raise Interrupted(
             f"{message}, but SLURM did not requeue job {job} ({refused}); re-run snakemake to resume from "
             f"step {step}, or ask for a longer runtime (set-resources: train: runtime)"
         )
-    print(
-        f"launch: requeued SLURM job {job}: it resumes from step {step} when it starts again",
-        file=sys.stderr,
-        flush=True,
-    )
     time.sleep(REQUEUE_WAIT_SECONDS)  # SLURM ends this job meanwhile; should it not, say so
     raise Interrupted(f"{message}; SLURM job {job} was requeued but did not end")
 

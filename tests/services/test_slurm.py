@@ -543,7 +543,7 @@ def test_a_training_longer_than_its_time_limit_is_requeued_and_loses_no_step(slu
     for attempt in attempts[:-1]:
         text = attempt.read_text()
         (step,) = re.findall(r"\] stopped after step (\d+) \(the SLURM job.s time limit is \d+ s away", text)
-        assert f"launch: requeued SLURM job {job_id}: it resumes from step {step}" in text
+        assert f"launch: requeueing SLURM job {job_id}: it resumes from step {step}" in text
         stops.append(step)
     for attempt, step in zip(attempts[1:], stops, strict=True):
         assert f"resuming from checkpoint step {step} " in attempt.read_text(), attempt.name
