@@ -97,11 +97,23 @@ def check_align(run: dict, dataset_spec: dict) -> dict:
     return {"checked": True, "groups": len(declared_groups(spec, cfg.model))}
 
 
+def check_fsdp(run: dict, dataset_spec: dict) -> dict:
+    """{"checked": bool, ...}; a model without wrap units is the train stage's own UserError
+    (:func:`shardfuse.rank.fsdp.wrap_units`)."""
+    from shardfuse.rank.fsdp import wrap_units
+
+    cfg, _, model = meta_model_of(run, dataset_spec, "train")
+    if isinstance(model, dict):
+        return model
+    return {"checked": True, "units": len(wrap_units(model, cfg.model))}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.check_init", description=__doc__.splitlines()[0])
     parser.add_argument("--init-from", type=Path, help="a safetensors file or folder")
     parser.add_argument("--align", action="store_true", help="check merge_align: the permutation groups")
     parser.add_argument("--adapter", action="store_true", help="check adapter: its target modules and r")
+    parser.add_argument("--fsdp", action="store_true", help="check fsdp: the model's wrap units")
     parser.add_argument(
         "--run-json", default="{}", help="the run's model keys (model, model_args, init_from_prefix, ...)"
     )
@@ -115,12 +127,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(check_align(run, dataset_spec)))
     elif args.adapter:
         print(json.dumps(check_adapter(run, dataset_spec)))
+    elif args.fsdp:
+        print(json.dumps(check_fsdp(run, dataset_spec)))
     elif args.init_from is not None:
         print(json.dumps(check_init(args.init_from, run, dataset_spec)))
     else:
         raise UserError(
-            "pass --init-from PATH (check init_from), --align (check merge_align) or --adapter "
-            "(check adapter)"
+            "pass --init-from PATH (check init_from), --align (check merge_align), --adapter "
+            "(check adapter) or --fsdp (check fsdp)"
         )
 
 

@@ -88,8 +88,11 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
     base_meta = read_metadata(base_path)
     adapter = train_info.get("adapter")
     reference = base_header if adapter is None else adapter_header(adapter, base_header)
+    fsdp = train_info.get("fsdp")
+    # fsdp > 1: one checkpoint per replica (its ranks' shards gathered), fused as ranks are otherwise.
+    replicas = world_size // fsdp["shards_per_replica"] if isinstance(fsdp, dict) else world_size
     ranks = []
-    for rank in range(world_size):
+    for rank in range(replicas):
         path = train_dir / f"rank-{rank}.safetensors"
         if not path.is_file():
             raise UserError(f"rank {rank}: checkpoint {path} is missing; {RERUN}")
@@ -133,6 +136,8 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
             f"not their header's base_sha256); {RERUN}"
         )
     extra = {} if adapter is None else {"adapter": adapter, "base_tensors": base_header}
+    if replicas != world_size:
+        extra["replicas"] = replicas
     return {
         "format_version": FORMAT_VERSION,
         "hash": HASH,

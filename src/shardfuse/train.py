@@ -54,11 +54,14 @@ def train_rank(
     setup = set_up(ctx, run, shard_dir, dataset_dir, cfg, out_dir, init_weights)
     position = resume_or_start(setup)
     # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
-    metrics = MetricsLog(out_dir / "metrics", ctx.rank, resume_step=position.step) if step_metrics else None
+    # fsdp > 1: a replica's first rank logs for the replica, under its number (the replica's loss).
+    layout = setup.layout
+    logs = step_metrics and layout.leader
+    metrics = MetricsLog(out_dir / "metrics", layout.replica, resume_step=position.step) if logs else None
     # CPU, memory and GPU use every few seconds, from a thread that only reads /proc and NVML (no torch,
     # so training stays bitwise the same); off with the step metrics. A resumed run appends its samples.
     gpu = ctx.device.index if ctx.device.type == "cuda" else None
-    with SystemSampler(out_dir / "metrics", ctx.rank, gpu, interval_s=None if step_metrics else 0) as system:
+    with SystemSampler(out_dir / "metrics", layout.replica, gpu, interval_s=None if logs else 0) as system:
         plan = plan_steps(setup, position)
         end = train_loop(setup, plan, position, metrics, live)
         if end.interrupted:

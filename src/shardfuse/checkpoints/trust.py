@@ -62,6 +62,7 @@ GATHER_FIELDS: dict[str, type] = {
     "tensors": dict,
     "ranks": list,
     "base": str,
+    "replicas": int,
 }
 RANK_FIELDS: dict[str, type] = {
     "rank": int,
@@ -144,8 +145,10 @@ def read_gather(
             what = "a negative rank" if number < 0 else "twice"
             raise UserError(f"{gather_path} lists rank {number} {what}; {STALE}")
     world_size = info.get("world_size")
-    if world_size is not None and world_size != len(ranks):
-        raise UserError(f"{gather_path} lists {len(ranks)} ranks for world size {world_size}; {STALE}")
+    replicas = info.get("replicas", world_size)  # fsdp > 1: a checkpoint per replica
+    if world_size is not None and replicas != len(ranks):
+        what = f"{replicas} replicas of world size" if replicas != world_size else "world size"
+        raise UserError(f"{gather_path} lists {len(ranks)} ranks for {what} {world_size}; {STALE}")
     if base and not info.get("base"):
         raise UserError(f"{gather_path} names no base checkpoint ('base' is missing, null or empty); {STALE}")
     entries: list[tuple[str, str, int | None]] = [

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
-from shardfuse.experiment.init_check import check_foreign_init, check_model_adapter, check_model_aligns
+from shardfuse.experiment.init_check import (
+    check_foreign_init,
+    check_model_adapter,
+    check_model_aligns,
+    check_model_fsdp,
+)
 from shardfuse.experiment.keys import (
     DECAY_RULE,
     FLOAT_TRAIN_KEYS,
@@ -390,6 +395,57 @@ def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | Non
         )
     if datasets is not None:  # its targets and r against the model, built on the meta device
         check_model_adapter(where, run, datasets[run["dataset"]])
+
+
+# The built-in models with FSDP wrap units (shardfuse.rank.fsdp.wrap_units, which imports torch).
+FSDP_BUILTINS = ("mlp", "transformer")
+
+
+def check_fsdp(name: str, run: dict[str, Any], datasets: dict[str, Any] | None = None) -> None:
+    """fsdp: S shards each replica's model: S divides world_size, the model has wrap units, and nothing
+    that needs whole per-rank models (or ranks drawn apart) is asked for."""
+    where = f"config error at runs[{name}]"
+    shards, world_size = run["fsdp"], run["world_size"]
+    if shards == 1:
+        if run["fsdp_precision"] != "fp32":
+            raise ConfigError(
+                f"{where}.fsdp_precision: sets FSDP's mixed precision but fsdp is 1 (no sharding); set "
+                "fsdp > 1 or remove fsdp_precision (precision: bf16 is the unsharded runs' key)"
+            )
+        return
+    if world_size % shards:
+        raise ConfigError(
+            f"{where}.fsdp: {shards} shards per replica do not divide world_size {world_size} "
+            f"(world_size = replicas x fsdp); set fsdp to a divisor of {world_size}"
+        )
+    refused = (
+        ("init", "per_rank", "draws each rank's own weights, but the ranks of a replica share one "
+         "sharded model and replicas must shard alike", "remove init"),
+        ("merge_align", None, "permutes whole models of independently started ranks, but fsdp "
+         "replicas start alike", "set merge_align: none"),
+        ("adapter", None, "is not trained sharded yet", "remove adapter or set fsdp: 1"),
+        ("keep", "best", "keeps each rank's best weights whole in memory, which sharding avoids",
+         "set keep: last"),
+    )  # fmt: skip
+    for key, bad, why, fix in refused:
+        value = run.get(key)
+        if (bad is None and value not in (None, "none")) or (bad is not None and value == bad):
+            raise ConfigError(f"{where}.{key}: {key} {value!r} with fsdp {shards}: it {why}; {fix}")
+    if run["precision"] == "bf16":
+        raise ConfigError(
+            f"{where}.precision: bf16 autocast with fsdp {shards}; sharded runs take fsdp_precision: bf16 "
+            "(bf16 parameters, fp32 reduction) instead"
+        )
+    model = run["model"]
+    if model in FSDP_BUILTINS:
+        return
+    if is_builtin(model):
+        raise ConfigError(
+            f"{where}.fsdp: fsdp {shards} needs the model's wrap units, which the built-in {model} has "
+            "not (mlp and transformer have); set fsdp: 1 for it"
+        )
+    if datasets is not None:  # an hf or user model: its units looked up on the meta device
+        check_model_fsdp(where, run, datasets[run["dataset"]])
 
 
 def check_registered_model(name: str | None, where: str = "config error at mlflow.registered_model") -> None:

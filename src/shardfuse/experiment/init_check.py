@@ -132,6 +132,17 @@ def check_model_adapter(
     return _cached_check(f"{where}.adapter", key, args, what, cache_dir)
 
 
+def check_model_fsdp(
+    where: str, run: dict[str, Any], dataset_spec: dict[str, Any], cache_dir: Path = CACHE_DIR
+) -> dict[str, Any]:
+    """fsdp > 1 on an hf or user model: its wrap units (an HF model's _no_split_modules, a user model's
+    fsdp_units()) are looked up now on the meta device, not by the ranks. Cached like the others; a
+    ConfigError at ``where``.fsdp."""
+    key = _digest({**_model_record(run, dataset_spec), "check": "fsdp"})
+    what = f"looking up the FSDP wrap units of model {run['model']!r}"
+    return _cached_check(f"{where}.fsdp", key, ["--fsdp", *_model_args(run, dataset_spec)], what, cache_dir)
+
+
 def _cached_check(where: str, key: str, args: list[str], what: str, cache_dir: Path) -> dict[str, Any]:
     """Run ``python -m shardfuse.check_init ARGS`` unless its pass is cached under ``key``."""
     cached = cache_dir / f"{key}.json"

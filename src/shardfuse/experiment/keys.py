@@ -110,6 +110,8 @@ OPTIONAL_TRAIN_KEYS = {
         "static_graph",
         "init_from_prefix",
         "adapter",
+        "fsdp",
+        "fsdp_precision",
     )
 }
 

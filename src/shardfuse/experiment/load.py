@@ -11,6 +11,7 @@ from typing import Any
 
 from shardfuse.experiment.checks import (
     check_adapter,
+    check_fsdp,
     check_dataset_task,
     check_model,
     check_registered_model,
@@ -124,6 +125,7 @@ def load_experiment(
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
         check_adapter(name, resolved, datasets)
+        check_fsdp(name, resolved, datasets)
         check_training_name(name, resolved)
         runs[name] = resolved
     resolve_init_sources(runs)

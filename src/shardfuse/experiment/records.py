@@ -157,7 +157,7 @@ class TrainRecord(_Record):
     """train.json, field by field in the order the train stage writes them."""
 
     FILE, STAGE, WHAT = "train.json", "train", "training"
-    OPTIONAL = frozenset({"git_commit", "git_dirty", "adapter"})
+    OPTIONAL = frozenset({"git_commit", "git_dirty", "adapter", "fsdp"})
 
     run: str | None = None
     world_size: int | None = None
@@ -195,6 +195,9 @@ class TrainRecord(_Record):
     ranks: list[dict[str, Any]] | None = None  # rank, rows, host, checkpoint, published_step, best_val_score
     # LoRA runs: the adapter config, its targets and the base's sha256 (shardfuse.models.lora)
     adapter: dict[str, Any] | None = None
+    # fsdp > 1: {shards_per_replica, replicas, precision, hsdp, bytes_within_replica_per_rank}; then
+    # ``ranks`` lists the replicas (shardfuse.rank.fsdp)
+    fsdp: dict[str, Any] | None = None
     git_commit: str | None = None  # older train stages only
     git_dirty: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -28,6 +28,8 @@ class SyncConfig:
     outer_momentum: float = 0.9
     find_unused_parameters: bool = False  # ddp: parameters a forward may leave without a gradient
     static_graph: bool = False  # ddp: the same parameters are used in every step
+    fsdp: int = 1  # FSDP2 shards per replica (shardfuse.rank.fsdp); 1: every rank holds the whole model
+    fsdp_precision: str = "fp32"  # fp32 | bf16 (GPU only: bf16 parameters, fp32 reduction)
 
 
 # A LoRA adapter's keys and their defaults (the schema's; shardfuse.models.lora).

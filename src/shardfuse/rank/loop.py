@@ -18,6 +18,7 @@ from shardfuse.data.reader import ShardReader
 from shardfuse.experiment.records import mode_of
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.rank.dist import autocast
+from shardfuse.rank.fsdp import all_reduce_mean
 from shardfuse.rank.optim import clip_gradients, lr_at, set_lr
 from shardfuse.rank.resume import (
     Position,
@@ -51,9 +52,10 @@ def accumulate_gradients(
 ) -> StepResult:
     """Forward and backward over ``group_size`` micro-batches, each loss scaled by 1/group_size, so the
     gradient is the mean over the group (the large batch's, for equal micro-batches). DDP all-reduces
-    once, in the last backward: the others run under ``no_sync``."""
+    once, in the last backward: the others run under ``no_sync`` (FSDP: without gradient sync)."""
     ctx, task = setup.ctx, setup.task
     ddp = isinstance(plan.net, DistributedDataParallel)
+    fsdp = plan.mesh is not None
     total_loss, rows, applied = 0.0, 0, False
     for micro in range(group_size):
         inputs, targets = next(batches)
@@ -61,6 +63,8 @@ def accumulate_gradients(
         targets = targets.to(ctx.device, non_blocking=True)
         inputs, targets = task.batch(inputs, targets)
         last = micro == group_size - 1
+        if fsdp and group_size > 1:
+            plan.net.set_requires_gradient_sync(last)
         with plan.net.no_sync() if ddp and not last else contextlib.nullcontext():
             with autocast(ctx.device, plan.dtype):
                 loss = task.loss(plan.net(inputs), targets)
@@ -69,7 +73,7 @@ def accumulate_gradients(
                 (loss / group_size if group_size > 1 else loss).backward()
                 # Under DDP only the last backward syncs the accumulated gradients: without it the
                 # ranks' gradients differ, so the whole step is skipped.
-                applied = last or (applied and not ddp)
+                applied = last or (applied and not (ddp or fsdp))
         total_loss += loss_value
         rows += len(targets)
     return StepResult(total_loss / group_size, rows, applied)
@@ -134,6 +138,11 @@ def train_loop(
                 lr = lr_at(step, plan.total_steps, cfg.optim)  # the schedule is a function of the step
                 step += 1
                 loss_value, grad_norm = result.loss, math.nan
+                if plan.mesh is not None:  # the replica's loss: the mean of its ranks' (one collective)
+                    shards = plan.layout.shards
+                    loss_value = all_reduce_mean(
+                        loss_value, plan.mesh["shard"].get_group(), shards, ctx.device
+                    )
                 if result.applied:
                     set_lr(optimizer, lr)
                     grad_norm = clip_gradients(model.parameters(), plan.grad_clip_norm)
@@ -145,7 +154,7 @@ def train_loop(
                     val_score, stop = validate(setup, plan, step)
                 if metrics is not None:
                     now = time.perf_counter()
-                    throughput = result.rows / max(now - tick, 1e-9)
+                    throughput = result.rows * plan.layout.shards / max(now - tick, 1e-9)
                     tick = now
                     metrics.append(step, epoch, loss_value, throughput, lr, now, grad_norm, val_score)
                     progress.update(step, loss=loss_value, samples_per_second=throughput)
@@ -195,6 +204,7 @@ def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metric
         setup.identity,
         state_tensors={**plan.sync.state_tensors(), **plan.tracker.state_tensors()},
         state={"validation": plan.tracker.state()},
+        sharded=setup.model_state() if setup.sharded else None,
     )
     torch_dist.barrier()  # every rank saved before the checkpoint counts
     setup.gate.call(mark_complete, setup.checkpoint_dir, position.step, setup.cfg.loop.keep_checkpoints)

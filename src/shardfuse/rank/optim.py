@@ -96,4 +96,7 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float | N
     """Clip the global L2 norm of the gradients to ``max_norm``; the norm before clipping (NaN: off)."""
     if max_norm is None:
         return math.nan
-    return float(torch.nn.utils.clip_grad_norm_(list(parameters), max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+    if hasattr(norm, "full_tensor"):  # sharded gradients (fsdp): the norm over every shard
+        norm = norm.full_tensor()
+    return float(norm)

@@ -17,6 +17,7 @@ from shardfuse.io import read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.models.adapter import storable_state
+from shardfuse.rank.fsdp import full_tensors
 from shardfuse.rank.setup import (
     RankSetup,
     StepPlan,
@@ -35,24 +36,34 @@ def publish(
     system: SystemSampler,
 ) -> None:
     """Write this rank's weights (the last, or with keep: best the best validated) and metrics (step
-    and system); rank 0 writes train.json once every rank's files exist."""
+    and system); rank 0 writes train.json once every rank's files exist. With fsdp > 1 a replica is
+    what a rank is otherwise: its first rank writes the replica's whole weights as
+    ``rank-<replica>.safetensors`` (gathered one tensor at a time) and its metrics."""
     ctx, cfg, manifest, tracker = setup.ctx, setup.cfg, setup.manifest, plan.tracker
+    layout = plan.layout
     seconds = torch.tensor([loop_seconds], dtype=torch.float64)
     torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
 
     if plan.same_weights and setup.updates_buffers:
         publish_rank0_buffers(setup.model)  # consolidate checks that the ddp ranks are identical
-    weights, published_step = storable_state(setup.model)[0], num_steps
+    if setup.sharded:
+        weights, published_step = full_tensors(setup.model_state(), keep=layout.leader), num_steps
+    else:
+        weights, published_step = storable_state(setup.model)[0], num_steps
     if tracker.keep_best and tracker.best_weights is not None:
         weights, published_step = tracker.best_weights, tracker.best_step
-    num_rows = manifest["shards"][ctx.rank]["rows"]
-    rank_meta = {**setup.meta, "rank": ctx.rank, "rows": num_rows, "num_steps": num_steps}
+    replica_ranks = layout.ranks_of(layout.replica)
+    num_rows = sum(manifest["shards"][rank]["rows"] for rank in replica_ranks)
+    rank_meta = {**setup.meta, "rank": layout.replica, "rows": num_rows, "num_steps": num_steps}
+    if setup.sharded:
+        rank_meta["fsdp"] = {**rank_meta["fsdp"], "ranks": replica_ranks}
     if "adapter" in rank_meta:  # the frozen base it was trained on, by the sha256 of its one file
         base_sha256 = read_json(setup.out_dir / "base.json", "base sidecar")["sha256"]
         rank_meta["adapter"] = {**rank_meta["adapter"], "base_sha256": base_sha256}
     if published_step != num_steps:
         rank_meta["published_step"] = published_step
-    save_weights(setup.out_dir / f"rank-{ctx.rank}.safetensors", weights, rank_meta)
+    if layout.leader:
+        save_weights(setup.out_dir / f"rank-{layout.replica}.safetensors", weights, rank_meta)
     if metrics is not None:
         metrics.consolidate()
     system.consolidate()  # does nothing when sampling is off
@@ -64,6 +75,7 @@ def publish(
     torch_dist.all_gather_object(facts, (setup.meta["host"], published_step, best))
     hosts = [fact[0] for fact in facts]
     world_size, accum = ctx.world_size, plan.grad_accum_steps
+    leaders = [layout.ranks_of(replica)[0] for replica in range(layout.replicas)]
     record = TrainRecord(
         run=setup.run,
         world_size=world_size,
@@ -101,6 +113,7 @@ def publish(
         model=setup.spec,
         init_from=setup.meta["init_from"],
         adapter=rank_meta.get("adapter"),
+        fsdp=fsdp_record(setup, plan, num_steps) if setup.sharded else None,
         ranks=[
             {
                 "rank": s["rank"],
@@ -111,6 +124,42 @@ def publish(
                 "best_val_score": facts[s["rank"]][2],
             }
             for s in manifest["shards"]
+        ]
+        if not setup.sharded
+        else [
+            {
+                "rank": replica,  # the replica: its checkpoint's number, as a rank's without fsdp
+                "rows": sum(manifest["shards"][r]["rows"] for r in layout.ranks_of(replica)),
+                "host": hosts[leader],
+                "checkpoint": f"rank-{replica}.safetensors",
+                "published_step": facts[leader][1],
+                "best_val_score": facts[leader][2],
+                "ranks": layout.ranks_of(replica),
+            }
+            for replica, leader in enumerate(leaders)
         ],
     )
     setup.gate.write_json(setup.out_dir / "train.json", record.to_json())
+
+
+def fsdp_record(setup: RankSetup, plan: StepPlan, num_steps: int) -> dict[str, Any]:
+    """train.json's ``fsdp``: the layout and the bytes moved inside each replica per rank (payloads of
+    the forward and backward all-gathers of every micro-batch and of each step's reduce-scatter, whole
+    parameter bytes each, as ``bytes_all_reduced_per_rank`` counts payloads; the root unit's parameters stay gathered between forward and backward, so
+    this is an upper bound); ``bytes_all_reduced_per_rank`` counts those across replicas."""
+    layout = plan.layout
+    whole = sum(p.numel() * p.element_size() for p in setup.model.parameters() if p.requires_grad)
+    micro_batches = sum(
+        min(plan.grad_accum_steps, plan.num_batches - start)
+        for start in range(0, plan.num_batches, plan.grad_accum_steps)
+    )
+    steps_per_epoch = optimizer_steps(plan.num_batches, plan.grad_accum_steps)
+    epochs_done, last_steps = divmod(num_steps, steps_per_epoch)
+    passes = epochs_done * micro_batches + min(last_steps * plan.grad_accum_steps, micro_batches)
+    return {
+        "shards_per_replica": layout.shards,
+        "replicas": layout.replicas,
+        "precision": setup.cfg.sync.fsdp_precision,
+        "hsdp": plan.hsdp,
+        "bytes_within_replica_per_rank": (2 * passes + num_steps) * whole,
+    }

@@ -29,6 +29,7 @@ from shardfuse.checkpoints.weights import write_safetensors
 from shardfuse.io import UserError, atomic_path, error_reason, write_json
 from shardfuse.models.adapter import load_state, storable_state
 from shardfuse.rank.checkpoint_steps import COMPLETE, STEP_DIR, complete_steps
+from shardfuse.rank.fsdp import is_dtensor, local
 
 
 @dataclass
@@ -50,17 +51,21 @@ def save_rank_state(
     extra: dict[str, Any],
     state_tensors: dict[str, torch.Tensor] | None = None,
     state: dict[str, Any] | None = None,
+    sharded: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """``state_tensors`` (names outside model./optim./rng.) and the JSON ``state`` hold what a
-    strategy or the validation tracker needs to resume; :func:`load_rank_extras` reads them back."""
+    strategy or the validation tracker needs to resume; :func:`load_rank_extras` reads them back.
+    ``sharded`` (fsdp > 1): the model's tensors, of which this rank saves its own shards, as it does
+    of the optimiser state."""
     step_dir = checkpoint_dir / f"step-{position.step}"
     step_dir.mkdir(parents=True, exist_ok=True)
-    weights = storable_state(model)[0]  # a tied tensor once: safetensors refuses shared memory
-    tensors = {f"model.{name}": t.detach().cpu().contiguous() for name, t in weights.items()}
+    # A tied tensor once: safetensors refuses shared memory.
+    weights = storable_state(model)[0] if sharded is None else sharded
+    tensors = {f"model.{name}": local(t).detach().cpu().contiguous() for name, t in weights.items()}
     optim = optimizer.state_dict()
     for index, param_state in optim["state"].items():
         for key, value in param_state.items():
-            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+            tensors[f"optim.{index}.{key}"] = local(torch.as_tensor(value)).detach().cpu().contiguous()
     tensors.update({name: t.detach().cpu().contiguous() for name, t in (state_tensors or {}).items()})
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
@@ -160,7 +165,9 @@ def load_rank_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     expect: dict[str, Any],
+    sharded: dict[str, torch.Tensor] | None = None,
 ) -> Position:
+    """``sharded`` (fsdp > 1): the model's tensors, whose local shards the checkpoint holds."""
     step_dir = checkpoint_dir / f"step-{step}"
     meta = json.loads((step_dir / f"rank-{rank}.json").read_text())
     for key, value in expect.items():
@@ -170,21 +177,55 @@ def load_rank_state(
                 f"{value!r}; delete {checkpoint_dir} to start afresh"
             )
     tensors = load_file(str(step_dir / f"rank-{rank}.safetensors"))
-    load_state(
-        model,
-        {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")},
-        f"checkpoint {step_dir}",
-    )
+    weights = {name[len("model.") :]: t for name, t in tensors.items() if name.startswith("model.")}
+    if sharded is None:
+        load_state(model, weights, f"checkpoint {step_dir}")
+    else:
+        load_local_shards(sharded, weights, f"checkpoint {step_dir}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         if name.startswith("optim."):
             _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = tensor
+            state.setdefault(int(index), {})[key] = as_shard_of(params[int(index)], tensor)
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     return Position(step=meta["step"], epoch=meta["epoch"], next_batch=meta["next_batch"])
+
+
+@torch.no_grad()
+def load_local_shards(
+    expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], source: str
+) -> None:
+    """Copy a checkpoint's local shards into the sharded model's tensors, every name and shape checked."""
+    if set(expected) != set(tensors):
+        odd = sorted(set(expected) ^ set(tensors))[0]
+        raise UserError(
+            f"{source} does not hold this model's shards (tensor {odd!r}); delete it to start afresh"
+        )
+    for name, target in expected.items():
+        shard = local(target)
+        if shard.shape != tensors[name].shape:
+            raise UserError(
+                f"{source} holds a shard {list(tensors[name].shape)} of {name!r}, this rank's is "
+                f"{list(shard.shape)}; delete it to start afresh"
+            )
+        shard.copy_(tensors[name])
+
+
+def as_shard_of(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """An optimiser state tensor read back as the optimiser holds it: a shard of a sharded parameter
+    (its moments) becomes a DTensor laid out like the parameter; a scalar (the step) stays plain."""
+    if not is_dtensor(param) or tensor.dim() == 0:
+        return tensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        tensor.to(param.device), param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )  # fmt: skip
 
 
 def load_rank_extras(

@@ -39,6 +39,7 @@ from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Task
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
+from shardfuse.rank.fsdp import Layout, full_tensors, layout_of, make_mesh, shard_model, wrap_units
 from shardfuse.rank.optim import check_schedule, make_optimizer
 from shardfuse.rank.resume import (
     Position,
@@ -110,6 +111,20 @@ class RankSetup:
     meta: dict[str, Any]  # recorded in every weights file this rank writes
     rank_seed: int  # dropout and data order: differ per rank
     updates_buffers: bool = False  # a training forward changes buffers: DDP broadcasts rank 0's
+    layout: Layout | None = None  # replicas and shards (fsdp); None: every rank its own replica
+    mesh: Any = None  # fsdp > 1: the (replicate, shard) device mesh
+    ties: dict[str, str] | None = None  # fsdp > 1: the model's ties, found before sharding
+
+    @property
+    def sharded(self) -> bool:
+        return self.layout is not None and self.layout.sharded
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a weights file holds (a tied tensor once); sharded tensors as DTensors."""
+        if self.sharded:
+            ties = self.ties or {}
+            return {name: t for name, t in self.model.state_dict().items() if name not in ties}
+        return storable_state(self.model)[0]
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -117,8 +132,12 @@ class RankSetup:
 
     @property
     def identity(self) -> dict[str, Any]:
-        """Written into every checkpoint; a resume refuses a checkpoint of another run or world size."""
-        return {"world_size": self.ctx.world_size, "run": self.run}
+        """Written into every checkpoint; a resume refuses a checkpoint of another run or world size
+        (or, sharded, another fsdp: its files hold other slices)."""
+        identity = {"world_size": self.ctx.world_size, "run": self.run}
+        if self.sharded:
+            identity["fsdp"] = self.layout.shards
+        return identity
 
 
 class StepPlan(NamedTuple):
@@ -130,17 +149,21 @@ class StepPlan(NamedTuple):
     grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
     total_steps: int  # optimiser steps of the whole run (the schedule's length)
     sync: Sync  # the strategy's hook after every optimiser step (local SGD, DiLoCo), bytes counted
+    layout: Layout  # replicas x shards (fsdp; shards 1 without)
+    mesh: Any  # fsdp > 1: the (replicate, shard) mesh; else None
     checkpoint_every: int  # 0: no checkpoints
     nonfinite_policy: str  # error | skip
     grad_clip_norm: float | None
     eval_every: int  # 0: no validation while training
     validator: Validator | None
     tracker: BestTracker
+    hsdp: bool = False  # fsdp > 1 with strategy ddp: gradients reduced across replicas too
 
     @property
     def same_weights(self) -> bool:
-        """All ranks hold the same weights at every step (DDP): one validation decision for all."""
-        return isinstance(self.net, DistributedDataParallel)
+        """All ranks hold the same weights at every step (DDP, or HSDP: fsdp with strategy ddp): one
+        validation decision for all."""
+        return isinstance(self.net, DistributedDataParallel) or self.hsdp
 
 
 def optimizer_steps(num_batches: int, grad_accum_steps: int) -> int:
@@ -237,6 +260,16 @@ def set_up(
         shared = adapter["init"] == "shared"
         targets = inject_lora(model, adapter, cfg.loop.seed if shared else rank_seed)
         adapter = {**adapter, "targets": targets, "base": "base.safetensors"}
+    task = task_of(spec, model.state_dict(), loss=cfg.model.loss)
+    layout, mesh = layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp), None
+    ties = ties_of(model) if adapter is None else None  # found before sharding hides them
+    if layout.sharded:  # FSDP2 inside each replica: every unit, then the root
+        if adapter is not None or updates_buffers:
+            what = "a LoRA adapter" if adapter is not None else "a model whose forward updates buffers"
+            raise UserError(f"fsdp > 1 does not train {what} yet; set fsdp: 1")
+        units = wrap_units(model, cfg.model.model)
+        mesh = make_mesh(ctx.device, layout)
+        shard_model(model, mesh, units, cfg.sync.strategy == "ddp", cfg.sync.fsdp_precision, ctx.device)
     meta = {
         "run": run,
         "world_size": ctx.world_size,
@@ -250,8 +283,10 @@ def set_up(
         meta["init"] = "per_rank"  # headers of shared-init runs stay as they were
     if adapter is not None:
         meta["adapter"] = adapter  # base_sha256 joins it when the rank publishes (the base is written then)
-    elif ties := ties_of(model):
+    elif ties:
         meta["ties"] = ties  # {alias: source}: the alias is not in the file (shardfuse.models.adapter)
+    if layout.sharded:
+        meta["fsdp"] = {"shards": layout.shards, "replicas": layout.replicas}
     out_dir.mkdir(parents=True, exist_ok=True)
     optimizer = make_optimizer(model, cfg.optim)
     torch.manual_seed(rank_seed)
@@ -265,12 +300,15 @@ def set_up(
         out_dir=out_dir,
         manifest=manifest,
         spec=spec,
-        task=task_of(spec, model.state_dict(), loss=cfg.model.loss),
+        task=task,
         model=model,
         optimizer=optimizer,
         meta=meta,
         rank_seed=rank_seed,
         updates_buffers=updates_buffers,
+        layout=layout,
+        mesh=mesh,
+        ties=ties,
     )
 
 
@@ -287,12 +325,21 @@ def resume_or_start(setup: RankSetup) -> Position:
             base = lora_base_state(model, ties)
             if ties:
                 base_meta["ties"] = {base_name(alias): base_name(source) for alias, source in ties.items()}
+        elif setup.sharded:  # whole again, one tensor at a time, onto rank 0
+            base_meta.pop("fsdp", None)
+            base = full_tensors(setup.model_state(), keep=setup.ctx.rank == 0)
         else:
             base = storable_state(model)[0]
         setup.gate.call(save_weights, setup.out_dir / "base.safetensors", base, base_meta)
         return Position()
     position = load_rank_state(
-        checkpoint_dir, step, setup.ctx.rank, model, setup.optimizer, expect=setup.identity
+        checkpoint_dir,
+        step,
+        setup.ctx.rank,
+        model,
+        setup.optimizer,
+        expect=setup.identity,
+        sharded=setup.model_state() if setup.sharded else None,
     )
     setup.gate.log(
         f"[{setup.run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
@@ -364,6 +411,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     device_ids = [device.index] if cuda else None
+    sharded = setup.sharded  # FSDP's own wrapping, done at set-up, is the whole story: no DDP
     net = (
         DistributedDataParallel(
             model,
@@ -372,13 +420,14 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
             find_unused_parameters=cfg.sync.find_unused_parameters,
             static_graph=cfg.sync.static_graph,
         )
-        if cfg.sync.strategy == "ddp"
+        if cfg.sync.strategy == "ddp" and not sharded
         else model
     )
     num_batches = steps_per_epoch(setup.manifest, cfg.loop.batch_size)
     grad_accum_steps = cfg.loop.grad_accum_steps
     eval_every = cfg.loop.eval_every
-    sync = make_sync(model, setup.ctx.world_size, cfg.sync)
+    layout = setup.layout or layout_of(setup.ctx.rank, setup.ctx.world_size, 1)
+    sync = make_sync(model, setup.ctx.world_size, cfg.sync, setup.mesh)
     tracker = BestTracker(setup.task, cfg.loop.keep == "best", cfg.loop.patience)
     if position.step:
         tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.ctx.rank)
@@ -395,12 +444,15 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         grad_accum_steps=grad_accum_steps,
         total_steps=cfg.loop.epochs * optimizer_steps(num_batches, grad_accum_steps),
         sync=sync,
+        layout=layout,
+        mesh=setup.mesh,
         checkpoint_every=cfg.loop.checkpoint_every,
         nonfinite_policy=cfg.loop.nonfinite_loss,
         grad_clip_norm=cfg.optim.grad_clip_norm,
         eval_every=eval_every,
         validator=validator,
         tracker=tracker,
+        hsdp=sharded and cfg.sync.strategy == "ddp",
     )
 
 

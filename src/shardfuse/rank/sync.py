@@ -16,27 +16,36 @@ communication each strategy costs is recorded next to what it achieves:
   optimiser keeps its state across rounds, as in the paper. A run whose step count is not a
   multiple of ``sync_every`` ends with one last outer step, so its ranks publish the same weights.
   The outer parameters and momentum are part of the checkpoint (``state_tensors``).
+
+With ``fsdp: S`` (:mod:`shardfuse.rank.fsdp`) each strategy acts across the replicas on every rank's
+local shards, over the mesh's ``replicate`` group: the counts are of those shards, per rank.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 
 from shardfuse.experiment.run_config import SyncConfig
+from shardfuse.rank.fsdp import local
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    """Bytes of this rank's trainable parameters (its local shards, under fsdp)."""
+    return sum(local(p).numel() * local(p).element_size() for p in model.parameters() if p.requires_grad)
 
 
 class Sync:
-    """The strategy's hook after every optimiser step; counts syncs and bytes all-reduced per rank."""
+    """The strategy's hook after every optimiser step; counts syncs and bytes all-reduced per rank.
 
-    def __init__(self, model: torch.nn.Module, world_size: int, sync_every: int) -> None:
-        self.model, self.world_size, self.sync_every = model, world_size, sync_every
+    ``world_size`` ranks (replicas, under fsdp) take part, in ``group`` (None: the whole world)."""
+
+    def __init__(self, model: torch.nn.Module, world_size: int, sync_every: int, group: Any = None) -> None:
+        self.model, self.world_size, self.sync_every, self.group = model, world_size, sync_every, group
         self.num_syncs = 0
-        self.payload_bytes = parameter_bytes(model)
+        self.payload_bytes = parameter_bytes(model) if world_size > 1 or group is None else 0
 
     @property
     def bytes_all_reduced(self) -> int:
@@ -80,20 +89,28 @@ class LocalSGD(Sync):
         for param in self.model.parameters():
             if not param.requires_grad:  # frozen (an adapter's base): the same on every rank
                 continue
-            torch_dist.all_reduce(param, op=torch_dist.ReduceOp.SUM)
-            param.div_(self.world_size)
+            shard = local(param)
+            torch_dist.all_reduce(shard, op=torch_dist.ReduceOp.SUM, group=self.group)
+            shard.div_(self.world_size)
         self.num_syncs += 1
 
 
 class DiLoCo(Sync):
     def __init__(
-        self, model: torch.nn.Module, world_size: int, sync_every: int, outer_lr: float, outer_momentum: float
+        self,
+        model: torch.nn.Module,
+        world_size: int,
+        sync_every: int,
+        outer_lr: float,
+        outer_momentum: float,
+        group: Any = None,
     ) -> None:
-        super().__init__(model, world_size, sync_every)
+        super().__init__(model, world_size, sync_every, group)
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
         params = dict(model.named_parameters())
-        # The outer (global) parameters, on every rank, and the outer optimiser over them.
-        self.outer = [params[name].detach().clone() for name in self.names]
+        # The outer (global) parameters, on every rank (its shards, under fsdp), and the outer
+        # optimiser over them.
+        self.outer = [local(params[name]).detach().clone() for name in self.names]
         self.outer_optimizer = torch.optim.SGD(
             self.outer, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0
         )
@@ -106,13 +123,13 @@ class DiLoCo(Sync):
     def sync(self) -> None:
         params = dict(self.model.named_parameters())
         for name, outer in zip(self.names, self.outer, strict=True):
-            delta = outer - params[name].detach()  # the outer gradient: where the inner steps went, negated
-            torch_dist.all_reduce(delta, op=torch_dist.ReduceOp.SUM)
+            delta = outer - local(params[name]).detach()  # the outer gradient: the inner steps, negated
+            torch_dist.all_reduce(delta, op=torch_dist.ReduceOp.SUM, group=self.group)
             outer.grad = delta.div_(self.world_size)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         for name, outer in zip(self.names, self.outer, strict=True):
-            params[name].copy_(outer)
+            local(params[name]).copy_(outer)
         self.num_syncs += 1
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -138,10 +155,14 @@ class DiLoCo(Sync):
 STRATEGIES = ("ddp", "localsgd", "diloco")  # the schema's strategy enum (tests/contracts)
 
 
-def make_sync(model: torch.nn.Module, world_size: int, cfg: SyncConfig) -> Sync:
+def make_sync(model: torch.nn.Module, world_size: int, cfg: SyncConfig, mesh: Any = None) -> Sync:
+    """The run's strategy; with an fsdp ``mesh``, across its replicas (the ``replicate`` group)."""
     strategy, sync_every = cfg.strategy, cfg.sync_every
+    group = None
+    if mesh is not None:
+        group, world_size = mesh["replicate"].get_group(), mesh["replicate"].size()
     if strategy == "ddp":
-        return DDPSync(model, world_size, 0)
+        return DDPSync(model, world_size, 0, group)
     if strategy == "diloco":
-        return DiLoCo(model, world_size, sync_every, cfg.outer_lr, cfg.outer_momentum)
-    return LocalSGD(model, world_size, sync_every)
+        return DiLoCo(model, world_size, sync_every, cfg.outer_lr, cfg.outer_momentum, group)
+    return LocalSGD(model, world_size, sync_every, group)

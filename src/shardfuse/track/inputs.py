@@ -240,6 +240,8 @@ def load_inputs(
     read_gather(gather)  # only uploaded, but it must list this training's checkpoints
     try:
         world_size = int(_recorded(train, "world_size", train_path))
+        if isinstance(train.fsdp, dict):  # a checkpoint, a child run, per replica
+            world_size //= int(train.fsdp["shards_per_replica"])
         train_ranks = {int(r["rank"]): r for r in _recorded(train, "ranks", train_path)}
         shard_rows = {rank: int(entry["rows"]) for rank, entry in train_ranks.items()}
         eval_ranks = {int(r["rank"]): r for r in _recorded(evaluation, "ranks", eval_path)}
