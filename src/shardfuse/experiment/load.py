@@ -11,8 +11,8 @@ from typing import Any
 
 from shardfuse.experiment.checks import (
     check_adapter,
-    check_fsdp,
     check_dataset_task,
+    check_fsdp,
     check_model,
     check_registered_model,
     check_run,

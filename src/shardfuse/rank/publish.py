@@ -143,10 +143,11 @@ def publish(
 
 
 def fsdp_record(setup: RankSetup, plan: StepPlan, num_steps: int) -> dict[str, Any]:
-    """train.json's ``fsdp``: the layout and the bytes moved inside each replica per rank (payloads of
-    the forward and backward all-gathers of every micro-batch and of each step's reduce-scatter, whole
-    parameter bytes each, as ``bytes_all_reduced_per_rank`` counts payloads; the root unit's parameters stay gathered between forward and backward, so
-    this is an upper bound); ``bytes_all_reduced_per_rank`` counts those across replicas."""
+    """train.json's ``fsdp``: the layout and the bytes moved inside each replica per rank: the payloads
+    of every micro-batch's forward and backward all-gathers and of each step's reduce-scatter, whole
+    parameter bytes each, as ``bytes_all_reduced_per_rank`` (which counts those across replicas)
+    counts payloads. The root unit's parameters stay gathered between forward and backward, so this
+    is an upper bound."""
     layout = plan.layout
     whole = sum(p.numel() * p.element_size() for p in setup.model.parameters() if p.requires_grad)
     micro_batches = sum(
