@@ -45,6 +45,10 @@ LORA_TRANSFORMER = {
     "checkpoint_every": 10,
     "adapter": {"type": "lora", "r": 2, "target_modules": ["qkv", "proj"], "init": "per_rank"},
 }
+# FSDP2 (fsdp: 2, the two ranks one replica): each rank's checkpoint holds its shards of the model and
+# of AdamW's moments; the built-in mlp (its Linear layers the units) and transformer (its blocks).
+FSDP = {"fsdp": 2, "grad_clip_norm": 1.0, "checkpoint_every": 20}
+FSDP_TRANSFORMER = {**TRANSFORMER, "fsdp": 2, "checkpoint_every": 10}
 DATA_FIXTURES = {
     "digits": "digits_data",
     "diabetes": "diabetes_data",
@@ -65,6 +69,8 @@ DATA_FIXTURES = {
         ("diloco", "digits", DILOCO),
         ("ddp", "digits", LORA_DDP),
         ("localsgd", "stdlib", LORA_TRANSFORMER),
+        ("ddp", "digits", FSDP),
+        ("ddp", "stdlib", FSDP_TRANSFORMER),
     ],
     ids=[
         "localsgd",
@@ -76,6 +82,8 @@ DATA_FIXTURES = {
         "diloco",
         "lora-ddp",
         "lora-transformer",
+        "fsdp-mlp",
+        "fsdp-transformer",
     ],
 )
 def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
@@ -110,7 +118,9 @@ TIED_BF16 = {
 
 
 @pytest.mark.parametrize(
-    ("strategy", "extra"), [("ddp", HF_GPT2), ("localsgd", TIED_BF16)], ids=["hf-gpt2", "tied-bf16"]
+    ("strategy", "extra"),
+    [("ddp", HF_GPT2), ("localsgd", TIED_BF16), ("ddp", {**HF_GPT2, "fsdp": 2})],
+    ids=["hf-gpt2", "tied-bf16", "hf-gpt2-fsdp"],
 )
 def test_a_tied_or_bf16_model_resumes_bitwise_identical_after_a_kill(
     tmp_path, stdlib_tokens_data, strategy, extra

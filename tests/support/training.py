@@ -60,11 +60,14 @@ def launch_args(out: Path, dataset: Path, shards: Path, cfg: dict, max_restarts:
 
 
 def assert_same_ranks(left: Path, right: Path) -> None:
-    for rank in (0, 1):
-        a, _ = load_weights(left / f"rank-{rank}.safetensors")
-        b, _ = load_weights(right / f"rank-{rank}.safetensors")
+    """Every published checkpoint (a rank's, or a replica's under fsdp) equal bitwise."""
+    names = sorted(path.name for path in left.glob("rank-*.safetensors"))
+    assert names and names == sorted(path.name for path in right.glob("rank-*.safetensors"))
+    for name in names:
+        a, _ = load_weights(left / name)
+        b, _ = load_weights(right / name)
         assert a.keys() == b.keys()
-        assert all(torch.equal(a[name], b[name]) for name in a), f"rank {rank} differs"
+        assert all(torch.equal(a[key], b[key]) for key in a), f"{name} differs"
 
 
 def wait_for_checkpoint(staging: Path, timeout: float = 120, count: int = 1) -> int:
