@@ -98,8 +98,8 @@ def plugin_sbatch_line(training: str, threads: int, resources: dict) -> str:
 EXAMPLES = readme_examples()
 
 
-def test_the_readme_has_the_three_cluster_shapes():
-    assert [name for name, *_ in EXAMPLES] == ["cpu", "gpu-node", "gpu-nodes"]
+def test_the_readme_has_the_four_cluster_shapes():
+    assert [name for name, *_ in EXAMPLES] == ["cpu", "gpu-node", "gpu-nodes", "gpu-fsdp"]
 
 
 @pytest.mark.parametrize(("name", "profile", "table", "line"), EXAMPLES, ids=[e[0] for e in EXAMPLES])
