@@ -121,12 +121,15 @@ def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
 
 
 # Same world size across two nodes and on one node: (run across nodes, run on one node, ranks per node).
-PAIRS = [("multi", "single", 1), ("multi4", "single4", 2)]
+# The last pair shards the model over each node's two ranks (fsdp: 2, a replica per node, HSDP across).
+PAIRS = [("multi", "single", 1), ("multi4", "single4", 2), ("multi4_fsdp", "single4_fsdp", 2)]
 RUNS = {
     "multi": {"nodes": 2, "nproc_per_node": 1, "world_size": 2},
     "single": {"nodes": 1, "nproc_per_node": 2, "world_size": 2},
     "multi4": {"nodes": 2, "nproc_per_node": 2, "world_size": 4},
     "single4": {"nodes": 1, "nproc_per_node": 4, "world_size": 4},
+    "multi4_fsdp": {"nodes": 2, "nproc_per_node": 2, "world_size": 4, "fsdp": 2},
+    "single4_fsdp": {"nodes": 1, "nproc_per_node": 4, "world_size": 4, "fsdp": 2},
 }
 
 
@@ -137,10 +140,13 @@ def training_dir(workdir: Path, run: str) -> Path:
         launch = f" --standalone --nnodes=1 --nproc-per-node={cfg['nproc_per_node']} "
     else:
         launch = f" --node-step --nodes={cfg['nodes']} --nproc-per-node={cfg['nproc_per_node']} "
+    fsdp = f'"fsdp":{cfg["fsdp"]},' if "fsdp" in cfg else None
     found = [
         workdir / "results" / "trainings" / log.stem
         for log in (workdir / "logs" / "train").glob("*.log")
-        if ".attempt-" not in log.name and launch in log.read_text().split("\n", 1)[0]
+        if ".attempt-" not in log.name
+        and launch in (first := log.read_text().split("\n", 1)[0])
+        and (fsdp in first if fsdp else '"fsdp"' not in first)
     ]
     assert len(found) == 1, (run, found)
     return found[0]
@@ -152,10 +158,12 @@ def two_node_workdir(netns_cluster, tmp_path_factory):
     workdir = experiment(tmp_path_factory.mktemp("multinode") / "work", RUNS)
     started = time.perf_counter()
     proc = subprocess.run(
-        snakemake_cmd(workdir), capture_output=True, text=True, env=cluster_env(), timeout=480
+        snakemake_cmd(workdir), capture_output=True, text=True, env=cluster_env(), timeout=720
     )
     seconds = time.perf_counter() - started
-    MEASUREMENTS.append(f"two-node workflow (2x1, 1x2, 2x2, 1x4; all rules): {seconds:.1f} s")
+    MEASUREMENTS.append(
+        f"two-node workflow (2x1, 1x2, 2x2, 1x4, 2x2 and 1x4 with fsdp 2; all rules): {seconds:.1f} s"
+    )
     assert proc.returncode == 0, snakemake_failure(workdir, proc)
     return workdir
 
@@ -175,8 +183,14 @@ def test_each_rank_records_the_node_it_ran_on(two_node_workdir, multi, single, p
     # c10d assigns node ranks in arrival order: node2 may hold ranks 0..per_node-1.
     assert sorted(hosts) == sorted(NODES * per_node)
     assert all(len(set(hosts[r : r + per_node])) == 1 for r in range(0, len(hosts), per_node)), hosts
-    sidecars = [json.loads((ranks / f"rank-{r}.json").read_text())["host"] for r in range(len(hosts))]
-    assert sidecars == hosts
+    train = json.loads((ranks / "train.json").read_text())
+    # A checkpoint per rank, or per replica under fsdp: its ranks all on one node (FSDP inside the node).
+    members = [entry.get("ranks", [entry["rank"]]) for entry in train["ranks"]]
+    assert all(len({hosts[r] for r in group}) == 1 for group in members), (members, hosts)
+    sidecars = [json.loads((ranks / f"rank-{r}.json").read_text())["host"] for r in range(len(members))]
+    assert sidecars == [hosts[group[0]] for group in members]
+    if "fsdp" in RUNS[multi]:
+        assert members == [[0, 1], [2, 3]] and train["fsdp"]["hsdp"] is True
     single_hosts = json.loads((training_dir(two_node_workdir, single) / "ranks" / "train.json").read_text())[
         "hosts"
     ]
