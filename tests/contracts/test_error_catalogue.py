@@ -196,6 +196,16 @@ def case_merge_adapter_without_adapter(tmp):
     return config_case(tmp, config, "runs[r].merge_adapter: writes the fused LoRA update as an adapter, but")
 
 
+def case_fsdp_not_dividing_world_size(tmp):
+    config = base_config(strategy="ddp", merge_method="consolidate", world_size=4, fsdp=3)
+    return config_case(tmp, config, "runs[r].fsdp: 3 shards per replica do not divide world_size 4")
+
+
+def case_fsdp_model_without_units(tmp):
+    config = base_config(strategy="ddp", merge_method="consolidate", world_size=2, fsdp=2, model="cnn")
+    return config_case(tmp, config, "fsdp 2 needs the model's wrap units, which the built-in cnn has not")
+
+
 def case_greedy_soup_without_val(tmp):
     config = base_config(merge_method="greedy_soup")
     config["datasets"]["d"]["val_fraction"] = 0

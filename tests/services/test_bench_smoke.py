@@ -54,3 +54,17 @@ def test_run_all_smoke_writes_every_benchmark_table(tmp_path):
     ):
         assert fragment in text, fragment
     assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md"]  # work files cleaned up
+
+
+def test_fsdp_bench_quick_measures_every_shard_count_and_meets_its_memory_target():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "fsdp.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "PASS" in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["2"], proc.stdout
+    assert "| 1 (DDP) |" in proc.stdout

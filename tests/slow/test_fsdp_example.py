@@ -45,7 +45,8 @@ def test_every_strategy_trains_two_sharded_replicas_and_fuses_them(experiment):
     for run, row in rows.items():
         ranks = experiment / "results" / "trainings" / row["training"] / "ranks"
         train = json.loads((ranks / "train.json").read_text())
-        assert train["world_size"] == 4
+        assert train["world_size"] == 4 and train["validation"]["every"] == 20
+        assert all(entry["best_val_score"] is not None for entry in train["ranks"]), run
         assert train["fsdp"]["shards_per_replica"] == 2 and train["fsdp"]["replicas"] == 2
         assert [entry["ranks"] for entry in train["ranks"]] == [[0, 1], [2, 3]]
         assert sorted(p.name for p in ranks.glob("rank-*.safetensors")) == [

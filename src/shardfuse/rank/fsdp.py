@@ -12,9 +12,13 @@ gradients reduce-scattered inside the replica and all-reduced across replicas), 
 ``diloco`` average each rank's *local* shards over the ``replicate`` dimension (identical sharding in
 every replica makes shard ``s`` of every replica the same slice), ``sync_every: 0`` never.
 
-Checkpoints hold each rank's local shards (safetensors, :mod:`shardfuse.rank.resume`); the published
-weights are one full file per replica, gathered parameter by parameter (``full_tensor``) and written by
-the replica's first rank.
+Checkpoints hold each rank's local shards (safetensors + JSON, :mod:`shardfuse.rank.resume`, atomic as
+every checkpoint): a rank resumes its own slices bitwise. Not torch.distributed.checkpoint: its
+FileSystemWriter stores the checkpoint's metadata as a pickle that a resume would unpickle, and its
+safetensors writer (HuggingFaceStorageWriter) holds tensors only, not the optimiser's param groups. The
+price: a checkpoint resumes only with the same fsdp (no resharding on load), which a different fsdp
+never asks for, since fsdp is part of the training's name. The published weights are one full file per
+replica, gathered parameter by parameter (``full_tensor``) and written by the replica's first rank.
 """
 
 from __future__ import annotations
