@@ -201,7 +201,7 @@ def main() -> None:
             print(run_gpu(FULL, Path(tmp) / "ranks.json"))
         return
     cfg = QUICK if args.quick else FULL
-    print(f"model: built-in transformer, width {cfg['width']}, {cfg['layers']} blocks, AdamW; {cfg['steps']} steps")
+    print(f"model: built-in transformer, width {cfg['width']}, {cfg['layers']} blocks; {cfg['steps']} steps")
     table, ok = run(args.quick, reps=1 if args.quick else args.reps)
     print(table)
     print(f"target (state per rank <= DDP's / S x 1.05 + the largest unit): {common.verdict(ok)}")

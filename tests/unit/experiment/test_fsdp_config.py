@@ -79,9 +79,9 @@ def test_a_user_model_without_wrap_units_is_refused_for_real_and_one_with_them_i
     with pytest.raises(ConfigError) as caught:
         experiment(fsdp=2, model="plain:plain", code_paths=[str(code)])
     assert str(caught.value) == (
-        "config error at runs[r].fsdp: fsdp > 1 needs wrap units but model 'plain:plain' has none: the built-in "
-        "mlp and transformer, and Hugging Face models (their _no_split_modules) have them; a user model "
-        "returns its blocks from a method fsdp_units(); or set fsdp: 1"
+        "config error at runs[r].fsdp: fsdp > 1 needs wrap units but model 'plain:plain' has none: the "
+        "built-in mlp and transformer, and Hugging Face models (their _no_split_modules) have them; a user "
+        "model returns its blocks from a method fsdp_units(); or set fsdp: 1"
     )
     assert not list(tmp_path.glob(".snakemake/shardfuse/init-checks/*.json"))  # a refusal is not cached
     experiment(fsdp=2, model="plain:units", code_paths=[str(code)])

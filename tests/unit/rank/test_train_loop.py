@@ -118,7 +118,7 @@ def test_accumulation_equals_the_large_batch_step(single_process_group, wrap):
     model = _model()
     net = DistributedDataParallel(model) if wrap == "ddp" else model
     setup = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu"), rank=0), task=task)
-    plan = SimpleNamespace(net=net, dtype=None, nonfinite_policy="error")
+    plan = SimpleNamespace(net=net, dtype=None, nonfinite_policy="error", mesh=None)
     batches = iter([(inputs[i : i + 8], targets[i : i + 8]) for i in range(0, 32, 8)])
     result = accumulate_gradients(setup, plan, batches, 4, step=1)
 
