@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO, subprocess_env
+from tests.support.helpers import REPO, missing_in_ci, subprocess_env
 
 pytestmark = pytest.mark.bench
 
@@ -68,3 +68,22 @@ def test_fsdp_bench_quick_measures_every_shard_count_and_meets_its_memory_target
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "PASS" in line]
     assert [row.split("|")[1].strip() for row in rows] == ["2"], proc.stdout
     assert "| 1 (DDP) |" in proc.stdout
+
+
+def test_peers_bench_quick_measures_both_peers():
+    """The merge against mergekit (CI makes its venv: a missing one fails here rather than skip) and the
+    training against the bare loop, at tiny sizes."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "peers.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for model in ("mlp", "cnn", "transformer"):
+        assert f"| {model} |" in out, out[-3000:]
+    if "merge vs mergekit-pytorch: skipped" in out:
+        missing_in_ci("mergekit is not installed (.ci/run makes /tmp/shardfuse-mergekit): " + out[:300])
+    assert "| 2 x 8 | uniform |" in out and "| 2 x 8 | ties |" in out, out[-3000:]
