@@ -46,7 +46,11 @@ def main() -> None:
     torch.manual_seed(cfg["seed"])
     model = build_model(spec)
     task = task_of(spec, model.state_dict())
-    net = DistributedDataParallel(model)
+    # Buffers broadcast before every forward only where training changes them (BatchNorm), as the
+    # train stage does: DDP's default broadcasts always, a collective per step that would charge the
+    # bare loop with a cost the train stage does not pay.
+    changing = any(getattr(module, "track_running_stats", False) for module in model.modules())
+    net = DistributedDataParallel(model, broadcast_buffers=changing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     model.train()
     dist.barrier()

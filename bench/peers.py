@@ -222,7 +222,7 @@ TRAIN_MODELS = {
     },
     "cnn": {
         "dataset": {"source": "digits_images"},
-        "run": {"model": "cnn", "model_args": {"channels": [16, 32]}, "batch_size": 32, "epochs": 6},
+        "run": {"model": "cnn", "model_args": {"channels": [16, 32]}, "batch_size": 32, "epochs": 20},
     },
     "transformer": {
         "dataset": {
