@@ -21,17 +21,17 @@ modes, interleaved per repetition in a rotating order so drift of a shared machi
   loop's time, all samples counted, the start and stop ones included), and from the stress setting's
   CPU per sample the share at 5 s is projected for a run of any length.
 
-steps/s = num_steps / train_seconds from train.json (the training loop alone: no process start, no
-shard load). Cost = 1 - (best steps/s with logging / best steps/s off) over the repetitions (best of N,
-as timeit takes it: interference only ever slows a run down; reported, not a target: it moves by
-several percent from run to run here); the median of the per-repetition ratios is shown too. Running in one process is what makes a sub-1% difference
-measurable at all (no process start-up, no second copy of torch competing for the two cores), but a
-shared 2-core machine still moves single runs by several percent, so the time spent inside the logging
-calls is also accounted directly (each call timed in the first repetition, plus the live logger thread's
-CPU: while it runs Python it holds the GIL) as a share of the loop's time: the steadiest figure, and
-the target's: those calls cost the same per step whatever the model, so their microseconds per step
-against a 1 ms step bound their share of every step of 1 ms or more (this MLP's step is shorter: its
-share is reported beside).
+steps/s = num_steps / train_seconds from train.json (the training loop alone: no process start, no shard
+load). Cost = 1 - (best steps/s with logging / best steps/s off) over the repetitions (best of N, as
+timeit takes it: interference only ever slows a run down; reported, not a target: it moves by several
+percent from run to run here); the median of the per-repetition ratios is shown too. Running in one
+process is what makes a sub-1% difference measurable at all (no process start-up, no second copy of torch
+competing for the two cores), but a shared 2-core machine still moves single runs by several percent, so
+the time spent inside the logging calls is also accounted directly (each call timed in the first
+repetition, plus the live logger thread's CPU: while it runs Python it holds the GIL) as a share of the
+loop's time: the steadiest figure, and the target's: those calls cost the same per step whatever the
+model, so their microseconds per step against a 1 ms step bound their share of every step of 1 ms or more
+(this MLP's step is shorter: its share is reported beside).
 """
 
 from __future__ import annotations
