@@ -87,7 +87,9 @@ def mergekit_config(path: Path, method: str, ranks: list[str], base: Path) -> Pa
     return path
 
 
-def bench_merge(work: Path, sizes: list[tuple[int, int]], reps: int) -> tuple[str, list[tuple]]:
+def bench_merge(
+    work: Path, sizes: list[tuple[int, int]], reps: int, methods: list[str] | None = None
+) -> tuple[str, list[tuple]]:
     """(the Markdown table, target checks)."""
     from merge import gather_for, write_ranks  # bench/merge.py's rank files
 
@@ -118,7 +120,7 @@ def bench_merge(work: Path, sizes: list[tuple[int, int]], reps: int) -> tuple[st
         record["base"] = str(base)
         gather = gather_for(root, record, num_ranks)
         paths = [rank["path"] for rank in record["ranks"][:num_ranks]]
-        for method in MERGEKIT_METHODS:
+        for method in methods or list(MERGEKIT_METHODS):
             params = json.dumps(MERGEKIT_METHODS[method][1])
             config = mergekit_config(root / f"mergekit-{method}.yml", method, paths, base)
             ours, theirs = [], []
@@ -397,11 +399,31 @@ def bench_train(work: Path, quick: bool, reps: int) -> tuple[str, list[tuple]]:
     return common.table(header, rows), checks
 
 
+def merge_sizes(text: str) -> list[tuple[int, int]]:
+    """'4x1024,2x100' -> [(4, 1024), (2, 100)]."""
+    try:
+        return [tuple(int(part) for part in item.split("x", 1)) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give sizes as NxMiB, e.g. 4x1024,2x100") from None
+
+
+def merge_methods(text: str) -> list[str]:
+    methods = text.split(",")
+    unknown = [m for m in methods if m not in MERGEKIT_METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r}: choose from {', '.join(MERGEKIT_METHODS)}")
+    return methods
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, once (CI smoke)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", choices=["merge", "train"])
+    parser.add_argument(
+        "--sizes", type=merge_sizes, help="merge sizes as NxMiB, comma-separated (default: all; e.g. 4x1024)"
+    )
+    parser.add_argument("--methods", type=merge_methods, help="merge methods, comma-separated (uniform,ties)")
     parser.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target fails")
     args = parser.parse_args()
@@ -410,7 +432,8 @@ def main() -> None:
     checks: list[tuple] = []
     try:
         if args.only in (None, "merge"):
-            table, found = bench_merge(work, MERGE_QUICK if args.quick else MERGE_SIZES, reps)
+            sizes = args.sizes or (MERGE_QUICK if args.quick else MERGE_SIZES)
+            table, found = bench_merge(work, sizes, reps, args.methods)
             print("## merge vs mergekit-pytorch\n\n" + table + "\n", flush=True)
             checks += found
         if args.only in (None, "train"):

@@ -126,11 +126,15 @@ class Engine:
                 for start, count, last in self._blocks(info.numel):
                     yield Job("scan", name, plan, start, count, with_base, end_scan=last)
             elif plan.scan_order == "ranks":
+                reads_base = with_base[self.num_ranks :]
                 for index in ranks:
-                    for start, count, last in self._blocks(info.numel):
-                        reads = [index, *with_base[self.num_ranks :]]
-                        end_scan = last and index == ranks[-1]
-                        yield Job("scan_rank", name, plan, start, count, reads, index, last, end_scan)
+                    for scan in range(plan.scan_passes):
+                        final = index == ranks[-1] and scan == plan.scan_passes - 1
+                        for start, count, last in self._blocks(info.numel):
+                            reads = [index, *reads_base]
+                            yield Job(
+                                "scan_rank", name, plan, start, count, reads, index, last, last and final
+                            )
             for start, count, last in self._blocks(info.numel):
                 yield Job("combine", name, plan, start, count, with_base, end_tensor=last)
 
@@ -416,9 +420,10 @@ def merge_arrays(
     if plan.scan_order == "blocks":
         plan.scan_blocks(0, fresh(), base64)
     elif plan.scan_order == "ranks":
-        for index, block in enumerate(fresh()):
-            plan.scan_rank(index, 0, block, base64)
-            plan.end_rank(index)
+        for index in range(len(arrays)):
+            for _ in range(plan.scan_passes):
+                plan.scan_rank(index, 0, np.asarray(arrays[index], dtype=np.float64).ravel().copy(), base64)
+                plan.end_rank(index)
     if plan.scan_order:
         plan.end_scan()
     merged = merge_block(plan, 0, fresh(), base64)

@@ -33,10 +33,11 @@ merged tensor. The engine streams blocks; ``merge_arrays`` runs the same plan on
 
 Streaming: every spherical method is a linear combination of the ranks whose coefficients follow from
 the Gram matrix <theta_i, theta_j>, summed in one scan by blocks (O(N^2) memory). breadcrumbs keeps
-two thresholds per rank (a scan rank by rank, one rank's magnitudes in memory, as TIES). della needs
-each entry's rank: it holds an int32/int64 rank per entry of every rank for the tensor being merged.
-sce with topk < 1 holds the variance and every rank's squared task vector of that tensor (the weights
-are means over the selected entries, known only after the whole scan).
+two thresholds per rank and TIES one (a scan rank by rank, two passes: fusion.methods.select finds the
+exact thresholds from per-bucket counts and the entries of one bucket, not one rank's whole |tau|).
+della needs each entry's rank: it holds an int32/int64 rank per entry of every rank for the tensor
+being merged. sce with topk < 1 holds the variance and every rank's squared task vector of that tensor
+(the weights are means over the selected entries, known only after the whole scan).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class Plan:
     # then merges its blocks in its worker threads, from the raw bytes (merge_engine.mean_block), bit for
     # bit as combine would.
     plain_mean: ClassVar[bool] = False
+    # How many times a "ranks" scan sees each rank's blocks, in the same order; end_rank closes each pass.
+    scan_passes: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         pass

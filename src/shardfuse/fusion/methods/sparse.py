@@ -49,12 +49,15 @@ from shardfuse.fusion.methods.plan import (
     _mean,
     stream_seed,
 )
+from shardfuse.fusion.methods.select import StreamedRanks
 
 
 class TiesPlan(Plan):
     """Top-k per task vector: the scan finds each rank's k-th largest magnitude over the whole tensor
-    (one rank's magnitudes in memory at a time); combine keeps entries above it, and as many entries
-    equal to it as k allows, in flat order."""
+    (two passes per rank, :class:`StreamedRanks`: no rank's whole |tau| in memory); combine keeps
+    entries above it, and as many entries equal to it as k allows, in flat order."""
+
+    scan_passes = 2
 
     def __post_init__(self) -> None:
         numel, num_ranks = self.job.numel, len(self.job.ranks)
@@ -63,20 +66,21 @@ class TiesPlan(Plan):
         self.threshold = [-math.inf] * num_ranks  # keep everything unless the scan says otherwise
         self.equal_left = [0] * num_ranks
         self.num_kept = 0
-        self._magnitudes: np.ndarray | None = None
+        self._ranks: StreamedRanks | None = None
 
     def scan_rank(self, index, start, block, base):
-        if start == 0:
-            self._magnitudes = np.empty(self.job.numel)
-        np.abs(np.subtract(block, base, out=block), out=self._magnitudes[start : start + len(block)])
+        if self._ranks is None:
+            self._ranks = StreamedRanks([self.job.numel - self.keep_count])
+        self._ranks.add(np.abs(np.subtract(block, base, out=block), out=block))
 
     def end_rank(self, index):
-        magnitudes, self._magnitudes = self._magnitudes, None
-        kth = self.job.numel - self.keep_count
-        magnitudes.partition(kth)
-        threshold = magnitudes[kth]
+        if not self._ranks.end_pass():
+            return
+        ((threshold, below, equal),) = self._ranks.results
+        self._ranks = None
         self.threshold[index] = threshold
-        self.equal_left[index] = self.keep_count - int(np.count_nonzero(magnitudes[kth + 1 :] > threshold))
+        above = self.job.numel - below - equal
+        self.equal_left[index] = self.keep_count - above
 
     def trim(self, index: int, tau: np.ndarray) -> None:
         magnitude = np.abs(tau)
@@ -116,7 +120,8 @@ class DarePlan(Plan):
 
 
 class _RankedPlan(Plan):
-    """A scan rank by rank that sees each rank's whole |tau| (one rank in memory at a time)."""
+    """A scan rank by rank that sees each rank's whole |tau| (one rank in memory at a time; breadcrumbs
+    overrides it with the streamed two-pass scan), and the merge of the masked task vectors."""
 
     def __post_init__(self) -> None:
         self.num_kept = 0
@@ -141,10 +146,12 @@ class _RankedPlan(Plan):
 
 class BreadcrumbsPlan(_RankedPlan):
     """Keep sorted positions [low, high) of |tau| ascending (ties in flat order). The scan finds, per rank,
-    the magnitudes at positions low and high - 1 and how many entries lie below each; combine counts
-    the entries equal to them in flat order to place each one."""
+    the magnitudes at positions low and high - 1 and how many entries lie below each (two passes,
+    :class:`StreamedRanks`, as TIES); combine counts the entries equal to them in flat order to place
+    each one."""
 
     ties = False
+    scan_passes = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,13 +166,17 @@ class BreadcrumbsPlan(_RankedPlan):
         num_ranks = len(self.job.ranks)
         self.edges: list[list[tuple[float, int]]] = [[] for _ in range(num_ranks)]  # (value, #below)
         self.seen = [[0, 0] for _ in range(num_ranks)]  # entries equal to each edge so far
+        self._ranks: StreamedRanks | None = None
 
-    def ranked(self, index, magnitudes):
-        edges = []
-        for position in (self.low, self.high - 1):
-            value = float(np.partition(magnitudes, position)[position])
-            edges.append((value, int(np.count_nonzero(magnitudes < value))))
-        self.edges[index] = edges
+    def scan_rank(self, index, start, block, base):
+        if self._ranks is None:
+            self._ranks = StreamedRanks([self.low, self.high - 1])
+        self._ranks.add(np.abs(np.subtract(block, base, out=block), out=block))
+
+    def end_rank(self, index):
+        if self._ranks.end_pass():
+            self.edges[index] = [(value, below) for value, below, _ in self._ranks.results]
+            self._ranks = None
 
     def mask(self, index: int, tau: np.ndarray) -> None:
         if not self.sparse:
