@@ -22,7 +22,8 @@ a checkpoint of float64 tensors) and yields one merged module at a time. Each re
 of float64 over all ranks, so they shrink as ranks are added: no dense model, and no rank's whole ΔW,
 is ever held, and memory is one merged module plus a few blocks whatever the number of ranks (besides
 the input factors, r·(in + out) per rank and module, and what a plan keeps of a whole tensor, as in
-the merge stage: TIES one rank's magnitudes, della and sce with topk < 1 every rank's). :func:`merge_model`
+the merge stage: TIES a count per bucket and one bucket's entries, della and sce with topk < 1 every
+rank's). :func:`merge_model`
 adds the base: every base tensor in order, the adapted ones as W0 + merged ΔW, the others the base's
 own array.
 
