@@ -67,7 +67,7 @@ def fused_adapter(
 def export_adapter(
     gather_path: Path, merge_json: Path, mode: str, out: Path, base_ref: str | None = None
 ) -> dict[str, Any]:
-    from safetensors.numpy import save_file
+    from shardfuse.checkpoints.weights import write_safetensors
 
     if mode not in MODES:
         raise UserError(f"--mode {mode!r} is not one of {', '.join(MODES)}; choose svd or cat")
@@ -133,7 +133,7 @@ def export_adapter(
         "num_parameters": int(sum(t.size for t in tensors.values())),
     }
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, tmp / "adapter_model.safetensors", {"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_json(tmp / "fusion.json", record)
     return record

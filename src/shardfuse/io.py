@@ -64,6 +64,14 @@ def _tmp_sibling(path: Path, *, directory: bool) -> Path:
     return Path(name)
 
 
+def _naming(exc: BaseException, path: Path) -> BaseException:
+    """An OSError without a file name (a write or close that hit a full or failing disk names no file)
+    as the same error naming ``path``, the output being written; anything else unchanged."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno in WRITE_ERRNOS:
+        return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
+    return exc
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary file path next to ``path``; rename it onto ``path`` only on success."""
@@ -72,9 +80,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise
+        named = _naming(exc, path)
+        if named is exc:
+            raise
+        raise named from exc
 
 
 @contextlib.contextmanager
@@ -85,9 +96,12 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         replace_dir(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        named = _naming(exc, path)
+        if named is exc:
+            raise
+        raise named from exc
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -269,6 +283,7 @@ def destination(path: str | os.PathLike) -> Path:
 TMP_SIBLING = re.compile(r"^\.(.+)\.tmp-[^/]+$")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+WRITE_ERRNOS = (*NO_SPACE, *NOT_WRITABLE, errno.EIO, errno.EFBIG)  # a disk's, not a socket's
 
 
 def _os_error_line(exc: OSError) -> str | None:

@@ -15,6 +15,9 @@ import importlib
 import json
 import os
 import re
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 from shardfuse.io import destination, run_cli
-from tests.support.helpers import REPO, run_stage, write_train_dir
+from tests.support.helpers import REPO, run_stage, subprocess_env, write_train_dir
 
 DOCS = REPO / "docs" / "errors.md"
 SECTION = "## Broken files between stages"
@@ -35,9 +38,16 @@ class Case:
     fragment: str
     out: Path | None = None  # must not exist afterwards, nor a temporary sibling of it
     fault: tuple[int, str] | None = None  # (errno, strerror) os.replace raises, as a disk would
+    env: dict[str, str] | None = None  # run as a real process with these variables (a torchrun rank's)
 
 
 # ---------------------------------------------------------------- inputs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_dir(tmp: Path, **overrides) -> tuple[Path, Path, str]:
@@ -312,6 +322,36 @@ def case_init_from_truncated(tmp):
     return Case("check_init", args, f"init_from {weights} is not a readable safetensors file")
 
 
+def case_train_dataset_record_not_utf8(tmp):
+    """The train stage as its own command, as torchrun runs each rank (here one rank of one)."""
+    shard_dir = tmp / "shards"
+    shard_dir.mkdir()
+    shard = {"rank": 0, "path": "shard-0.parquet", "rows": 5, "sha256": "0" * 64, "bytes": 1}
+    manifest = {
+        "format": "shardfuse.shards/1", "world_size": 1, "seed": 0, "drop_remainder": False,
+        "source": {"path": "train.parquet", "sha256": "f" * 64, "rows": 5}, "total_rows": 5,
+        "dropped_rows": 0, "schema": [], "shards": [shard],
+    }  # fmt: skip
+    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+    (tmp / "dataset.json").write_bytes(b'{"name": "d\xe9"}')
+    out = tmp / "train"
+    args = ["--run-name", "r", "--shard-dir", shard_dir, "--dataset-dir", tmp, "--config-json", "{}"]
+    rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    rank.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    fragment = f"{tmp / 'dataset.json'} is not UTF-8 text (byte 0xe9 at line 1, column 12)"
+    return Case("train", [*args, "--out-dir", out], fragment, out / "rank-0.safetensors", env=rank)
+
+
+def case_export_adapter_gather_not_utf8(tmp):
+    record = tmp / "gather.json"
+    record.write_bytes(b'{"run": "t\xe9"}')
+    merge = tmp / "merge.json"
+    merge.write_text(json.dumps({"run": "r", "method": "uniform"}))
+    out = tmp / "adapter"
+    args = ["--gather", record, "--merge-json", merge, "--mode", "svd", "--out", out]
+    return Case("export_adapter", args, f"{record} is not UTF-8 text (byte 0xe9 at line 1, column 11)", out)
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 SUBPROCESS_CASES = {"record_not_utf8", "training_record_not_utf8"}
 
@@ -338,7 +378,12 @@ def run_in_process(case: Case, capsys, monkeypatch) -> tuple[int, str]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_broken_file_or_disk_is_one_line_at_the_stage_boundary(name, tmp_path, capsys, monkeypatch):
     case = CASES[name](tmp_path)
-    if name in SUBPROCESS_CASES:
+    if case.env is not None:
+        command = [sys.executable, "-m", f"shardfuse.{case.stage}", *map(str, case.args)]
+        env = {**subprocess_env(), **case.env}
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        returncode, stderr = proc.returncode, proc.stderr
+    elif name in SUBPROCESS_CASES:
         proc = run_stage(case.stage, *case.args)
         returncode, stderr = proc.returncode, proc.stderr
     else:
@@ -352,6 +397,17 @@ def test_a_broken_file_or_disk_is_one_line_at_the_stage_boundary(name, tmp_path,
     if case.out is not None:
         assert not case.out.exists()
         assert not list(case.out.parent.glob(f".{case.out.name}.tmp-*"))
+
+
+def test_every_stage_with_a_command_line_has_a_case(tmp_path):
+    """Every ``python -m shardfuse.<stage>`` (a module of the package with a ``main``) has a case."""
+    src = REPO / "src" / "shardfuse"
+    stages = {path.stem for path in src.glob("*.py") if "\ndef main(" in path.read_text()}
+    covered = set()
+    for index, build in enumerate(CASES.values()):
+        (tmp_path / str(index)).mkdir()
+        covered.add(build(tmp_path / str(index)).stage)
+    assert stages <= covered, f"stages without a broken-input case: {sorted(stages - covered)}"
 
 
 def test_a_temporary_sibling_is_named_as_its_destination():

@@ -32,13 +32,18 @@ OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def write_safetensors(
-    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+    tensors: dict[str, torch.Tensor] | dict[str, Any],
+    path: str | os.PathLike,
+    metadata: dict[str, str] | None = None,
 ) -> None:
     """``save_file``, but a failed or short write is an OSError naming ``path`` (disk full, read-only,
     ...), as a Python write's would be: safetensors raises its own error for a failed write, and a
     small file's last buffer can fail to reach the disk silently, so the file is read back once (its
-    header and its size, not its tensors)."""
-    from safetensors.torch import save_file
+    header and its size, not its tensors). Torch tensors, or numpy arrays (no torch import)."""
+    if tensors and all(type(t).__module__ == "numpy" for t in tensors.values()):
+        from safetensors.numpy import save_file
+    else:
+        from safetensors.torch import save_file
 
     try:
         save_file(tensors, str(path), metadata=metadata)
