@@ -69,7 +69,7 @@ def train_rank(
             # the launcher reads why the ranks stopped and what a re-run resumes from.
             setup.gate.call(record_stop, out_dir, end.step, end.interrupted)
             return
-        publish(setup, plan, end.step, end.seconds, end.stopped_early, metrics, system)
+        publish(setup, plan, end, metrics, system)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,12 +53,13 @@ def build(description, width=16):
     )
 '''
 STDLIB_JSON = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "*.py")
-TASK_OF = {"iris": "classification", "multi": "regression", "stdlib": "causal_lm", "images": "classification"}
-SCORE_OF = {"iris": "accuracy", "multi": "mse", "stdlib": "loss", "images": "accuracy"}
+TASK_OF = {"iris": "classification", "multi": "regression", "stdlib": "causal_lm"}
+SCORE_OF = {"iris": "accuracy", "multi": "mse", "stdlib": "loss"}
 USER_MODEL = {"model": "usernets:build", "code_paths": ["models"]}
-# numeric columns with a user model and the built-in MLP; byte tokens with a user LM; images (a tensor
-# column) with the built-in CNN.
-MODEL_OF = {"iris": USER_MODEL, "multi": {}, "stdlib": USER_MODEL, "images": {"model": "cnn"}}
+# numeric columns with a user model and the built-in MLP; byte tokens with a user LM. Images (a tensor
+# column) with the built-in CNN are the README's digits_cnn example (tests/slow/test_examples_kinds.py:
+# its merge's BatchNorm statistics and its logged model's image signature).
+MODEL_OF = {"iris": USER_MODEL, "multi": {}, "stdlib": USER_MODEL}
 TRANSFORMER = {"model": "transformer", "model_args": {"width": 32, "layers": 1, "heads": 2}}
 
 
@@ -110,7 +111,6 @@ def workdir(tmp_path_factory) -> Path:
             },
             "multi": {"source": "synthetic", "task": "regression", "num_rows": 600, "num_features": 4},
             "stdlib": {"source": "text", "paths": [STDLIB_JSON], "block_size": 16, "max_tokens": 12000},
-            "images": {"source": "digits_images"},
         },
         "run_defaults": {"world_size": 2, "epochs": 3, "batch_size": 32, "optimizer": "adamw", "lr": 0.01},
         "mlflow": {"tracking_uri": f"sqlite:///{path}/mlflow.db", "experiment": "tasks"},
@@ -190,15 +190,6 @@ def _loaded_models_predict(mlflow, pd, parents) -> None:
     assert predicted["prediction"][0] == "setosa"
     assert {"probability_setosa", "probability_versicolor", "probability_virginica"} <= set(predicted.columns)
 
-    # The CNN's logged model takes an image batch [N, 1, 8, 8] (its tensor signature).
-    import numpy as np
-    from sklearn.datasets import load_digits
-
-    images = (load_digits().images[:4] / 16.0).astype(np.float32)[:, None]
-    cnn = mlflow.pyfunc.load_model(f"runs:/{parents['images_ddp'].info.run_id}/images_ddp")
-    assert list(cnn.metadata.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 1, 8, 8]
-    assert list(cnn.predict(images)["prediction"]) == ["0", "1", "2", "3"]
-
 
 def test_init_from_a_run_starts_from_its_merged_model_and_follows_its_merge(workdir):
     tuned = evaluation(workdir, "iris_tuned")
@@ -222,17 +213,3 @@ def test_builtin_transformer_trains_on_bytes_and_its_tied_embedding_is_one_tenso
     embeddings = [name for name, t in merged.items() if tuple(t.shape) == (256, 32)]
     assert len(embeddings) == 1, embeddings  # the read-out shares the token embedding: stored once
     assert metadata["model"]["model"] == "transformer"
-
-
-def test_cnn_merge_averages_batchnorm_statistics_and_keeps_the_counter(workdir):
-    found = evaluation(workdir, "images_indep")
-    ranks_dir = workdir / "results" / "trainings" / found["training"] / "ranks"
-    ranks = [load_weights(ranks_dir / f"rank-{rank}.safetensors")[0] for rank in (0, 1)]
-    merged, _ = load_weights(workdir / "results" / "runs" / "images_indep" / "merged.safetensors")
-    statistics = [name for name in merged if name.endswith((".running_mean", ".running_var"))]
-    counters = [name for name in merged if name.endswith(".num_batches_tracked")]
-    assert statistics and counters
-    for name in statistics:
-        assert torch.allclose(merged[name], (ranks[0][name] + ranks[1][name]) / 2, rtol=0, atol=1e-6)
-    for name in counters:
-        assert merged[name].dtype == torch.int64 and torch.equal(merged[name], ranks[0][name])

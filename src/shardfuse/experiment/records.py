@@ -157,7 +157,7 @@ class TrainRecord(_Record):
     """train.json, field by field in the order the train stage writes them."""
 
     FILE, STAGE, WHAT = "train.json", "train", "training"
-    OPTIONAL = frozenset({"git_commit", "git_dirty", "adapter", "fsdp"})
+    OPTIONAL = frozenset({"git_commit", "git_dirty", "adapter", "fsdp", "framework_seconds"})
 
     run: str | None = None
     world_size: int | None = None
@@ -179,6 +179,9 @@ class TrainRecord(_Record):
     validation: dict[str, Any] | None = None  # {"score", "every"} when the run validated while training
     stopped_early: bool | None = None
     train_seconds: float | None = None  # the slowest rank's loop
+    # of which the most any rank spent outside the step's own work (forward, backward, the optimiser's
+    # step, the strategy's sync): reading batches, metrics, schedule, stop checks, validation, checkpoints
+    framework_seconds: float | None = None
     backend: str | None = None
     device: str | None = None
     precision: str | None = None

@@ -41,6 +41,7 @@ class StepResult(NamedTuple):
     loss: float  # mean of the micro-batches' losses
     rows: int
     applied: bool  # whether the optimiser may step (a finite loss reached the gradients)
+    compute_seconds: float  # in forward, loss and backward (DDP's all-reduce included), not the data
 
 
 def accumulate_gradients(
@@ -56,9 +57,10 @@ def accumulate_gradients(
     ctx, task = setup.ctx, setup.task
     ddp = isinstance(plan.net, DistributedDataParallel)
     fsdp = plan.mesh is not None
-    total_loss, rows, applied = 0.0, 0, False
+    total_loss, rows, applied, compute = 0.0, 0, False, 0.0
     for micro in range(group_size):
         inputs, targets = next(batches)
+        started = time.perf_counter()
         inputs = inputs.to(ctx.device, non_blocking=True)
         targets = targets.to(ctx.device, non_blocking=True)
         inputs, targets = task.batch(inputs, targets)
@@ -74,9 +76,10 @@ def accumulate_gradients(
                 # Under DDP only the last backward syncs the accumulated gradients: without it the
                 # ranks' gradients differ, so the whole step is skipped.
                 applied = last or (applied and not (ddp or fsdp))
+        compute += time.perf_counter() - started
         total_loss += loss_value
         rows += len(targets)
-    return StepResult(total_loss / group_size, rows, applied)
+    return StepResult(total_loss / group_size, rows, applied, compute)
 
 
 def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
@@ -92,6 +95,8 @@ def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
 class LoopEnd(NamedTuple):
     step: int  # the last step taken
     seconds: float  # this rank's time in the loop
+    compute_seconds: float  # of which in the training step's own work (bench/peers.py: the rest is
+    # the framework's: reading batches, metrics, schedule, stop checks, validation, checkpoints)
     stopped_early: bool  # validation stopped the run (it is finished)
     interrupted: str | None  # why the ranks stopped before the end, with a checkpoint of ``step``
 
@@ -120,6 +125,7 @@ def train_loop(
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
     stop = False
     interrupted = None
+    compute = 0.0  # forward, backward, clipping, the optimiser's step and the strategy's sync
     # The reader streams the shard (first batch after one row group; sha256 checked alongside, a
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
@@ -143,11 +149,13 @@ def train_loop(
                     loss_value = all_reduce_mean(
                         loss_value, plan.mesh["shard"].get_group(), shards, ctx.device
                     )
+                started_update = time.perf_counter()
                 if result.applied:
                     set_lr(optimizer, lr)
                     grad_norm = clip_gradients(model.parameters(), plan.grad_clip_norm)
                     optimizer.step()
                 plan.sync.after_step(step)
+                compute += result.compute_seconds + time.perf_counter() - started_update
                 end_of_epoch = group_start + group_size == num_batches
                 val_score = math.nan
                 if plan.validator is not None and (step % plan.eval_every == 0 or end_of_epoch):
@@ -186,9 +194,9 @@ def train_loop(
                 break
     seconds = time.perf_counter() - started
     if interrupted:
-        return LoopEnd(step, seconds, False, interrupted)
+        return LoopEnd(step, seconds, compute, False, interrupted)
     plan.sync.finish(step)
-    return LoopEnd(step, seconds, stop, None)
+    return LoopEnd(step, seconds, compute, stop, None)
 
 
 def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as torch_dist
@@ -25,13 +25,14 @@ from shardfuse.rank.setup import (
     publish_rank0_buffers,
 )
 
+if TYPE_CHECKING:
+    from shardfuse.rank.loop import LoopEnd
+
 
 def publish(
     setup: RankSetup,
     plan: StepPlan,
-    num_steps: int,
-    loop_seconds: float,
-    stopped_early: bool,
+    end: LoopEnd,
     metrics: MetricsLog | None,
     system: SystemSampler,
 ) -> None:
@@ -41,8 +42,10 @@ def publish(
     ``rank-<replica>.safetensors`` (gathered one tensor at a time) and its metrics."""
     ctx, cfg, manifest, tracker = setup.ctx, setup.cfg, setup.manifest, plan.tracker
     layout = plan.layout
-    seconds = torch.tensor([loop_seconds], dtype=torch.float64)
-    torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)  # the slowest rank's time
+    num_steps, stopped_early = end.step, end.stopped_early
+    # The slowest rank's time in the loop, and the most any rank spent outside the step's own work.
+    seconds = torch.tensor([end.seconds, end.seconds - end.compute_seconds], dtype=torch.float64)
+    torch_dist.all_reduce(seconds, op=torch_dist.ReduceOp.MAX)
 
     if plan.same_weights and setup.updates_buffers:
         publish_rank0_buffers(setup.model)  # consolidate checks that the ddp ranks are identical
@@ -98,7 +101,8 @@ def publish(
             {"score": setup.task.score, "every": plan.eval_every} if plan.validator is not None else None
         ),
         stopped_early=stopped_early,
-        train_seconds=float(seconds.item()),
+        train_seconds=float(seconds[0]),
+        framework_seconds=float(seconds[1]),
         backend=ctx.backend,
         device=str(ctx.device),
         precision="fp32" if plan.dtype is None else "bf16",
