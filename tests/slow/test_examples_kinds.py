@@ -71,6 +71,10 @@ def test_the_cnns_logged_model_takes_an_image_batch_and_recognises_digits(exampl
         # set_tracking_uri also exports MLFLOW_TRACKING_URI; later tests' workflows must not inherit it.
         mlflow.set_tracking_uri(None)
         os.environ.pop("MLFLOW_TRACKING_URI", None)
-    images = (load_digits().images[:4] / 16.0).astype(np.float32)[:, None]
+    digits = load_digits()
+    images = (digits.images[:200] / 16.0).astype(np.float32)[:, None]
     assert list(cnn.metadata.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 1, 8, 8]
-    assert list(cnn.predict(images)["prediction"]) == ["0", "1", "2", "3"]
+    predicted = list(cnn.predict(images)["prediction"])
+    assert set(predicted) <= {str(label) for label in range(10)}  # the dataset's label names
+    right = sum(label == str(truth) for label, truth in zip(predicted, digits.target[:200], strict=True))
+    assert right >= 180, right  # the README's figure for cnn_ddp is above 0.9 on the test split
