@@ -181,6 +181,7 @@ class TrainRecord(_Record):
     train_seconds: float | None = None  # the slowest rank's loop
     # of which the most any rank spent outside the step's own work (forward, backward, the optimiser's
     # step, the strategy's sync): reading batches, metrics, schedule, stop checks, validation, checkpoints
+    # (host clock: on a GPU, kernels still running when the host moves on are counted where it waits)
     framework_seconds: float | None = None
     backend: str | None = None
     device: str | None = None
