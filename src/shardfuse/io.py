@@ -18,7 +18,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UserError(Exception):
@@ -64,12 +64,12 @@ def _tmp_sibling(path: Path, *, directory: bool) -> Path:
     return Path(name)
 
 
-def _naming(exc: BaseException, path: Path) -> BaseException:
-    """An OSError without a file name (a write or close that hit a full or failing disk names no file)
-    as the same error naming ``path``, the output being written; anything else unchanged."""
+def _raise_naming(exc: BaseException, path: Path) -> NoReturn:
+    """Re-raise ``exc``; an OSError without a file name (a write or close that hit a full or failing disk
+    names no file) as the same error naming ``path``, the output being written."""
     if isinstance(exc, OSError) and exc.filename is None and exc.errno in WRITE_ERRNOS:
-        return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
-    return exc
+        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
+    raise exc
 
 
 @contextlib.contextmanager
@@ -82,10 +82,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        named = _naming(exc, path)
-        if named is exc:
-            raise
-        raise named from exc
+        _raise_naming(exc, path)
 
 
 @contextlib.contextmanager
@@ -98,10 +95,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         replace_dir(tmp, path)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        named = _naming(exc, path)
-        if named is exc:
-            raise
-        raise named from exc
+        _raise_naming(exc, path)
 
 
 def replace_dir(src: Path, dst: Path) -> None:

@@ -15,7 +15,6 @@ import importlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from shardfuse.io import destination, run_cli
 from tests.support.helpers import REPO, run_stage, subprocess_env, write_train_dir
+from tests.support.tracking import free_port
 
 DOCS = REPO / "docs" / "errors.md"
 SECTION = "## Broken files between stages"
@@ -42,12 +42,6 @@ class Case:
 
 
 # ---------------------------------------------------------------- inputs
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_dir(tmp: Path, **overrides) -> tuple[Path, Path, str]:
@@ -212,18 +206,19 @@ def gathered(tmp: Path) -> Path:
     return tmp / "gather.json"
 
 
-def hand_made_shards(tmp: Path, **first_shard) -> Path:
+def hand_made_shards(tmp: Path, world_size: int = 2, **first_shard) -> Path:
     """A shard directory whose manifest.json adds up; ``first_shard`` edits rank 0's entry."""
     shard_dir = tmp / "shards"
     shard_dir.mkdir()
     shards = [
         {"rank": rank, "path": f"shard-{rank}.parquet", "rows": 5, "sha256": f"{rank}" * 64, "bytes": 1}
-        for rank in range(2)
+        for rank in range(world_size)
     ]
     shards[0].update(first_shard)
+    rows = 5 * world_size
     manifest = {
-        "format": "shardfuse.shards/1", "world_size": 2, "seed": 0, "drop_remainder": False,
-        "source": {"path": "train.parquet", "sha256": "f" * 64, "rows": 10}, "total_rows": 10,
+        "format": "shardfuse.shards/1", "world_size": world_size, "seed": 0, "drop_remainder": False,
+        "source": {"path": "train.parquet", "sha256": "f" * 64, "rows": rows}, "total_rows": rows,
         "dropped_rows": 0, "schema": [], "shards": shards,
     }  # fmt: skip
     (shard_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -324,15 +319,7 @@ def case_init_from_truncated(tmp):
 
 def case_train_dataset_record_not_utf8(tmp):
     """The train stage as its own command, as torchrun runs each rank (here one rank of one)."""
-    shard_dir = tmp / "shards"
-    shard_dir.mkdir()
-    shard = {"rank": 0, "path": "shard-0.parquet", "rows": 5, "sha256": "0" * 64, "bytes": 1}
-    manifest = {
-        "format": "shardfuse.shards/1", "world_size": 1, "seed": 0, "drop_remainder": False,
-        "source": {"path": "train.parquet", "sha256": "f" * 64, "rows": 5}, "total_rows": 5,
-        "dropped_rows": 0, "schema": [], "shards": [shard],
-    }  # fmt: skip
-    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+    shard_dir = hand_made_shards(tmp, world_size=1)
     (tmp / "dataset.json").write_bytes(b'{"name": "d\xe9"}')
     out = tmp / "train"
     args = ["--run-name", "r", "--shard-dir", shard_dir, "--dataset-dir", tmp, "--config-json", "{}"]

@@ -6,13 +6,13 @@ merge and its logged model are checked here too (BatchNorm statistics, an image-
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from shardfuse.checkpoints.weights import load_weights
 from tests.support.helpers import checkout_copy, run_readme_examples
+from tests.support.tracking import mlflow_tracking_uri
 
 # Two whole experiments in one fixture: about 5.5 min on a 2-core machine shared with the other worker.
 pytestmark = pytest.mark.timeout(1800)
@@ -61,16 +61,11 @@ def test_the_cnns_logged_model_takes_an_image_batch_and_recognises_digits(exampl
     import numpy as np
     from sklearn.datasets import load_digits
 
-    mlflow.set_tracking_uri(f"sqlite:///{examples['checkout']}/mlflow.db")
-    try:
+    with mlflow_tracking_uri(f"sqlite:///{examples['checkout']}/mlflow.db"):
         found = mlflow.search_runs(
             experiment_names=["shardfuse-digits-cnn"], filter_string="run_name = 'cnn_ddp'"
         )
         cnn = mlflow.pyfunc.load_model(f"runs:/{found.run_id[0]}/cnn_ddp")
-    finally:
-        # set_tracking_uri also exports MLFLOW_TRACKING_URI; later tests' workflows must not inherit it.
-        mlflow.set_tracking_uri(None)
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
     digits = load_digits()
     images = (digits.images[:200] / 16.0).astype(np.float32)[:, None]
     assert list(cnn.metadata.signature.inputs.to_dict()[0]["tensor-spec"]["shape"]) == [-1, 1, 8, 8]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import sysconfig
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import yaml
 
 from shardfuse.checkpoints.weights import load_weights
 from tests.support.helpers import planned_jobs, snakemake
+from tests.support.tracking import mlflow_tracking_uri
 
 # A whole experiment in one fixture: 530-610 s on a slow 2-core machine, near the default 900 s limit.
 pytestmark = pytest.mark.timeout(1800)
@@ -171,13 +171,8 @@ def test_mlflow_has_each_tasks_metrics_and_the_user_model_predicts_string_labels
     assert "test_bits_per_token_merged" in parents["stdlib_indep"].data.metrics
     assert parents["iris_indep"].data.params["model"] == "usernets:build"
 
-    mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
-    try:
+    with mlflow_tracking_uri(f"sqlite:///{workdir}/mlflow.db"):
         _loaded_models_predict(mlflow, pd, parents)
-    finally:
-        # set_tracking_uri also exports MLFLOW_TRACKING_URI; later tests' workflows must not inherit it.
-        mlflow.set_tracking_uri(None)
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 def _loaded_models_predict(mlflow, pd, parents) -> None:

@@ -39,6 +39,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def mlflow_tracking_uri(uri: str) -> Iterator[None]:
+    """``mlflow.set_tracking_uri(uri)`` for the block; afterwards unset, and MLFLOW_TRACKING_URI (which
+    set_tracking_uri exports) removed, so later tests' workflows do not inherit it."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(None)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 def service_unavailable(message: str):
     """CI must have every service (there a missing one fails); elsewhere the test is skipped."""
     missing_in_ci(message)
