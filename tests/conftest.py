@@ -16,7 +16,7 @@ from xdist.scheduler import LoadFileScheduling
 
 from shardfuse.metrics.system import INTERVAL_ENV
 from tests.support.data import prepare_and_partition
-from tests.support.helpers import MEASUREMENTS, built_once, run_stage
+from tests.support.helpers import MEASUREMENTS, built_once, call_stage
 from tests.support.tracking import TRACK_EXPERIMENT
 from tests.support.training import (
     DDP_RESUME_CFG,
@@ -121,7 +121,7 @@ def small_trainings(tmp_path_factory, digits_dataset, digits_shards) -> Path:
             for name, keys in SMALL_TRAININGS.items():
                 out = root / "results" / "trainings" / name / "ranks"
                 launch_training(out, digits_dataset, digits_shards, name, {**SMALL_TRAIN_CFG, **keys})
-        gather = run_stage(
+        gather = call_stage(
             "gather", "--train-dir", "results/trainings/independent/ranks", "--world-size", 2,
             "--out", "results/trainings/independent/gather.json", cwd=root,
         )  # fmt: skip

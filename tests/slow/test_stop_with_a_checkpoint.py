@@ -1,7 +1,7 @@
 """Ctrl-C or SIGTERM stops a training at a step boundary with a checkpoint of that step, losing no step
 (shardfuse.rank.stop): the launcher says so in one line and exits 75, and the re-run resumes from that
 step and ends bitwise identical to the uninterrupted training. (The SLURM time limit takes the same path:
-tests/services/test_slurm.py.)"""
+tests/services/test_slurm_jobs.py.)"""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 
-from tests.support.helpers import run_stage
+from tests.support.helpers import call_stage
 from tests.support.training import merge_and_evaluate
 
 
@@ -15,7 +15,7 @@ def test_alignment_of_shared_initialisation_ranks_is_a_bitwise_no_op(
     ranks = tmp_path / "independent" / "ranks"
     shutil.copytree(small_trainings / "results" / "trainings" / "independent" / "ranks", ranks)
     gather = ranks.parent / "gather.json"
-    proc = run_stage("gather", "--train-dir", ranks, "--world-size", 2, "--out", gather)
+    proc = call_stage("gather", "--train-dir", ranks, "--world-size", 2, "--out", gather)
     assert proc.returncode == 0, proc.stderr[-2000:]
     plain, _ = merge_and_evaluate(tmp_path, digits_dataset, gather, "none")
     aligned, _ = merge_and_evaluate(tmp_path, digits_dataset, gather, "weight_matching")

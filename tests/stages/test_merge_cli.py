@@ -25,7 +25,7 @@ from tests.support.fusion import (
     random_rank_tensors,
     train_dir,
 )
-from tests.support.helpers import run_stage, subprocess_env
+from tests.support.helpers import call_stage, subprocess_env
 
 
 def test_merge_cli_error_is_one_line_and_writes_nothing(tmp_path):
@@ -89,7 +89,7 @@ def test_consolidate_assembles_a_sharded_dcp_checkpoint_saved_by_two_ranks(tmp_p
 )
 def test_merge_cli_errors_are_one_line_and_write_nothing(tmp_path, args, fragment):
     gather_path = gather_to(tmp_path, make_run(tmp_path, random_rank_tensors(2), [1, 1]), 2)
-    proc = run_stage(
+    proc = call_stage(
         "merge",
         "--gather",
         gather_path,
@@ -107,7 +107,7 @@ def test_merge_cli_errors_are_one_line_and_write_nothing(tmp_path, args, fragmen
 
 def test_merge_cli_writes_weights_and_record(tmp_path):
     gather_path = gather_to(tmp_path, make_run(tmp_path, random_rank_tensors(3), [1, 2, 3]), 3)
-    proc = run_stage(
+    proc = call_stage(
         "merge",
         "--gather",
         gather_path,
@@ -135,7 +135,7 @@ def test_merge_cli_runs_each_new_method(tmp_path, method):
     num_ranks, given = CASES[method]
     base, per_rank, gather_path = train_dir(tmp_path, num_ranks)
     out = tmp_path / "merged.safetensors"
-    proc = run_stage(
+    proc = call_stage(
         "merge",
         "--gather",
         gather_path,
@@ -163,7 +163,7 @@ def test_merge_cli_runs_each_new_method(tmp_path, method):
 def test_merge_cli_refuses_nuslerp_of_three_ranks_before_writing(tmp_path):
     _, _, gather_path = train_dir(tmp_path, 3)
     out = tmp_path / "merged.safetensors"
-    proc = run_stage(
+    proc = call_stage(
         "merge",
         "--gather",
         gather_path,

@@ -1,5 +1,6 @@
 """The track stage's command line as the workflow runs it: one-line errors, an unreachable server, a shared
-training, two tracks at once into one fresh SQLite track_store, no torch import, the parent's tags."""
+training, two tracks at once into one fresh SQLite track_store, no torch import, the parent's tags (a
+store another program holds locked: tests/slow/test_stage_edges.py)."""
 
 from __future__ import annotations
 
@@ -52,37 +53,6 @@ def test_cli_reports_unreachable_tracking_server_in_one_line_quickly(tmp_path):
         proc.stderr.strip().splitlines()[-1].startswith("shardfuse.tracking: error: cannot use tracking URI")
     )
     assert "Traceback" not in proc.stderr
-
-
-def test_a_store_another_program_holds_locked_is_one_line_quickly_and_a_rerun_after_it_tracks(
-    track_store, tmp_path
-):
-    """Another program (a sqlite3 shell, a stuck `mlflow ui`) holds the database's write lock: SQLite's
-    own timeout, not MLflow's minutes of retries, then one line naming the URI and the fix; once the
-    lock is gone the same command tracks the run."""
-    import sqlite3
-
-    run_dir, manifest = make_run_dir(tmp_path, "held")
-    args = track_cli_args("held", run_dir, manifest, track_store["uri"], run_dir / "mlflow.json")
-    holder = sqlite3.connect(track_store["uri"].removeprefix("sqlite:///"), isolation_level=None)
-    try:
-        holder.execute("BEGIN EXCLUSIVE")
-        started = time.monotonic()
-        proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), timeout=240)
-        assert time.monotonic() - started < 60
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"shardfuse.tracking: error: cannot use tracking URI {track_store['uri']} ("), line
-    assert "database is locked" in line and "stop the other program, then re-run `snakemake -R track`" in line
-    assert not (run_dir / "mlflow.json").exists()
-    rerun = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), timeout=240)
-    assert rerun.returncode == 0, rerun.stderr[-2000:]
-    (parent,), _ = active_runs(track_store, "held")
-    assert json.loads((run_dir / "mlflow.json").read_text())["parent_run_id"] == parent.info.run_id
 
 
 def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store, tmp_path):

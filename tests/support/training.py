@@ -18,7 +18,7 @@ import yaml
 
 from shardfuse.checkpoints.weights import load_weights
 from shardfuse.launch import staging_dir
-from tests.support.helpers import REPO, run_in, run_stage, subprocess_env
+from tests.support.helpers import REPO, call_stage, run_in, run_stage, subprocess_env
 
 # The kill tests' training: long enough (12 epochs, a checkpoint every 40 steps) that the ranks still run
 # when the first checkpoint is complete.
@@ -240,7 +240,7 @@ def train_and_gather(tmp_path, dataset, shards, name, world_size, **cfg) -> Path
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     gather = tmp_path / name / "gather.json"
-    proc = run_stage("gather", "--train-dir", out, "--world-size", world_size, "--out", gather)
+    proc = call_stage("gather", "--train-dir", out, "--world-size", world_size, "--out", gather)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return gather
 
@@ -271,12 +271,12 @@ def merge_and_evaluate(
     (merge.json, eval.json); the weights are at :func:`merged_path`."""
     merged = merged_path(tmp_path, gather, align, method)
     record, evaluation = merged.with_suffix(".json"), merged.with_suffix(".eval.json")
-    proc = run_stage(
+    proc = call_stage(
         "merge", "--gather", gather, "--method", method, "--params-json", json.dumps(params),
         "--align", align, "--out-weights", merged, "--out-json", record,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = run_stage(
+    proc = call_stage(
         "evaluate", "--run", "r", "--test", dataset / "test.parquet", "--gather", gather,
         "--merged", merged, "--out", evaluation,
     )  # fmt: skip
@@ -404,3 +404,19 @@ def train_merge_evaluate(root, digits_dataset, shard_dir, world_size, trained_ra
     evaluation = json.loads((root / run_dir / "eval.json").read_text())
     paths = [root / ranks / f"rank-{rank}.safetensors" for rank in range(world_size)]
     return evaluation, paths
+
+
+# Per-rank adapters (the LoRA Soups setting) on the built-in MLP: independent training, its own A per rank.
+LORA = {
+    "type": "lora",
+    "r": 4,
+    "alpha": 8,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "init": "per_rank",
+}
+LORA_CFG = {
+    "hidden_sizes": [64], "activation": "relu", "dropout": 0.0, "optimizer": "adamw", "lr": 0.01,
+    "momentum": 0.9, "weight_decay": 0.0, "batch_size": 32, "epochs": 4, "seed": 3,
+    "strategy": "localsgd", "sync_every": 0, "checkpoint_every": 0, "adapter": LORA,
+}  # fmt: skip

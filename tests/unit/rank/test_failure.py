@@ -1,5 +1,5 @@
-"""The first failing rank's record and the launcher's one line from it (real torchrun: tests/stages/
-test_launch_cli.py, tests/workflow/test_ownership.py)."""
+"""The first failing rank's record and the launcher's one line from it (real torchrun: tests/slow/
+test_stage_edges.py, tests/workflow/test_ownership.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Stopping with a checkpoint: how often the ranks agree, the margin before a SLURM time limit, and the
 records the launcher reads (the stops themselves: tests/slow/test_stop_with_a_checkpoint.py and
-tests/services/test_slurm.py)."""
+tests/services/test_slurm_jobs.py)."""
 
 from __future__ import annotations
 
