@@ -49,7 +49,7 @@ LORA_TRANSFORMER = {
 }
 # FSDP2 (fsdp: 2, the two ranks one replica): each rank's checkpoint holds its shards of the model and
 # of AdamW's moments; the built-in transformer (its blocks the units), with clipping over the sharded
-# gradients (the fast tier's tests/stages/test_fsdp.py follows DDP with the MLP, its Linear layers the
+# gradients (tests/slow/test_fsdp_replica.py follows DDP with the MLP, its Linear layers the
 # units; the GPT-2 case below is FSDP with tied embeddings).
 FSDP_TRANSFORMER = {**TRANSFORMER, "fsdp": 2, "grad_clip_norm": 1.0, "checkpoint_every": 10}
 DATA_FIXTURES = {

@@ -14,7 +14,7 @@ import yaml
 from shardfuse.cluster.ownership import own_training, owner_path
 from shardfuse.io import UserError, failed_job_errors
 from tests.support.helpers import REPO, snakemake_command, subprocess_env
-from tests.support.training import write_failing_model, write_resume_config
+from tests.support.training import RESUME_CFG, write_failing_model
 
 HOLD_LOCK = """
 import sys, time
@@ -77,37 +77,65 @@ def test_failed_job_errors_name_the_rule_the_log_and_the_one_line_error(tmp_path
     ]
 
 
-def test_a_failed_stages_one_line_error_is_the_last_thing_on_the_console(tmp_path):
-    write_resume_config(tmp_path, epochs=1, warmup_steps=100000)
+def test_failed_jobs_one_line_errors_are_the_last_thing_on_the_console(tmp_path):
+    """Two trainings fail in one `--keep-going` run: one on a stage's own check (warmup longer than the
+    run), one on a rank's exception (a user model whose forward raises on rank 1 in the first step).
+    After Snakemake's own messages, each failed job's heading, then its one-line error; the rank's
+    exception once, naming the rank and the log with its traceback."""
+    write_failing_model(tmp_path / "models")
+    (tmp_path / "config").mkdir()
+    config = {
+        "runs": {
+            "warm": {"strategy": "ddp", "merge_method": "consolidate", "warmup_steps": 100000},
+            "flaky": {
+                "strategy": "ddp", "merge_method": "consolidate", "model": "flaky:build",
+                "code_paths": ["models"],
+            },
+        },
+        "datasets": {"digits": {"source": "digits"}},
+        "run_defaults": {**RESUME_CFG, "epochs": 1},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    }  # fmt: skip
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     proc = subprocess.run(
-        snakemake_command(tmp_path, "--cores", "2"), capture_output=True, text=True, env=subprocess_env()
+        snakemake_command(tmp_path, "--cores", "2", "--keep-going"),
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
     )
     assert proc.returncode == 1  # Snakemake's own status for a failed job, unchanged
-    tail = proc.stderr.strip().splitlines()[-8:]
-    assert any(line.startswith("shardfuse: train failed (logs/train/") for line in tail), tail
-    assert any(
-        "shardfuse.train: error: warmup_steps 100000 is longer than the run's 40 optimiser steps" in line
-        for line in tail
-    ), tail
-
-
-def test_a_ranks_exception_is_one_line_on_the_console_naming_the_rank_and_the_log(tmp_path):
-    write_failing_model(tmp_path / "models")  # rank 1's forward raises in the first step
-    write_resume_config(tmp_path, epochs=1, model="flaky:build", code_paths=["models"])
-    proc = subprocess.run(
-        snakemake_command(tmp_path, "--cores", "2"), capture_output=True, text=True, env=subprocess_env()
-    )
-    assert proc.returncode == 1
     console = proc.stderr.strip().splitlines()
-    (failed,) = [line for line in console if line.startswith("shardfuse: train failed (logs/train/")]
-    log = failed.removeprefix("shardfuse: train failed (").removesuffix("):")
-    # After Snakemake's own messages, under the job's heading: the rank's exception, once on the console.
-    errors = [line for line in console if "boom in forward" in line]
-    assert errors == [
+    headings = [
+        i for i, line in enumerate(console) if line.startswith("shardfuse: train failed (logs/train/")
+    ]
+    assert len(headings) == 2, console[-30:]
+    # After the blocks only Snakemake's closing lines (the log's path, the time, its own summary).
+    tail = console[headings[0] :]
+    closing = [line for line in tail if not line.startswith(("shardfuse: ", "  "))]
+    assert all(
+        line.startswith(("Complete log", "Elapsed time", "WorkflowError", "At least one job"))
+        for line in closing
+    ), tail
+    blocks = {}
+    for start in headings:
+        log = console[start].removeprefix("shardfuse: train failed (").removesuffix("):")
+        lines = console[start + 1 :]
+        blocks[log] = lines[
+            : next((i for i, line in enumerate(lines) if not line.startswith("  ")), len(lines))
+        ]
+    warm = [
+        lines for lines in blocks.values()
+        if any("shardfuse.train: error: warmup_steps 100000 is longer than the run's 40 optimiser steps"
+               in line for line in lines)
+    ]  # fmt: skip
+    assert len(warm) == 1, blocks
+    ((log, lines),) = [(log, lines) for log, lines in blocks.items() if lines is not warm[0]]
+    # The rank's exception, once, first under its job's heading.
+    expected = (
         f"  shardfuse.launch: error: rank 1 failed: RuntimeError: boom in forward (full traceback: {log}); "
         "no checkpoint was complete, so a re-run starts over"
-    ]
-    assert console.index(errors[0]) == console.index(failed) + 1
+    )
+    assert [line for line in console if "boom in forward" in line] == [lines[0]] == [expected]
     assert 'raise RuntimeError("boom in forward")' in (tmp_path / log).read_text()
 
 

@@ -1,7 +1,7 @@
 """The adapter run key (issue 30) as the config loads: its defaults filled in so that spelling them out
 names the same training, a run without it keeps its training name, and every key an adapter rules out
 is one line before any job. The check of an adapter against its model (a subprocess on the meta device)
-is stubbed here, except in the two tests that run it for real."""
+is stubbed here; it runs for real in tests/slow/test_model_checks.py."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ LORA = {"type": "lora", "r": 4}
 
 
 @pytest.fixture(autouse=True)
-def no_model_check(request, monkeypatch):
-    """The unit tests of what the config decides need no subprocess; the two named tests run it."""
-    if "for_real" not in request.node.name:
-        monkeypatch.setattr(checks, "check_model_adapter", lambda *args, **kwargs: {"checked": True})
+def no_model_check(monkeypatch):
+    """The unit tests of what the config decides need no subprocess."""
+    monkeypatch.setattr(checks, "check_model_adapter", lambda *args, **kwargs: {"checked": True})
 
 
 def experiment(**run):
@@ -80,27 +79,3 @@ def test_a_per_rank_adapter_run_has_the_shared_ddp_adapter_run_as_its_baseline()
     }
     loaded = load_experiment(base_config(runs), environ={})
     assert loaded.ddp_baseline("soup") == "ddp" and loaded.ddp_baseline("other") is None
-
-
-def test_an_adapter_matching_no_module_is_refused_for_real_naming_the_modules(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the verdicts are cached under .snakemake/ of the working directory
-    with pytest.raises(ConfigError) as caught:
-        experiment(adapter={"type": "lora", "target_modules": ["attn"]})
-    assert str(caught.value) == (
-        "config error at runs[r].adapter: adapter.target_modules ['attn'] matches no module of the model; "
-        "its adaptable modules are net.0, net.2: name some of them (or all-linear)"
-    )
-    assert not list(tmp_path.glob(".snakemake/shardfuse/init-checks/*.json"))  # a refusal is not cached
-
-
-def test_an_r_above_a_targets_dimension_is_refused_for_real_and_a_fit_is_cached(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError) as caught:
-        experiment(adapter={"type": "lora", "r": 100})
-    assert str(caught.value).startswith(
-        "config error at runs[r].adapter: adapter.r 100 exceeds the smaller dimension of module 'net.0' "
-        "([64, 64]); use r <= 64"
-    )
-    experiment(adapter={"type": "lora", "r": 8, "alpha": 4})
-    (verdict,) = tmp_path.glob(".snakemake/shardfuse/init-checks/*.json")
-    assert verdict.read_text().split() == ["{", '"checked":', "true,", '"targets":', "2", "}"]

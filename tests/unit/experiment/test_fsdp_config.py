@@ -1,6 +1,7 @@
 """The fsdp run key (issue 31) as the config loads: 1 (the default) leaves every training name as it was,
 S > 1 names a new training, and each combination sharding cannot serve is one line before any job. The
-lookup of an hf or user model's wrap units (a subprocess on the meta device) runs for real here."""
+lookup of a user model's wrap units (a subprocess on the meta device) runs for real in
+tests/slow/test_model_checks.py."""
 
 from __future__ import annotations
 
@@ -54,36 +55,3 @@ def test_what_sharding_cannot_serve_is_one_line(run, message, monkeypatch):
     with pytest.raises(ConfigError) as caught:
         experiment(**run)
     assert message in str(caught.value) and "\n" not in str(caught.value)
-
-
-def test_a_user_model_without_wrap_units_is_refused_for_real_and_one_with_them_is_cached(
-    tmp_path, monkeypatch
-):
-    monkeypatch.chdir(tmp_path)  # the verdicts are cached under .snakemake/ of the working directory
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "plain.py").write_text(
-        "from torch import nn\n\n"
-        "class Plain(nn.Module):\n"
-        "    def __init__(self, d):\n"
-        "        super().__init__()\n"
-        "        self.blocks = nn.ModuleList([nn.Linear(d.num_features, 8), nn.Linear(8, d.num_outputs)])\n\n"
-        "    def forward(self, x):\n"
-        "        return self.blocks[1](self.blocks[0](x).relu())\n\n"
-        "class Units(Plain):\n"
-        "    def fsdp_units(self):\n"
-        "        return list(self.blocks)\n\n"
-        "def plain(d):\n    return Plain(d)\n\n"
-        "def units(d):\n    return Units(d)\n"
-    )
-    with pytest.raises(ConfigError) as caught:
-        experiment(fsdp=2, model="plain:plain", code_paths=[str(code)])
-    assert str(caught.value) == (
-        "config error at runs[r].fsdp: fsdp > 1 needs wrap units but model 'plain:plain' has none: the "
-        "built-in mlp and transformer, and Hugging Face models (their _no_split_modules) have them; a user "
-        "model returns its blocks from a method fsdp_units(); or set fsdp: 1"
-    )
-    assert not list(tmp_path.glob(".snakemake/shardfuse/init-checks/*.json"))  # a refusal is not cached
-    experiment(fsdp=2, model="plain:units", code_paths=[str(code)])
-    (verdict,) = tmp_path.glob(".snakemake/shardfuse/init-checks/*.json")
-    assert '"units": 2' in verdict.read_text()
