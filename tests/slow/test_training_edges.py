@@ -1,7 +1,7 @@
-"""Training edge cases that each take a whole training: the skip policy for non-finite losses finishes,
+"""Training edge cases that each take a whole training: a non-finite loss stops the training naming the
+rank and the step (and nothing is published), the skip policy for non-finite losses finishes,
 train_seconds leaves out a rank that reaches the loop late, and the ensemble of a world-size-one run is
-its single rank. (The fast tier keeps the non-finite stop, the ensemble of two ranks and the step timing
-of every training.)"""
+its single rank. (The fast tier keeps the ensemble of two ranks and the step timing of every training.)"""
 
 from __future__ import annotations
 
@@ -11,6 +11,25 @@ import sys
 
 from tests.support.helpers import run_stage, subprocess_env
 from tests.support.training import RESUME_CFG, SMALL_TRAIN_CFG, launch_args, train_merge_evaluate
+
+
+def test_nonfinite_loss_stops_training_naming_rank_and_step(tmp_path, digits_dataset, digits_shards):
+    cfg = {
+        **RESUME_CFG,
+        "strategy": "localsgd",
+        "sync_every": 0,
+        "optimizer": "sgd",
+        "lr": 1e12,
+        "dropout": 0.0,
+    }
+    proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
+    assert proc.returncode == 2
+    assert "loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
+    assert (
+        "; lower lr, check the data for extreme values, or set nonfinite_loss: skip to skip such batches"
+        in proc.stderr
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_nonfinite_loss_skip_policy_finishes(tmp_path, digits_dataset, digits_shards):

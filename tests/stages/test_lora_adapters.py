@@ -4,11 +4,10 @@ models would be, and exported as a PEFT adapter that PEFT itself loads with the 
 The training is a real torchrun launch; gather, merge, export and evaluate are called in this process
 (call_stage: their command lines without the import cost; the process boundary is tests/contracts/
 test_stage_boundary.py). The ranks' own refusal of an adapter that fits no module: tests/slow/
-test_stage_edges.py."""
+test_stage_edges.py; DDP over one shared adapter: tests/slow/test_adapter_ddp.py."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from shardfuse.checkpoints.weights import load_weights, save_weights
 from shardfuse.io import sha256_file
 from tests.support.helpers import built_once, call_stage, run_stage
-from tests.support.training import LORA, LORA_CFG
+from tests.support.training import LORA_CFG
 
 
 def launch(out: Path, dataset: Path, shards: Path, cfg: dict, name: str = "lora"):
@@ -271,16 +270,3 @@ def test_a_swapped_base_or_an_adapter_without_its_base_is_refused(tmp_path, lora
 
     with pytest.raises(UserError, match="has no base beside it"):
         load_model_weights(work / "rank-0.safetensors")
-
-
-def test_ddp_all_reduces_the_adapter_gradients_only(tmp_path, digits_dataset, digits_shards):
-    cfg = {**LORA_CFG, "strategy": "ddp", "epochs": 1, "adapter": {**LORA, "init": "shared"}}
-    proc = launch(tmp_path / "ranks", digits_dataset, digits_shards, cfg)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train = json.loads((tmp_path / "ranks" / "train.json").read_text())
-    adapter_bytes = 4 * (4 * 64 + 64 * 4 + 4 * 64 + 10 * 4)  # float32 factors of net.0 and net.2
-    assert train["bytes_all_reduced_per_rank"] == train["num_steps"] * adapter_bytes
-    ranks = [load_weights(tmp_path / "ranks" / f"rank-{r}.safetensors")[0] for r in (0, 1)]
-    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])  # ddp: one adapter
-    digest = hashlib.sha256((tmp_path / "ranks" / "base.safetensors").read_bytes()).hexdigest()
-    assert train["adapter"]["base_sha256"] == digest

@@ -1,6 +1,7 @@
 """Kills and restarts: a killed rank resumes from its newest checkpoint and ends bitwise identical (ddp on
-digits; every other model and strategy in tests/slow/test_resume_matrix.py); a non-finite loss stops
-training with the rank and step named; an interrupted partition leaves nothing that looks complete."""
+digits; every other model and strategy in tests/slow/test_resume_matrix.py); an interrupted partition
+leaves nothing that looks complete. (A non-finite loss stopping training: tests/slow/
+test_training_edges.py.)"""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ from shardfuse.metrics.system import INTERVAL_ENV, read_rows, system_metrics_pat
 from tests.support.helpers import run_stage, subprocess_env
 from tests.support.training import (
     DDP_RESUME_CFG,
-    RESUME_CFG,
     assert_resumed_bitwise,
     kill_a_rank_and_resume,
     kill_when,
-    launch_args,
 )
 
 
@@ -35,25 +34,6 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
     for rank in (0, 1):
         stamps = read_rows(system_metrics_path(killed / "metrics", rank))[:, 0]
         assert np.sum(stamps < killed_ms) >= 1 and np.sum(stamps > killed_ms) >= 2, rank
-
-
-def test_nonfinite_loss_stops_training_naming_rank_and_step(tmp_path, digits_dataset, digits_shards):
-    cfg = {
-        **RESUME_CFG,
-        "strategy": "localsgd",
-        "sync_every": 0,
-        "optimizer": "sgd",
-        "lr": 1e12,
-        "dropout": 0.0,
-    }
-    proc = run_stage("launch", *launch_args(tmp_path / "out", digits_dataset, digits_shards, cfg))
-    assert proc.returncode == 2
-    assert "loss is nan at step" in proc.stderr or "loss is inf at step" in proc.stderr
-    assert (
-        "; lower lr, check the data for extreme values, or set nonfinite_loss: skip to skip such batches"
-        in proc.stderr
-    )
-    assert not (tmp_path / "out").exists()
 
 
 def test_interrupted_partition_leaves_nothing_that_looks_complete(tmp_path):
