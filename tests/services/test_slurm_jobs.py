@@ -26,6 +26,7 @@ from tests.support.slurm import (
     cluster_profile,
     corrupt_keeping_mtime,
     job_records,
+    partitioned_tiny_experiment,
     run_snakemake,
     signal_job_processes,
     slurm_job_ids,
@@ -39,9 +40,7 @@ pytestmark = pytest.mark.slurm
 
 
 def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_path):
-    workdir = tiny_experiment(tmp_path / "work")
-    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
-    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    workdir = partitioned_tiny_experiment(tmp_path / "work")
     corrupt_keeping_mtime(workdir / "results/shards/digits/w2-seed0/shard-1.parquet")
 
     proc, _ = run_snakemake(workdir, "--until", "train")
@@ -58,9 +57,7 @@ def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_p
 
 
 def test_cancelled_train_job_is_reported_as_cancelled_and_the_rerun_resumes(slurm_cluster, tmp_path):
-    workdir = tiny_experiment(tmp_path / "work", epochs=80, checkpoint_every=40)
-    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
-    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    workdir = partitioned_tiny_experiment(tmp_path / "work", epochs=80, checkpoint_every=40)
     with subprocess.Popen(
         snakemake_cmd(workdir, "--until", "train"),
         stdout=subprocess.PIPE,
@@ -100,9 +97,7 @@ def test_kill_9_of_snakemake_with_the_job_running_then_an_immediate_rerun_takes_
 ):
     # The race of issue 18 on SLURM: the train job outlives the killed snakemake by design; the rerun's
     # job must neither train beside it on the same checkpoints nor throw its result away.
-    workdir = tiny_experiment(tmp_path / "work", epochs=500, checkpoint_every=40)
-    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
-    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    workdir = partitioned_tiny_experiment(tmp_path / "work", epochs=500, checkpoint_every=40)
     with subprocess.Popen(
         snakemake_cmd(workdir, "--until", "train"),
         stdout=subprocess.DEVNULL,

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import yaml
 
-from tests.support.helpers import REPO, SLURM_FAST_STATUS, snakemake_command, subprocess_env
+from tests.support.helpers import (
+    REPO,
+    SLURM_FAST_STATUS,
+    snakemake_command,
+    snakemake_failure,
+    subprocess_env,
+)
 
 FAST_STATUS = SLURM_FAST_STATUS
 
@@ -54,6 +60,14 @@ def tiny_experiment(path: Path, **run) -> Path:
     (path / "config").mkdir()
     (path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return path
+
+
+def partitioned_tiny_experiment(path: Path, **run) -> Path:
+    """:func:`tiny_experiment`, prepared and partitioned locally (no SLURM job): its trainings are next."""
+    workdir = tiny_experiment(path, **run)
+    proc, _ = run_snakemake(workdir, "--cores", "2", "--until", "partition", profile=False)
+    assert proc.returncode == 0, snakemake_failure(workdir, proc)
+    return workdir
 
 
 def job_records(state_dir: Path) -> dict[str, str]:
