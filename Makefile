@@ -51,10 +51,10 @@ test-slow: $(STAMP)
 
 # The service tier (budget 12 min): SLURM clusters, the PostgreSQL-backed tracking server, the browser
 # (.ci/run starts the single-node cluster first; the others are started by their tests), the benchmark
-# smoke run and the mergekit cross-check. Three workers, a module each: the tests of the single-node
-# cluster (two modules) spend most of their time waiting on SLURM's scheduling and status polls, so
-# three workers share 2 cores here (560 s against 828 s with two, measured on a 2-core machine); the
-# third runs the two-node cluster (a cluster of its own), the servers, the browser and the benchmarks.
+# smoke run and the mergekit cross-check. Three workers, a module each: two run the single-node
+# cluster's two modules, whose tests spend most of their time waiting on SLURM's scheduling and status
+# polls; the third runs the two-node cluster (a cluster of its own), the servers, the browser and the
+# benchmarks (on a 2-core machine: 560-690 s, against 828 s with two workers).
 SERVICE_WORKERS ?= 3
 test-services: $(STAMP)
 	@$(TIER) services 720 $(PYTEST) $(SERVICE_TESTS) -n $(SERVICE_WORKERS) --dist loadfile \
