@@ -284,13 +284,14 @@ def merge_and_evaluate(
     return json.loads(record.read_text()), json.loads(evaluation.read_text())
 
 
-def write_resume_config(workdir: Path, **run_defaults) -> None:
-    """``workdir``/config/config.yaml: one ddp run ``r`` of RESUME_CFG (``run_defaults`` override it)."""
+def write_resume_config(workdir: Path, runs: dict | None = None, **run_defaults) -> None:
+    """``workdir``/config/config.yaml: ``runs`` (by default one ddp run ``r``) on digits with RESUME_CFG
+    as the run defaults (``run_defaults`` override it)."""
     (workdir / "config").mkdir(parents=True, exist_ok=True)
     (workdir / "config" / "config.yaml").write_text(
         yaml.safe_dump(
             {
-                "runs": {"r": {"strategy": "ddp", "merge_method": "consolidate"}},
+                "runs": runs or {"r": {"strategy": "ddp", "merge_method": "consolidate"}},
                 "datasets": {"digits": {"source": "digits"}},
                 "run_defaults": {**RESUME_CFG, **run_defaults},
                 "mlflow": {"tracking_uri": f"sqlite:///{workdir}/mlflow.db"},

@@ -14,7 +14,7 @@ import yaml
 from shardfuse.cluster.ownership import own_training, owner_path
 from shardfuse.io import UserError, failed_job_errors
 from tests.support.helpers import REPO, snakemake_command, subprocess_env
-from tests.support.training import RESUME_CFG, write_failing_model
+from tests.support.training import write_failing_model, write_resume_config
 
 HOLD_LOCK = """
 import sys, time
@@ -83,20 +83,13 @@ def test_failed_jobs_one_line_errors_are_the_last_thing_on_the_console(tmp_path)
     After Snakemake's own messages, each failed job's heading, then its one-line error; the rank's
     exception once, naming the rank and the log with its traceback."""
     write_failing_model(tmp_path / "models")
-    (tmp_path / "config").mkdir()
-    config = {
-        "runs": {
-            "warm": {"strategy": "ddp", "merge_method": "consolidate", "warmup_steps": 100000},
-            "flaky": {
-                "strategy": "ddp", "merge_method": "consolidate", "model": "flaky:build",
-                "code_paths": ["models"],
-            },
+    runs = {
+        "warm": {"strategy": "ddp", "merge_method": "consolidate", "warmup_steps": 100000},
+        "flaky": {
+            "strategy": "ddp", "merge_method": "consolidate", "model": "flaky:build", "code_paths": ["models"]
         },
-        "datasets": {"digits": {"source": "digits"}},
-        "run_defaults": {**RESUME_CFG, "epochs": 1},
-        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     }  # fmt: skip
-    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    write_resume_config(tmp_path, runs, epochs=1)
     proc = subprocess.run(
         snakemake_command(tmp_path, "--cores", "2", "--keep-going"),
         capture_output=True,
