@@ -16,7 +16,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,6 +35,18 @@ class Interrupted(UserError):
     where it stopped: one line, exit status 75 (EX_TEMPFAIL: try again)."""
 
     exit_status = 75
+
+
+def find_record(records: Iterable[Any], name: str, kind: str, fix: str = "") -> Any:
+    """The record called ``name`` in a registry's ``RECORDS`` (every extension point is a table of
+    records with a ``name``), or a one-line UserError listing the known names. Registries look their
+    records up through this at call time, so a test can extend ``RECORDS`` and the whole stage sees it."""
+    records = tuple(records)
+    for record in records:
+        if record.name == name:
+            return record
+    known = ", ".join(record.name for record in records)
+    raise UserError(f"unknown {kind} {name!r}; use one of {known}{'; ' + fix if fix else ''}")
 
 
 def error_reason(exc: BaseException) -> str:
