@@ -31,6 +31,7 @@ import numpy as np
 from shardfuse.checkpoints.trust import read_gather
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.io import StageParser, UserError, atomic_dir, run_cli, write_json
+from shardfuse.models.tasks import named_task, task_record
 
 MODES = ("svd", "cat")
 PEFT_PREFIX = "base_model.model."  # PEFT's names of a model's tensors in an adapter file
@@ -102,7 +103,7 @@ def export_adapter(
     spec = info.get("model") or {}
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM" if spec.get("model") == "hf" and spec.get("task") == "causal_lm" else None,
+        "task_type": task_record(named_task(spec)).peft_task_type if spec.get("model") == "hf" else None,
         "base_model_name_or_path": base_ref,
         "r": rank,
         "lora_alpha": alpha,

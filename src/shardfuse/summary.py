@@ -10,9 +10,9 @@ the training columns below. Other tasks insert, after ``test_accuracy_ddp_baseli
 :data:`SCORE_COLUMNS` of their score (``test_mse_merged``, ``test_mse_best_rank``, ...; one that already
 exists, such as causal_lm's ``test_loss_merged``, is not repeated), then ``test_<metric>_merged`` for their
 other metrics (regression: mae, r2), all preceded by a ``task`` column when the runs mix tasks. A run
-leaves the cells of other tasks' columns empty, and without a classification run the accuracy
-columns are left out; ``fusion_gain`` is eval.json's, positive when merging helped whatever the
-direction of the score.
+leaves the cells of other tasks' columns empty, and without a run ranked by accuracy (classification)
+the accuracy columns are left out; ``fusion_gain`` is eval.json's, positive when merging helped
+whatever the direction of the score.
 
 Every header ends with :data:`TRAINING_COLUMNS` (those not already in it), read from the training's
 train.json: ``mode`` (ddp, localsgd, independent, diloco; derived from strategy and sync_every for
@@ -35,7 +35,8 @@ from typing import Any
 
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli
-from shardfuse.models.tasks import TASKS, evaluation_task, score_first, task_for
+from shardfuse.models import tasks
+from shardfuse.models.tasks import evaluation_task, score_first, task_for
 
 # The header when every run classifies: the one summary.csv has always had, kept byte for byte.
 COLUMNS = (
@@ -64,12 +65,13 @@ SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
 # Appended after the training columns: the ensemble of the ranks, test_<score>_ensemble per task first.
 ENSEMBLE_COLUMNS = ("fusion_gap",)
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
+ACCURACY = "accuracy"  # the score of the header every summary had before tasks (COLUMNS)
 
 
 def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
     """The header for runs of these tasks (see the module docstring for the rule)."""
     names = set(task_names)
-    present = [task_for(name) for name in TASKS if name in names]
+    present = [task_for(name) for name in tasks.task_names() if name in names]
     extra = ["task"] if len(present) > 1 else []
     for task in present:
         extra += [f"test_{task.score}_{kind}" for kind in SCORE_COLUMNS]
@@ -77,8 +79,8 @@ def summary_columns(task_names: Iterable[str]) -> tuple[str, ...]:
     extra = [column for column in dict.fromkeys(extra) if column not in COLUMNS]
     at = COLUMNS.index(_INSERT_AFTER) + 1
     columns = (*COLUMNS[:at], *extra, *COLUMNS[at:])
-    if "classification" not in names:  # no run has an accuracy: no columns that are empty in every row
-        columns = tuple(column for column in columns if not column.startswith("test_accuracy_"))
+    if not any(task.score == ACCURACY for task in present):  # no columns empty in every row
+        columns = tuple(column for column in columns if not column.startswith(f"test_{ACCURACY}_"))
     columns = (*columns, *(column for column in TRAINING_COLUMNS if column not in columns))
     return (*columns, *(f"test_{task.score}_ensemble" for task in present), *ENSEMBLE_COLUMNS)
 

@@ -68,29 +68,68 @@ def test_the_config_accepts_a_world_size_exactly_when_the_method_does(method, wo
     assert by_config == by_method, f"{method} on {world_size} ranks: config {by_config}, method {by_method}"
 
 
+DATASET_KEYS = SCHEMA["$defs"]["dataset"]["properties"]
+
+
 def test_the_schema_enum_of_dataset_sources_is_the_registry():
-    from shardfuse.data.sources.registry import SOURCES
+    from shardfuse.data.sources.registry import source_names
 
-    assert sorted(SCHEMA["$defs"]["dataset"]["properties"]["source"]["enum"]) == sorted(SOURCES)
-
-
-def test_the_prepare_stage_and_the_config_loader_read_one_table_of_source_tasks():
-    from shardfuse.data.sources.registry import SOURCES
-    from shardfuse.experiment.keys import DEFAULT_TASKS, SOURCE_TASKS
-    from shardfuse.prepare import SOURCE_TASKS as PREPARED_TASKS
-
-    assert SOURCE_TASKS == PREPARED_TASKS == {name: record.tasks for name, record in SOURCES.items()}
-    assert {name: tasks[0] for name, tasks in SOURCE_TASKS.items()} == DEFAULT_TASKS
+    assert sorted(DATASET_KEYS["source"]["enum"]) == sorted(source_names())
 
 
-def test_every_source_task_is_a_task_and_the_schema_enums_of_tasks_and_strategies_are_the_codes():
-    from shardfuse.data.sources.registry import RECORDS as SOURCE_RECORDS
-    from shardfuse.models.tasks import TASKS
+def test_every_source_serves_a_task_and_the_schema_enums_of_tasks_and_strategies_are_the_codes():
+    from shardfuse.data.labels import find_layout
+    from shardfuse.data.sources.registry import RECORDS as SOURCES
+    from shardfuse.models.tasks import task_names
     from shardfuse.rank.sync import STRATEGIES
 
-    assert {task for record in SOURCE_RECORDS for task in record.tasks} <= set(TASKS)
-    assert SCHEMA["$defs"]["dataset"]["properties"]["task"]["enum"] == list(TASKS)
+    for source in SOURCES:
+        assert source.tasks(), f"{source.name} gives {source.labels}, which no task trains on"
+        assert all(find_layout(layout) for layout in source.labels)
+    assert DATASET_KEYS["task"]["enum"] == list(task_names())
     assert RUN_KEYS["strategy"]["enum"] == list(STRATEGIES)
+
+
+def test_every_key_a_source_takes_is_a_schema_key_with_the_sources_default():
+    from shardfuse.data.sources.registry import RECORDS as SOURCES
+    from shardfuse.data.sources.registry import SPLIT_DEFAULTS
+
+    taken = set().union(*(source.allowed() for source in SOURCES))
+    assert taken == set(DATASET_KEYS), (
+        f"schema only: {set(DATASET_KEYS) - taken}, records only: {taken - set(DATASET_KEYS)}"
+    )
+    for key, value in SPLIT_DEFAULTS.items():
+        assert DATASET_KEYS[key]["default"] == value, key
+    for source in SOURCES:
+        for key, value in source.defaults.items():
+            if "default" in DATASET_KEYS[key]:
+                assert DATASET_KEYS[key]["default"] == value, f"{source.name}.{key}"
+
+
+def test_the_schemas_required_keys_per_source_are_the_records():
+    from shardfuse.data.sources.registry import RECORDS as SOURCES
+
+    required: dict[str, set[str]] = {source.name: set() for source in SOURCES}
+    for rule in SCHEMA["$defs"]["dataset"]["allOf"]:
+        condition = rule["if"].get("properties", {}).get("source")
+        if condition is not None:
+            for name in condition.get("enum", [condition.get("const")]):
+                required[name] |= set(rule["then"]["required"])
+    assert required == {source.name: set(source.required) for source in SOURCES}
+
+
+def test_the_config_loader_and_the_prepare_stage_give_a_spec_without_task_the_same_task():
+    from shardfuse.data.sources.registry import find_source
+    from shardfuse.data.sources.spec import validate_spec
+    from shardfuse.models.tasks import named_task
+
+    for spec in ({"source": "digits"}, {"source": "diabetes"}, {"source": "digits_images"}):
+        config = base_config({"r": {"dataset": "d"}})
+        config["datasets"] = {"d": spec}
+        resolved = load_experiment(config, environ={}).datasets["d"]
+        assert (
+            named_task(resolved) == validate_spec(spec)["task"] == find_source(spec["source"]).default_task()
+        )
 
 
 def test_the_torch_free_list_of_built_in_models_is_the_registry_of_factories():

@@ -41,6 +41,7 @@ from typing import Any
 from shardfuse.checkpoints.stream import InvalidSafetensors, SafetensorsReader
 from shardfuse.io import HASH_ALGORITHMS, UserError, read_json
 from shardfuse.models.spec import normalized_spec
+from shardfuse.models.tasks import named_task, task_record
 from shardfuse.models.usercode import is_builtin
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: keep this module light)
@@ -327,7 +328,7 @@ def mlp_state_shapes(spec: dict[str, Any]) -> Shapes:
     shapes[f"net.{step * len(hidden)}.weight"] = (outputs, width)
     shapes[f"net.{step * len(hidden)}.bias"] = (outputs,)
     shapes["input_mean"] = shapes["input_scale"] = (features,)
-    if description.get("task") == "regression":
+    if task_record(named_task(description)).scales_targets:
         shapes["target_mean"] = shapes["target_scale"] = (outputs,)
     return shapes
 

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from shardfuse.data.labels import layout_of
 from shardfuse.data.manifest import RERUN_PARTITION, read_manifest
 from shardfuse.data.shard_format import (
     REMAKE,
@@ -43,7 +44,7 @@ from shardfuse.data.shard_format import (
 )
 from shardfuse.experiment.records import wrong_type
 from shardfuse.io import UserError, error_reason, read_json, sha256_file
-from shardfuse.models.tasks import TASKS
+from shardfuse.models.tasks import IMPLICIT_TASK, task_names
 
 DATASET_KEYS = (
     "name",
@@ -475,11 +476,11 @@ DATASET_FIELDS = {
     "sha256": "dict", "seed": "int", "test_fraction": "float", "target_names": "list",
     "vocab_size": "int", "block_size": "int",
 }  # fmt: skip
-TASK_FIELDS = {"regression": ("target_names",), "causal_lm": ("vocab_size", "block_size")}
 
 
 def _info_problem(info: dict[str, Any]) -> str | None:
-    """How dataset.json fails :data:`DATASET_FIELDS` or the task's own fields, or None."""
+    """How dataset.json fails :data:`DATASET_FIELDS` or the fields of its task's layout of targets
+    (shardfuse.data.labels), or None."""
     for key, annotation in DATASET_FIELDS.items():
         if key in info and (wrong := wrong_type(info[key], annotation)) is not None:
             return f"'{key}' is {wrong}"
@@ -487,10 +488,10 @@ def _info_problem(info: dict[str, Any]) -> str | None:
         null := next((key for key in ("num_features", "num_classes") if info[key] is None), None)
     ) is not None:
         return f"'{null}' is null"
-    task = info.get("task", "classification")
-    if task not in TASKS:
-        return f"'task' is {task!r}, not one of {', '.join(TASKS)}"
-    if missing := [key for key in TASK_FIELDS.get(task, ()) if info.get(key) is None]:
+    task = info.get("task", IMPLICIT_TASK)
+    if task not in task_names():
+        return f"'task' is {task!r}, not one of {', '.join(task_names())}"
+    if missing := [key for key in layout_of(task).info_fields if info.get(key) is None]:
         return f"task {task} needs {', '.join(missing)}"
     if info["num_features"] < 1:
         return f"'num_features' is {info['num_features']}, not a positive count of input values"

@@ -49,6 +49,11 @@ REMAKE_SHAPE = "re-create it with the prepare stage"  # partition copies list co
 InputKind = Literal["numeric", "tensor", "tokens"]
 
 
+def target_columns(count: int) -> list[str]:
+    """The float target columns of a prepared dataset with ``count`` targets (regression): y0..y{K-1}."""
+    return [f"y{k}" for k in range(count)]
+
+
 def shard_name(rank: int) -> str:
     return f"shard-{rank}.parquet"
 

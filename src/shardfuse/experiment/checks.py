@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
+from shardfuse.data.labels import RECORDS as LAYOUTS
+from shardfuse.data.labels import find_layout, layout_of
+from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.init_check import (
     check_foreign_init,
     check_model_adapter,
@@ -20,55 +23,48 @@ from shardfuse.experiment.keys import (
     DECAY_RULE,
     FLOAT_TRAIN_KEYS,
     OPTIONAL_TRAIN_KEYS,
-    SOURCE_TASKS,
     merge_params,
     training_name,
 )
-from shardfuse.experiment.run_config import ADAPTER_DEFAULTS
+from shardfuse.experiment.run_config import ADAPTER_DEFAULTS, ModelConfig
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import BY_NAME, WEIGHTED_METHODS
 from shardfuse.io import UserError
 from shardfuse.models.hf import check_hf_args
+from shardfuse.models.tasks import named_task, task_names, task_record
 from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
 
 
 def dataset_task(dataset: dict[str, Any]) -> str:
-    return dataset.get("task", "classification")
+    return named_task(dataset)
 
 
 def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
-    """Which keys a source needs for its task (the schema cannot say it clearly)."""
+    """Which keys a source needs for its task (the schema cannot say it clearly): the source's record
+    and the layout of the task's targets say."""
     where = f"config error at datasets.{name}"
-    source = spec["source"]
-    tasks = SOURCE_TASKS.get(source, ("classification", "regression"))
+    source = find_source(spec["source"])
+    tasks = source.tasks()
     if task not in tasks:
         raise ConfigError(
-            f"{where}.task: source {source} gives {' or '.join(tasks)} data, not {task}; "
+            f"{where}.task: source {source.name} gives {' or '.join(tasks)} data, not {task}; "
             f"set task: {tasks[0]} or use another source"
         )
-    needs: dict[tuple[str, str], tuple[str, ...]] = {
-        ("synthetic", "classification"): ("num_classes",),
-        ("synthetic", "regression"): ("num_outputs",),
-        ("parquet", "classification"): ("label_column",),
-        ("parquet", "regression"): ("label_columns",),
-        ("csv", "classification"): ("label_column",),
-        ("csv", "regression"): ("label_columns",),
-    }
-    missing = [key for key in needs.get((source, task), ()) if key not in spec]
+    missing = [key for key in sorted(source.required_for(task)) if key not in spec]
     if missing:
-        raise ConfigError(f"{where}: a {task} dataset from {source} needs `{missing[0]}`; add it")
-    if task == "classification" and len(spec.get("classes", [0, 1])) < 2:
+        raise ConfigError(f"{where}: a {task} dataset from {source.name} needs `{missing[0]}`; add it")
+    layout = layout_of(task)
+    if problem := layout.config_problem(spec):
+        raise ConfigError(f"{where}.{problem[0]}: {problem[1]}")
+    # A key of another layout of targets (its required keys here, then the layouts' own keys) names the
+    # task it belongs to.
+    others = [find_layout(other) for other in source.labels if other != layout.name]
+    stray = [(key, other) for other in others for key in sorted(source.keys_of(other.name).required)]
+    stray += [(key, other) for other in LAYOUTS if other is not layout for key in sorted(other.spec_keys)]
+    if found := next(((key, other) for key, other in stray if key in spec), None):
+        key, owner = found[0], found[1].task_name()
         raise ConfigError(
-            f"{where}.classes: {spec['classes']!r} keeps a single class, and a classifier needs at "
-            "least 2; list two or more labels, or remove classes"
-        )
-    other_task = {"classification": "regression", "regression": "classification"}.get(task)
-    stray = [key for key in needs.get((source, other_task), ()) if key in spec and other_task]
-    stray += ["classes"] if "classes" in spec and task != "classification" else []
-    if stray:
-        raise ConfigError(
-            f"{where}.{stray[0]}: only {other_task or 'classification'} datasets use it but task is "
-            f"{task}; remove it or set task: {other_task or 'classification'}"
+            f"{where}.{key}: only {owner} datasets use it but task is {task}; remove it or set task: {owner}"
         )
 
 
@@ -76,10 +72,12 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
     """The model reference imports, its code is fingerprinted, the loss fits the task; sets code_digest."""
     where = f"config error at runs[{name}]"
     task = dataset_task(datasets[run["dataset"]])
-    if run["loss"] != "mse" and task != "regression":
+    # The default loss is every task's (the others ignore it); another must be one the task takes.
+    if run["loss"] != ModelConfig.loss and run["loss"] not in task_record(task).losses:
+        owners = " or ".join(name for name in task_names() if run["loss"] in task_record(name).losses)
         raise ConfigError(
-            f"{where}.loss: {run['loss']} is a regression loss but dataset {run['dataset']!r} is "
-            f"{task}; remove loss or use a regression dataset"
+            f"{where}.loss: {run['loss']} is a {owners} loss but dataset {run['dataset']!r} is "
+            f"{task}; remove loss or use a {owners} dataset"
         )
     try:
         if run["model"] == "hf":
@@ -230,12 +228,12 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"which must lie in (0, 1) (density {density:g}, epsilon {epsilon:g}); lower "
             "merge_epsilon"
         )
-    if method == "greedy_soup" and datasets[run["dataset"]].get("val_fraction", 0.1) == 0:
+    if method == "greedy_soup" and datasets[run["dataset"]]["val_fraction"] == 0:
         raise ConfigError(
             f"{where}.merge_method: greedy_soup needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
         )
-    if run.get("merge_recalibrate") and datasets[run["dataset"]].get("val_fraction", 0.1) == 0:
+    if run.get("merge_recalibrate") and datasets[run["dataset"]]["val_fraction"] == 0:
         raise ConfigError(
             f"{where}.merge_recalibrate: re-estimating BatchNorm statistics needs a validation split but "
             f"dataset {run['dataset']!r} has val_fraction 0; set val_fraction > 0 or merge_recalibrate: false"
@@ -319,7 +317,7 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
             f"{where}.min_lr: only lr_schedule cosine or linear decays to min_lr but lr_schedule "
             "is constant; remove min_lr or set lr_schedule cosine or linear"
         )
-    no_val = datasets[dataset].get("val_fraction", 0.1) == 0
+    no_val = datasets[dataset]["val_fraction"] == 0
     if run["keep"] == "best" and run["eval_every"] == 0:
         raise ConfigError(
             f"{where}.keep: keep best needs validation while training but eval_every is 0; set "

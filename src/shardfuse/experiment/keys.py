@@ -7,7 +7,6 @@ import json
 import re
 from typing import Any
 
-from shardfuse.data.sources.registry import SOURCES
 from shardfuse.experiment.run_config import flat_defaults
 from shardfuse.fusion.methods.registry import RECORDS
 from shardfuse.io import MAX_SEED
@@ -43,11 +42,6 @@ SEED_LIMITS = {
     "shard_seed": "seeds are 64-bit integers",
     "merge_seed": "seeds are 64-bit integers",
 }
-
-
-# A dataset's task when its spec does not say, and the tasks each source can give: the sources' records.
-DEFAULT_TASKS = {name: record.default_task for name, record in SOURCES.items()}
-SOURCE_TASKS = {name: record.tasks for name, record in SOURCES.items()}
 
 
 # The run keys each stage sees: a stage's command (hence Snakemake's params trigger) changes only

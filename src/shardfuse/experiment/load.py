@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.checks import (
     check_adapter,
     check_dataset_task,
@@ -20,7 +21,6 @@ from shardfuse.experiment.checks import (
     resolve_init_sources,
 )
 from shardfuse.experiment.keys import (
-    DEFAULT_TASKS,
     DEFAULT_TRACKING_URI,
     LONGEST_FILE_OF_NAME,
     MAX_NAME_LENGTH,
@@ -40,6 +40,7 @@ from shardfuse.experiment.schema import (
     validate,
     with_defaults,
 )
+from shardfuse.models.tasks import spec_task_entry
 
 
 @dataclass(frozen=True)
@@ -191,13 +192,15 @@ def check_training_name(name: str, run: dict[str, Any]) -> None:
 
 
 def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
-    """Fill defaults only for keys the dataset's source uses (class_sep is synthetic's alone)."""
+    """Fill defaults only for keys the dataset's source takes for its task (class_sep is synthetic
+    classification's alone)."""
     filled = with_defaults(spec, schema)
-    task = filled.get("task") or DEFAULT_TASKS.get(filled["source"], "classification")
-    if task != "classification":
-        filled["task"] = task  # classification stays implicit: older dataset specs keep their params
-    if (filled["source"] != "synthetic" or task != "classification") and "class_sep" not in spec:
-        del filled["class_sep"]
+    source = find_source(filled["source"])
+    task = filled.get("task") or source.default_task()
+    filled.update(spec_task_entry(task))  # the implicit task stays so: older dataset specs keep their params
+    accepted = source.accepted(task)
+    for key in [key for key in filled if key not in spec and key not in accepted]:
+        del filled[key]
     check_dataset_task(name, filled, task)
     if filled["test_fraction"] + filled["val_fraction"] >= 1:
         raise ConfigError(

@@ -27,6 +27,7 @@ from torch.nn import functional
 
 from shardfuse.io import UserError
 from shardfuse.models.spec import DataDescription
+from shardfuse.models.tasks import task_for
 
 INIT_STD = 0.02  # GPT-2's initialisation of linear and embedding weights
 
@@ -105,7 +106,7 @@ def cnn(description: DataDescription, channels: Sequence[int] = (16, 32), dropou
         sizes,
         description.num_outputs,
         _dropout("cnn", dropout),
-        scale_targets=description.task == "regression",
+        scale_targets=task_for(description.task).scales_targets,
     )
 
 
@@ -212,7 +213,7 @@ def transformer(
     max_positions: int | None = None,
 ) -> nn.Module:
     """The built-in ``transformer``: a pre-LayerNorm decoder-only causal LM with learned positions."""
-    if description.task != "causal_lm" or not description.vocab_size:
+    if not task_for(description.task).next_token or not description.vocab_size:
         raise UserError(
             f"the built-in transformer is a causal language model but the dataset's task is "
             f"{description.task}; use it with task causal_lm, or cnn / mlp for this task"

@@ -24,17 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from shardfuse.io import UserError
 from shardfuse.models.spec import DataDescription
+from shardfuse.models.tasks import task_for
 
 if TYPE_CHECKING:  # torch only where a model is built: the config check imports this module
     import torch
     from torch import nn
 
 INSTALL_HF = "install the extra: pip install 'shardfuse[hf]' (transformers, tokenizers)"
-AUTO_CLASSES = {
-    ("causal_lm", "tokens"): "AutoModelForCausalLM",
-    ("classification", "tokens"): "AutoModelForSequenceClassification",
-    ("classification", "tensor"): "AutoModelForImageClassification",
-}
 
 
 def transformers_module():
@@ -49,13 +45,14 @@ def transformers_module():
 
 
 def auto_class_name(description: DataDescription) -> str:
-    key = (description.task, description.input_kind)
-    if key not in AUTO_CLASSES:
+    """The transformers Auto class of the task's head for these inputs (each task lists its own)."""
+    name = task_for(description.task).hf_auto_classes.get(description.input_kind)
+    if name is None:
         raise UserError(
             f"model hf builds causal LMs on tokens and classifiers on tokens or images, not "
             f"{description.task} on {description.input_kind} inputs; use mlp or a model factory"
         )
-    return AUTO_CLASSES[key]
+    return name
 
 
 def pretrained_dir(pretrained: Any) -> Path:
@@ -100,7 +97,8 @@ def hf(
     check_hf_args({"pretrained": pretrained, "config": config})
     transformers = transformers_module()
     auto = getattr(transformers, auto_class_name(description))
-    labels = {"num_labels": description.num_outputs} if description.task == "classification" else {}
+    task = task_for(description.task)
+    labels = task.hf_labels(description)
     torch_dtype = _dtype(dtype)
     if pretrained is not None:
         folder = pretrained_dir(pretrained)
@@ -119,7 +117,7 @@ def hf(
             )
     else:
         settings = {key: value for key, value in config.items() if key != "model_type"}
-        if description.task == "causal_lm":
+        if task.next_token:  # the dataset's vocabulary unless the config says
             settings.setdefault("vocab_size", description.num_outputs)
         try:
             hf_config = transformers.AutoConfig.for_model(config["model_type"], **settings, **labels)
@@ -129,7 +127,7 @@ def hf(
     if torch_dtype is not None:
         model = model.to(torch_dtype)
     vocab = getattr(model.config, "vocab_size", None)
-    if description.task == "causal_lm" and vocab != description.num_outputs:
+    if task.next_token and vocab != description.num_outputs:
         raise UserError(
             f"the hf model's vocabulary has {vocab} tokens but the dataset's has "
             f"{description.num_outputs}; tokenize the dataset with the model's tokenizer (tokenizer: "

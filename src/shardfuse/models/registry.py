@@ -130,7 +130,7 @@ def build_mlp(
     activation: str = "relu",
     dropout: float = 0.0,
 ) -> nn.Module:
-    if description.task == "causal_lm":
+    if description.input_kind == "tokens":
         raise UserError(
             "the built-in mlp takes numeric features, not token blocks; name a model for causal_lm"
         )
@@ -142,7 +142,7 @@ def build_mlp(
         [int(h) for h in hidden_sizes],
         activation,
         float(dropout),
-        scale_targets=description.task == "regression",
+        scale_targets=task_for(description.task).scales_targets,
     )
 
 
@@ -175,9 +175,9 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
             "factory return the network"
         )
     attach_output(model, spec.get("output", DEFAULT_OUTPUT), spec["model"])  # tensors pass unchanged
-    scale_targets = description.task == "regression"
-    numeric = description.input_kind == "numeric"
-    if spec["model"] in BUILTINS or description.task == "causal_lm" or not (numeric or scale_targets):
+    scale_targets = task_for(description.task).scales_targets
+    numeric = description.input_kind == "numeric"  # not images, not token ids: standardised columns
+    if spec["model"] in BUILTINS or not (numeric or scale_targets):
         return model
     return Standardized(
         model, description.num_features, description.num_outputs, scale_targets, standardize_inputs=numeric
@@ -243,7 +243,7 @@ def task_of(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None
 def probe_batch(spec: dict[str, Any], device: torch.device, rows: int = 2) -> torch.Tensor:
     """A batch of zeros shaped like the dataset's inputs (token ids for causal_lm)."""
     description = description_of(spec)
-    if description.task == "causal_lm":
+    if description.input_kind == "tokens":
         return torch.zeros(rows, *description.input_shape, dtype=torch.long, device=device)
     return torch.zeros(rows, *description.input_shape, device=device)
 

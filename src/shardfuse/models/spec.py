@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardfuse.io import UserError
+from shardfuse.models.tasks import IMPLICIT_TASK, named_task, task_for
 from shardfuse.models.usercode import code_fingerprint, model_files_of
 
 # The field of a dict or ModelOutput holding a model's outputs unless the run's model_output says.
@@ -56,27 +57,15 @@ class DataDescription:
 
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> DataDescription:
-        task = info.get("task", "classification")
-        labels = tuple(str(name) for name in info.get("label_names", []))
-        if task == "classification":
-            num_outputs = int(info["num_classes"])
-        elif task == "regression":
-            num_outputs = len(info["target_names"])
-            labels = tuple(info["target_names"])
-        else:
-            num_outputs = int(info["vocab_size"])
+        task = task_for(named_task(info))
         return cls(
-            task=task,
+            task=task.name,
             num_features=int(info["num_features"]),
-            num_outputs=num_outputs,
             feature_names=tuple(info.get("feature_names", [])),
-            label_names=labels,
-            num_classes=int(info["num_classes"]) if task == "classification" else None,
-            vocab_size=int(info["vocab_size"]) if task == "causal_lm" else None,
-            block_size=int(info["block_size"]) if task == "causal_lm" else None,
             bytes_per_token=float(info.get("bytes_per_token", 1.0)),
-            input_kind=str(info.get("input", {}).get("kind", "tokens" if task == "causal_lm" else "numeric")),
+            input_kind=str(info.get("input", {}).get("kind", task.default_input)),
             feature_shape=tuple(int(n) for n in info.get("input", {}).get("shape", [info["num_features"]])),
+            **task.outputs_of(info),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -103,7 +92,7 @@ def model_spec(
     spec = {
         "model": ref,
         "args": args,
-        "task": info.get("task", "classification"),
+        "task": named_task(info),
         "description": DataDescription.from_info(info).to_dict(),
         "code": code_fingerprint(ref, code_paths, model_files_of(ref, args, model_files)),
     }
@@ -117,9 +106,9 @@ def _legacy_spec(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": "mlp",
         "args": {key: spec[key] for key in MLP_KEYS},
-        "task": "classification",
+        "task": IMPLICIT_TASK,
         "description": DataDescription(
-            task="classification",
+            task=IMPLICIT_TASK,
             num_features=int(spec["num_features"]),
             num_outputs=int(spec["num_classes"]),
             feature_names=(),

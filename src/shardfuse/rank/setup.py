@@ -19,6 +19,7 @@ from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
+from shardfuse.data.shard_format import target_columns
 from shardfuse.data.verify import check_shard_set
 from shardfuse.experiment.keys import RANK_SEED_STRIDE
 from shardfuse.experiment.run_config import TrainConfig
@@ -36,7 +37,7 @@ from shardfuse.models.registry import (
     task_of,
 )
 from shardfuse.models.spec import model_spec
-from shardfuse.models.tasks import Task
+from shardfuse.models.tasks import Task, named_task, task_record
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
 from shardfuse.rank.fsdp import Layout, full_tensors, layout_of, make_mesh, shard_model, wrap_units
@@ -175,15 +176,14 @@ def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path)
     """(mean, std) of the inputs (not for token blocks) and of regression targets over the whole
     training split, from the moments partition recorded: the same on every rank, with no pass over
     the data before the first step."""
-    task = info.get("task", "classification")
-    if task == "causal_lm":
-        return None, None
-    numeric = info.get("input", {}).get("kind", "numeric") == "numeric"  # not images: no moments
+    task = task_record(named_task(info))
+    # Not images, not token ids: only numeric columns have moments.
+    numeric = info.get("input", {}).get("kind", task.default_input) == "numeric"
     input_stats = feature_stats(manifest, info["num_features"]) if numeric else None
     target_stats = None
-    if task == "regression":
-        target_stats = column_stats(manifest, [f"y{j}" for j in range(len(info["target_names"]))])
-    if (numeric and input_stats is None) or (task == "regression" and target_stats is None):
+    if task.scales_targets:
+        target_stats = column_stats(manifest, target_columns(len(info["target_names"])))
+    if (numeric and input_stats is None) or (task.scales_targets and target_stats is None):
         raise UserError(
             f"shard manifest in {shard_dir} has no finite column moments (made by an older partition, "
             "or a value overflows float64); re-run partition (snakemake -R partition)"

@@ -38,13 +38,11 @@ from typing import NamedTuple
 import numpy as np
 
 from shardfuse.io import UserError, atomic_path, read_text
-from shardfuse.models.tasks import TASKS, Task, task_for
+from shardfuse.models.tasks import Task, task_for, task_names
 
 MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
 ENSEMBLE_COLOR = "#8c564b"  # the ranks' output-averaged ensemble: the reference a fused model aims at
 INITIAL_COLOR = "#a0a0a0"  # the initial model: not the ddp baseline's green, the two read alike otherwise
-# Score -> task, for summary rows (scores differ between tasks); accuracy first: old summaries have no other.
-TASK_OF_SCORE: dict[str, Task] = {task.score: task for task in map(task_for, TASKS)}
 MODE_COLORS = {"ddp": "#1f77b4", "localsgd": "#ff7f0e", "diloco": "#9467bd", "independent": "#2ca02c"}
 OTHER_MODE_COLOR = "#7f7f7f"
 BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
@@ -101,12 +99,18 @@ def far_outside(value: float, others: Iterable[float]) -> bool:
     return max(low - value, value - high) > max(high - low, 1e-12)
 
 
+def task_of_score() -> dict[str, Task]:
+    """Score -> task, for summary rows (scores differ between tasks); accuracy first: old summaries
+    have no other."""
+    return {task.score: task for task in map(task_for, task_names())}
+
+
 def row_task(row: dict[str, str]) -> Task:
     """The task a summary row was scored for: its ``task`` cell, else the score whose best-rank cell
     it fills (summaries of one task have no task column)."""
     if row.get("task"):
         return task_for(row["task"])
-    for score, task in TASK_OF_SCORE.items():
+    for score, task in task_of_score().items():
         if row.get(f"test_{score}_best_rank") not in (None, ""):
             return task
     raise UserError(f"summary row {row.get('run')!r} has no best-rank score; re-run the summary stage")
@@ -119,7 +123,7 @@ def read_summary(path: Path) -> list[dict[str, str]]:
     rows = list(csv.DictReader(io.StringIO(text, newline="")))
     header = set(rows[0]) if rows else set()
     needed = {"run", "merge_method"}
-    if not any({f"test_{score}_merged", f"test_{score}_best_rank"} <= header for score in TASK_OF_SCORE):
+    if not any({f"test_{score}_merged", f"test_{score}_best_rank"} <= header for score in task_of_score()):
         needed |= {"test_accuracy_merged", "test_accuracy_best_rank"}
     missing = needed - header
     if not rows or missing:
@@ -186,7 +190,7 @@ def score_groups(rows: Iterable[dict[str, str]]) -> list[tuple[Task, list[RunSco
         task = row_task(row)
         by_task.setdefault(task.name, (task, []))[1].append(row)
     groups = []
-    for task, members in sorted(by_task.values(), key=lambda group: TASKS.index(group[0].name)):
+    for task, members in sorted(by_task.values(), key=lambda group: task_names().index(group[0].name)):
         runs = [run_scores(row, task) for row in members]
         runs.sort(key=lambda r: (r.merged is None, 0.0 if r.merged is None else task.sort_key(r.merged)))
         groups.append((task, runs))
@@ -350,7 +354,7 @@ def communication_figure(rows: list[dict[str, str]]):
     """Merged score vs bytes all-reduced per rank, a panel per score (see the module docstring)."""
     points, left_out = communication_points(rows)
     by_score: dict[str, list[CommunicationPoint]] = {}
-    for point in sorted(points, key=lambda p: TASKS.index(p.task.name)):
+    for point in sorted(points, key=lambda p: task_names().index(p.task.name)):
         by_score.setdefault(point.task.score, []).append(point)
     fig, axes = pyplot().subplots(1, max(1, len(by_score)), figsize=(6.5 * max(1, len(by_score)), 4.5),
                                   squeeze=False)  # fmt: skip

@@ -9,7 +9,8 @@ name. MLflow puts ``code/`` on sys.path, imports this module (``loader_module``)
     model = mlflow.pyfunc.load_model("runs:/<parent run id>/<run name>")   # or models:/<name>/<version>
     model.predict(pd.DataFrame({"pixel_0_0": [...], ..., "pixel_7_7": [...]}))  # the data's own names
 
-Columns, by task (the logged signature says the same):
+Columns, by task (the logged signature says the same; each task's module says what it returns and how it
+predicts):
 
 - classification: input the features; output ``prediction`` (the label as the data spelled it) and
   ``probability_<label>`` per class
@@ -38,6 +39,8 @@ import numpy as np
 
 from shardfuse.io import UserError
 from shardfuse.models.spec import description_of, normalized_spec
+from shardfuse.models.task import Outputs, numbered
+from shardfuse.models.tasks import Task, task_for
 from shardfuse.models.usercode import stage_code
 
 WEIGHTS_FILE = "merged.safetensors"
@@ -47,58 +50,42 @@ REQUIREMENTS = ("torch", "safetensors", "numpy", "pandas")
 HF_DIR = "hf"  # model hf: the transformers export inside the logged model's data
 HF_REQUIREMENTS = ("transformers", "tokenizers")
 FILES_DIR = "files"  # the spec's model_files, at their paths relative to the workflow's directory
-TOKENS = "tokens"  # causal_lm's input column
+TOKENS = "tokens"  # the input column of a model that reads token rows (causal_lm)
 TENSOR = "x"  # a tensor-input model's input (images): an array [N, *shape], or a column of arrays
 PACKAGE = Path(__file__).resolve().parents[1]  # the shardfuse package, shipped with the model
-BATCH_ROWS = 1024  # causal_lm rows per forward pass: logits are [rows, T, vocab]
 
 
 @dataclass(frozen=True)
 class Interface:
     """The columns a logged model takes and returns, read from its spec without torch (the track job
-    logs models without importing it, so this reads shardfuse.models.spec, not shardfuse.models.registry)."""
+    logs models without importing it, so this reads shardfuse.models.spec, not shardfuse.models.registry).
+    The task says what the model returns (shardfuse.models.task.Outputs) and how it predicts."""
 
-    task: str
+    task: Task
     inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    labels: tuple[str, ...] | None  # classification: what ``prediction`` says per class (None: its index)
-    block_size: int | None
+    outputs: Outputs
+    block_size: int | None  # token rows: the tokens a row sees (the last block_size count)
     tensor_shape: tuple[int, ...] | None = None  # tensor inputs (images): one row's shape, e.g. (1, 8, 8)
-
-
-def _names(given: tuple[str, ...], count: int, prefix: str) -> tuple[str, ...]:
-    names = tuple(str(name) for name in given)
-    return names if len(names) == count else tuple(f"{prefix}{i}" for i in range(count))
 
 
 def interface(spec: dict[str, Any]) -> Interface:
     """The model's columns; names the data lacks are numbered (x0.., target_0.., probability_0..)."""
     description = description_of(spec)
-    task, num_outputs = description.task, int(description.num_outputs)
-    inputs = _names(description.feature_names, int(description.num_features), "x")
-    names = description.label_names
-    labels = tuple(str(name) for name in names) if len(names) == num_outputs else None
-    if task == "classification":
-        outputs = ("prediction", *(f"probability_{name}" for name in labels or range(num_outputs)))
-    elif task == "regression":
-        outputs = _names(names, num_outputs, "target_")
-    elif task == "causal_lm":
-        inputs, outputs = (TOKENS,), tuple(f"probability_{token}" for token in range(num_outputs))
-    else:
-        raise UserError(f"unknown task {task!r} in the checkpoint's model spec; re-train with this shardfuse")
-    # causal_lm: the tokens a row sees (num_features holds the same for a token block)
-    block_size = int(description.block_size or description.num_features)
+    try:
+        task = task_for(description.task)
+    except UserError:
+        raise UserError(
+            f"unknown task {description.task!r} in the checkpoint's model spec; re-train with this shardfuse"
+        ) from None
+    outputs = task.logged_outputs(description)
+    inputs = numbered(description.feature_names, int(description.num_features), "x")
+    block_size = None
+    if outputs.token_rows:  # num_features holds the same as block_size for a token block
+        inputs, block_size = (TOKENS,), int(description.block_size or description.num_features)
     tensor_shape = None
     if description.input_kind == "tensor":
         inputs, tensor_shape = (TENSOR,), tuple(int(n) for n in description.feature_shape)
-    return Interface(
-        task,
-        inputs,
-        outputs,
-        labels if task == "classification" else None,
-        block_size if task == "causal_lm" else None,
-        tensor_shape,
-    )
+    return Interface(task, inputs, outputs, block_size, tensor_shape)
 
 
 def feature_names(spec: dict[str, Any]) -> list[str]:
@@ -188,48 +175,20 @@ class MergedModel:
 
     def predict(self, model_input: Any, params: dict[str, Any] | None = None):
         import pandas as pd
-        import torch
 
         frame = model_input
         if not isinstance(model_input, (pd.DataFrame, np.ndarray)):
             frame = pd.DataFrame(model_input)
-        if self.interface.task == "causal_lm":
-            return self._next_token(frame)
-        if self.interface.tensor_shape is not None:
-            values = _tensor_rows(model_input, self.interface.tensor_shape)
+        outputs = self.interface.outputs
+        if outputs.token_rows:
+            cells = _columns(frame, (TOKENS,))[TOKENS]
+            block_size, vocab_size = self.interface.block_size, len(outputs.names)
+            rows = [_token_ids(cell, row, vocab_size)[-block_size:] for row, cell in enumerate(cells)]
+        elif self.interface.tensor_shape is not None:
+            rows = _tensor_rows(model_input, self.interface.tensor_shape)
         else:
-            values = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
-        with torch.no_grad():
-            outputs = self.model(torch.from_numpy(values)).float()
-        if self.interface.task == "regression":
-            return pd.DataFrame(outputs.numpy(), columns=list(self.interface.outputs))
-        probabilities = torch.softmax(outputs, dim=1).numpy()
-        out = pd.DataFrame(probabilities, columns=list(self.interface.outputs[1:]))
-        classes = probabilities.argmax(axis=1).astype(np.int64)
-        labels = self.interface.labels
-        out.insert(0, "prediction", np.asarray(labels, dtype=object)[classes] if labels else classes)
-        return out
-
-    def _next_token(self, frame):
-        import pandas as pd
-        import torch
-
-        vocab_size, block_size = len(self.interface.outputs), self.interface.block_size
-        cells = _columns(frame, (TOKENS,))[TOKENS]
-        sequences = [_token_ids(cell, row, vocab_size)[-block_size:] for row, cell in enumerate(cells)]
-        probabilities = np.empty((len(sequences), vocab_size), dtype=np.float32)
-        by_length: dict[int, list[int]] = {}
-        for row, ids in enumerate(sequences):
-            by_length.setdefault(len(ids), []).append(row)
-        # Rows of one length form a batch: no padding, which a model with positions would misread.
-        with torch.no_grad():
-            for rows in by_length.values():
-                for start in range(0, len(rows), BATCH_ROWS):
-                    chunk = rows[start : start + BATCH_ROWS]
-                    tokens = torch.from_numpy(np.stack([sequences[row] for row in chunk]))
-                    logits = self.model(tokens)[:, -1].float()
-                    probabilities[chunk] = torch.softmax(logits, dim=-1).numpy()
-        return pd.DataFrame(probabilities, columns=list(self.interface.outputs))
+            rows = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
+        return self.interface.task.predict(self.model, rows, outputs)
 
 
 def _load_pyfunc(data_path: str) -> MergedModel:
@@ -254,25 +213,24 @@ def model_signature(spec: dict[str, Any]):
     shape = interface(spec)
     if shape.tensor_shape is not None:
         inputs = Schema([TensorSpec(np.dtype(np.float32), (-1, *shape.tensor_shape))])
-    elif shape.task == "causal_lm":
+    elif shape.outputs.token_rows:
         inputs = Schema([ColSpec(Array("long"), TOKENS)])
     else:
         # "double" inputs: MLflow rejects float64 columns for a float32 schema; predict casts to float32.
         inputs = Schema([ColSpec("double", name) for name in shape.inputs])
-    outputs = [ColSpec("float", name) for name in shape.outputs]
-    if shape.task == "classification":
-        outputs[0] = ColSpec("string" if shape.labels else "long", "prediction")
+    columns = zip(shape.outputs.types, shape.outputs.names, strict=True)
+    outputs = [ColSpec(kind, name) for kind, name in columns]
     return ModelSignature(inputs=inputs, outputs=Schema(outputs))
 
 
 def input_example(spec: dict[str, Any]):
-    """One row of zeros (for causal_lm, one block of token 0): shown in the UI and as the serving example."""
+    """One row of zeros (for token rows, one block of token 0): shown in the UI and as the serving example."""
     import pandas as pd
 
     shape = interface(spec)
     if shape.tensor_shape is not None:
         return np.zeros((1, *shape.tensor_shape), dtype=np.float32)
-    if shape.task == "causal_lm":
+    if shape.outputs.token_rows:
         return pd.DataFrame({TOKENS: [[0] * int(shape.block_size or 1)]})
     return pd.DataFrame([[0.0] * len(shape.inputs)], columns=list(shape.inputs))
 

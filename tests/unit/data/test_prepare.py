@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardfuse import prepare as prepare_module
 from shardfuse.data.sources import synthetic as synthetic_module
+from shardfuse.data.sources.spec import validate_spec
 from shardfuse.io import UserError, sha256_file
 from shardfuse.prepare import prepare
 from tests.support.helpers import run_stage
@@ -439,7 +439,7 @@ def test_synthetic_regression_targets_depend_on_the_features(tmp_path):
     assert np.all(np.abs(targets.std(axis=0) - 1) < 0.15)  # the function's std is about 1, noise adds 0.1
     # The known function explains all but the noise (default 0.1) ...
     function = synthetic_module.synthetic_regression_function(
-        prepare_module.validate_spec(SYNTHETIC_REGRESSION)
+        validate_spec(SYNTHETIC_REGRESSION)
     )
     residual = targets - function(features)
     assert np.all(np.abs(residual.std(axis=0) - 0.1) < 0.01)
@@ -458,7 +458,7 @@ def test_synthetic_regression_noise_zero_gives_the_function_itself(tmp_path):
     spec = {**SYNTHETIC_REGRESSION, "num_rows": 500, "noise": 0}
     prepare("reg", spec, tmp_path)
     table = all_splits(tmp_path)
-    function = synthetic_module.synthetic_regression_function(prepare_module.validate_spec(spec))
+    function = synthetic_module.synthetic_regression_function(validate_spec(spec))
     expected = function(columns(table, "x")).astype(np.float32)
     assert np.array_equal(columns(table, "y"), expected)
 
@@ -620,7 +620,7 @@ def test_text_too_short_for_three_blocks_is_an_error(tmp_path):
 
 def test_each_source_defaults_to_its_task():
     tasks = {
-        source: prepare_module.validate_spec({"source": source, **keys})["task"]
+        source: validate_spec({"source": source, **keys})["task"]
         for source, keys in {
             "digits": {},
             "diabetes": {},
@@ -938,7 +938,7 @@ def test_dataset_json_input_is_the_layout_the_shard_reader_recognises(tmp_path, 
 def test_stdlib_placeholder_reads_the_standard_library_without_site_packages_or_tests(tmp_path):
     import sysconfig
 
-    from shardfuse.data.sources.tables import text_files
+    from shardfuse.data.sources.text import text_files
 
     spec = {"source": "text", "paths": ["{stdlib}/**/*.py"], "exclude": ["*/site-packages/*", "*/test/*"],
             "block_size": 31, "max_tokens": 2000}  # fmt: skip

@@ -124,7 +124,7 @@ def test_a_summary_row_with_no_score_is_a_user_error(tmp_path):
         figures.row_task(row)
     assert figures.row_task({**row, "task": "regression"}).score == "mse"
     assert figures.row_task({**row, "test_mse_best_rank": "0.3"}).lower_is_better
-    assert list(figures.TASK_OF_SCORE) == ["accuracy", "mse", "loss"]  # old summaries: accuracy first
+    assert list(figures.task_of_score()) == ["accuracy", "mse", "loss"]  # old summaries: accuracy first
 
 
 def test_fusion_plot_marks_the_ensemble_next_to_best_and_mean_rank_and_titles_the_fusion_gap():

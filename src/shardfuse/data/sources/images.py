@@ -3,13 +3,14 @@ a NumPy .npz archive, and a Parquet file whose features are one list column (or 
 ``feature_shape``). Each gives one fixed-shape float32 tensor per row, which prepare writes as a single
 tensor column (its shape in the field's metadata).
 
-No command line; a library module: the prepare stage (:mod:`shardfuse.prepare`) validates a spec (with
-:func:`check_tensor_spec` for these sources' keys), asks :func:`load_tensor_source` for the rows, then
-splits and writes them exactly as it does the other in-memory sources (:mod:`shardfuse.data.sources.tables`).
-By hand::
+No command line; a library module: each class is a source's behaviour (:class:`DigitsImages`,
+:class:`ImageFolder`, :class:`Npz`, :class:`Parquet`), named by its record in
+:mod:`shardfuse.data.sources.registry`; prepare splits and writes their rows as it does the other in-memory
+sources' (:mod:`shardfuse.data.sources.write`). By hand::
 
-    python -c "from shardfuse.data.sources.images import load_tensor_source
-    loaded = load_tensor_source({'source': 'digits_images', 'task': 'classification'})
+    python -c "from shardfuse.data.sources.images import DigitsImages
+    from shardfuse.models.tasks import task_for
+    loaded = DigitsImages().load({'source': 'digits_images'}, task_for('classification'))
     print(loaded.features.shape, loaded.features.max())"   # (1797, 1, 8, 8) 1.0
 
 Images are decoded one at a time with Pillow (a per-file loop: each file is its own decode), converted
@@ -21,62 +22,49 @@ from __future__ import annotations
 
 import math
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from shardfuse.data.provenance import IMAGE_SUFFIXES
+from shardfuse.data.sources.base import Described, Loaded, SourceBehaviour
+from shardfuse.data.sources.checks import SPEC_FIX, require_shape, require_string
+from shardfuse.data.sources.files import IMAGE_SUFFIXES
 from shardfuse.data.sources.tables import (
-    SPEC_FIX,
-    Loaded,
+    DIGIT_CLASSES,
+    Digits,
+    UserFile,
     check_finite,
     check_not_continuous,
-    load_in_memory,
-    load_user_file,
     numeric_matrix,
-    read_user_table,
     require_file,
-    require_shape,
-    require_string,
 )
 from shardfuse.io import UserError, error_reason
+from shardfuse.models.task import CLASSES, Task
 
 IMAGE_MODES = {"L": 1, "RGB": 3}  # mode -> channels
 BAD_IMAGE_CHOICES = ("error", "skip")
-TENSOR_SOURCES = ("digits_images", "image_folder", "npz")
-# The sources load_tensor_source reads: parquet too, whose features may be a list column.
-LOADED_HERE = (*TENSOR_SOURCES, "parquet")
-
-
-def check_tensor_spec(spec: dict) -> None:
-    """The source keys of a validated digits_images, image_folder or npz spec (task filled in)."""
-    if spec["source"] == "digits_images":
-        return
-    require_string(spec, "path")
-    if spec["source"] == "image_folder":
-        require_shape(spec, "image_size", 2)
-        for key, choices in (("mode", tuple(IMAGE_MODES)), ("on_bad_image", BAD_IMAGE_CHOICES)):
-            if spec[key] not in choices:
-                raise UserError(
-                    f"spec key {key!r} must be one of {', '.join(choices)}, got {spec[key]!r}; {SPEC_FIX}"
-                )
-        return
-    for key in ("features_key", "labels_key"):
-        require_string(spec, key)
-    if spec["features_key"] == spec["labels_key"]:
-        raise UserError(f"spec keys 'features_key' and 'labels_key' name the same array; {SPEC_FIX}")
 
 
 # ---------------------------------------------------------------- digits as images
 
 
-def _load_digits_images() -> Loaded:
+class DigitsImages(SourceBehaviour):
     """The digits source's rows (same order, so the same split), as 1x8x8 images scaled to [0, 1]."""
-    digits = load_in_memory({"source": "digits"})
-    images = (digits.features / np.float32(16)).reshape(-1, 1, 8, 8)  # pixel counts 0..16, exact in float32
-    return digits._replace(features=images, feature_names=[], kind="tensor")
+
+    def describe(self, spec: dict[str, Any], task: Task) -> Described:
+        return Described("tensor", [1, 8, 8], [], DIGIT_CLASSES)
+
+    def load(self, spec: dict[str, Any], task: Task) -> Loaded:
+        digits = Digits().load(spec, task)
+        images = (digits.features / np.float32(16)).reshape(
+            -1, 1, 8, 8
+        )  # pixel counts 0..16, exact in float32
+        return digits._replace(features=images, feature_names=[], kind="tensor")
 
 
 # ---------------------------------------------------------------- image folder
@@ -115,6 +103,22 @@ def _image_files(root: Path) -> tuple[list[Path], np.ndarray, list[str]]:
         counts.append(len(found))
     labels = np.repeat(np.arange(len(folders), dtype=np.int64), counts)
     return files, labels, [folder.name for folder in folders]
+
+
+class ImageFolder(SourceBehaviour):
+    """path/<class>/*.png|*.jpg|*.jpeg, resized to image_size, in mode L or RGB."""
+
+    def check(self, spec: dict[str, Any], task: Task) -> None:
+        require_string(spec, "path")
+        require_shape(spec, "image_size", 2)
+        for key, choices in (("mode", tuple(IMAGE_MODES)), ("on_bad_image", BAD_IMAGE_CHOICES)):
+            if spec[key] not in choices:
+                raise UserError(
+                    f"spec key {key!r} must be one of {', '.join(choices)}, got {spec[key]!r}; {SPEC_FIX}"
+                )
+
+    def load(self, spec: dict[str, Any], task: Task) -> Loaded:
+        return _load_image_folder(spec)
 
 
 def _load_image_folder(spec: dict) -> Loaded:
@@ -195,22 +199,27 @@ def _list_column(table: pa.Table, name: str, path: str) -> np.ndarray:
     return matrix
 
 
-def _load_parquet(spec: dict) -> Loaded:
-    """A parquet spec's rows; a tensor when its only feature column is a list column or it has
-    ``feature_shape`` (which reshapes the list, or the numeric feature columns in order)."""
-    table, path, names = read_user_table(spec), spec["path"], spec["feature_columns"]
-    single_list = len(names) == 1 and _is_list(table.column(names[0]).type)
-    if not single_list and "feature_shape" not in spec:
-        return load_user_file(spec, table)
-    features = _list_column(table, names[0], path) if single_list else numeric_matrix(table, names, path)
-    shape = spec.get("feature_shape") or [features.shape[1]]
-    if math.prod(shape) != features.shape[1]:
-        what = f"column {names[0]!r} of {path} has rows" if single_list else "feature_columns give rows"
-        raise UserError(
-            f"feature_shape {shape} holds {math.prod(shape)} values but {what} of {features.shape[1]}; "
-            f"fix feature_shape ({SPEC_FIX})"
-        )
-    return load_user_file(spec, table, features.reshape(-1, *shape))
+class Parquet(UserFile):
+    """The user's Parquet file: numeric feature columns, or a tensor when its only feature column is a
+    list column or it has ``feature_shape`` (which reshapes the list, or the numeric columns in order)."""
+
+    def open(self, path: Path) -> tuple[list[str], Callable[[list[str]], pa.Table]]:
+        return pq.read_schema(path).names, lambda columns: pq.read_table(path, columns=columns)
+
+    def load(self, spec: dict[str, Any], task: Task) -> Loaded:
+        table, path, names = self.read_table(spec, task), spec["path"], spec["feature_columns"]
+        single_list = len(names) == 1 and _is_list(table.column(names[0]).type)
+        if not single_list and "feature_shape" not in spec:
+            return self.rows(spec, task, table)
+        features = _list_column(table, names[0], path) if single_list else numeric_matrix(table, names, path)
+        shape = spec.get("feature_shape") or [features.shape[1]]
+        if math.prod(shape) != features.shape[1]:
+            what = f"column {names[0]!r} of {path} has rows" if single_list else "feature_columns give rows"
+            raise UserError(
+                f"feature_shape {shape} holds {math.prod(shape)} values but {what} of {features.shape[1]}; "
+                f"fix feature_shape ({SPEC_FIX})"
+            )
+        return self.rows(spec, task, table, features.reshape(-1, *shape))
 
 
 # ---------------------------------------------------------------- npz archive
@@ -266,7 +275,21 @@ def _finite_float32(array: np.ndarray, what: str) -> np.ndarray:
     return values
 
 
-def _load_npz(spec: dict) -> Loaded:
+class Npz(SourceBehaviour):
+    """A NumPy .npz archive: features (rows, ...) and labels (rows,) or targets (rows, K)."""
+
+    def check(self, spec: dict[str, Any], task: Task) -> None:
+        require_string(spec, "path")
+        for key in ("features_key", "labels_key"):
+            require_string(spec, key)
+        if spec["features_key"] == spec["labels_key"]:
+            raise UserError(f"spec keys 'features_key' and 'labels_key' name the same array; {SPEC_FIX}")
+
+    def load(self, spec: dict[str, Any], task: Task) -> Loaded:
+        return _load_npz(spec, task)
+
+
+def _load_npz(spec: dict, task: Task) -> Loaded:
     features, labels = _read_npz(spec)
     path, (features_key, labels_key) = spec["path"], (spec["features_key"], spec["labels_key"])
     if features.ndim < 2 or math.prod(features.shape[1:]) == 0 or features.dtype.kind not in "iufb":
@@ -280,7 +303,7 @@ def _load_npz(spec: dict) -> Loaded:
             f"{len(labels)}; they need the same number of rows, at least 2"
         )
     features = _finite_float32(features, f"array {features_key!r} in {path}")
-    if spec["task"] == "classification":
+    if task.labels == CLASSES:
         codes, label_names = _npz_labels(labels, f"{labels_key!r} in {path}")
         return Loaded(features, codes, [], label_names, "tensor")
     if labels.ndim not in (1, 2) or labels.dtype.kind not in "iuf":
@@ -290,9 +313,3 @@ def _load_npz(spec: dict) -> Loaded:
         )
     targets = _finite_float32(labels.reshape(len(labels), -1), f"array {labels_key!r} in {path}")
     return Loaded(features, targets, [], [f"y{k}" for k in range(targets.shape[1])], "tensor")
-
-
-def load_tensor_source(spec: dict) -> Loaded:
-    """The whole dataset of a digits_images, image_folder, npz or parquet spec, before any split."""
-    loaders = {"image_folder": _load_image_folder, "npz": _load_npz, "parquet": _load_parquet}
-    return _load_digits_images() if spec["source"] == "digits_images" else loaders[spec["source"]](spec)

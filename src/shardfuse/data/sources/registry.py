@@ -1,59 +1,184 @@
-"""Every dataset source, one record each: the tasks it can do (the first is its default) and the spec
-keys it requires and accepts. Torch-free and import-light: the config loader (the Snakefile) reads it
-as the prepare stage does, so the two cannot disagree (tests/contracts hold the schema's source enum
-to it). What a source does lives in its module (tables, images, synthetic).
+"""Every dataset source, one record each: the record is the source. It names the layouts of targets the
+source gives (:mod:`shardfuse.data.labels`; the first is its default, and the tasks it serves are the
+tasks of those layouts), the spec keys it requires and takes (some only for one layout), their defaults,
+the files it reads (:mod:`shardfuse.data.sources.files`: the prepare rule's inputs) and its behaviour: a
+class in a source module that checks its own keys, describes the data from the spec alone and prepares
+the rows (:class:`shardfuse.data.sources.base.SourceBehaviour`), imported only when used.
 
-Adding a source: its loader and its own key checks in a module of this package, one record here, its
-loader and check in the prepare stage's tables, and its name in the schema's ``source`` enum.
+Torch-free and import-light: the config loader (the Snakefile) reads these records as the prepare stage
+does, so the two cannot disagree (tests/contracts hold the schema's source enum to them). Records are
+looked up at call time (:func:`find_source`), so a test that extends ``RECORDS`` reaches every stage.
+
+Adding a source: one class in a source module (or a module of its own), one record here, its name in
+the schema's ``source`` enum and its keys in config/README.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
-SPLIT_KEYS = frozenset({"test_fraction", "val_fraction", "seed"})
-COMMON_KEYS = SPLIT_KEYS | {"task"}
-USER_FILE_REQUIRED = frozenset({"path", "feature_columns"})
-USER_FILE_KEYS = COMMON_KEYS | {"label_column", "label_columns", "classes"}
-BOTH = ("classification", "regression")
+from shardfuse.data.labels import find_layout
+from shardfuse.data.sources.files import image_folder_files, no_files, path_file, text_files_of
+from shardfuse.io import find_record
+from shardfuse.models.task import CLASSES, TOKENS, VALUES
+from shardfuse.models.tasks import task_record, tasks_with_labels
+
+if TYPE_CHECKING:
+    from shardfuse.data.sources.base import SourceBehaviour
+
+# Every source's split keys and their defaults (the schema's defaults: tests/contracts hold them equal).
+SPLIT_DEFAULTS: Mapping[str, Any] = MappingProxyType({"test_fraction": 0.2, "val_fraction": 0.1, "seed": 0})
+COMMON_KEYS = frozenset(SPLIT_DEFAULTS) | {"task"}
+BOTH = (CLASSES, VALUES)
+NO_KEYS: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class LabelKeys:
+    """The spec keys a source takes only for one layout of targets (e.g. synthetic's num_classes)."""
+
+    required: frozenset[str] = NO_KEYS
+    optional: frozenset[str] = NO_KEYS
+
+    @property
+    def keys(self) -> frozenset[str]:
+        return self.required | self.optional
 
 
 @dataclass(frozen=True)
 class Source:
     name: str
-    tasks: tuple[str, ...]  # of TASKS; the first is the default
-    required: frozenset[str]  # besides "source"
-    optional: frozenset[str]
+    labels: tuple[str, ...]  # layouts of targets it gives (shardfuse.data.labels); the first is the default
+    behaviour: str  # "module:Class", a SourceBehaviour, imported when a spec is checked or prepared
+    required: frozenset[str] = NO_KEYS  # besides "source"
+    optional: frozenset[str] = NO_KEYS  # besides the split keys and "task"
+    label_keys: Mapping[str, LabelKeys] = field(default_factory=lambda: MappingProxyType({}))
+    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # of optional keys
+    files: Callable[[dict], list[str]] = no_files  # the files a spec reads (standard library only)
 
-    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks it serves (those of its layouts), the default first."""
+        return tasks_with_labels(self.labels)
+
     def default_task(self) -> str:
-        return self.tasks[0]
+        return self.tasks()[0]
 
+    def keys_of(self, layout: str) -> LabelKeys:
+        return self.label_keys.get(layout, LabelKeys())
+
+    def allowed(self) -> frozenset[str]:
+        """Every key a spec of this source may hold, for any of its tasks."""
+        by_layout = (self.keys_of(layout).keys | find_layout(layout).spec_keys for layout in self.labels)
+        return (
+            frozenset({"source"})
+            | COMMON_KEYS
+            | self.required
+            | self.optional
+            | frozenset().union(*by_layout)
+        )
+
+    def foreign(self, task: str) -> dict[str, frozenset[str]]:
+        """Layout -> the keys only that other layout of this source takes (keys that do not suit ``task``)."""
+        own = task_record(task).labels
+        return {
+            layout: self.keys_of(layout).keys | find_layout(layout).spec_keys
+            for layout in self.labels
+            if layout != own
+        }
+
+    def accepted(self, task: str) -> frozenset[str]:
+        """The keys a spec of this source may hold for ``task``."""
+        return self.allowed() - frozenset().union(*self.foreign(task).values())
+
+    def required_for(self, task: str) -> frozenset[str]:
+        return self.required | self.keys_of(task_record(task).labels).required
+
+    def behaviour_of(self) -> SourceBehaviour:
+        module, _, name = self.behaviour.partition(":")
+        return getattr(importlib.import_module(module), name)()
+
+
+def _keys(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+USER_FILE_LABELS = MappingProxyType(
+    {CLASSES: LabelKeys(required=_keys("label_column")), VALUES: LabelKeys(required=_keys("label_columns"))}
+)
+MODULE = "shardfuse.data.sources"
 
 RECORDS: tuple[Source, ...] = (
-    Source("digits", ("classification",), frozenset(), COMMON_KEYS | {"classes"}),
-    Source("digits_images", ("classification",), frozenset(), COMMON_KEYS | {"classes"}),
-    Source("diabetes", ("regression",), frozenset(), COMMON_KEYS),
+    Source("digits", (CLASSES,), f"{MODULE}.tables:Digits"),
+    Source("digits_images", (CLASSES,), f"{MODULE}.images:DigitsImages"),
+    Source("diabetes", (VALUES,), f"{MODULE}.tables:Diabetes"),
     Source(
         "synthetic",
         BOTH,
-        frozenset({"num_rows", "num_features"}),
-        COMMON_KEYS | {"num_classes", "class_sep", "classes", "num_outputs", "noise"},
+        f"{MODULE}.synthetic:Synthetic",
+        required=_keys("num_rows", "num_features"),
+        label_keys=MappingProxyType(
+            {
+                CLASSES: LabelKeys(_keys("num_classes"), _keys("class_sep")),
+                VALUES: LabelKeys(_keys("num_outputs"), _keys("noise")),
+            }
+        ),
+        defaults=MappingProxyType({"class_sep": 1.0, "noise": 0.1}),
     ),
-    Source("parquet", BOTH, USER_FILE_REQUIRED, USER_FILE_KEYS | {"feature_shape"}),
-    Source("csv", BOTH, USER_FILE_REQUIRED, USER_FILE_KEYS),
+    Source(
+        "parquet",
+        BOTH,
+        f"{MODULE}.images:Parquet",
+        required=_keys("path", "feature_columns"),
+        optional=_keys("feature_shape"),
+        label_keys=USER_FILE_LABELS,
+        files=path_file,
+    ),
+    Source(
+        "csv",
+        BOTH,
+        f"{MODULE}.tables:Csv",
+        required=_keys("path", "feature_columns"),
+        label_keys=USER_FILE_LABELS,
+        files=path_file,
+    ),
     Source(
         "image_folder",
-        ("classification",),
-        frozenset({"path", "image_size"}),
-        COMMON_KEYS | {"mode", "on_bad_image", "classes"},
+        (CLASSES,),
+        f"{MODULE}.images:ImageFolder",
+        required=_keys("path", "image_size"),
+        optional=_keys("mode", "on_bad_image"),
+        defaults=MappingProxyType({"mode": "L", "on_bad_image": "error"}),
+        files=image_folder_files,
     ),
-    Source("npz", BOTH, frozenset({"path"}), COMMON_KEYS | {"features_key", "labels_key", "classes"}),
+    Source(
+        "npz",
+        BOTH,
+        f"{MODULE}.images:Npz",
+        required=_keys("path"),
+        optional=_keys("features_key", "labels_key"),
+        defaults=MappingProxyType({"features_key": "x", "labels_key": "y"}),
+        files=path_file,
+    ),
     Source(
         "text",
-        ("causal_lm",),
-        frozenset({"paths", "block_size"}),
-        COMMON_KEYS | {"exclude", "max_tokens", "tokenizer", "vocab_size"},
+        (TOKENS,),
+        f"{MODULE}.text:Text",
+        required=_keys("paths", "block_size"),
+        optional=_keys("exclude", "max_tokens", "tokenizer", "vocab_size"),
+        defaults=MappingProxyType({"exclude": (), "max_tokens": None, "tokenizer": None}),
+        files=text_files_of,
     ),
 )
-SOURCES: dict[str, Source] = {record.name: record for record in RECORDS}
+
+
+def find_source(name: str) -> Source:
+    """The record of source ``name`` (read from ``RECORDS`` now), or a one-line UserError naming them."""
+    return find_record(RECORDS, name, "dataset source")
+
+
+def source_names() -> tuple[str, ...]:
+    return tuple(record.name for record in RECORDS)

@@ -1,13 +1,15 @@
 """The synthetic dataset source: seeded Gaussian clusters (classification) or a seeded random network
 plus noise (regression), generated chunk by chunk so tens of millions of rows fit in bounded memory.
 
-No command line; a library module: the prepare stage (:mod:`shardfuse.prepare`) writes the chunks
-:func:`synthetic_data` yields into the split files as they come. By hand::
+No command line; a library module: :class:`Synthetic` is the source's behaviour (its record is in
+:mod:`shardfuse.data.sources.registry`); it writes the chunks :func:`synthetic_data` yields into the split
+files as they come. By hand::
 
     python -c "from shardfuse.data.sources.synthetic import synthetic_data
-    spec = {'source': 'synthetic', 'task': 'classification', 'num_rows': 1000, 'num_features': 4,
+    from shardfuse.models.tasks import task_for
+    spec = {'source': 'synthetic', 'num_rows': 1000, 'num_features': 4,
             'num_classes': 3, 'class_sep': 1.0, 'test_fraction': 0.2, 'val_fraction': 0.1, 'seed': 0}
-    features, labels, masks = next(synthetic_data(spec).chunks)
+    features, labels, masks = next(synthetic_data(spec, task_for('classification')).chunks)
     print(features.shape, {split: int(mask.sum()) for split, mask in masks.items()})"
     # (1000, 4) {'train': 700, 'val': 99, 'test': 201}
 
@@ -27,12 +29,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardfuse.data.sources.tables import kept_class_codes, require_int, require_number
+from shardfuse.data.labels import find_layout, kept_class_codes
+from shardfuse.data.sources.base import Described, SourceBehaviour, Written
+from shardfuse.data.sources.checks import require_int, require_number
+from shardfuse.data.sources.write import Chunk, input_of, write_chunks
 from shardfuse.io import UserError
+from shardfuse.models.task import CLASSES, Task
 
 # Synthetic rows are generated in chunks of about this many values (rows x features; regression also
 # counts its hidden layer and targets). It is a constant, not a tuning knob: chunk boundaries decide the
@@ -42,17 +49,13 @@ SYNTHETIC_CHUNK_VALUES = 1 << 22
 # changing either changes the data).
 SYNTHETIC_HIDDEN = 32
 SYNTHETIC_CALIBRATION_ROWS = 1 << 12
-# One chunk: features, then class codes (classification) or float targets (regression, rows x K), then
-# the chunk's train/val/test masks.
-Chunk = tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]
 
 
 class SyntheticData(NamedTuple):
     """A synthetic dataset: its names, and its rows as chunks generated as they are consumed."""
 
     feature_names: list[str]
-    label_names: list[str]  # the class names (classification); [] for regression
-    target_names: list[str]  # the target names (regression); [] for classification
+    target_names: list[str]  # the class names (classes) or the target names (values)
     chunks: Iterator[Chunk]
 
 
@@ -163,7 +166,7 @@ def _class_splits_both_ways(class_rows: int, test_fraction: float, val_share: fl
     return 1 <= num_test < class_rows
 
 
-def _check_synthetic_rows(spec: dict, num_classes: int) -> None:
+def _check_synthetic_rows(spec: dict, num_classes: int, task: Task) -> None:
     """Every class (regression: all rows, one class) must get a train and a test row."""
     num_rows, test_fraction, val_share = spec["num_rows"], spec["test_fraction"], _val_share(spec)
     if _class_splits_both_ways(num_rows // num_classes, test_fraction, val_share):
@@ -172,7 +175,7 @@ def _check_synthetic_rows(spec: dict, num_classes: int) -> None:
     class_rows = max(2, math.ceil(0.5 / test_fraction), math.floor(0.5 / (1 - test_fraction)) + 1)
     while not _class_splits_both_ways(class_rows, test_fraction, val_share):
         class_rows += 1
-    if spec["task"] == "classification":
+    if task.labels == CLASSES:
         what, fault = f"{num_classes} classes", "some class would get no train or no test row"
     else:
         what, fault = "a regression split", "the split would get no train or no test row"
@@ -182,25 +185,45 @@ def _check_synthetic_rows(spec: dict, num_classes: int) -> None:
     )
 
 
-def check_synthetic_spec(spec: dict) -> None:
-    """The source keys of a validated synthetic spec (task filled in)."""
-    require_int(spec, "num_rows", 2)
-    require_int(spec, "num_features", 1)
-    if spec["task"] == "classification":
-        require_int(spec, "num_classes", 2)
-        require_number(spec, "class_sep", 0, math.inf, open_interval=False)
-    else:
-        require_int(spec, "num_outputs", 1)
-        require_number(spec, "noise", 0, math.inf, open_interval=False)
+class Synthetic(SourceBehaviour):
+    """Generated rows, streamed chunk by chunk (see the module docstring)."""
+
+    def check(self, spec: dict[str, Any], task: Task) -> None:
+        require_int(spec, "num_rows", 2)
+        require_int(spec, "num_features", 1)
+        if task.labels == CLASSES:
+            require_int(spec, "num_classes", 2)
+            require_number(spec, "class_sep", 0, math.inf, open_interval=False)
+        else:
+            require_int(spec, "num_outputs", 1)
+            require_number(spec, "noise", 0, math.inf, open_interval=False)
+
+    def describe(self, spec: dict[str, Any], task: Task) -> Described:
+        width = int(spec["num_features"])
+        if task.labels == CLASSES:
+            targets = [str(c) for c in range(int(spec["num_classes"]))]
+        else:
+            targets = [f"y{k}" for k in range(int(spec["num_outputs"]))]
+        return Described("numeric", [width], [f"x{j}" for j in range(width)], targets)
+
+    def prepare(self, spec: dict[str, Any], task: Task, out_dir: Path, row_group_rows: int) -> Written:
+        data = synthetic_data(spec, task)
+        layout = find_layout(task.labels)
+        num_features, num_targets = len(data.feature_names), len(data.target_names)
+        rows = write_chunks(out_dir, data.chunks, num_features, num_targets, layout, row_group_rows)
+        label_names, keys = layout.names(data.target_names)
+        no_rows = np.zeros((0, num_features), dtype=np.float32)
+        return Written(rows, data.feature_names, label_names, keys, input_of(no_rows, "numeric"))
 
 
-def synthetic_data(spec: dict) -> SyntheticData:
-    """The synthetic dataset of a validated spec. Checks the size first (UserError when a class would get
-    no train or no test row); the rows are generated only as ``chunks`` is consumed."""
-    num_rows, num_features, task = spec["num_rows"], spec["num_features"], spec["task"]
+def synthetic_data(spec: dict, task: Task) -> SyntheticData:
+    """The synthetic dataset of a validated spec: Gaussian clusters for a task of classes, a random
+    network's values otherwise. Checks the size first (UserError when a class would get no train or no
+    test row); the rows are generated only as ``chunks`` is consumed."""
+    num_rows, num_features = spec["num_rows"], spec["num_features"]
     feature_names = [f"x{j}" for j in range(num_features)]
-    if task == "regression":
-        _check_synthetic_rows(spec, 1)
+    if task.labels != CLASSES:
+        _check_synthetic_rows(spec, 1, task)
         function = synthetic_regression_function(spec)
         num_outputs = spec["num_outputs"]
         # A chunk holds the features, the hidden layer and the targets of its rows (float64).
@@ -209,10 +232,10 @@ def synthetic_data(spec: dict) -> SyntheticData:
             _regression_chunk(spec, function, index, start, min(start + chunk_rows, num_rows))
             for index, start in enumerate(range(0, num_rows, chunk_rows))
         )
-        return SyntheticData(feature_names, [], [f"y{k}" for k in range(num_outputs)], chunks)
+        return SyntheticData(feature_names, [f"y{k}" for k in range(num_outputs)], chunks)
 
     num_classes = spec["num_classes"]
-    _check_synthetic_rows(spec, num_classes)
+    _check_synthetic_rows(spec, num_classes, task)
     label_names = [str(c) for c in range(num_classes)]
     kept = kept_class_codes(spec["classes"], label_names) if "classes" in spec else None
     params = np.random.default_rng([spec["seed"], 0])
@@ -235,4 +258,4 @@ def synthetic_data(spec: dict) -> SyntheticData:
             (features, labels, {split: mask & np.isin(labels, kept) for split, mask in masks.items()})
             for features, labels, masks in chunks
         )
-    return SyntheticData(feature_names, label_names, [], chunks)
+    return SyntheticData(feature_names, label_names, chunks)

@@ -1,0 +1,90 @@
+"""The files a dataset source reads, listed from its spec alone: each source's record names its lister
+(:mod:`shardfuse.data.sources.registry`), and :func:`shardfuse.data.provenance.dataset_files` makes them the
+prepare rule's inputs. Standard library only: the Snakefile lists them at every DAG build. By hand::
+
+    python -c "from shardfuse.data.sources.files import matching_text_files
+    print(len(matching_text_files({'paths': ['{stdlib}/json/*.py']})))"
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import sysconfig
+from pathlib import Path
+
+from shardfuse.data.sources.hf_tokenizer import PREFIX as HF_PREFIX
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # what the image_folder source reads (case-insensitive)
+
+
+def expand_stdlib(pattern: str) -> str:
+    """``{stdlib}`` stands for the Python standard library's directory (a corpus every machine has)."""
+    return pattern.replace("{stdlib}", glob.escape(sysconfig.get_paths()["stdlib"]))
+
+
+def matching_text_files(spec: dict) -> list[str]:
+    """The files a text spec's ``paths`` globs match, less those an ``exclude`` pattern matches (against
+    the path as globbed or its absolute form), each once, sorted by absolute path; maybe none."""
+    exclude = [expand_stdlib(pattern) for pattern in spec.get("exclude") or []]
+    found: dict[str, str] = {}
+    for pattern in spec["paths"]:
+        for path in glob.glob(expand_stdlib(pattern), recursive=True):
+            full = os.path.abspath(path)
+            excluded = any(fnmatch.fnmatch(p, x) for p in (path, full) for x in exclude)
+            if not excluded and os.path.isfile(path):
+                found[full] = path
+    return [found[full] for full in sorted(found)]
+
+
+def image_files(root: str) -> list[str]:
+    """Every image file under ``root``, at any depth (hidden files and folders left out, as the source
+    leaves them out), sorted."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        found += [
+            os.path.join(folder, name)
+            for name in names
+            if not name.startswith(".") and name.lower().endswith(IMAGE_SUFFIXES)
+        ]
+    return sorted(found)
+
+
+def tokenizer_files(ref: str | None) -> list[str]:
+    """The files a text dataset's tokenizer is read from: ``hf:DIR``'s tokenizer.json, or the module
+    file of ``package.module:function`` when it lies in the working directory (an installed tokenizer is
+    software, not data). Only files that exist: prepare names a missing one in its own error."""
+    if not isinstance(ref, str):
+        return []
+    if ref.startswith(HF_PREFIX):
+        candidates = [Path(ref[len(HF_PREFIX) :]) / "tokenizer.json"]
+    else:
+        module = Path(*ref.partition(":")[0].split("."))
+        candidates = [module.with_name(module.name + ".py"), module / "__init__.py"]
+    return [str(path) for path in candidates if path.is_file()][:1]
+
+
+# ---------------------------------------------------------------- the listers the records name
+
+
+def no_files(spec: dict) -> list[str]:
+    """A built-in or generated source reads no file."""
+    return []
+
+
+def path_file(spec: dict) -> list[str]:
+    """A single file, named by the spec's ``path`` (listed as given: a missing one is Snakemake's
+    error before any job)."""
+    return [spec["path"]]
+
+
+def image_folder_files(spec: dict) -> list[str]:
+    """The folder (its mtime sees a class folder added or removed) and every image in it."""
+    return [spec["path"], *image_files(spec["path"])]
+
+
+def text_files_of(spec: dict) -> list[str]:
+    """The text files the globs match and the tokenizer's file."""
+    return [*matching_text_files(spec), *tokenizer_files(spec.get("tokenizer"))]
