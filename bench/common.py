@@ -226,8 +226,14 @@ def synthetic_spec(
 ) -> dict:
     """A spec for prepare's synthetic source (10 classes, seed 0). ``val_fraction`` None keeps prepare's
     default; it is left out where this checkout's prepare does not know the key yet."""
-    from shardfuse.prepare import SOURCE_KEYS
+    try:  # the source's record says which keys it takes
+        from shardfuse.data.sources.registry import find_source
 
+        known = find_source("synthetic").allowed()
+    except ImportError:  # a checkout from before the records carried the keys: prepare's table
+        from shardfuse.prepare import SOURCE_KEYS
+
+        known = set().union(*SOURCE_KEYS["synthetic"])
     spec = {
         "source": "synthetic",
         "num_rows": num_rows,
@@ -236,7 +242,7 @@ def synthetic_spec(
         "seed": 0,
         "test_fraction": test_fraction,
     }
-    if val_fraction is not None and "val_fraction" in set().union(*SOURCE_KEYS["synthetic"]):
+    if val_fraction is not None and "val_fraction" in known:
         spec["val_fraction"] = val_fraction
     return spec
 
