@@ -1,9 +1,9 @@
-"""A task's name is compared in one place, its record: no module outside the task modules (the classes in
-``shardfuse.models.tasks.RECORDS``, the registry and the base class) decides anything by a task's name.
-Read from the source (AST): a comparison with a task name (``== "causal_lm"``, ``in ("classification",
-...)``, ``match``), a dict keyed by task names (a dispatch table), ``.get()`` or a subscript with one, a
-default argument that is one, and ``isinstance`` against a task class. Names in messages and docstrings
-are words, not decisions: they stay."""
+"""A task's or a source's name is compared in one place, its record: no module outside the task modules
+(the classes in ``shardfuse.models.tasks.RECORDS``, the registry and the base class) decides anything by a
+task's name, and none outside the source registry by a source's. Read from the source (AST): a comparison
+with a name (``== "causal_lm"``, ``in ("classification", ...)``, ``match``), a dict keyed by names (a
+dispatch table), ``.get()`` or a subscript with one, a default argument that is one, and ``isinstance``
+against a task class. Names in messages and docstrings are words, not decisions: they stay."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import inspect
 import textwrap
 from pathlib import Path
 
+from shardfuse.data.sources import registry as sources
 from shardfuse.models import task as task_base
 from shardfuse.models import tasks
 from tests.support.helpers import REPO
@@ -19,6 +20,7 @@ from tests.support.helpers import REPO
 PACKAGE = REPO / "src" / "shardfuse"
 TASK_NAMES = frozenset(tasks.task_names())
 TASK_CLASSES = frozenset(record.__name__ for record in tasks.RECORDS)
+SOURCE_NAMES = frozenset(sources.source_names())
 
 
 def task_modules() -> set[Path]:
@@ -28,46 +30,51 @@ def task_modules() -> set[Path]:
     }
 
 
-def _names_a_task(node: ast.AST | None) -> bool:
-    """A task name as a constant, or a tuple/list/set of constants holding one."""
-    if isinstance(node, ast.Constant):
-        return node.value in TASK_NAMES
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return any(_names_a_task(element) for element in node.elts)
-    return False
+def name_decisions(
+    source: str,
+    names: frozenset[str] = TASK_NAMES,
+    classes: frozenset[str] = TASK_CLASSES,
+    keywords: bool = True,
+) -> list[str]:
+    """Each place ``source`` decides by one of ``names`` (or a class of ``classes``): 'line: what'.
+    ``keywords``: a keyword argument so named counts too (dict(classification=...); not for source
+    names, as ``text=True`` is subprocess's)."""
 
+    def _names_one(node: ast.AST | None) -> bool:
+        """One of the names as a constant, or a tuple/list/set of constants holding one."""
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(_names_one(element) for element in node.elts)
+        return False
 
-def task_name_decisions(source: str) -> list[str]:
-    """Each place ``source`` decides by a task's name: 'line: what'."""
     found = []
 
     def offence(node: ast.AST, what: str) -> None:
         found.append(f"{node.lineno}: {what}")
 
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(map(_names_a_task, [node.left, *node.comparators])):
+        if isinstance(node, ast.Compare) and any(map(_names_one, [node.left, *node.comparators])):
             offence(node, "compares with a task name")
-        elif isinstance(node, ast.Dict) and any(map(_names_a_task, node.keys)):
+        elif isinstance(node, ast.Dict) and any(map(_names_one, node.keys)):
             offence(node, "a dict keyed by task names")
-        elif isinstance(node, ast.Subscript) and _names_a_task(node.slice):
+        elif isinstance(node, ast.Subscript) and _names_one(node.slice):
             offence(node, "looks a task name up")
         elif isinstance(node, ast.match_case) and isinstance(node.pattern, ast.MatchValue):
-            if _names_a_task(node.pattern.value):
+            if _names_one(node.pattern.value):
                 offence(node.pattern, "matches a task name")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            if any(map(_names_a_task, [*node.args.defaults, *node.args.kw_defaults])):
+            if any(map(_names_one, [*node.args.defaults, *node.args.kw_defaults])):
                 offence(node, "a task name as a default argument")
         elif isinstance(node, ast.Call):
             func = node.func
-            if isinstance(func, ast.Attribute) and func.attr == "get" and any(map(_names_a_task, node.args)):
+            if isinstance(func, ast.Attribute) and func.attr == "get" and any(map(_names_one, node.args)):
                 offence(node, "a .get() with a task name")
-            elif any(keyword.arg in TASK_NAMES for keyword in node.keywords):
+            elif keywords and any(keyword.arg in names for keyword in node.keywords):
                 offence(node, "a task name as a keyword (a dispatch table)")
             elif isinstance(func, ast.Name) and func.id == "isinstance" and len(node.args) == 2:
-                classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
-                if any(
-                    isinstance(c, (ast.Name, ast.Attribute)) and _name_of(c) in TASK_CLASSES for c in classes
-                ):
+                checked = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                if any(isinstance(c, (ast.Name, ast.Attribute)) and _name_of(c) in classes for c in checked):
                     offence(node, "isinstance against a task class")
     return found
 
@@ -83,9 +90,22 @@ def test_no_module_outside_the_task_records_decides_by_a_task_name():
         f"{path.relative_to(REPO)}:{where}"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.resolve() not in allowed
-        for where in task_name_decisions(path.read_text())
+        for where in name_decisions(path.read_text())
     ]
     assert offenders == [], "ask the task (shardfuse.models.tasks) instead:\n" + "\n".join(offenders)
+
+
+def test_no_module_outside_the_source_records_decides_by_a_source_name():
+    allowed = {Path(inspect.getsourcefile(sources)).resolve()}
+    offenders = [
+        f"{path.relative_to(REPO)}:{where}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.resolve() not in allowed
+        for where in name_decisions(path.read_text(), SOURCE_NAMES, frozenset(), keywords=False)
+    ]
+    assert offenders == [], "ask the source's record (shardfuse.data.sources.registry):\n" + "\n".join(
+        offenders
+    )
 
 
 PLANTED = textwrap.dedent(
@@ -111,7 +131,7 @@ PLANTED = textwrap.dedent(
 
 
 def test_the_check_finds_every_kind_of_task_name_decision_it_forbids():
-    found = task_name_decisions(PLANTED)
+    found = name_decisions(PLANTED)
     assert sorted(where.split(": ", 1)[1] for where in found) == sorted(
         [
             "a dict keyed by task names",
