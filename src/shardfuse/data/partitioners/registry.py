@@ -71,7 +71,9 @@ def names() -> tuple[str, ...]:
 
 
 def find(name: str) -> Partitioner:
-    return find_record(RECORDS, name, "partitioner", "set `partition` (or --partitioner) to one of them")
+    return find_record(
+        RECORDS, name, "partitioner", "set the run key partition (or --partitioner) to one of them"
+    )
 
 
 def resolve_params(name: str, params: Any, world_size: int) -> dict[str, Any]:
