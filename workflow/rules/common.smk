@@ -62,7 +62,8 @@ RUNS = EXPERIMENT.runs
 TRAININGS = EXPERIMENT.trainings
 # Every shard set a run uses ("dataset/name") -> the partition command's options.
 SHARDSETS = {
-    f"{cfg['dataset']}/{shardset_name(cfg)}": partition_args(cfg) for cfg in RUNS.values()
+    f"{cfg['dataset']}/{shardset_name(cfg)}": partition_args(cfg)
+    for cfg in RUNS.values()
 }
 
 
@@ -164,7 +165,8 @@ def dataset_content_digest(wildcards):
 
 def partition_args_of(wildcards):
     """The partition command's options: the shard set's identity from the config of the runs that use
-    it (shardfuse.experiment.keys.partition_args), never parsed back from its directory name."""
+    it (shardfuse.experiment.keys.partition_args), never parsed back from its directory name.
+    """
     key = f"{wildcards.dataset}/{wildcards.shardset}"
     if key not in SHARDSETS:
         raise WorkflowError(
