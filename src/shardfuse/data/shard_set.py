@@ -34,7 +34,7 @@ from shardfuse.data.shard_writer import (
 from shardfuse.io import UserError, atomic_dir, recorded_sha256, sha256_file, write_json
 
 
-def _check_counts(world_size: int, seed: int, batch_size: int) -> None:
+def _check_numbers(world_size: int, seed: int, batch_size: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise UserError(f"--world-size must be an integer >= 1, got {world_size!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -56,7 +56,7 @@ def partition_parquet(
     """Write OUT_DIR/shard-{rank}.parquet for every rank plus manifest.json; return the manifest."""
     given_path = str(input_path)  # recorded as given: an absolute path would make the manifest host-specific
     input_path, out_dir = Path(input_path), Path(out_dir)
-    _check_counts(world_size, seed, batch_size)
+    _check_numbers(world_size, seed, batch_size)
     record = registry.find(partitioner)
     params = registry.resolve_params(partitioner, params, world_size)
     parquet_file = open_parquet(input_path, "--input", REMAKE_INPUT)
