@@ -887,6 +887,17 @@ def case_partition_seed_too_large(tmp):
     )
 
 
+def case_unknown_partitioner(tmp):
+    return Case(
+        "partition",
+        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "dirichlet",
+         "--out-dir", tmp / "out"],
+        "unknown partitioner 'dirichlet'; use one of iid; set the run key partition (or --partitioner) to "
+        "one of them",
+        tmp / "out",
+    )  # fmt: skip
+
+
 def case_merge_output_twice(tmp):
     out = tmp / "merged.safetensors"
     args = ["--gather", tmp / "gather.json", "--method", "uniform", "--out-weights", out, "--out-json", out]

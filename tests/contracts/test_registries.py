@@ -1,6 +1,7 @@
 """The records of the merge methods are the one source of what the config accepts: the schema's
 merge_method enum, the merge_<param> keys and their defaults, the keys that reach the merge rule, and
-the config's checks agree with the methods' own (tests/unit hold each method's math)."""
+the config's checks agree with the methods' own (tests/unit hold each method's math). The partitioners'
+records likewise give the `partition` enum and the partition_<param> keys."""
 
 from __future__ import annotations
 
@@ -66,6 +67,24 @@ def _verdicts(method: str, world_size: int) -> tuple[bool, bool]:
 def test_the_config_accepts_a_world_size_exactly_when_the_method_does(method, world_size):
     by_config, by_method = _verdicts(method, world_size)
     assert by_config == by_method, f"{method} on {world_size} ranks: config {by_config}, method {by_method}"
+
+
+def test_the_schema_enum_of_partitioners_is_the_registry_and_its_default_the_first_record():
+    from shardfuse.data.partitioners import registry
+
+    assert RUN_KEYS["partition"]["enum"] == list(registry.names())
+    assert RUN_KEYS["partition"]["default"] == registry.DEFAULT == registry.RECORDS[0].name
+
+
+def test_every_partitioner_param_is_a_config_key_whose_schema_default_is_the_records():
+    from shardfuse.data.partitioners import registry
+
+    for record in registry.RECORDS:
+        for name, param in record.params.items():
+            assert f"partition_{name}" in RUN_KEYS, f"no config key partition_{name} ({record.name})"
+            default = RUN_KEYS[f"partition_{name}"].get("default")
+            if default is not None:  # null: each partitioner's own default
+                assert default == param.default, f"partition_{name}: schema {default!r}, {record.name}"
 
 
 def test_the_schema_enum_of_dataset_sources_is_the_registry():

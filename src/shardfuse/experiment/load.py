@@ -14,6 +14,7 @@ from shardfuse.experiment.checks import (
     check_dataset_task,
     check_fsdp,
     check_model,
+    check_partition,
     check_registered_model,
     check_run,
     check_training_loop,
@@ -122,6 +123,7 @@ def load_experiment(
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
         check_run(name, resolved, datasets, fix)
+        check_partition(name, resolved)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
         check_adapter(name, resolved, datasets)
