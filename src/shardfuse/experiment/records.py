@@ -26,16 +26,9 @@ from typing import Any, ClassVar, TypeVar
 
 from shardfuse.io import UserError, read_json
 from shardfuse.models.tasks import evaluation_task
+from shardfuse.strategies.registry import mode_of
 
 RecordT = TypeVar("RecordT", bound="_Record")
-
-
-def mode_of(strategy: str, sync_every: Any) -> str:
-    """ddp, localsgd, independent (localsgd that never syncs) or diloco. ``sync_every`` may come from a
-    runs table cell (a string) or be absent."""
-    if strategy == "localsgd" and sync_every in (0, "0", "", None):
-        return "independent"
-    return strategy
 
 
 class _Record:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.checkpoints.weights import save_weights
-from shardfuse.experiment.records import TrainRecord, mode_of
+from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
@@ -24,6 +24,7 @@ from shardfuse.rank.setup import (
     optimizer_steps,
     publish_rank0_buffers,
 )
+from shardfuse.strategies.registry import mode_of
 
 if TYPE_CHECKING:
     from shardfuse.rank.loop import LoopEnd

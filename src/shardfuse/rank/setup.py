@@ -50,8 +50,9 @@ from shardfuse.rank.resume import (
     passed_over,
     resume_step,
 )
-from shardfuse.rank.sync import Sync, make_sync
 from shardfuse.rank.validation import BestTracker, Validator
+from shardfuse.strategies.registry import find_strategy, make_sync
+from shardfuse.strategies.sync import Sync
 
 
 @torch.no_grad()
@@ -143,7 +144,7 @@ class RankSetup:
 class StepPlan(NamedTuple):
     """How every step runs, fixed after resume-or-start (DDP wraps the model as it was loaded)."""
 
-    net: torch.nn.Module  # the model, or its DDP wrapper (strategy ddp)
+    net: torch.nn.Module  # the model, or its DDP wrapper (a strategy that reduces gradients: ddp)
     dtype: torch.dtype | None  # autocast dtype; None: fp32
     num_batches: int  # micro-batches per epoch, the same on every rank
     grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
@@ -157,7 +158,7 @@ class StepPlan(NamedTuple):
     eval_every: int  # 0: no validation while training
     validator: Validator | None
     tracker: BestTracker
-    hsdp: bool = False  # fsdp > 1 with strategy ddp: gradients reduced across replicas too
+    hsdp: bool = False  # fsdp > 1 with a strategy that reduces gradients (ddp): across replicas too
 
     @property
     def same_weights(self) -> bool:
@@ -216,6 +217,7 @@ def set_up(
     init_weights: Path | None = None,
 ) -> RankSetup:
     """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
+    strategy = find_strategy(cfg.sync.strategy)  # an unknown one fails before anything is built
     manifest = read_manifest(shard_dir)
     if manifest["world_size"] != ctx.world_size:
         raise UserError(
@@ -269,7 +271,7 @@ def set_up(
             raise UserError(f"fsdp > 1 does not train {what} yet; set fsdp: 1")
         units = wrap_units(model, cfg.model.model)
         mesh = make_mesh(ctx.device, layout)
-        shard_model(model, mesh, units, cfg.sync.strategy == "ddp", cfg.sync.fsdp_precision, ctx.device)
+        shard_model(model, mesh, units, strategy.reduces_gradients, cfg.sync.fsdp_precision, ctx.device)
     meta = {
         "run": run,
         "world_size": ctx.world_size,
@@ -412,6 +414,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         torch.cuda.reset_peak_memory_stats(device)
     device_ids = [device.index] if cuda else None
     sharded = setup.sharded  # FSDP's own wrapping, done at set-up, is the whole story: no DDP
+    reduces_gradients = find_strategy(cfg.sync.strategy).reduces_gradients
     net = (
         DistributedDataParallel(
             model,
@@ -420,7 +423,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
             find_unused_parameters=cfg.sync.find_unused_parameters,
             static_graph=cfg.sync.static_graph,
         )
-        if cfg.sync.strategy == "ddp" and not sharded
+        if reduces_gradients and not sharded
         else model
     )
     num_batches = steps_per_epoch(setup.manifest, cfg.loop.batch_size)
@@ -452,7 +455,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         eval_every=eval_every,
         validator=validator,
         tracker=tracker,
-        hsdp=sharded and cfg.sync.strategy == "ddp",
+        hsdp=sharded and reduces_gradients,
     )
 
 
