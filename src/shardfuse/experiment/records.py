@@ -195,6 +195,9 @@ class TrainRecord(_Record):
     # fsdp > 1: {shards_per_replica, replicas, precision, hsdp, bytes_within_replica_per_rank}; then
     # ``ranks`` lists the replicas (shardfuse.rank.fsdp)
     fsdp: dict[str, Any] | None = None
+    # which rank read which data shard in which replica, the lost ranks and the shards the alive replicas
+    # cover (shardfuse.cluster.membership); None in train.json of older train stages
+    membership: dict[str, Any] | None = None
     git_commit: str | None = None  # older train stages only
     git_dirty: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)

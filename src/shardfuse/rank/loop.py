@@ -130,7 +130,9 @@ def train_loop(
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
         StopRequest(setup.out_dir, ctx.device, step) as stop_request,
-        ShardReader(setup.shard_dir, ctx.rank, seed=setup.rank_seed, cache=True, verify=True) as reader,
+        ShardReader(
+            setup.shard_dir, setup.data_shard, seed=setup.rank_seed, cache=True, verify=True
+        ) as reader,
         gate.progress(plan.total_steps, initial_step=step, description=run) as progress,
     ):
         for epoch in range(position.epoch, cfg.loop.epochs):

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_names, read_init_weights
 from shardfuse.checkpoints.weights import save_weights
+from shardfuse.cluster.membership import Membership
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
 from shardfuse.data.verify import check_shard_set
@@ -100,6 +101,7 @@ class RankSetup:
     ctx: DistContext
     run: str
     cfg: TrainConfig
+    membership: Membership  # who trains which shard in which replica (all alive today)
     gate: RankGate
     shard_dir: Path
     dataset_dir: Path
@@ -119,6 +121,11 @@ class RankSetup:
     @property
     def sharded(self) -> bool:
         return self.layout is not None and self.layout.sharded
+
+    @property
+    def data_shard(self) -> int:
+        """The shard this rank reads: the membership's, not torch's rank."""
+        return self.membership.shard_of(self.ctx.rank)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The tensors a weights file holds (a tied tensor once); sharded tensors as DTensors."""
@@ -224,8 +231,10 @@ def set_up(
             f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
             f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
+    layout = layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp)
+    membership = Membership.full(ctx.world_size, layout.shards)
     info = read_dataset_info(dataset_dir)
-    check_shard_set(shard_dir, manifest, dataset_dir, info, ctx.rank)
+    check_shard_set(shard_dir, manifest, dataset_dir, info, membership.shard_of(ctx.rank))
     spec = model_spec(
         cfg.model.model,
         cfg.model.model_args,
@@ -263,7 +272,7 @@ def set_up(
         targets = inject_lora(model, adapter, cfg.loop.seed if shared else rank_seed)
         adapter = {**adapter, "targets": targets, "base": "base.safetensors"}
     task = task_of(spec, model.state_dict(), loss=cfg.model.loss)
-    layout, mesh = layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp), None
+    mesh = None
     ties = ties_of(model) if adapter is None else None  # found before sharding hides them
     if layout.sharded:  # FSDP2 inside each replica: every unit, then the root
         if adapter is not None or updates_buffers:
@@ -296,6 +305,7 @@ def set_up(
         ctx=ctx,
         run=run,
         cfg=cfg,
+        membership=membership,
         gate=gate_for(ctx.rank),
         shard_dir=shard_dir,
         dataset_dir=dataset_dir,
