@@ -26,7 +26,7 @@ from typing import Any
 
 from shardfuse.checkpoints.trust import check_base_header
 from shardfuse.checkpoints.weights import read_header, read_metadata
-from shardfuse.cluster.membership import Membership
+from shardfuse.cluster.membership import recorded_membership
 from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, sha256_file, write_json
 
 RERUN = "re-run training (snakemake -R train)"
@@ -89,7 +89,7 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
     base_meta = read_metadata(base_path)
     adapter = train_info.get("adapter")
     reference = base_header if adapter is None else adapter_header(adapter, base_header)
-    membership = membership_of(train_dir, train_info, world_size)
+    membership = recorded_membership(train_info, world_size, str(train_dir / "train.json"), RERUN)
     # fsdp > 1: one checkpoint per replica (its ranks' shards gathered), fused as ranks are otherwise.
     replicas = len(membership.replicas)
     ranks = []
@@ -153,21 +153,6 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
         **extra,
         "membership": membership.to_json(),
     }
-
-
-def membership_of(train_dir: Path, train_info: dict[str, Any], world_size: int) -> Membership:
-    """Who trained what, as train.json records it; a train.json from before it did: every rank alive on
-    its own shard, in replicas of fsdp's shards_per_replica ranks."""
-    where, recorded = f"{train_dir / 'train.json'}", train_info.get("membership")
-    if recorded is not None:
-        membership = Membership.from_json(recorded, where, RERUN)
-        if membership.world_size != world_size:
-            raise UserError(
-                f"{where}: its membership lists {membership.world_size} ranks, not {world_size}; {RERUN}"
-            )
-        return membership
-    fsdp = train_info.get("fsdp")
-    return Membership.full(world_size, fsdp["shards_per_replica"] if isinstance(fsdp, dict) else 1)
 
 
 def adapter_header(adapter: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:

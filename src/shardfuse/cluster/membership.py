@@ -18,6 +18,7 @@ merge read it alike. By hand::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,3 +132,18 @@ class Membership:
             return cls(int(data["num_shards"]), members)
         except (KeyError, TypeError, ValueError, UserError) as exc:
             raise UserError(f"{where}: 'membership' is malformed ({exc}); {fix}") from None
+
+
+def recorded_membership(train_info: Mapping[str, Any], world_size: int, where: str, fix: str) -> Membership:
+    """Who trained what, as train.json (``train_info``) records it; a train.json from before it did:
+    every rank alive on its own shard, in replicas of its fsdp ``shards_per_replica`` ranks."""
+    recorded = train_info.get("membership")
+    if recorded is None:
+        fsdp = train_info.get("fsdp")
+        return Membership.full(world_size, fsdp["shards_per_replica"] if isinstance(fsdp, dict) else 1)
+    membership = Membership.from_json(recorded, where, fix)
+    if membership.world_size != world_size:
+        raise UserError(
+            f"{where}: its membership lists {membership.world_size} ranks, not {world_size}; {fix}"
+        )
+    return membership

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardfuse.cluster.membership import Member, Membership
+from shardfuse.cluster.membership import Member, Membership, recorded_membership
 from shardfuse.io import UserError
 
 
@@ -65,3 +65,12 @@ def test_ranks_must_be_listed_once_each_in_order_and_a_stranger_cannot_be_lost()
         Membership.full(2).without(5)
     with pytest.raises(UserError, match="do not split into replicas of 2"):
         Membership.full(3, ranks_per_replica=2)
+
+
+def test_a_train_json_from_before_membership_reads_as_every_rank_alive_in_its_fsdp_replicas():
+    assert recorded_membership({"fsdp": {"shards_per_replica": 2}}, 4, "t", "fix") == Membership.full(4, 2)
+    assert recorded_membership({}, 3, "t", "fix") == Membership.full(3)
+    recorded = {"membership": Membership.full(2).without(1).to_json()}
+    assert recorded_membership(recorded, 2, "t", "fix").lost_ranks == (1,)
+    with pytest.raises(UserError, match=r"^t: its membership lists 2 ranks, not 3; fix$"):
+        recorded_membership(recorded, 3, "t", "fix")
