@@ -435,6 +435,13 @@ def case_world_size_not_matching_checkpoints(tmp):
     )
 
 
+def case_membership_malformed(tmp):
+    out = train_dir(tmp)
+    info = json.loads((out / "train.json").read_text())
+    (out / "train.json").write_text(json.dumps({**info, "membership": {"num_shards": 2, "ranks": [{}]}}))
+    return gather_case(tmp, out, "train.json: 'membership' is malformed ('rank'); re-run training")
+
+
 def case_unknown_merge_method_cli(tmp):
     return Case(
         "merge",

@@ -5,6 +5,7 @@ records likewise give the `partition` enum and the partition_<param> keys."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -102,14 +103,26 @@ def test_the_prepare_stage_and_the_config_loader_read_one_table_of_source_tasks(
     assert {name: tasks[0] for name, tasks in SOURCE_TASKS.items()} == DEFAULT_TASKS
 
 
-def test_every_source_task_is_a_task_and_the_schema_enums_of_tasks_and_strategies_are_the_codes():
+def test_every_source_task_is_a_task_and_the_schema_enum_of_tasks_is_the_codes():
     from shardfuse.data.sources.registry import RECORDS as SOURCE_RECORDS
     from shardfuse.models.tasks import TASKS
-    from shardfuse.rank.sync import STRATEGIES
 
     assert {task for record in SOURCE_RECORDS for task in record.tasks} <= set(TASKS)
     assert SCHEMA["$defs"]["dataset"]["properties"]["task"]["enum"] == list(TASKS)
-    assert RUN_KEYS["strategy"]["enum"] == list(STRATEGIES)
+
+
+def test_the_schema_enum_of_strategies_is_the_registry_and_their_own_keys_are_train_keys():
+    from shardfuse.experiment.keys import OPTIONAL_TRAIN_KEYS
+    from shardfuse.experiment.run_config import SyncConfig
+    from shardfuse.strategies.registry import RECORDS as STRATEGY_RECORDS
+    from shardfuse.strategies.registry import names
+
+    assert RUN_KEYS["strategy"]["enum"] == list(names())
+    assert RUN_KEYS["strategy"]["default"] == SyncConfig().strategy
+    own_keys = {key for record in STRATEGY_RECORDS for key in record.own_keys}
+    # Each is a typed sync setting that joins a training's name only when set (so it can be refused
+    # off its default for the other strategies).
+    assert own_keys <= set(OPTIONAL_TRAIN_KEYS) & {f.name for f in fields(SyncConfig)}
 
 
 def test_the_torch_free_list_of_built_in_models_is_the_registry_of_factories():

@@ -133,18 +133,6 @@ DERIVED_TRAIN_KEYS = ("code_digest", "init_source", "decay_rule")
 DECAY_RULE = "ndim>=2"
 
 
-# Keys that only some strategies use: a non-ddp run's ddp baseline may differ in them.
-STRATEGY_KEYS = (
-    "strategy",
-    "sync_every",
-    "outer_lr",
-    "outer_momentum",
-    "init",
-    "find_unused_parameters",
-    "static_graph",
-)
-
-
 # Everything that determines a training's outputs. Runs that agree on all of these (e.g. a sweep over
 # merge methods) share one training: its ranks are trained once and fused several ways.
 TRAINING_KEYS = (

@@ -26,16 +26,9 @@ from typing import Any, ClassVar, TypeVar
 
 from shardfuse.io import UserError, read_json
 from shardfuse.models.tasks import evaluation_task
+from shardfuse.strategies.registry import mode_of
 
 RecordT = TypeVar("RecordT", bound="_Record")
-
-
-def mode_of(strategy: str, sync_every: Any) -> str:
-    """ddp, localsgd, independent (localsgd that never syncs) or diloco. ``sync_every`` may come from a
-    runs table cell (a string) or be absent."""
-    if strategy == "localsgd" and sync_every in (0, "0", "", None):
-        return "independent"
-    return strategy
 
 
 class _Record:
@@ -202,6 +195,9 @@ class TrainRecord(_Record):
     # fsdp > 1: {shards_per_replica, replicas, precision, hsdp, bytes_within_replica_per_rank}; then
     # ``ranks`` lists the replicas (shardfuse.rank.fsdp)
     fsdp: dict[str, Any] | None = None
+    # which rank read which data shard in which replica, the lost ranks and the shards the alive replicas
+    # cover (shardfuse.cluster.membership); None in train.json of older train stages
+    membership: dict[str, Any] | None = None
     git_commit: str | None = None  # older train stages only
     git_dirty: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)

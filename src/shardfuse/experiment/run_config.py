@@ -20,9 +20,9 @@ from shardfuse.io import UserError
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """How the ranks keep in touch (shardfuse.rank.sync)."""
+    """How the ranks keep in touch (shardfuse.strategies)."""
 
-    strategy: str = "ddp"  # ddp | localsgd | diloco
+    strategy: str = "ddp"  # a record of shardfuse.strategies.registry (ddp, localsgd, diloco)
     sync_every: int = 0  # local SGD / DiLoCo: optimiser steps between syncs (0: never, i.e. independent)
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD
     outer_momentum: float = 0.9
