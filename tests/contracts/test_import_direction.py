@@ -8,6 +8,7 @@ under ``if TYPE_CHECKING``: a deferred import is still a dependency, only a late
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import subprocess
 import sys
@@ -262,7 +263,7 @@ def test_no_import_loop_between_packages():
     if cycle:
         steps = [
             f"  {a} -> {b}: " + "; ".join(imp.where for imp in edges[(a, b)][:3])
-            for a, b in zip(cycle, cycle[1:], strict=False)
+            for a, b in itertools.pairwise(cycle)
         ]
         raise AssertionError("import loop between packages " + " -> ".join(cycle) + ":\n" + "\n".join(steps))
 

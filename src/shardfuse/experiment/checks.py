@@ -25,11 +25,11 @@ from shardfuse.experiment.keys import (
     partition_params,
     training_name,
 )
-from shardfuse.experiment.run_config import ADAPTER_DEFAULTS
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import BY_NAME, WEIGHTED_METHODS
 from shardfuse.io import UserError
 from shardfuse.models.hf import check_hf_args
+from shardfuse.models.spec import ADAPTER_DEFAULTS
 from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
 from shardfuse.strategies.registry import (
     apart_starters,

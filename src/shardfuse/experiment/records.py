@@ -18,13 +18,12 @@ unchanged, after the known ones. By hand::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
-from shardfuse.io import UserError, read_json
+from shardfuse.io import UserError, read_json, wrong_type
 from shardfuse.models.tasks import evaluation_task
 from shardfuse.strategies.registry import mode_of
 
@@ -103,46 +102,6 @@ class MissingField(UserError, KeyError):
 
     def __str__(self) -> str:
         return self.message
-
-
-# Each field's JSON kinds, by the outer type of its annotation (``int | None`` -> int); a float field
-# takes an integer (JSON writes 1.0 as 1 in some tools), no field takes a boolean for a number.
-KINDS: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "int": (int,),
-    "float": (int, float),
-    "bool": (bool,),
-    "dict": (dict,),
-    "list": (list,),
-}
-
-
-def wrong_type(value: Any, annotation: Any) -> str | None:
-    """How ``value`` fails the field's annotation (a string: ``dict[str, float] | None``), or None. A
-    ``dict[str, float]`` must map to numbers too: the readers do arithmetic on them."""
-    text = str(annotation)
-    outer = text.split("|")[0].strip()
-    kinds = KINDS.get(outer.split("[")[0])
-    if value is None or kinds is None:
-        return None
-    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        return f"{json_kind(value)} {_short(value)}, not {outer.split('[')[0]}"
-    if outer == "dict[str, float]":
-        for key, item in value.items():
-            if isinstance(item, bool) or not isinstance(item, (int, float)):
-                return f"a mapping whose '{key}' is {json_kind(item)} {_short(item)}, not a number"
-    return None
-
-
-def json_kind(value: Any) -> str:
-    """How JSON names the kind of ``value``: a string, a number, an object, ..."""
-    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", dict: "an object"}
-    return "null" if value is None else names.get(type(value), "a list")
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:39] + "…"
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,6 @@ class SyncConfig:
     fsdp_precision: str = "fp32"  # fp32 | bf16 (GPU only: bf16 parameters, fp32 reduction)
 
 
-# A LoRA adapter's keys and their defaults (the schema's; shardfuse.models.lora).
-ADAPTER_DEFAULTS = {
-    "type": "lora",
-    "r": 8,
-    "alpha": 16.0,
-    "dropout": 0.0,
-    "target_modules": "all-linear",
-    "init": "shared",
-}
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """What is trained: the model, its initial weights and its loss."""
