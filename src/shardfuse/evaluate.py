@@ -44,6 +44,7 @@ from shardfuse.models.registry import (
 )
 from shardfuse.models.tasks import Task, Totals, task_for
 from shardfuse.models.usercode import check_code_unchanged
+from shardfuse.strategies.registry import recorded_strategy
 
 
 def evaluate_weights(
@@ -122,7 +123,8 @@ def evaluate(
     best = task.best(scores)
     base = evaluate_weights(Path(info["base"]), features, labels, batch_size)
     baseline = None
-    if info.get("strategy") == "ddp":
+    strategy = recorded_strategy(info.get("strategy"))
+    if strategy is not None and strategy.baseline:  # a ddp run is its own baseline
         baseline = {"run": run, **merged}
     elif ddp_baseline is not None:
         ddp = EvalRecord.read(ddp_baseline, "ddp baseline evaluation")

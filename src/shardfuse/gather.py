@@ -26,6 +26,7 @@ from typing import Any
 
 from shardfuse.checkpoints.trust import check_base_header
 from shardfuse.checkpoints.weights import read_header, read_metadata
+from shardfuse.cluster.membership import recorded_membership
 from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, sha256_file, write_json
 
 RERUN = "re-run training (snakemake -R train)"
@@ -88,11 +89,11 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
     base_meta = read_metadata(base_path)
     adapter = train_info.get("adapter")
     reference = base_header if adapter is None else adapter_header(adapter, base_header)
-    fsdp = train_info.get("fsdp")
+    membership = recorded_membership(train_info, world_size, str(train_dir / "train.json"), RERUN)
     # fsdp > 1: one checkpoint per replica (its ranks' shards gathered), fused as ranks are otherwise.
-    replicas = world_size // fsdp["shards_per_replica"] if isinstance(fsdp, dict) else world_size
+    replicas = len(membership.replicas)
     ranks = []
-    for rank in range(replicas):
+    for rank in membership.alive_replicas:
         path = train_dir / f"rank-{rank}.safetensors"
         if not path.is_file():
             raise UserError(f"rank {rank}: checkpoint {path} is missing; {RERUN}")
@@ -150,6 +151,7 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
         "tensors": reference,
         "ranks": ranks,
         **extra,
+        "membership": membership.to_json(),
     }
 
 

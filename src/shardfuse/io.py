@@ -157,6 +157,46 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         ) from None
 
 
+# Each field's JSON kinds, by the outer type of its annotation (``int | None`` -> int); a float field
+# takes an integer (JSON writes 1.0 as 1 in some tools), no field takes a boolean for a number.
+KINDS: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "dict": (dict,),
+    "list": (list,),
+}
+
+
+def wrong_type(value: Any, annotation: Any) -> str | None:
+    """How ``value`` fails the field's annotation (a string: ``dict[str, float] | None``), or None. A
+    ``dict[str, float]`` must map to numbers too: the readers do arithmetic on them."""
+    text = str(annotation)
+    outer = text.split("|")[0].strip()
+    kinds = KINDS.get(outer.split("[")[0])
+    if value is None or kinds is None:
+        return None
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        return f"{json_kind(value)} {_short(value)}, not {outer.split('[')[0]}"
+    if outer == "dict[str, float]":
+        for key, item in value.items():
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                return f"a mapping whose '{key}' is {json_kind(item)} {_short(item)}, not a number"
+    return None
+
+
+def json_kind(value: Any) -> str:
+    """How JSON names the kind of ``value``: a string, a number, an object, ..."""
+    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", dict: "an object"}
+    return "null" if value is None else names.get(type(value), "a list")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
 def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -435,6 +435,13 @@ def case_world_size_not_matching_checkpoints(tmp):
     )
 
 
+def case_membership_malformed(tmp):
+    out = train_dir(tmp)
+    info = json.loads((out / "train.json").read_text())
+    (out / "train.json").write_text(json.dumps({**info, "membership": {"num_shards": 2, "ranks": [{}]}}))
+    return gather_case(tmp, out, "train.json: 'membership' is malformed ('rank'); re-run training")
+
+
 def case_unknown_merge_method_cli(tmp):
     return Case(
         "merge",
@@ -885,6 +892,17 @@ def case_partition_seed_too_large(tmp):
         "argument --seed: '9223372036854775808' is not a seed; use an integer from 0 to 9223372036854775807",
         tmp / "out",
     )
+
+
+def case_unknown_partitioner(tmp):
+    return Case(
+        "partition",
+        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "dirichlet",
+         "--out-dir", tmp / "out"],
+        "unknown partitioner 'dirichlet'; use one of iid; set the run key partition (or --partitioner) to "
+        "one of them",
+        tmp / "out",
+    )  # fmt: skip
 
 
 def case_merge_output_twice(tmp):

@@ -8,6 +8,7 @@ under ``if TYPE_CHECKING``: a deferred import is still a dependency, only a late
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import subprocess
 import sys
@@ -213,3 +214,63 @@ def test_the_workflow_imports_only_torch_free_modules():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", f"the workflow's imports pull in torch: {proc.stdout[:300]}"
+
+
+def package_of(module: str) -> str | None:
+    """``shardfuse.data.sources.tables`` -> ``data``; stages and the top-level libraries belong to none."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else None
+
+
+def package_graph() -> dict[tuple[str, str], list[Import]]:
+    """Every import from one package into another, by (importer's package, imported's package)."""
+    edges: dict[tuple[str, str], list[Import]] = {}
+    for name in MODULES:
+        for imp in imports_of(name):
+            pair = (package_of(imp.importer), package_of(imp.imported))
+            if None not in pair and pair[0] != pair[1]:
+                edges.setdefault(pair, []).append(imp)
+    return edges
+
+
+def package_cycle(edges: dict[tuple[str, str], list[Import]]) -> list[str] | None:
+    graph: dict[str, set[str]] = {}
+    for importer, imported in edges:
+        graph.setdefault(importer, set()).add(imported)
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if not state.get(target) and (cycle := visit(target, [*path, target])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if not state.get(name) and (cycle := visit(name, [name])):
+            return cycle
+    return None
+
+
+def test_no_import_loop_between_packages():
+    """The packages form layers (README: Layout): a loop between two of them means neither can be read,
+    tested or replaced without the other, even where no two modules import each other."""
+    edges = package_graph()
+    cycle = package_cycle(edges)
+    if cycle:
+        steps = [
+            f"  {a} -> {b}: " + "; ".join(imp.where for imp in edges[(a, b)][:3])
+            for a, b in itertools.pairwise(cycle)
+        ]
+        raise AssertionError("import loop between packages " + " -> ".join(cycle) + ":\n" + "\n".join(steps))
+
+
+def test_a_package_loop_is_found():
+    """The check above would pass vacuously if the scan missed one."""
+    imp = Import("shardfuse.a.x", "shardfuse.b.y", "x.py:1", "import shardfuse.b.y")
+    back = Import("shardfuse.b.y", "shardfuse.a.z", "y.py:1", "import shardfuse.a.z")
+    assert package_cycle({("a", "b"): [imp], ("b", "a"): [back]}) == ["a", "b", "a"]
+    assert package_cycle({("a", "b"): [imp]}) is None

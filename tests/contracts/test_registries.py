@@ -1,9 +1,11 @@
 """The records of the merge methods are the one source of what the config accepts: the schema's
 merge_method enum, the merge_<param> keys and their defaults, the keys that reach the merge rule, and
-the config's checks agree with the methods' own (tests/unit hold each method's math)."""
+the config's checks agree with the methods' own (tests/unit hold each method's math). The partitioners'
+records likewise give the `partition` enum and the partition_<param> keys."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -71,23 +73,53 @@ def test_the_config_accepts_a_world_size_exactly_when_the_method_does(method, wo
 DATASET_KEYS = SCHEMA["$defs"]["dataset"]["properties"]
 
 
+def test_the_schema_enum_of_partitioners_is_the_registry_and_its_default_the_first_record():
+    from shardfuse.data.partitioners import registry
+
+    assert RUN_KEYS["partition"]["enum"] == list(registry.names())
+    assert RUN_KEYS["partition"]["default"] == registry.DEFAULT == registry.RECORDS[0].name
+
+
+def test_every_partitioner_param_is_a_config_key_whose_schema_default_is_the_records():
+    from shardfuse.data.partitioners import registry
+
+    for record in registry.RECORDS:
+        for name, param in record.params.items():
+            assert f"partition_{name}" in RUN_KEYS, f"no config key partition_{name} ({record.name})"
+            default = RUN_KEYS[f"partition_{name}"].get("default")
+            if default is not None:  # null: each partitioner's own default
+                assert default == param.default, f"partition_{name}: schema {default!r}, {record.name}"
+
+
 def test_the_schema_enum_of_dataset_sources_is_the_registry():
     from shardfuse.data.sources.registry import source_names
 
     assert sorted(DATASET_KEYS["source"]["enum"]) == sorted(source_names())
 
 
-def test_every_source_serves_a_task_and_the_schema_enums_of_tasks_and_strategies_are_the_codes():
+def test_every_source_serves_a_task_and_the_schema_enum_of_tasks_is_the_codes():
     from shardfuse.data.labels import find_layout
     from shardfuse.data.sources.registry import RECORDS as SOURCES
     from shardfuse.models.tasks import task_names
-    from shardfuse.rank.sync import STRATEGIES
 
     for source in SOURCES:
         assert source.tasks(), f"{source.name} gives {source.labels}, which no task trains on"
         assert all(find_layout(layout) for layout in source.labels)
     assert DATASET_KEYS["task"]["enum"] == list(task_names())
-    assert RUN_KEYS["strategy"]["enum"] == list(STRATEGIES)
+
+
+def test_the_schema_enum_of_strategies_is_the_registry_and_their_own_keys_are_train_keys():
+    from shardfuse.experiment.keys import OPTIONAL_TRAIN_KEYS
+    from shardfuse.experiment.run_config import SyncConfig
+    from shardfuse.strategies.registry import RECORDS as STRATEGY_RECORDS
+    from shardfuse.strategies.registry import names
+
+    assert RUN_KEYS["strategy"]["enum"] == list(names())
+    assert RUN_KEYS["strategy"]["default"] == SyncConfig().strategy
+    own_keys = {key for record in STRATEGY_RECORDS for key in record.own_keys}
+    # Each is a typed sync setting that joins a training's name only when set (so it can be refused
+    # off its default for the other strategies).
+    assert own_keys <= set(OPTIONAL_TRAIN_KEYS) & {f.name for f in fields(SyncConfig)}
 
 
 def test_every_key_a_source_takes_is_a_schema_key_with_the_sources_default():

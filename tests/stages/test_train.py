@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from shardfuse.checkpoints.weights import load_weights, read_metadata
 from shardfuse.launch import staging_dir
 from shardfuse.metrics.system import INTERVAL_ENV, peak, read_system_metrics, system_metrics_path
-from tests.support.helpers import run_stage
+from tests.support.helpers import call_stage, run_stage
 from tests.support.training import (
     CPU_METRICS,
     SMALL_TRAIN_CFG,
@@ -65,6 +66,38 @@ def test_each_rank_trains_on_exactly_its_own_shard(trained, digits_shards):
         meta = read_metadata(trained["ddp"] / f"rank-{shard['rank']}.safetensors")
         assert meta["rows"] == shard["rows"]
     assert [r["rows"] for r in info["ranks"]] == [s["rows"] for s in manifest["shards"]]
+
+
+def test_train_json_and_gather_json_record_the_membership_every_rank_alive_on_its_own_shard(
+    trained, tmp_path
+):
+    info = json.loads((trained["independent"] / "train.json").read_text())
+    assert info["membership"] == {
+        "num_shards": 2,
+        "ranks": [
+            {"rank": 0, "replica": 0, "data_shard": 0, "alive": True},
+            {"rank": 1, "replica": 1, "data_shard": 1, "alive": True},
+        ],
+        "lost_ranks": [],
+        "alive_replicas": [0, 1],
+        "coverage": 1.0,
+    }
+    out = tmp_path / "gather.json"
+    proc = call_stage("gather", "--train-dir", trained["independent"], "--world-size", 2, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["membership"] == info["membership"]
+
+
+def test_gather_reads_a_train_json_from_before_membership_as_every_rank_alive(trained, tmp_path):
+    train_dir = tmp_path / "ranks"
+    shutil.copytree(trained["independent"], train_dir)
+    info = json.loads((train_dir / "train.json").read_text())
+    recorded = info.pop("membership")
+    (train_dir / "train.json").write_text(json.dumps(info))
+    out = tmp_path / "gather.json"
+    proc = call_stage("gather", "--train-dir", train_dir, "--world-size", 2, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["membership"] == recorded
 
 
 def test_step_metrics_have_one_row_per_step_on_every_rank(trained):

@@ -33,6 +33,7 @@ from shardfuse.data.provenance import dataset_files, files_digest  # noqa: E402
 from shardfuse.experiment.keys import (  # noqa: E402
     merge_align_args,
     merge_params,
+    partition_args,
     shardset_name,
     train_config,
 )
@@ -59,13 +60,18 @@ except ConfigError as exc:
 RUNS = EXPERIMENT.runs
 # Runs that differ only in merge keys share a training (see shardfuse.experiment.keys.training_name).
 TRAININGS = EXPERIMENT.trainings
+# Every shard set a run uses ("dataset/name") -> the partition command's options.
+SHARDSETS = {
+    f"{cfg['dataset']}/{shardset_name(cfg)}": partition_args(cfg)
+    for cfg in RUNS.values()
+}
 
 
 wildcard_constraints:
     run="|".join(re.escape(run) for run in RUNS),
     training="|".join(re.escape(name) for name in TRAININGS),
     dataset="|".join(re.escape(name) for name in EXPERIMENT.datasets),
-    shardset=r"w\d+-seed\d+(-drop)?",
+    shardset="|".join(re.escape(key.partition("/")[2]) for key in SHARDSETS),
 
 
 def print_failed_job_errors(snakemake_logs):
@@ -157,10 +163,17 @@ def dataset_content_digest(wildcards):
     )
 
 
-def shardset_args(wildcards):
-    match = re.fullmatch(r"w(\d+)-seed(\d+)(-drop)?", wildcards.shardset)
-    drop = " --drop-remainder" if match.group(3) else ""
-    return f"--world-size {match.group(1)} --seed {match.group(2)}{drop}"
+def partition_args_of(wildcards):
+    """The partition command's options: the shard set's identity from the config of the runs that use
+    it (shardfuse.experiment.keys.partition_args), never parsed back from its directory name.
+    """
+    key = f"{wildcards.dataset}/{wildcards.shardset}"
+    if key not in SHARDSETS:
+        raise WorkflowError(
+            f"no run uses the shard set results/shards/{key}; ask for one that a run of the config "
+            "uses (a shard set is made from its run's keys, not from its directory name)"
+        )
+    return SHARDSETS[key]
 
 
 # train, gather (wildcard: training)

@@ -13,7 +13,7 @@ rule partition:
         # One slot of a SLURM job group (profiles/slurm: groups, group_slots).
         group_slots=1,
     params:
-        layout=shardset_args,
+        layout=partition_args_of,
     shell:
         "python -m shardfuse.partition --input {input.train} {params.layout}"
         " --out-dir {output.shards} > {log} 2>&1"

@@ -42,8 +42,7 @@ from shardfuse.data.shard_format import (
     read_layout,
     shard_name,
 )
-from shardfuse.experiment.records import wrong_type
-from shardfuse.io import UserError, error_reason, read_json, sha256_file
+from shardfuse.io import UserError, error_reason, read_json, sha256_file, wrong_type
 from shardfuse.models.tasks import IMPLICIT_TASK, task_names
 
 DATASET_KEYS = (

@@ -1,7 +1,7 @@
-"""The shard writer behind the partition stage: each row's rank drawn block by block from a seeded
-stream, rows grouped by rank and written through bounded background buffers into one Parquet file per
-rank, each file's sha256 and each numeric column's moments computed as the bytes go by. Memory is flat in
-the number of rows (the partition stage's docstring says how; peak RSS: bench/partition.py).
+"""The shard writer behind the partition stage: each read batch's rows grouped by the ranks a partitioner
+dealt them (shardfuse.data.partitioners) and written through bounded background buffers into one Parquet
+file per rank, each file's sha256 and each numeric column's moments computed as the bytes go by. Memory
+is flat in the number of rows (the partition stage's docstring says how; peak RSS: bench/partition.py).
 """
 
 from __future__ import annotations
@@ -35,74 +35,10 @@ MAX_ROW_GROUP_ROWS = 1 << 16
 # row group, and a token block or an image is hundreds of values a row. One value a row (numeric
 # columns): the row limits decide, as before. Peak RSS on a token corpus: bench/partition.py.
 MAX_COLUMN_VALUES = 1 << 21
-# The assignment is drawn in blocks of this many rows. A constant, not a knob: it decides the random
-# stream, so changing it changes which rank gets which row.
-ASSIGNMENT_BLOCK_ROWS = 1 << 20
 # A float column keeps dictionary encoding only if the input stores it in under this fraction of its
 # plain size (its values repeat, e.g. pixel intensities); continuous values never do.
 DICTIONARY_MAX_STORED_FRACTION = 0.5
 REMAKE_INPUT = "fix the path or (re-)run the prepare stage"
-
-
-def shard_sizes(num_rows: int, world_size: int, drop_remainder: bool) -> list[int]:
-    """Rows per rank: N // W each, plus one for the first N % W ranks unless the remainder is dropped."""
-    base, remainder = divmod(num_rows, world_size)
-    if drop_remainder:
-        return [base] * world_size
-    return [base + 1 if rank < remainder else base for rank in range(world_size)]
-
-
-def iter_rank_assignment(
-    num_rows: int, world_size: int, seed: int, drop_remainder: bool, block_rows: int = ASSIGNMENT_BLOCK_ROWS
-) -> Iterator[np.ndarray]:
-    """The rank of every input row (value ``world_size`` marks a dropped row), block by block, in the
-    smallest integer dtype that fits: a seeded uniformly random arrangement of the shard sizes in
-    O(block) memory. Each block's rank counts are a multivariate hypergeometric draw from the rows still
-    unassigned, then the block is shuffled: together exactly a shuffle of the whole assignment."""
-    sizes = shard_sizes(num_rows, world_size, drop_remainder)
-    remaining = np.array([*sizes, num_rows - sum(sizes)], dtype=np.int64)
-    dtype = np.min_scalar_type(world_size)
-    ranks = np.arange(world_size + 1, dtype=dtype)
-    rng = np.random.default_rng(seed)
-    for start in range(0, num_rows, block_rows):
-        take = min(block_rows, num_rows - start)
-        counts = (
-            remaining
-            if take == remaining.sum()
-            else rng.multivariate_hypergeometric(remaining, take, method="marginals")
-        )
-        remaining = remaining - counts
-        block = np.repeat(ranks, counts)
-        rng.shuffle(block)
-        yield block
-
-
-def rank_assignment(
-    num_rows: int, world_size: int, seed: int, drop_remainder: bool, block_rows: int = ASSIGNMENT_BLOCK_ROWS
-) -> np.ndarray:
-    """The whole assignment of :func:`iter_rank_assignment` as one array (for tests and small inputs)."""
-    blocks = list(iter_rank_assignment(num_rows, world_size, seed, drop_remainder, block_rows))
-    return np.concatenate(blocks) if blocks else np.empty(0, dtype=np.min_scalar_type(world_size))
-
-
-class AssignmentReader:
-    """Hands out the next ``n`` assignments, whatever the read batches and assignment blocks are."""
-
-    def __init__(self, blocks: Iterator[np.ndarray]) -> None:
-        self.blocks = blocks
-        self.current = np.empty(0, dtype=np.uint8)
-        self.position = 0
-
-    def take(self, n: int) -> np.ndarray:
-        parts = []
-        while n:
-            if self.position == len(self.current):
-                self.current, self.position = next(self.blocks), 0
-            part = self.current[self.position : self.position + n]
-            self.position += len(part)
-            n -= len(part)
-            parts.append(part)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def max_rows_per_group(schema: pa.Schema) -> int:
@@ -235,18 +171,19 @@ class _FileDigest:
 
 def grouped_batches(
     batches: Iterator[pa.RecordBatch],
-    assignment: AssignmentReader,
+    ranks_of: Callable[[pa.RecordBatch], np.ndarray],
     world_size: int,
     num_rows: int,
     what: str,
 ) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
-    """Each read batch reordered by rank, with the bounds of each rank's rows."""
+    """Each read batch reordered by rank (``ranks_of(batch)``: each row's, ``world_size`` = dropped),
+    with the bounds of each rank's rows."""
     offset = 0
     for batch in batches:
         offset += batch.num_rows
         if offset > num_rows:
             raise UserError(f"{what} yielded more rows than its footer says ({num_rows}); {REMAKE_INPUT}")
-        order, bounds = _group_by_rank(assignment.take(batch.num_rows), world_size)
+        order, bounds = _group_by_rank(ranks_of(batch), world_size)
         # From the buffer, not pa.array(order): that one imports pandas, slow to load, to rule out a Series.
         indices = pa.Array.from_buffers(
             pa.int64(), len(order), [None, pa.py_buffer(order.astype(np.int64, copy=False))]

@@ -24,15 +24,23 @@ from shardfuse.experiment.keys import (
     FLOAT_TRAIN_KEYS,
     OPTIONAL_TRAIN_KEYS,
     merge_params,
+    partition_params,
     training_name,
 )
-from shardfuse.experiment.run_config import ADAPTER_DEFAULTS, ModelConfig
+from shardfuse.experiment.run_config import ModelConfig
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import BY_NAME, WEIGHTED_METHODS
 from shardfuse.io import UserError
 from shardfuse.models.hf import check_hf_args
+from shardfuse.models.spec import ADAPTER_DEFAULTS
 from shardfuse.models.tasks import named_task, task_names, task_record
 from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
+from shardfuse.strategies.registry import (
+    apart_starters,
+    find_strategy,
+    identical_publishers,
+    own_keys_problem,
+)
 
 
 def dataset_task(dataset: dict[str, Any]) -> str:
@@ -243,32 +251,15 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{where}.merge_align: consolidate checks that the ranks are identical, there is nothing to "
             "align; remove merge_align or choose another merge_method"
         )
-    # DiLoCo ends with an outer step, so its ranks publish the same weights unless each keeps its best.
-    identical = run["strategy"] == "ddp" or (run["strategy"] == "diloco" and run.get("keep") != "best")
-    if method == "consolidate" and not identical:
+    strategy = find_strategy(run["strategy"])
+    if method == "consolidate" and not strategy.publishes_identical(run.get("keep", "last")):
+        keep_best = " with keep best" if strategy.publishes_identical("last") else ""
         raise ConfigError(
-            f"{where}.merge_method: consolidate needs identical ranks (strategy ddp, or diloco keeping "
-            f"its last weights) but strategy is {run['strategy']}"
-            f"{' with keep best' if run['strategy'] == 'diloco' else ''}; "
-            "use merge_method uniform or weighted"
+            f"{where}.merge_method: consolidate needs identical ranks ({identical_publishers()}) but "
+            f"strategy is {strategy.name}{keep_best}; use merge_method uniform or weighted"
         )
-    if run["strategy"] == "ddp" and run["sync_every"] != 0:
-        raise ConfigError(
-            f"{where}.sync_every: only localsgd and diloco sync every N steps (ddp syncs gradients "
-            "every step); remove sync_every or set strategy localsgd or diloco"
-        )
-    if run["strategy"] == "diloco" and run["sync_every"] == 0:
-        raise ConfigError(
-            f"{where}.sync_every: strategy diloco needs sync_every >= 1 (the inner steps between "
-            "outer steps, e.g. 16); set sync_every"
-        )
-
-
-# Why init: per_rank is refused with these strategies.
-EQUAL_RANKS = {
-    "ddp": "ddp starts every rank from rank 0's weights",
-    "diloco": "diloco's outer step needs one shared starting point",
-}
+    if (problem := strategy.sync_every_problem(run["sync_every"])) is not None:
+        raise ConfigError(f"{where}.{problem}")
 
 
 def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
@@ -278,23 +269,13 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     same training, so it is an error rather than ignored. Warmup longer than the run is the train
     stage's check: only it knows the number of steps."""
     where = f"config error at runs[{name}]"
-    strategy, optimizer, dataset = run["strategy"], run["optimizer"], run["dataset"]
-    for key in ("outer_lr", "outer_momentum"):
-        if strategy != "diloco" and run[key] != OPTIONAL_TRAIN_KEYS[key]:
-            raise ConfigError(
-                f"{where}.{key}: only strategy diloco has an outer optimiser but strategy is "
-                f"{strategy}; remove {key} or set strategy diloco"
-            )
-    for key in ("find_unused_parameters", "static_graph"):
-        if strategy != "ddp" and run[key] != OPTIONAL_TRAIN_KEYS[key]:
-            raise ConfigError(
-                f"{where}.{key}: a DistributedDataParallel setting but strategy is {strategy}, which "
-                f"keeps no DDP wrapper; remove {key} or set strategy ddp"
-            )
-    if run["init"] == "per_rank" and strategy in EQUAL_RANKS:
+    strategy, optimizer, dataset = find_strategy(run["strategy"]), run["optimizer"], run["dataset"]
+    if (problem := own_keys_problem(strategy.name, run, OPTIONAL_TRAIN_KEYS)) is not None:
+        raise ConfigError(f"{where}.{problem}")
+    if run["init"] == "per_rank" and strategy.equal_start is not None:
         raise ConfigError(
             f"{where}.init: per_rank gives each rank its own initial weights but "
-            f"{EQUAL_RANKS[strategy]}; use init shared or strategy localsgd"
+            f"{strategy.equal_start}; use init shared or strategy {apart_starters()}"
         )
     if run["init"] == "per_rank" and run["init_from"] is not None:
         raise ConfigError(
@@ -381,10 +362,11 @@ def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | Non
             f"{where}.init: per_rank gives each rank its own base, but adapters train over one frozen "
             "base; remove init (adapter.init: per_rank draws each rank's own adapter)"
         )
-    if adapter["init"] == "per_rank" and run["strategy"] in EQUAL_RANKS:
+    equal_start = find_strategy(run["strategy"]).equal_start
+    if adapter["init"] == "per_rank" and equal_start is not None:
         raise ConfigError(
-            f"{where}.adapter.init: per_rank gives each rank its own adapter but "
-            f"{EQUAL_RANKS[run['strategy']]}; use adapter.init shared or strategy localsgd"
+            f"{where}.adapter.init: per_rank gives each rank its own adapter but {equal_start}; use "
+            f"adapter.init shared or strategy {apart_starters()}"
         )
     if run.get("merge_adapter") == "cat" and method not in LINEAR_IN_UPDATES:
         raise ConfigError(
@@ -465,3 +447,12 @@ def check_registered_model(name: str | None, where: str = "config error at mlflo
         f"{where}: {name!r} is not a name MLflow accepts ({reason}); use a name without '/', ':' or '%' "
         "that does not start with '..', e.g. shardfuse-digits"
     )
+
+
+def check_partition(name: str, run: dict[str, Any]) -> None:
+    """The run's partitioner takes its partition_<param> keys: its record checks them (before any job,
+    not at partition time)."""
+    try:
+        partition_params(run)
+    except UserError as exc:
+        raise ConfigError(f"config error at runs[{name}].partition: {exc}") from None

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from typing import Any
 
+from shardfuse.data.partitioners import registry as partitioners
 from shardfuse.experiment.run_config import flat_defaults
 from shardfuse.fusion.methods.registry import RECORDS
 from shardfuse.io import MAX_SEED
@@ -125,18 +127,6 @@ DERIVED_TRAIN_KEYS = ("code_digest", "init_source", "decay_rule")
 DECAY_RULE = "ndim>=2"
 
 
-# Keys that only some strategies use: a non-ddp run's ddp baseline may differ in them.
-STRATEGY_KEYS = (
-    "strategy",
-    "sync_every",
-    "outer_lr",
-    "outer_momentum",
-    "init",
-    "find_unused_parameters",
-    "static_graph",
-)
-
-
 # Everything that determines a training's outputs. Runs that agree on all of these (e.g. a sweep over
 # merge methods) share one training: its ranks are trained once and fused several ways.
 TRAINING_KEYS = (
@@ -183,7 +173,11 @@ def train_config(run_cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def training_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
-    return {**{key: run_cfg[key] for key in TRAINING_KEYS}, **_set_train_keys(run_cfg)}
+    return {
+        **{key: run_cfg[key] for key in TRAINING_KEYS},
+        **_set_train_keys(run_cfg),
+        **shardset_identity(run_cfg),
+    }
 
 
 def training_name(run_cfg: dict[str, Any]) -> str:
@@ -193,7 +187,56 @@ def training_name(run_cfg: dict[str, Any]) -> str:
     return f"{run_cfg['dataset']}-w{run_cfg['world_size']}-{run_cfg['strategy']}-{digest}"
 
 
+def partitioner_of(run_cfg: dict[str, Any]) -> str:
+    """The run's partitioner (a config from before the key existed: the default, iid)."""
+    return run_cfg.get("partition", partitioners.DEFAULT)
+
+
+def partition_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The run's partitioner's params, from its partition_<param> keys (null or absent: the record's
+    default), checked by the record (a UserError names the key)."""
+    name = partitioner_of(run_cfg)
+    record = partitioners.find(name)
+    given = {
+        param: run_cfg[f"partition_{param}"]
+        for param in record.params
+        if run_cfg.get(f"partition_{param}") is not None
+    }
+    return partitioners.resolve_params(name, given, run_cfg["world_size"])
+
+
+def shardset_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """What the run's partitioner adds to its shard set's identity, and so to its training's: flat keys
+    (partition, partition_<param>), none for iid (shard sets and trainings keep their names)."""
+    return partitioners.shardset_identity(partitioner_of(run_cfg), partition_params(run_cfg))
+
+
 def shardset_name(run_cfg: dict[str, Any]) -> str:
-    """Directory name of a shard set: shards depend only on (dataset, world size, seed, remainder)."""
+    """Directory name of a shard set, from its identity: shards depend only on the dataset, world size,
+    seed, remainder and the partitioner with its params. iid's is w{W}-seed{S}[-drop]; another
+    partitioner's adds its name and, when it has params, a digest of them (the manifest records them)."""
     suffix = "-drop" if run_cfg["drop_remainder"] else ""
-    return f"w{run_cfg['world_size']}-seed{run_cfg['shard_seed']}{suffix}"
+    name = f"w{run_cfg['world_size']}-seed{run_cfg['shard_seed']}{suffix}"
+    identity = shardset_identity(run_cfg)
+    if not identity:
+        return name
+    name = f"{name}-{partitioner_of(run_cfg)}"
+    params = partition_params(run_cfg)
+    if params:
+        name += "-" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    return name
+
+
+def partition_args(run_cfg: dict[str, Any]) -> str:
+    """The partition command's options for the run's shard set (the rule's params: its identity passed
+    as flags, never read back from the directory name). iid's are the options of the days before
+    partitioners, so Snakemake's params trigger does not re-run existing shard sets."""
+    args = [f"--world-size {run_cfg['world_size']} --seed {run_cfg['shard_seed']}"]
+    if run_cfg["drop_remainder"]:
+        args.append("--drop-remainder")
+    if shardset_identity(run_cfg):
+        params = json.dumps(partition_params(run_cfg), sort_keys=True)
+        args.append(
+            f"--partitioner {shlex.quote(partitioner_of(run_cfg))} --params-json {shlex.quote(params)}"
+        )
+    return " ".join(args)

@@ -15,6 +15,7 @@ from shardfuse.experiment.checks import (
     check_dataset_task,
     check_fsdp,
     check_model,
+    check_partition,
     check_registered_model,
     check_run,
     check_training_loop,
@@ -26,7 +27,6 @@ from shardfuse.experiment.keys import (
     MAX_NAME_LENGTH,
     NAME_MAX,
     RUN_NAME,
-    STRATEGY_KEYS,
     training_identity,
     training_name,
 )
@@ -41,6 +41,7 @@ from shardfuse.experiment.schema import (
     with_defaults,
 )
 from shardfuse.models.tasks import spec_task_entry
+from shardfuse.strategies.registry import find_strategy, identity_keys
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,19 @@ class Experiment:
         return found
 
     def ddp_baseline(self, run: str) -> str | None:
-        """The ddp run trained like ``run`` in every other respect, if the experiment has one."""
+        """The run trained like ``run`` in every other respect with the baseline strategy (ddp), if the
+        experiment has one."""
         cfg = self.runs[run]
+        strategy_keys = identity_keys()  # what a strategy choice sets: the baseline may differ in them
 
         def rest(run_cfg: dict[str, Any]) -> dict[str, Any]:
             identity = training_identity(run_cfg)
             if isinstance(identity.get("adapter"), dict):  # adapter.init is a strategy choice too
                 identity["adapter"] = {k: v for k, v in identity["adapter"].items() if k != "init"}
-            return {k: v for k, v in identity.items() if k not in STRATEGY_KEYS}
+            return {k: v for k, v in identity.items() if k not in strategy_keys}
 
         for other, other_cfg in self.runs.items():
-            if other_cfg["strategy"] == "ddp" and rest(other_cfg) == rest(cfg):
+            if find_strategy(other_cfg["strategy"]).baseline and rest(other_cfg) == rest(cfg):
                 return other
         return None
 
@@ -123,6 +126,7 @@ def load_experiment(
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
         check_run(name, resolved, datasets, fix)
+        check_partition(name, resolved)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
         check_adapter(name, resolved, datasets)

@@ -18,24 +18,16 @@ unchanged, after the known ones. By hand::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
-from shardfuse.io import UserError, read_json
+from shardfuse.io import UserError, read_json, wrong_type
 from shardfuse.models.tasks import evaluation_task
+from shardfuse.strategies.registry import mode_of
 
 RecordT = TypeVar("RecordT", bound="_Record")
-
-
-def mode_of(strategy: str, sync_every: Any) -> str:
-    """ddp, localsgd, independent (localsgd that never syncs) or diloco. ``sync_every`` may come from a
-    runs table cell (a string) or be absent."""
-    if strategy == "localsgd" and sync_every in (0, "0", "", None):
-        return "independent"
-    return strategy
 
 
 class _Record:
@@ -112,46 +104,6 @@ class MissingField(UserError, KeyError):
         return self.message
 
 
-# Each field's JSON kinds, by the outer type of its annotation (``int | None`` -> int); a float field
-# takes an integer (JSON writes 1.0 as 1 in some tools), no field takes a boolean for a number.
-KINDS: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "int": (int,),
-    "float": (int, float),
-    "bool": (bool,),
-    "dict": (dict,),
-    "list": (list,),
-}
-
-
-def wrong_type(value: Any, annotation: Any) -> str | None:
-    """How ``value`` fails the field's annotation (a string: ``dict[str, float] | None``), or None. A
-    ``dict[str, float]`` must map to numbers too: the readers do arithmetic on them."""
-    text = str(annotation)
-    outer = text.split("|")[0].strip()
-    kinds = KINDS.get(outer.split("[")[0])
-    if value is None or kinds is None:
-        return None
-    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-        return f"{json_kind(value)} {_short(value)}, not {outer.split('[')[0]}"
-    if outer == "dict[str, float]":
-        for key, item in value.items():
-            if isinstance(item, bool) or not isinstance(item, (int, float)):
-                return f"a mapping whose '{key}' is {json_kind(item)} {_short(item)}, not a number"
-    return None
-
-
-def json_kind(value: Any) -> str:
-    """How JSON names the kind of ``value``: a string, a number, an object, ..."""
-    names = {bool: "a boolean", str: "a string", int: "a number", float: "a number", dict: "an object"}
-    return "null" if value is None else names.get(type(value), "a list")
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:39] + "…"
-
-
 @dataclass(frozen=True)
 class TrainRecord(_Record):
     """train.json, field by field in the order the train stage writes them."""
@@ -202,6 +154,9 @@ class TrainRecord(_Record):
     # fsdp > 1: {shards_per_replica, replicas, precision, hsdp, bytes_within_replica_per_rank}; then
     # ``ranks`` lists the replicas (shardfuse.rank.fsdp)
     fsdp: dict[str, Any] | None = None
+    # which rank read which data shard in which replica, the lost ranks and the shards the alive replicas
+    # cover (shardfuse.cluster.membership); None in train.json of older train stages
+    membership: dict[str, Any] | None = None
     git_commit: str | None = None  # older train stages only
     git_dirty: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)

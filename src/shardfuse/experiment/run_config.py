@@ -20,9 +20,9 @@ from shardfuse.io import UserError
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """How the ranks keep in touch (shardfuse.rank.sync)."""
+    """How the ranks keep in touch (shardfuse.strategies)."""
 
-    strategy: str = "ddp"  # ddp | localsgd | diloco
+    strategy: str = "ddp"  # a record of shardfuse.strategies.registry (ddp, localsgd, diloco)
     sync_every: int = 0  # local SGD / DiLoCo: optimiser steps between syncs (0: never, i.e. independent)
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD
     outer_momentum: float = 0.9
@@ -30,17 +30,6 @@ class SyncConfig:
     static_graph: bool = False  # ddp: the same parameters are used in every step
     fsdp: int = 1  # FSDP2 shards per replica (shardfuse.rank.fsdp); 1: every rank holds the whole model
     fsdp_precision: str = "fp32"  # fp32 | bf16 (GPU only: bf16 parameters, fp32 reduction)
-
-
-# A LoRA adapter's keys and their defaults (the schema's; shardfuse.models.lora).
-ADAPTER_DEFAULTS = {
-    "type": "lora",
-    "r": 8,
-    "alpha": 16.0,
-    "dropout": 0.0,
-    "target_modules": "all-linear",
-    "init": "shared",
-}
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ SCHEMA = pa.schema(
     ]
 )
 COLUMNS = tuple(SCHEMA.names)
+# The metrics every step has (the tracker pushes them as whole rows), and those that are NaN on the steps
+# without a value (pushed where finite, as series; older metrics files lack them).
+EVERY_STEP_METRICS = ("loss", "samples_per_second", "lr")
+SOME_STEP_METRICS = ("grad_norm", "val_score")
 RECORD = np.dtype("<f8")
 RECORD_BYTES = RECORD.itemsize * len(COLUMNS)
 

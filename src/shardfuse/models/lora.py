@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from shardfuse.checkpoints.weights import load_weights
-from shardfuse.experiment.run_config import ADAPTER_DEFAULTS
 from shardfuse.io import UserError, sha256_file
+from shardfuse.models.spec import ADAPTER_DEFAULTS
 
 ADAPTER_NAME = "default"  # PEFT's name for the one adapter a model holds
 FACTOR = re.compile(rf"^(?P<module>.+)\.lora_(?P<factor>[AB])\.{ADAPTER_NAME}\.weight$")

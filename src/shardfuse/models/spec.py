@@ -23,6 +23,17 @@ from shardfuse.io import UserError
 from shardfuse.models.tasks import IMPLICIT_TASK, named_task, task_for
 from shardfuse.models.usercode import code_fingerprint, model_files_of
 
+# A LoRA adapter's keys and their defaults (the schema's; shardfuse.models.lora applies them, the config
+# check and the typed run config read them from here).
+ADAPTER_DEFAULTS = {
+    "type": "lora",
+    "r": 8,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "target_modules": "all-linear",
+    "init": "shared",
+}
+
 # The field of a dict or ModelOutput holding a model's outputs unless the run's model_output says.
 DEFAULT_OUTPUT = "logits"
 

@@ -7,10 +7,11 @@ dimension: each rank holds 1/S of the parameters, their gradients and the optimi
 units are the built-in transformer's blocks, the built-in mlp's Linear layers, an HF model's decoder
 layers (the classes its ``_no_split_modules`` names) or what a user model's ``fsdp_units()`` returns.
 
-Across replicas the strategies act as without FSDP: ``ddp`` shards over the whole 2-D mesh (HSDP:
-gradients reduce-scattered inside the replica and all-reduced across replicas), ``localsgd`` and
-``diloco`` average each rank's *local* shards over the ``replicate`` dimension (identical sharding in
-every replica makes shard ``s`` of every replica the same slice), ``sync_every: 0`` never.
+Across replicas the strategies act as without FSDP: one that reduces gradients (``ddp``, its record's
+``reduces_gradients``) shards over the whole 2-D mesh (HSDP: gradients reduce-scattered inside the
+replica and all-reduced across replicas), ``localsgd`` and ``diloco`` average each rank's *local*
+shards over the ``replicate`` dimension (identical sharding in every replica makes shard ``s`` of every
+replica the same slice), ``sync_every: 0`` never.
 
 Checkpoints hold each rank's local shards (safetensors + JSON, :mod:`shardfuse.rank.resume`, atomic as
 every checkpoint): a rank resumes its own slices bitwise. Not torch.distributed.checkpoint: its
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.io import UserError
+from shardfuse.strategies.sync import is_dtensor, local
 
 
 @dataclass(frozen=True)
@@ -60,17 +62,6 @@ def layout_of(rank: int, world_size: int, shards: int) -> Layout:
             "set fsdp to a divisor of world_size"
         )
     return Layout(shards, world_size // shards, rank // shards, rank % shards)
-
-
-def is_dtensor(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded tensor (a DTensor); any other tensor as it is."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def wrap_units(model: torch.nn.Module, model_name: str) -> list[torch.nn.Module]:

@@ -15,7 +15,6 @@ import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.data.reader import ShardReader
-from shardfuse.experiment.records import mode_of
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.rank.dist import autocast
 from shardfuse.rank.fsdp import all_reduce_mean
@@ -34,6 +33,7 @@ from shardfuse.rank.setup import (
 )
 from shardfuse.rank.stop import StopRequest
 from shardfuse.rank.validation import all_out_of_patience, shared_score
+from shardfuse.strategies.registry import mode_of
 from shardfuse.track.live import LiveLogger
 
 
@@ -130,7 +130,9 @@ def train_loop(
     # mismatch stops the run when the first epoch ends) and keeps it in memory for later epochs.
     with (
         StopRequest(setup.out_dir, ctx.device, step) as stop_request,
-        ShardReader(setup.shard_dir, ctx.rank, seed=setup.rank_seed, cache=True, verify=True) as reader,
+        ShardReader(
+            setup.shard_dir, setup.data_shard, seed=setup.rank_seed, cache=True, verify=True
+        ) as reader,
         gate.progress(plan.total_steps, initial_step=step, description=run) as progress,
     ):
         for epoch in range(position.epoch, cfg.loop.epochs):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.checkpoints.weights import save_weights
-from shardfuse.experiment.records import TrainRecord, mode_of
+from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
@@ -24,6 +24,7 @@ from shardfuse.rank.setup import (
     optimizer_steps,
     publish_rank0_buffers,
 )
+from shardfuse.strategies.registry import mode_of
 
 if TYPE_CHECKING:
     from shardfuse.rank.loop import LoopEnd
@@ -40,8 +41,8 @@ def publish(
     and system); rank 0 writes train.json once every rank's files exist. With fsdp > 1 a replica is
     what a rank is otherwise: its first rank writes the replica's whole weights as
     ``rank-<replica>.safetensors`` (gathered one tensor at a time) and its metrics."""
-    ctx, cfg, manifest, tracker = setup.ctx, setup.cfg, setup.manifest, plan.tracker
-    layout = plan.layout
+    ctx, cfg, tracker = setup.ctx, setup.cfg, plan.tracker
+    layout, membership = plan.layout, setup.membership
     num_steps, stopped_early = end.step, end.stopped_early
     # The slowest rank's time in the loop, and the most any rank spent outside the step's own work.
     seconds = torch.tensor([end.seconds, end.seconds - end.compute_seconds], dtype=torch.float64)
@@ -55,8 +56,8 @@ def publish(
         weights, published_step = storable_state(setup.model)[0], num_steps
     if tracker.keep_best and tracker.best_weights is not None:
         weights, published_step = tracker.best_weights, tracker.best_step
-    replica_ranks = layout.ranks_of(layout.replica)
-    num_rows = sum(manifest["shards"][rank]["rows"] for rank in replica_ranks)
+    replica_ranks = membership.ranks_of(layout.replica)
+    num_rows = replica_rows(setup, replica_ranks)
     rank_meta = {**setup.meta, "rank": layout.replica, "rows": num_rows, "num_steps": num_steps}
     if setup.sharded:
         rank_meta["fsdp"] = {**rank_meta["fsdp"], "ranks": replica_ranks}
@@ -78,7 +79,6 @@ def publish(
     torch_dist.all_gather_object(facts, (setup.meta["host"], published_step, best))
     hosts = [fact[0] for fact in facts]
     world_size, accum = ctx.world_size, plan.grad_accum_steps
-    leaders = [layout.ranks_of(replica)[0] for replica in range(layout.replicas)]
     record = TrainRecord(
         run=setup.run,
         world_size=world_size,
@@ -118,32 +118,32 @@ def publish(
         init_from=setup.meta["init_from"],
         adapter=rank_meta.get("adapter"),
         fsdp=fsdp_record(setup, plan, num_steps) if setup.sharded else None,
-        ranks=[
-            {
-                "rank": s["rank"],
-                "rows": s["rows"],
-                "host": hosts[s["rank"]],
-                "checkpoint": f"rank-{s['rank']}.safetensors",
-                "published_step": facts[s["rank"]][1],
-                "best_val_score": facts[s["rank"]][2],
-            }
-            for s in manifest["shards"]
-        ]
-        if not setup.sharded
-        else [
-            {
-                "rank": replica,  # the replica: its checkpoint's number, as a rank's without fsdp
-                "rows": sum(manifest["shards"][r]["rows"] for r in layout.ranks_of(replica)),
-                "host": hosts[leader],
-                "checkpoint": f"rank-{replica}.safetensors",
-                "published_step": facts[leader][1],
-                "best_val_score": facts[leader][2],
-                "ranks": layout.ranks_of(replica),
-            }
-            for replica, leader in enumerate(leaders)
-        ],
+        ranks=[replica_entry(setup, replica, hosts, facts) for replica in membership.replicas],
+        membership=membership.to_json(),
     )
     setup.gate.write_json(setup.out_dir / "train.json", record.to_json())
+
+
+def replica_rows(setup: RankSetup, ranks: list[int]) -> int:
+    """The training rows of a replica: those of the data shards its ranks read."""
+    return sum(setup.manifest["shards"][setup.membership.shard_of(rank)]["rows"] for rank in ranks)
+
+
+def replica_entry(setup: RankSetup, replica: int, hosts: list[str], facts: list[Any]) -> dict[str, Any]:
+    """train.json's ``ranks`` entry of a replica (a rank, without fsdp), from its first rank's facts."""
+    ranks = setup.membership.ranks_of(replica)
+    leader = ranks[0]
+    entry = {
+        "rank": replica,  # the replica: its checkpoint's number, as a rank's without fsdp
+        "rows": replica_rows(setup, ranks),
+        "host": hosts[leader],
+        "checkpoint": f"rank-{replica}.safetensors",
+        "published_step": facts[leader][1],
+        "best_val_score": facts[leader][2],
+    }
+    if setup.sharded:
+        entry["ranks"] = ranks
+    return entry
 
 
 def fsdp_record(setup: RankSetup, plan: StepPlan, num_steps: int) -> dict[str, Any]:

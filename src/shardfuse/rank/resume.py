@@ -29,7 +29,7 @@ from shardfuse.checkpoints.weights import write_safetensors
 from shardfuse.io import UserError, atomic_path, error_reason, write_json
 from shardfuse.models.adapter import load_state, storable_state
 from shardfuse.rank.checkpoint_steps import COMPLETE, STEP_DIR, complete_steps
-from shardfuse.rank.fsdp import is_dtensor, local
+from shardfuse.strategies.sync import is_dtensor, local
 
 
 @dataclass

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_names, read_init_weights
 from shardfuse.checkpoints.weights import save_weights
+from shardfuse.cluster.membership import Membership
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
 from shardfuse.data.shard_format import target_columns
@@ -51,8 +52,9 @@ from shardfuse.rank.resume import (
     passed_over,
     resume_step,
 )
-from shardfuse.rank.sync import Sync, make_sync
 from shardfuse.rank.validation import BestTracker, Validator
+from shardfuse.strategies.registry import find_strategy, make_sync
+from shardfuse.strategies.sync import Sync
 
 
 @torch.no_grad()
@@ -100,6 +102,7 @@ class RankSetup:
     ctx: DistContext
     run: str
     cfg: TrainConfig
+    membership: Membership  # who trains which shard in which replica (all alive today)
     gate: RankGate
     shard_dir: Path
     dataset_dir: Path
@@ -119,6 +122,11 @@ class RankSetup:
     @property
     def sharded(self) -> bool:
         return self.layout is not None and self.layout.sharded
+
+    @property
+    def data_shard(self) -> int:
+        """The shard this rank reads: the membership's, not torch's rank."""
+        return self.membership.shard_of(self.ctx.rank)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The tensors a weights file holds (a tied tensor once); sharded tensors as DTensors."""
@@ -144,7 +152,7 @@ class RankSetup:
 class StepPlan(NamedTuple):
     """How every step runs, fixed after resume-or-start (DDP wraps the model as it was loaded)."""
 
-    net: torch.nn.Module  # the model, or its DDP wrapper (strategy ddp)
+    net: torch.nn.Module  # the model, or its DDP wrapper (a strategy that reduces gradients: ddp)
     dtype: torch.dtype | None  # autocast dtype; None: fp32
     num_batches: int  # micro-batches per epoch, the same on every rank
     grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
@@ -158,7 +166,7 @@ class StepPlan(NamedTuple):
     eval_every: int  # 0: no validation while training
     validator: Validator | None
     tracker: BestTracker
-    hsdp: bool = False  # fsdp > 1 with strategy ddp: gradients reduced across replicas too
+    hsdp: bool = False  # fsdp > 1 with a strategy that reduces gradients (ddp): across replicas too
 
     @property
     def same_weights(self) -> bool:
@@ -216,14 +224,17 @@ def set_up(
     init_weights: Path | None = None,
 ) -> RankSetup:
     """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
+    strategy = find_strategy(cfg.sync.strategy)  # an unknown one fails before anything is built
     manifest = read_manifest(shard_dir)
     if manifest["world_size"] != ctx.world_size:
         raise UserError(
             f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
             f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
+    layout = layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp)
+    membership = Membership.full(ctx.world_size, layout.shards)
     info = read_dataset_info(dataset_dir)
-    check_shard_set(shard_dir, manifest, dataset_dir, info, ctx.rank)
+    check_shard_set(shard_dir, manifest, dataset_dir, info, membership.shard_of(ctx.rank))
     spec = model_spec(
         cfg.model.model,
         cfg.model.model_args,
@@ -261,7 +272,7 @@ def set_up(
         targets = inject_lora(model, adapter, cfg.loop.seed if shared else rank_seed)
         adapter = {**adapter, "targets": targets, "base": "base.safetensors"}
     task = task_of(spec, model.state_dict(), loss=cfg.model.loss)
-    layout, mesh = layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp), None
+    mesh = None
     ties = ties_of(model) if adapter is None else None  # found before sharding hides them
     if layout.sharded:  # FSDP2 inside each replica: every unit, then the root
         if adapter is not None or updates_buffers:
@@ -269,7 +280,7 @@ def set_up(
             raise UserError(f"fsdp > 1 does not train {what} yet; set fsdp: 1")
         units = wrap_units(model, cfg.model.model)
         mesh = make_mesh(ctx.device, layout)
-        shard_model(model, mesh, units, cfg.sync.strategy == "ddp", cfg.sync.fsdp_precision, ctx.device)
+        shard_model(model, mesh, units, strategy.reduces_gradients, cfg.sync.fsdp_precision, ctx.device)
     meta = {
         "run": run,
         "world_size": ctx.world_size,
@@ -294,6 +305,7 @@ def set_up(
         ctx=ctx,
         run=run,
         cfg=cfg,
+        membership=membership,
         gate=gate_for(ctx.rank),
         shard_dir=shard_dir,
         dataset_dir=dataset_dir,
@@ -412,6 +424,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         torch.cuda.reset_peak_memory_stats(device)
     device_ids = [device.index] if cuda else None
     sharded = setup.sharded  # FSDP's own wrapping, done at set-up, is the whole story: no DDP
+    reduces_gradients = find_strategy(cfg.sync.strategy).reduces_gradients
     net = (
         DistributedDataParallel(
             model,
@@ -420,7 +433,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
             find_unused_parameters=cfg.sync.find_unused_parameters,
             static_graph=cfg.sync.static_graph,
         )
-        if cfg.sync.strategy == "ddp" and not sharded
+        if reduces_gradients and not sharded
         else model
     )
     num_batches = steps_per_epoch(setup.manifest, cfg.loop.batch_size)
@@ -452,7 +465,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         eval_every=eval_every,
         validator=validator,
         tracker=tracker,
-        hsdp=sharded and cfg.sync.strategy == "ddp",
+        hsdp=sharded and reduces_gradients,
     )
 
 

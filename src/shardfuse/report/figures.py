@@ -39,11 +39,11 @@ import numpy as np
 
 from shardfuse.io import UserError, atomic_path, read_text
 from shardfuse.models.tasks import Task, task_for, task_names
+from shardfuse.strategies.registry import mode_colors
 
 MERGED_COLOR, RANK_COLOR, SUMMARY_COLOR, BASELINE_COLOR = "#d62728", "#7f9fbf", "#4c4c4c", "#2ca02c"
 ENSEMBLE_COLOR = "#8c564b"  # the ranks' output-averaged ensemble: the reference a fused model aims at
 INITIAL_COLOR = "#a0a0a0"  # the initial model: not the ddp baseline's green, the two read alike otherwise
-MODE_COLORS = {"ddp": "#1f77b4", "localsgd": "#ff7f0e", "diloco": "#9467bd", "independent": "#2ca02c"}
 OTHER_MODE_COLOR = "#7f7f7f"
 BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 
@@ -331,10 +331,11 @@ def _communication_panel(ax, task: Task, points: list[CommunicationPoint], zero_
     from matplotlib.ticker import NullFormatter
 
     xs = [p.num_bytes if p.num_bytes > 0 else zero_x for p in points]
+    colors = mode_colors()  # the strategies' records
     for mode in dict.fromkeys(p.mode for p in points):
         mine = [(x, p) for x, p in zip(xs, points, strict=True) if p.mode == mode]
         ax.scatter([x for x, _ in mine], [p.score for _, p in mine], s=40, zorder=3, label=mode,
-                   color=MODE_COLORS.get(mode, OTHER_MODE_COLOR))  # fmt: skip
+                   color=colors.get(mode, OTHER_MODE_COLOR))  # fmt: skip
     for x, point in zip(xs, points, strict=True):
         ax.annotate(point.run, (x, point.score), xytext=(5, 3), textcoords="offset points", fontsize="small")
     ax.set_xscale("log")

@@ -34,15 +34,15 @@ from shardfuse.checkpoints.trust import RERUN_MERGE, check_spec_bounds, header_s
 from shardfuse.checkpoints.weights import read_metadata
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import UserError, read_json, sha256_file
+from shardfuse.metrics.steps import EVERY_STEP_METRICS, SOME_STEP_METRICS
 from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
 from shardfuse.models.tasks import evaluation_task, score_first
 
 LAYOUT_VERSION = "4"  # the fingerprint and a parent tag: a new layout replaces every run once
 CONFIG_HASH_TAG = "shardfuse.config_hash"
-STEP_METRICS = ("loss", "samples_per_second", "lr")  # every step: pushed as whole rows (mlflow_sync)
+STEP_METRICS = EVERY_STEP_METRICS  # every step: pushed as whole rows (mlflow_sync)
 PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
-# Columns of newer metrics files, NaN on the steps without a value: pushed where finite, as series.
-OPTIONAL_COLUMNS = ("grad_norm", "val_score")
+OPTIONAL_COLUMNS = SOME_STEP_METRICS  # NaN on the steps without a value: pushed where finite, as series
 # train.json fields that become parent params, when the train stage wrote them.
 TRAIN_PARAMS = ("mode", "grad_accum_steps", "effective_batch_size", "init", "keep")
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected

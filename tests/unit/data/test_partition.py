@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from shardfuse.data import shard_writer
 from shardfuse.data.manifest import ColumnSpec, manifest_columns, read_manifest
+from shardfuse.data.partitioners.iid import rank_assignment, shard_sizes
 from shardfuse.data.shard_format import SHAPE_KEY, prefetched
-from shardfuse.data.shard_writer import rank_assignment, shard_sizes
 from shardfuse.io import UserError, recorded_sha256, sha256_file, write_stamps
 from shardfuse.partition import partition_parquet
 from tests.support.data import write_rows, write_tensor_split, write_token_split

@@ -438,9 +438,7 @@ def test_synthetic_regression_targets_depend_on_the_features(tmp_path):
     features, targets = columns(table, "x"), columns(table, "y")
     assert np.all(np.abs(targets.std(axis=0) - 1) < 0.15)  # the function's std is about 1, noise adds 0.1
     # The known function explains all but the noise (default 0.1) ...
-    function = synthetic_module.synthetic_regression_function(
-        validate_spec(SYNTHETIC_REGRESSION)
-    )
+    function = synthetic_module.synthetic_regression_function(validate_spec(SYNTHETIC_REGRESSION))
     residual = targets - function(features)
     assert np.all(np.abs(residual.std(axis=0) - 0.1) < 0.01)
     # ... and a plain linear fit already explains most of the variance; shuffled targets it does not.

@@ -9,8 +9,8 @@ import pytest
 
 from shardfuse.experiment import checks
 from shardfuse.experiment.load import load_experiment
-from shardfuse.experiment.run_config import ADAPTER_DEFAULTS
 from shardfuse.experiment.schema import ConfigError, load_schema
+from shardfuse.models.spec import ADAPTER_DEFAULTS
 from tests.support.helpers import base_config
 
 LORA = {"type": "lora", "r": 4}

@@ -15,13 +15,14 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from shardfuse.experiment.records import mode_of
 from shardfuse.experiment.run_config import OptimConfig
 from shardfuse.models.tasks import Classification
 from shardfuse.rank.loop import accumulate_gradients
 from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer
-from shardfuse.rank.sync import DiLoCo, LocalSGD
 from shardfuse.rank.validation import BestTracker
+from shardfuse.strategies.diloco import DiLoCo
+from shardfuse.strategies.localsgd import LocalSGD
+from shardfuse.strategies.registry import mode_of
 
 CFG = {"lr": 0.1, "min_lr": 0.01}
 

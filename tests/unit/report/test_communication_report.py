@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from shardfuse import comparison
 from shardfuse.io import UserError
 from shardfuse.report import figures
+from shardfuse.strategies.registry import mode_colors
 from tests.support.report import points_by_mode
 
 FIELDS = ("run", "training", "dataset", "world_size", "strategy", "merge_method", "test_accuracy_merged",
@@ -61,7 +62,7 @@ def test_each_run_is_a_labelled_point_at_its_byte_count_coloured_by_mode(tmp_pat
     }
     colors = {mode: matplotlib.colors.to_hex(c.get_facecolor()[0]) for mode, c in
               zip(points_by_mode(ax), ax.collections, strict=True)}  # fmt: skip
-    assert colors == {mode: figures.MODE_COLORS[mode] for mode in colors}
+    assert colors == {mode: mode_colors()[mode] for mode in colors}
     assert sorted(text.get_text() for text in ax.texts) == sorted(r["run"] for r in ROWS if r["run"] != "old")
     ticks = {round(tick): label.get_text() for tick, label in zip(ax.get_xticks(), ax.get_xticklabels(),
                                                                    strict=True)}  # fmt: skip

@@ -1,0 +1,66 @@
+"""The partition stage's two passes as a partitioner sees them (:mod:`.assignment` is the contract): the
+counting pass over the columns it declares, and each read batch's ranks from its deal, checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shardfuse.data.partitioners.assignment import Deal, ValueCounts
+from shardfuse.data.shard_format import read_batches
+from shardfuse.io import UserError
+
+
+def check_columns(name: str, columns: Sequence[str], schema: pa.Schema, what: str, fix: str) -> None:
+    """Every column the partitioner reads is in the input: else one line naming the column."""
+    missing = [column for column in columns if column not in schema.names]
+    if missing:
+        raise UserError(
+            f"partitioner {name} reads column {missing[0]!r}, which {what} does not have (it has "
+            f"{', '.join(schema.names)}); name another column in the partition keys, or {fix}"
+        )
+
+
+def count_values(
+    parquet_file: pq.ParquetFile, columns: Sequence[str], what: str, fix: str, batch_size: int
+) -> dict[str, ValueCounts]:
+    """The counting pass: for each of ``columns``, the rows holding each value (in value order, a null
+    last), read one batch of those columns at a time (memory: the distinct values, not the rows)."""
+    counts: dict[str, ValueCounts] = {column: {} for column in columns}
+    if not columns:
+        return counts
+    for batch in read_batches(parquet_file, what, fix, batch_size=batch_size, columns=list(columns)):
+        for column in columns:
+            found = counts[column]
+            for item in pc.value_counts(batch.column(column)).to_pylist():
+                found[item["values"]] = found.get(item["values"], 0) + item["counts"]
+    return {
+        column: dict(sorted(found.items(), key=lambda item: (item[0] is None, item[0])))
+        for column, found in counts.items()
+    }
+
+
+def dealt_ranks(
+    name: str, deal: Deal, columns: Sequence[str], world_size: int, batch: pa.RecordBatch
+) -> np.ndarray:
+    """The ranks ``deal`` gives the rows of ``batch`` (shown its declared columns), checked: one integer
+    in 0..world_size per row (a deal that breaks its contract is a bug in the partitioner, not bad input)."""
+    shown = {column: batch.column(column).to_numpy(zero_copy_only=False) for column in columns}
+    ranks = np.asarray(deal(batch.num_rows, shown))
+    if ranks.shape != (batch.num_rows,) or not np.issubdtype(ranks.dtype, np.integer):
+        raise ValueError(
+            f"partitioner {name} dealt {ranks.dtype} ranks of shape {ranks.shape} to a batch of "
+            f"{batch.num_rows} rows; a deal returns one integer rank per row"
+        )
+    if len(ranks) and (int(ranks.min()) < 0 or int(ranks.max()) > world_size):
+        raise ValueError(
+            f"partitioner {name} dealt ranks {int(ranks.min())}..{int(ranks.max())}; a deal returns "
+            f"0..{world_size - 1} ({world_size}: the row is dropped)"
+        )
+    # bincount and comparisons want a platform integer; iid's uint8 (one byte per row) already is one.
+    return ranks if np.can_cast(ranks.dtype, np.intp) else ranks.astype(np.intp)

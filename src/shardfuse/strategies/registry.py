@@ -1,0 +1,233 @@
+"""Every training strategy, one record each: how its ranks keep in touch (its ``Sync``, built when a
+training starts), what it asks of the config (``sync_every``, the keys only it reads, whether its ranks
+may start apart), whether its ranks publish the same weights, what the rank set-up wraps around the
+model for it (DDP; HSDP under fsdp), and how train.json and the figures name and colour it.
+
+Torch-free and import-light: the config loader (the Snakefile) reads these records as the train stage
+does, so the two cannot disagree; a record imports its ``Sync`` module (and torch) only when a training
+builds it. Records are looked up by name at call time (``RECORDS`` read when called), so a test can
+extend ``RECORDS`` and every stage sees the new strategy. The config schema's ``strategy`` enum is held
+equal to ``RECORDS`` by tests/contracts/test_registries.py.
+
+Adding a strategy: its ``Sync`` subclass in a module of this package (:mod:`shardfuse.strategies.sync`
+says what the hook is told) and one record here; then its name in the schema's ``strategy`` enum and
+its row in config/README.md. By hand::
+
+    python -c "from shardfuse.strategies.registry import find_strategy; \\
+        print(find_strategy('localsgd').mode(0), find_strategy('diloco').identity_keys)"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shardfuse.io import find_record
+
+# How a strategy reads sync_every: UNUSED, it must stay 0 (the strategy keeps its own cadence); OPTIONAL,
+# 0 means never; REQUIRED, at least 1.
+UNUSED, OPTIONAL, REQUIRED = "unused", "optional", "required"
+
+# Whether its ranks publish the same weights (merge_method consolidate checks and takes one of them).
+ALWAYS, UNLESS_KEEP_BEST, NEVER = "always", "unless keep best", "never"
+
+# The run keys every strategy choice sets; a record adds the keys only it reads. Together they are what
+# a run's ddp baseline may differ in (shardfuse.experiment.load.Experiment.ddp_baseline).
+CHOICE_KEYS = ("strategy", "sync_every", "init")
+
+# sync_every as the runs table (strings) or an older train.json (absent) may give it: never.
+NEVER_SYNCS = (0, "0", "", None)
+
+
+class SyncSettings(Protocol):
+    """What a strategy's hook reads of the run (shardfuse.experiment.run_config.SyncConfig is one; a
+    strategy with keys of its own reads them in its ``Sync.from_settings``)."""
+
+    @property
+    def strategy(self) -> str: ...
+
+    @property
+    def sync_every(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    sync: Callable[[], type]  # its Sync subclass, imported (with torch) only when a training builds it
+    reference: str
+    color: str  # its points in the communication figure (shardfuse.report.figures)
+    sync_every: str = OPTIONAL  # UNUSED | OPTIONAL | REQUIRED
+    sync_every_note: str = ""  # the parenthesis of its sync_every error: why unused, or what it counts
+    apart: tuple[str, str] | None = None  # (mode, colour) of sync_every 0: localsgd's "independent"
+    own_keys: tuple[str, ...] = ()  # run keys only it reads: refused off their defaults with the others
+    own_keys_why: str = ""  # what such a key is, "... but strategy is {strategy}", the run's
+    equal_start: str | None = None  # why its ranks must start alike (init per_rank refused); None: may not
+    identical_ranks: str = NEVER  # ALWAYS | UNLESS_KEEP_BEST | NEVER
+    reduces_gradients: bool = False  # DDP around the model (HSDP under fsdp): gradients all-reduced
+    baseline: bool = False  # the synchronous reference: a run's ddp baseline is trained with it
+
+    def mode(self, sync_every: Any) -> str:
+        """train.json's and the summary's mode: the name, or the ``apart`` mode when it never syncs."""
+        return self.apart[0] if self.apart is not None and sync_every in NEVER_SYNCS else self.name
+
+    def colors(self) -> dict[str, str]:
+        return {self.name: self.color, **({self.apart[0]: self.apart[1]} if self.apart else {})}
+
+    @property
+    def identity_keys(self) -> tuple[str, ...]:
+        """The training-identity keys this strategy choice sets."""
+        return (*CHOICE_KEYS, *self.own_keys)
+
+    def publishes_identical(self, keep: str) -> bool:
+        return self.identical_ranks == ALWAYS or (self.identical_ranks == UNLESS_KEEP_BEST and keep != "best")
+
+    def sync_every_problem(self, sync_every: int) -> str | None:
+        """``sync_every: ...`` when the run's sync_every does not fit this strategy, else None."""
+        if self.sync_every == UNUSED and sync_every != 0:
+            users = [record.name for record in RECORDS if record.sync_every != UNUSED]
+            return (
+                f"sync_every: only {listing(users, 'and')} sync every N steps ({self.sync_every_note}); "
+                f"remove sync_every or set strategy {listing(users, 'or')}"
+            )
+        if self.sync_every == REQUIRED and sync_every == 0:
+            return (
+                f"sync_every: strategy {self.name} needs sync_every >= 1 ({self.sync_every_note}); "
+                "set sync_every"
+            )
+        return None
+
+    def build(self, model: Any, world_size: int, settings: SyncSettings, group: Any = None) -> Any:
+        """Its Sync for ``model`` over ``world_size`` ranks in ``group`` (None: the whole world)."""
+        return self.sync().from_settings(model, world_size, settings, group)
+
+
+def _ddp() -> type:
+    from shardfuse.strategies.ddp import DDPSync
+
+    return DDPSync
+
+
+def _localsgd() -> type:
+    from shardfuse.strategies.localsgd import LocalSGD
+
+    return LocalSGD
+
+
+def _diloco() -> type:
+    from shardfuse.strategies.diloco import DiLoCo
+
+    return DiLoCo
+
+
+RECORDS: tuple[Strategy, ...] = (
+    Strategy(
+        "ddp",
+        _ddp,
+        "Li et al. 2020, PyTorch Distributed (DistributedDataParallel)",
+        color="#1f77b4",
+        sync_every=UNUSED,
+        sync_every_note="ddp syncs gradients every step",
+        own_keys=("find_unused_parameters", "static_graph"),
+        own_keys_why=(
+            "a DistributedDataParallel setting but strategy is {strategy}, which keeps no DDP wrapper"
+        ),
+        equal_start="ddp starts every rank from rank 0's weights",
+        identical_ranks=ALWAYS,
+        reduces_gradients=True,
+        baseline=True,
+    ),
+    Strategy(
+        "localsgd",
+        _localsgd,
+        "Lin et al. 2020, Don't use large mini-batches, use local SGD",
+        color="#ff7f0e",
+        apart=("independent", "#2ca02c"),
+    ),
+    Strategy(
+        "diloco",
+        _diloco,
+        "Douillard et al. 2023, DiLoCo",
+        color="#9467bd",
+        sync_every=REQUIRED,
+        sync_every_note="the inner steps between outer steps, e.g. 16",
+        own_keys=("outer_lr", "outer_momentum"),
+        own_keys_why="only strategy diloco has an outer optimiser but strategy is {strategy}",
+        equal_start="diloco's outer step needs one shared starting point",
+        identical_ranks=UNLESS_KEEP_BEST,
+    ),
+)
+
+
+def listing(names: list[str], word: str) -> str:
+    """``a``, ``a and b``, ``a, b and c`` (``word``: and, or)."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {word} {names[-1]}"
+
+
+def names() -> tuple[str, ...]:
+    """Every strategy's name: the schema's ``strategy`` enum."""
+    return tuple(record.name for record in RECORDS)
+
+
+def find_strategy(name: str) -> Strategy:
+    """The record of a configured strategy; an unknown name is a one-line UserError listing the known."""
+    return find_record(RECORDS, name, "strategy")
+
+
+def recorded_strategy(name: Any) -> Strategy | None:
+    """The record of a strategy a file names (train.json, gather.json), or None where this version does
+    not know it (a newer stage's, or a test's toy)."""
+    return next((record for record in RECORDS if record.name == name), None)
+
+
+def mode_of(strategy: str, sync_every: Any) -> str:
+    """The training mode (ddp, localsgd, independent, diloco, ...); a strategy this version does not know
+    is its own mode. ``sync_every`` may come from a runs table cell (a string) or be absent."""
+    record = recorded_strategy(strategy)
+    return strategy if record is None else record.mode(sync_every)
+
+
+def mode_colors() -> dict[str, str]:
+    """Mode -> its colour in the figures."""
+    return {mode: color for record in RECORDS for mode, color in record.colors().items()}
+
+
+def identity_keys() -> tuple[str, ...]:
+    """The training-identity keys a strategy choice sets (what a run's ddp baseline may differ in)."""
+    return tuple(dict.fromkeys(key for record in RECORDS for key in record.identity_keys))
+
+
+def own_keys_problem(strategy: str, run: Mapping[str, Any], defaults: Mapping[str, Any]) -> str | None:
+    """``key: ...`` for a key only another strategy reads, set off its default (it would name a new
+    training for the same training), else None."""
+    for record in RECORDS:
+        if record.name == strategy:
+            continue
+        for key in record.own_keys:
+            if run.get(key, defaults[key]) != defaults[key]:
+                return (
+                    f"{key}: {record.own_keys_why.format(strategy=strategy)}; remove {key} or set strategy "
+                    f"{record.name}"
+                )
+    return None
+
+
+def apart_starters() -> str:
+    """The strategies whose ranks may start from their own weights, for an error's fix."""
+    return listing([record.name for record in RECORDS if record.equal_start is None], "or")
+
+
+def identical_publishers() -> str:
+    """Which strategies publish identical ranks, for consolidate's error."""
+    always = [record.name for record in RECORDS if record.identical_ranks == ALWAYS]
+    unless = [record.name for record in RECORDS if record.identical_ranks == UNLESS_KEEP_BEST]
+    parts = [f"strategy {listing(always, 'or')}"] if always else []
+    return ", or ".join(parts + [f"{name} keeping its last weights" for name in unless])
+
+
+def make_sync(model: Any, world_size: int, settings: SyncSettings, mesh: Any = None) -> Any:
+    """The run's strategy hook; with an fsdp ``mesh``, across its replicas (the ``replicate`` group)."""
+    group = None
+    if mesh is not None:
+        group, world_size = mesh["replicate"].get_group(), mesh["replicate"].size()
+    return find_strategy(settings.strategy).build(model, world_size, settings, group)
