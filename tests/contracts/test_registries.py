@@ -94,7 +94,7 @@ def test_every_source_task_is_a_task_and_the_schema_enums_of_tasks_and_strategie
 
 
 def test_the_torch_free_list_of_built_in_models_is_the_registry_of_factories():
-    from shardfuse.models.registry import BUILTINS
+    from shardfuse.models.registry import RECORDS as MODEL_RECORDS
     from shardfuse.models.usercode import BUILTIN_MODELS
 
-    assert tuple(BUILTINS) == BUILTIN_MODELS
+    assert tuple(record.name for record in MODEL_RECORDS) == BUILTIN_MODELS

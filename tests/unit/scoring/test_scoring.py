@@ -85,7 +85,8 @@ def test_an_evaluation_set_is_named_by_its_kind_and_the_test_split_is_required(t
     # A new kind is one record; the stage still wants the global test split first.
     local = sets.SetKind("local", "a test record", lambda path: None, "give it rows", ("merged",))
     monkeypatch.setattr(sets, "RECORDS", (*sets.RECORDS, local))
-    with pytest.raises(UserError, match=r"^evaluate scores the run on the global test split first"):
+    first = r"^evaluate scores the run on the global test split first: pass --test PATH"
+    with pytest.raises(UserError, match=first):
         sets.expand([sets.parse_set(f"local={tmp_path / 'a.parquet'}")])
     checked = []
     test = sets.SetKind("test", "the test split, unchecked here", checked.append, "raise test_fraction")
@@ -93,5 +94,5 @@ def test_an_evaluation_set_is_named_by_its_kind_and_the_test_split_is_required(t
     found = sets.expand([(test, tmp_path / "t.parquet"), sets.parse_set(f"local={tmp_path / 'a.parquet'}")])
     assert [(kind.name, named.name) for kind, named in found] == [("test", "test"), ("local", "local")]
     assert checked == [tmp_path / "t.parquet"]  # each kind checks its own file
-    with pytest.raises(UserError, match=r"^evaluation set 'test' is given twice"):
+    with pytest.raises(UserError, match=r"^evaluation set 'test' is given twice; pass each --set once"):
         sets.expand([(test, tmp_path / "t.parquet"), (test, tmp_path / "t.parquet")])
