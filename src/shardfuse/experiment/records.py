@@ -289,6 +289,7 @@ class EvalRecord(_Record):
     {metric: value} of the task's metrics."""
 
     FILE, STAGE, WHAT = "eval.json", "evaluate", "evaluation"
+    OPTIONAL = frozenset({"sets"})  # absent from files of evaluate stages before named sets
 
     run: str | None = None
     training: str | None = None
