@@ -170,10 +170,6 @@ class GatherRecord:
         return self.hash or "sha256"
 
     @property
-    def version(self) -> int:
-        return self.format_version or 1
-
-    @property
     def adapted(self) -> bool:
         """The ranks hold LoRA factors over the shared base, not whole models."""
         return self.adapter is not None
