@@ -25,10 +25,10 @@ def test_a_gather_json_reads_back_as_written_key_for_key():
 
 
 def test_a_newer_gathers_keys_are_kept_and_written_back_last():
-    data = {**GATHER, "membership": {"alive": [0]}, "ranks": [{**RANK, "replica": 0}]}
+    data = {**GATHER, "coverage": {"alive": [0]}, "ranks": [{**RANK, "replica": 0}]}
     record = GatherRecord.from_json(data)
-    assert record.extra == {"membership": {"alive": [0]}} and record.ranks[0].extra == {"replica": 0}
-    assert record.to_json() == data and list(record.to_json())[-1] == "membership"
+    assert record.extra == {"coverage": {"alive": [0]}} and record.ranks[0].extra == {"replica": 0}
+    assert record.to_json() == data and list(record.to_json())[-1] == "coverage"
 
 
 @pytest.mark.parametrize(
