@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from shardfuse.fusion.engine import merge_arrays
 from shardfuse.fusion.methods.plan import TensorJob, stream_seed
-from shardfuse.fusion.methods.registry import USES_BASE, make_plan, rank_weights, resolve_params
+from shardfuse.fusion.methods.registry import make_plan, rank_weights, resolve_params, uses_base
 
 SHAPES = ((1000,), (64, 48), ())
 GRID = 2.0**-24  # every input is k * GRID with |k| < 2^23: exact in float32, and so is theta - base
@@ -435,7 +435,7 @@ def run_shardfuse(
 ) -> np.ndarray:
     """merge_arrays on the inputs cast to ``dtype`` (float32: float64 math, rounded to float32)."""
     weights = rank_weights(check.method, params, [1] * len(ranks))
-    base_array = base.astype(dtype) if check.method in USES_BASE else None
+    base_array = base.astype(dtype) if uses_base(check.method) else None
     merged, _ = merge_arrays(
         check.method, params, [r.astype(dtype) for r in ranks], base_array, NAME, weights
     )
@@ -450,7 +450,7 @@ def run_mergekit(
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array.astype(dtype).reshape(-1) if check.flatten else array.astype(dtype))
 
-    base_tensor = tensor(base) if check.method in USES_BASE else None
+    base_tensor = tensor(base) if uses_base(check.method) else None
     draws = (
         bernoulli_from(shard_uniforms(params["seed"], len(ranks), base.size))
         if check.shared_uniforms

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.trust import read_gather
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.io import StageParser, UserError, atomic_dir, run_cli, write_json
@@ -38,16 +39,16 @@ PEFT_PREFIX = "base_model.model."  # PEFT's names of a model's tensors in an ada
 
 
 def fused_adapter(
-    info: dict[str, Any], merge: MergeRecord, mode: str
+    info: GatherRecord, merge: MergeRecord, mode: str
 ) -> tuple[dict[str, Any], int, dict[str, float]]:
     """({module: LoraFactors} of the fused update, the adapter's rank, {module: truncation error})."""
     from shardfuse.fusion import lora
 
-    adapter = info["adapter"]
+    adapter = info.adapter
     method, params = merge.required("method"), merge.params or {}
     weights = merge.weights
     ranks = lora.read_rank_factors(info)
-    rank_numbers = [int(r["rank"]) for r in info["ranks"]]
+    rank_numbers = info.rank_numbers
     r, scaling = int(adapter["r"]), float(adapter["alpha"]) / int(adapter["r"])
     out: dict[str, Any] = {}
     errors: dict[str, float] = {}
@@ -73,16 +74,16 @@ def export_adapter(
     if mode not in MODES:
         raise UserError(f"--mode {mode!r} is not one of {', '.join(MODES)}; choose svd or cat")
     info = read_gather(gather_path, need=("tensors",), need_in_ranks=("rows",))
-    adapter = info.get("adapter")
+    adapter = info.adapter
     if adapter is None:
         raise UserError(
             f"{gather_path} is the gather of a whole-model training, not of LoRA adapters; merge_adapter "
             "applies to runs with an adapter"
         )
     merge = MergeRecord.read(merge_json)
-    if merge.training != info["run"]:
+    if merge.training != info.run:
         raise UserError(
-            f"{merge_json} is a merge of training {merge.training!r}, not of {info['run']!r}; re-run merge "
+            f"{merge_json} is a merge of training {merge.training!r}, not of {info.run!r}; re-run merge "
             "(snakemake -R merge)"
         )
     factors, rank, errors = fused_adapter(info, merge, mode)
@@ -100,7 +101,7 @@ def export_adapter(
             "the adapter mixes Linear and Conv1D targets; PEFT's adapter_config has one fan_in_fan_out "
             "for all: adapt modules of one kind"
         )
-    spec = info.get("model") or {}
+    spec = info.model or {}
     config = {
         "peft_type": "LORA",
         "task_type": task_record(named_task(spec)).peft_task_type if spec.get("model") == "hf" else None,
@@ -120,7 +121,7 @@ def export_adapter(
     values = list(errors.values())
     record = {
         "run": merge.run,
-        "training": info["run"],
+        "training": info.run,
         "mode": mode,
         "method": merge.method,
         "params": merge.params,

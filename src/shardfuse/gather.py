@@ -24,13 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardfuse.checkpoints.gather_record import FORMAT_VERSION, GatheredRank, GatherRecord
 from shardfuse.checkpoints.trust import check_base_header
 from shardfuse.checkpoints.weights import read_header, read_metadata
 from shardfuse.cluster.membership import recorded_membership
 from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, sha256_file, write_json
 
 RERUN = "re-run training (snakemake -R train)"
-FORMAT_VERSION = 2
 HASH = "blake3"  # the digest merge verifies
 
 
@@ -77,7 +77,7 @@ def _check_base_start(path: Path, base_meta: dict[str, Any], rank: int, metadata
         )
 
 
-def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
+def gather(train_dir: Path, world_size: int) -> GatherRecord:
     train_info = read_json(train_dir / "train.json", "training summary")
     if train_info["world_size"] != world_size:
         raise UserError(
@@ -120,15 +120,15 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
                 f"changed after training); {RERUN}"
             )
         ranks.append(
-            {
-                "rank": rank,
-                "path": str(path),
-                "sha256": digest,
-                HASH: digests[HASH],
-                "bytes": path.stat().st_size,
-                "rows": int(metadata["rows"]),
-                "num_steps": int(metadata["num_steps"]),
-            }
+            GatheredRank(
+                rank=rank,
+                path=str(path),
+                sha256=digest,
+                blake3=digests[HASH],
+                bytes=path.stat().st_size,
+                rows=int(metadata["rows"]),
+                num_steps=int(metadata["num_steps"]),
+            )
         )
     base_sha256 = _check_base(base_path, base_meta, train_info["run"])
     if adapter is not None and adapter.get("base_sha256") != base_sha256:
@@ -136,23 +136,22 @@ def gather(train_dir: Path, world_size: int) -> dict[str, Any]:
             f"base checkpoint {base_path} is not the base the adapters were trained on (its sha256 is "
             f"not their header's base_sha256); {RERUN}"
         )
-    extra = {} if adapter is None else {"adapter": adapter, "base_tensors": base_header}
-    if replicas != world_size:
-        extra["replicas"] = replicas
-    return {
-        "format_version": FORMAT_VERSION,
-        "hash": HASH,
-        "run": train_info["run"],
-        "world_size": world_size,
-        "strategy": train_info["strategy"],
-        "model": train_info["model"],
-        "base": str(train_dir / "base.safetensors"),
-        "num_parameters": sum(_numel(info["shape"]) for info in base_header.values()),
-        "tensors": reference,
-        "ranks": ranks,
-        **extra,
-        "membership": membership.to_json(),
-    }
+    return GatherRecord(
+        format_version=FORMAT_VERSION,
+        hash=HASH,
+        run=train_info["run"],
+        world_size=world_size,
+        strategy=train_info["strategy"],
+        model=train_info["model"],
+        base=str(train_dir / "base.safetensors"),
+        num_parameters=sum(_numel(info["shape"]) for info in base_header.values()),
+        tensors=reference,
+        ranks=tuple(ranks),
+        adapter=adapter,
+        base_tensors=None if adapter is None else base_header,
+        replicas=replicas if replicas != world_size else None,
+        membership=membership.to_json(),
+    )
 
 
 def adapter_header(adapter: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, required=True, help="ranks the run config expects")
     parser.add_argument("--out", type=Path, required=True, help="gather.json to write")
     args = parser.parse_args(argv)
-    write_json(args.out, gather(args.train_dir, args.world_size))
+    write_json(args.out, gather(args.train_dir, args.world_size).to_json())
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import yaml
 from shardfuse.experiment.keys import MERGE_PARAMS
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import ConfigError
-from shardfuse.fusion.methods.registry import BY_NAME, METHODS, RECORDS, resolve_params
+from shardfuse.fusion.methods.registry import RECORDS, method_record, names, resolve_params
 from shardfuse.io import UserError
 from tests.support.helpers import base_config
 
@@ -24,7 +24,7 @@ RUN_KEYS = SCHEMA["$defs"]["run"]["properties"]
 
 
 def test_the_schema_enum_of_merge_methods_is_the_registry():
-    assert RUN_KEYS["merge_method"]["enum"] == list(METHODS)
+    assert RUN_KEYS["merge_method"]["enum"] == list(names())
 
 
 def test_every_method_param_is_a_config_key_whose_schema_default_is_the_methods_default():
@@ -63,7 +63,7 @@ def _verdicts(method: str, world_size: int) -> tuple[bool, bool]:
     return by_config, by_method
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if BY_NAME[m].check is not None])
+@pytest.mark.parametrize("method", [m for m in names() if method_record(m).check is not None])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_the_config_accepts_a_world_size_exactly_when_the_method_does(method, world_size):
     by_config, by_method = _verdicts(method, world_size)
@@ -165,7 +165,7 @@ def test_the_config_loader_and_the_prepare_stage_give_a_spec_without_task_the_sa
 
 
 def test_the_torch_free_list_of_built_in_models_is_the_registry_of_factories():
-    from shardfuse.models.registry import BUILTINS
+    from shardfuse.models.registry import RECORDS as MODEL_RECORDS
     from shardfuse.models.usercode import BUILTIN_MODELS
 
-    assert tuple(BUILTINS) == BUILTIN_MODELS
+    assert tuple(record.name for record in MODEL_RECORDS) == BUILTIN_MODELS

@@ -12,9 +12,10 @@ import torch
 
 from shardfuse.checkpoints.weights import load_weights
 from shardfuse.data.reader import load_table
-from shardfuse.evaluate import evaluate_weights
 from shardfuse.models.registry import build_model
 from shardfuse.models.tasks import Totals, task_for
+from shardfuse.scoring.scorer import model_from_file, score_models
+from shardfuse.scoring.split import load_split
 from tests.support.tracking import make_run_dir, regression_evaluation, run_config
 from tests.support.training import EVAL_BATCH_SIZE, train_merge_evaluate
 
@@ -114,10 +115,17 @@ def test_evaluate_scores_the_ensemble_of_the_ranks_as_an_independent_computation
     assert evaluation["ensemble_accuracy"] == ensemble["accuracy"]
     assert evaluation["fusion_gap"] == pytest.approx(ensemble["accuracy"] - evaluation["merged"]["accuracy"])
     # One pass scores the ranks too, exactly as scoring each rank on its own does.
-    features, labels = load_table(digits_dataset / "test.parquet")
+    split = load_split(digits_dataset / "test.parquet", "test")
     for rank, path in enumerate(paths):
-        own = evaluate_weights(path, features, labels, EVAL_BATCH_SIZE)
+        own = score_models([model_from_file(path)], split, EVAL_BATCH_SIZE)[0][0]
         assert evaluation["ranks"][rank] == {"rank": rank, **own}
+    # eval.json's test set holds the same scores as its top-level fields, which readers keep reading.
+    test = evaluation["sets"]["test"]
+    assert (test["merged"], test["ranks"], test["ensemble"]) == (
+        evaluation["merged"],
+        evaluation["ranks"],
+        evaluation["ensemble"],
+    )
 
 
 def test_track_pushes_the_ensemble_headline_once_and_an_old_eval_json_pushes_none(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardfuse.checkpoints.weights import load_weights
-from shardfuse.fusion.methods.registry import USES_BASE
+from shardfuse.fusion.methods.registry import uses_base
 from shardfuse.merge import merge
 from tests.support.fusion import (
     CASES,
@@ -153,7 +153,7 @@ def test_merge_cli_runs_each_new_method(tmp_path, method):
 
     merged, _ = load_weights(out)
     record = json.loads((tmp_path / "merge.json").read_text())
-    assert record["method"] == method and (record["base"] is not None) == (method in USES_BASE)
+    assert record["method"] == method and (record["base"] is not None) == uses_base(method)
     for name in base:
         np.testing.assert_allclose(
             merged[name].numpy(), expected_of(method, given, base, per_rank, name), rtol=1e-6, atol=1e-7

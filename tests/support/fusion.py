@@ -50,7 +50,7 @@ def random_rank_tensors(num_ranks, seed=0):
 
 def gather_to(tmp_path, train_dir, world_size):
     path = tmp_path / "gather.json"
-    write_json(path, gather(train_dir, world_size))
+    write_json(path, gather(train_dir, world_size).to_json())
     return path
 
 
@@ -76,7 +76,7 @@ def train_dir(tmp_path, num_ranks):
     ]
     out = write_train_dir(tmp_path / "train", base, num_ranks, lambda rank: per_rank[rank])
     path = tmp_path / "gather.json"
-    write_json(path, gather(out, num_ranks))
+    write_json(path, gather(out, num_ranks).to_json())
     return base, per_rank, path
 
 

@@ -1,11 +1,11 @@
 """Trust nothing we did not write: the checkpoints gather.json lists, and the model a checkpoint's header
 describes, are checked before any tensor is read or any model is built.
 
-A library module: merge, evaluate and the track stage read gather.json through :func:`read_gather`; no
-command line. By hand::
+A library module: merge, evaluate and the track stage read gather.json through :func:`read_gather`, which
+returns its typed record (shardfuse.checkpoints.gather_record); no command line. By hand::
 
     python -c "import shardfuse.checkpoints.trust as t; \\
-        print(t.read_gather('results/trainings/<training>/gather.json', base=True)['ranks'])"
+        print(t.read_gather('results/trainings/<training>/gather.json', base=True).ranks)"
 
 gather.json is a plain file. Edited by hand, stale or copied, it could send merge and evaluate to any
 file, with a sha256 to match (whoever edits it can recompute one), and they would "succeed" with
@@ -19,7 +19,7 @@ where a stage reads it) must
   in gather.json (the base: none) and, where both say, the same world size.
 
 Only headers are read (no torch, no tensor data); merge still checks every input's checksum against
-gather.json on the bytes it merges: the digest ``hash`` names (:func:`checksum_algorithm`; BLAKE3
+gather.json on the bytes it merges: the digest ``hash`` names (``GatherRecord.checksum_algorithm``; BLAKE3
 from format version 2 on), sha256 in a gather.json without ``format_version``.
 
 A header's model spec is checked against the header's tensors before a model is built
@@ -38,75 +38,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardfuse.checkpoints.gather_record import STALE, GatheredRank, GatherRecord
 from shardfuse.checkpoints.stream import InvalidSafetensors, SafetensorsReader
-from shardfuse.io import HASH_ALGORITHMS, UserError, read_json
+from shardfuse.io import UserError, read_json
 from shardfuse.models.spec import normalized_spec
 from shardfuse.models.tasks import named_task, task_record
 from shardfuse.models.usercode import is_builtin
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: keep this module light)
-STALE = "gather.json was edited or is stale: re-run gather (snakemake -R gather)"
 RERUN_TRAIN = "re-run training (snakemake -R train)"
 RERUN_MERGE = "re-run merge (snakemake -R merge)"
 RERUN_GATHER = "re-run gather (snakemake -R gather)"
-GATHER_FORMAT_VERSION = 2  # the newest gather.json this module reads (as shardfuse.gather writes)
-
-# The entries gather writes and their types. Each is checked where present; a stage names the ones it
-# reads (``need``), which must then be present.
-GATHER_FIELDS: dict[str, type] = {
-    "format_version": int,
-    "hash": str,
-    "run": str,
-    "world_size": int,
-    "strategy": str,
-    "model": dict,
-    "tensors": dict,
-    "ranks": list,
-    "base": str,
-    "replicas": int,
-}
-RANK_FIELDS: dict[str, type] = {
-    "rank": int,
-    "path": str,
-    "sha256": str,
-    "blake3": str,
-    "bytes": int,
-    "rows": int,
-    "num_steps": int,
-}
-
-JSON_TYPES = {
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "a boolean",
-    dict: "an object",
-    list: "a list",
-    type(None): "null",
-}
 
 Shapes = dict[str, tuple[int, ...]]
 
 
 # ---------------------------------------------------------------- gather.json
-
-
-def _is(value: Any, kind: type) -> bool:
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-
-
-def _check_fields(
-    gather_path: Path, where: str, record: Any, fields: dict[str, type], need: tuple[str, ...]
-) -> None:
-    if not isinstance(record, dict):
-        raise UserError(f"{gather_path}: {where or 'the record'} is not a JSON object; {STALE}")
-    for key, kind in fields.items():
-        if record.get(key) is None and key not in need:
-            continue  # absent, or null: the same to a stage that does not read it
-        if key not in record or not _is(record[key], kind):
-            found = "missing" if key not in record else JSON_TYPES.get(type(record[key]), "malformed")
-            name = f"{where}{key}"
-            raise UserError(f"{gather_path}: {name!r} is {found}, not {JSON_TYPES[kind]}; {STALE}")
 
 
 def read_gather(
@@ -115,53 +62,36 @@ def read_gather(
     base: bool = False,
     need: tuple[str, ...] = (),
     need_in_ranks: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """gather.json, once every checkpoint it lists is known to be this training's (see the module
-    docstring). ``base``: the caller reads the base, so gather.json must name one. ``need`` and
+) -> GatherRecord:
+    """gather.json's record, once every checkpoint it lists is known to be this training's (see the
+    module docstring). ``base``: the caller reads the base, so gather.json must name one. ``need`` and
     ``need_in_ranks``: the entries of gather.json and of each rank that the caller reads."""
     gather_path = Path(gather_path)
-    info = read_json(gather_path, "gather record")
-    _check_fields(gather_path, "", info, GATHER_FIELDS, ("run", "ranks", *need))
-    version = info.get("format_version") or 1
-    if version > GATHER_FORMAT_VERSION:
-        raise UserError(
-            f"{gather_path} has format version {version}, newer than this shardfuse reads "
-            f"({GATHER_FORMAT_VERSION}); re-run gather with this version (snakemake -R gather)"
-        )
-    algorithm = checksum_algorithm(info)
-    if algorithm not in HASH_ALGORITHMS:
-        raise UserError(
-            f"{gather_path}: 'hash' is {algorithm!r}, not one of {', '.join(HASH_ALGORITHMS)}; {STALE}"
-        )
-    ranks = info["ranks"]
-    if not ranks:
-        raise UserError(f"{gather_path} lists no ranks; {STALE}")
-    # The digest ``hash`` names must be there for every rank (whoever reads it).
-    rank_need = ("rank", "path", *need_in_ranks, *((algorithm,) if "hash" in info else ()))
-    for index, entry in enumerate(ranks):
-        _check_fields(gather_path, f"ranks[{index}].", entry, RANK_FIELDS, rank_need)
-    numbers = [entry["rank"] for entry in ranks]
+    gather = GatherRecord.from_json(
+        read_json(gather_path, "gather record"), gather_path, need=need, need_in_ranks=need_in_ranks
+    )
+    numbers = gather.rank_numbers
     for number in numbers:
         if number < 0 or numbers.count(number) > 1:
             what = "a negative rank" if number < 0 else "twice"
             raise UserError(f"{gather_path} lists rank {number} {what}; {STALE}")
-    world_size = info.get("world_size")
-    replicas = info.get("replicas", world_size)  # fsdp > 1: a checkpoint per replica
-    if world_size is not None and replicas != len(ranks):
+    world_size = gather.world_size
+    replicas = gather.replicas if gather.replicas is not None else world_size  # fsdp > 1: one per replica
+    if world_size is not None and replicas != len(gather.ranks):
         what = f"{replicas} replicas of world size" if replicas != world_size else "world size"
-        raise UserError(f"{gather_path} lists {len(ranks)} ranks for {what} {world_size}; {STALE}")
-    if base and not info.get("base"):
+        raise UserError(f"{gather_path} lists {len(gather.ranks)} ranks for {what} {world_size}; {STALE}")
+    if base and not gather.base:
         raise UserError(f"{gather_path} names no base checkpoint ('base' is missing, null or empty); {STALE}")
     entries: list[tuple[str, str, int | None]] = [
-        (f"rank {entry['rank']}", entry["path"], entry["rank"]) for entry in ranks
+        (f"rank {entry.rank}", entry.path, entry.rank) for entry in gather.ranks
     ]
-    if info.get("base"):
-        entries.append(("the base", info["base"], None))
+    if gather.base:
+        entries.append(("the base", gather.base, None))
     training_dir = gather_path.absolute().parent.resolve()
     seen: dict[tuple[int, int], str] = {}
     for label, path, rank in entries:
-        _check_entry(gather_path, training_dir, label, path, rank, info, seen)
-    return info
+        _check_entry(gather_path, training_dir, label, path, rank, gather, seen)
+    return gather
 
 
 def open_listed(
@@ -173,12 +103,11 @@ def open_listed(
     return SafetensorsReader(path, hash_algorithm=hash_algorithm)
 
 
-def check_listed_digest(reader: SafetensorsReader, entry: dict[str, Any], what: str) -> None:
+def check_listed_digest(reader: SafetensorsReader, entry: GatheredRank, what: str) -> None:
     """The rank file's bytes, as read, must match the digest its gather.json entry records for the
     reader's algorithm (alignment's permuted copies carry their own digests: shardfuse.fusion.align)."""
-    algorithm = reader.hash_algorithm
-    if reader.hexdigest() != entry[algorithm]:
-        raise UserError(f"{what}: {entry['path']} is missing or changed since gather; {RERUN_GATHER}")
+    if reader.hexdigest() != entry.digest(reader.hash_algorithm):
+        raise UserError(f"{what}: {entry.path} is missing or changed since gather; {RERUN_GATHER}")
 
 
 def check_listed_header(reader: SafetensorsReader, expected: dict[str, Any], what: str) -> None:
@@ -200,19 +129,13 @@ def check_base_header(path: str | os.PathLike, metadata: dict[str, Any], run: st
         )
 
 
-def checksum_algorithm(info: dict[str, Any]) -> str:
-    """The hash whose digest merge verifies for each rank: gather.json's ``hash`` (format version 2:
-    blake3); sha256 for a gather.json without one (version 1). The rank entry's field has its name."""
-    return info.get("hash") or "sha256"
-
-
 def _check_entry(
     gather_path: Path,
     training_dir: Path,
     label: str,
     path_text: str,
     rank: int | None,
-    info: dict[str, Any],
+    gather: GatherRecord,
     seen: dict[tuple[int, int], str],
 ) -> None:
     """One listed checkpoint: inside the training directory, listed once, its header naming the
@@ -246,9 +169,9 @@ def _check_entry(
         )
     said = metadata.get("run")
     if rank is None:  # the ranks (checked first) agree with gather.json: the base alone was swapped
-        check_base_header(path, metadata, info["run"])
-    if said != info["run"]:
-        raise UserError(f"{where}, whose header says training {said!r}, not {info['run']!r}; {STALE}")
+        check_base_header(path, metadata, gather.run)
+    if said != gather.run:
+        raise UserError(f"{where}, whose header says training {said!r}, not {gather.run!r}; {STALE}")
     said = metadata.get("rank")
     if said != rank or isinstance(said, bool):
         if rank is None:
@@ -258,7 +181,7 @@ def _check_entry(
         else:
             says = f"rank {said!r}"
         raise UserError(f"{where}, whose header says {says}; {STALE}")
-    said, world_size = metadata.get("world_size"), info.get("world_size")
+    said, world_size = metadata.get("world_size"), gather.world_size
     if said is not None and world_size is not None and said != world_size:
         raise UserError(f"{where}, whose header says world size {said!r}, not {world_size}; {STALE}")
 
@@ -276,15 +199,15 @@ def checkpoint_metadata(path: str | os.PathLike) -> dict[str, Any] | None:
     return metadata if isinstance(metadata, dict) else None
 
 
-def check_merged(path: str | os.PathLike, info: dict[str, Any]) -> None:
+def check_merged(path: str | os.PathLike, gather: GatherRecord) -> None:
     """The merged model evaluate scores must be a merge of gather.json's training (rank None)."""
     metadata = checkpoint_metadata(path)
     said_run = None if metadata is None else metadata.get("run")
     said_rank = None if metadata is None else metadata.get("rank")
-    if metadata is None or said_run != info["run"] or said_rank is not None:
+    if metadata is None or said_run != gather.run or said_rank is not None:
         says = "no shardfuse header" if metadata is None else f"training {said_run!r}, rank {said_rank!r}"
         raise UserError(
-            f"merged model {path} is not a merge of training {info['run']!r} (its header says {says}); "
+            f"merged model {path} is not a merge of training {gather.run!r} (its header says {says}); "
             f"{RERUN_MERGE}"
         )
 

@@ -29,7 +29,7 @@ from shardfuse.experiment.keys import (
 )
 from shardfuse.experiment.run_config import ModelConfig
 from shardfuse.experiment.schema import ConfigError
-from shardfuse.fusion.methods.registry import BY_NAME, WEIGHTED_METHODS
+from shardfuse.fusion.methods import registry as merge_methods
 from shardfuse.io import UserError
 from shardfuse.models.hf import check_hf_args
 from shardfuse.models.spec import ADAPTER_DEFAULTS
@@ -218,10 +218,11 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{where}.merge_weights: {len(run['merge_weights'])} weights for {world_size} ranks; "
             "give one weight per rank or null (weights by shard rows)"
         )
-    if run["merge_weights"] is not None and method not in WEIGHTED_METHODS:
+    weighted = merge_methods.weighted_names()
+    if run["merge_weights"] is not None and method not in weighted:
         raise ConfigError(
-            f"{where}.merge_weights: only merge_method {', '.join(WEIGHTED_METHODS[:-1])} or "
-            f"{WEIGHTED_METHODS[-1]} uses weights; "
+            f"{where}.merge_weights: only merge_method {', '.join(weighted[:-1])} or "
+            f"{weighted[-1]} uses weights; "
             "remove them or set merge_method weighted"
         )
     if method == "nuslerp" and world_size > 2:  # one rank: nuslerp returns it (as the method does)
@@ -236,9 +237,10 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"which must lie in (0, 1) (density {density:g}, epsilon {epsilon:g}); lower "
             "merge_epsilon"
         )
-    if method == "greedy_soup" and datasets[run["dataset"]]["val_fraction"] == 0:
+    selects = method in merge_methods.names() and merge_methods.method_record(method).uses_val
+    if selects and datasets[run["dataset"]]["val_fraction"] == 0:
         raise ConfigError(
-            f"{where}.merge_method: greedy_soup needs a validation split but dataset "
+            f"{where}.merge_method: {method} needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
         )
     if run.get("merge_recalibrate") and datasets[run["dataset"]]["val_fraction"] == 0:
@@ -345,7 +347,7 @@ def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | Non
     adapter = {**ADAPTER_DEFAULTS, **adapter}
     adapter["alpha"], adapter["dropout"] = float(adapter["alpha"]), float(adapter["dropout"])
     run["adapter"] = adapter
-    reason = BY_NAME[method].not_on_updates if method in BY_NAME else None
+    reason = merge_methods.method_record(method).not_on_updates if method in merge_methods.names() else None
     if reason is not None:
         raise ConfigError(
             f"{where}.merge_method: {method} cannot fuse LoRA adapters: it {reason}; choose a method that "

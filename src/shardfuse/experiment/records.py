@@ -2,6 +2,9 @@
 ``train.json`` (:class:`TrainRecord`, written by rank 0 when every rank is done), ``merge.json``
 (:class:`MergeRecord`, the merge stage) and ``eval.json`` (:class:`EvalRecord`, the evaluate stage), read by
 the summary, plots and track stages (and eval.json of a ddp run by the evaluate stage, as a baseline).
+gather.json's record (:class:`shardfuse.checkpoints.gather_record.GatherRecord`) lives beside the trust
+checks that read it, in checkpoints: the merge paths in fusion read it too, and neither package may
+import this one.
 
 Files written by older stages lack the fields added since (train.json: mode, bytes all-reduced,
 effective batch size, ...; eval.json: task, score, ensemble, fusion_gain, fusion_gap, ...): those read as
@@ -66,6 +69,14 @@ class _Record:
         record = cls(**values, extra={key: value for key, value in data.items() if key not in known})
         object.__setattr__(record, "_source", where)  # for required()'s error; not a field
         return record
+
+    @classmethod
+    def of(cls: type[RecordT], **values: Any) -> RecordT:
+        """The record of a stage's ``values``: its fields, and any other key (an extension's entry, such
+        as a new selecting merge method's, recorded under its name) in ``extra``."""
+        names = {f.name for f in fields(cls)} - {"extra"}
+        known = {key: value for key, value in values.items() if key in names}
+        return cls(**known, extra={key: value for key, value in values.items() if key not in names})
 
     @classmethod
     def read(cls: type[RecordT], path: str | os.PathLike, what: str | None = None) -> RecordT:
@@ -233,6 +244,7 @@ class EvalRecord(_Record):
     {metric: value} of the task's metrics."""
 
     FILE, STAGE, WHAT = "eval.json", "evaluate", "evaluation"
+    OPTIONAL = frozenset({"sets"})  # absent from files of evaluate stages before named sets
 
     run: str | None = None
     training: str | None = None
@@ -253,6 +265,10 @@ class EvalRecord(_Record):
     ensemble_score: float | None = None
     fusion_gap: float | None = None  # how much better the ensemble scores than the merged model
     ddp_baseline: dict[str, Any] | None = None  # {"run", **metrics} of the ddp run trained alike, if any
+    # Every evaluation set's scores by its name: {"kind", "path", "rows", "merged", "ranks", "ensemble",
+    # "base"} (the models its kind scores; shardfuse.scoring.sets). The fields above are the "test" set's,
+    # as evaluate always wrote them; files from before named sets have none (see scores_on).
+    sets: dict[str, dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -279,6 +295,24 @@ class EvalRecord(_Record):
             return record
         ddp = cls.read(baseline, "ddp baseline evaluation")
         return replace(record, ddp_baseline={"run": ddp.required("run"), **ddp.required("merged")})
+
+    def set_names(self) -> list[str]:
+        """The evaluation sets the file holds scores for, in the order evaluate scored them."""
+        return list(self.sets) if self.sets is not None else ["test"]
+
+    def scores_on(self, name: str) -> dict[str, Any]:
+        """Set ``name``'s scores ({"kind", "rows", "merged", "ranks", "ensemble", "base"} where scored); for
+        "test" in a file from before named sets, its top-level fields."""
+        if self.sets is not None and name in self.sets:
+            return self.sets[name]
+        if self.sets is None and name == "test":
+            found = {"kind": "test", "rows": self.test_rows, "merged": self.merged, "ranks": self.ranks}
+            found |= {"ensemble": self.ensemble, "base": self.base}
+            return {key: value for key, value in found.items() if value is not None}
+        raise UserError(
+            f"{getattr(self, '_source', self.FILE)} has no scores on evaluation set {name!r} (it has "
+            f"{', '.join(self.set_names())}); re-run the evaluate stage with that set"
+        )
 
     def initial_model(self) -> dict[str, Any] | None:
         """The initial model's metrics: ``base``, unless the file has an ``initial`` (no evaluate stage

@@ -31,12 +31,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardfuse.io import HASH_ALGORITHMS, UserError, file_digests
+from shardfuse.checkpoints.gather_record import GatherRecord
+from shardfuse.io import UserError, file_digests
 
 Groups = dict[str, list[tuple[str, int]]]
 
@@ -172,9 +174,9 @@ def moved_units(perms: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def align_gather(
-    info: dict[str, Any], model_spec: dict[str, Any], work_dir: Path, max_iter: int = 100
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Align every rank gather.json lists to its first rank. Returns gather info for the merge engine
+    gather: GatherRecord, model_spec: dict[str, Any], work_dir: Path, max_iter: int = 100
+) -> tuple[GatherRecord, dict[str, Any]]:
+    """Align every rank gather.json lists to its first rank. Returns the gather record for the merge engine
     (aligned ranks point at files in ``work_dir``; identity-aligned ranks keep their own file) and the
     record for merge.json. Each original file's sha256 is checked against gather.json as it is read."""
     from safetensors import safe_open
@@ -182,34 +184,33 @@ def align_gather(
 
     from shardfuse.checkpoints.weights import write_safetensors
 
-    ranks = info["ranks"]
-    first = _read_checked(Path(ranks[0]["path"]), ranks[0]["sha256"], f"rank {ranks[0]['rank']}")
+    ranks = gather.ranks
+    first = _read_checked(Path(ranks[0].path), ranks[0].sha256, f"rank {ranks[0].rank}")
     reference = load(first)
     groups = permutation_groups(model_spec, sorted(reference))
-    engine_ranks, record_ranks = [dict(ranks[0])], []
+    engine_ranks, record_ranks = [ranks[0]], []
     for entry in ranks[1:]:
-        path = Path(entry["path"])
-        tensors = load(_read_checked(path, entry["sha256"], f"rank {entry['rank']}"))
+        path = Path(entry.path)
+        tensors = load(_read_checked(path, entry.sha256, f"rank {entry.rank}"))
         perms, sweeps = weight_matching(reference, tensors, groups, max_iter)
         moved = moved_units(perms)
-        record_ranks.append({"rank": entry["rank"], "sweeps": sweeps, "moved_units": moved})
+        record_ranks.append({"rank": entry.rank, "sweeps": sweeps, "moved_units": moved})
         if is_identity(perms):
-            engine_ranks.append(dict(entry))
+            engine_ranks.append(entry)
             continue
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata()
-        aligned = work_dir / f"aligned-rank-{entry['rank']}.safetensors"
+        aligned = work_dir / f"aligned-rank-{entry.rank}.safetensors"
         write_safetensors(apply_permutations(tensors, groups, perms), aligned, metadata)
-        algorithms = tuple(algorithm for algorithm in HASH_ALGORITHMS if algorithm in entry)
-        digests = file_digests(aligned, algorithms)  # the copy's digests, as gather records the files'
-        engine_ranks.append({**entry, **digests, "path": str(aligned), "bytes": aligned.stat().st_size})
+        digests = file_digests(aligned, tuple(entry.digests()))  # the copy's, as gather records the files'
+        engine_ranks.append(replace(entry, **digests, path=str(aligned), bytes=aligned.stat().st_size))
     record = {
         "method": "weight_matching",
-        "reference_rank": ranks[0]["rank"],
+        "reference_rank": ranks[0].rank,
         "groups": {group: len(members) for group, members in groups.items()},
         "ranks": record_ranks,
     }
-    return {**info, "ranks": engine_ranks}, record
+    return gather.with_ranks(engine_ranks), record
 
 
 def _read_checked(path: Path, expected: str, label: str) -> bytes:

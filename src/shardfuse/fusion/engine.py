@@ -1,6 +1,6 @@
 """The merge stage's streaming engine: rank checkpoints in, merged tensors out, block by block.
 
-No command line; used by :mod:`shardfuse.merge` (the stage: inputs, checks, greedy soup, merge.json)
+No command line; used by :mod:`shardfuse.fusion.fuse` (the merge paths: inputs, checks, greedy soup)
 and by bench/merge.py. Each tensor is cut into blocks of at most ``BLOCK_BYTES`` of float64 summed over
 all inputs; a method's plan (``shardfuse.fusion.methods``) may scan the whole tensor first (by blocks, or
 rank by rank), then combines block by block into the sink. Worker threads read and hash a few blocks
@@ -43,7 +43,7 @@ from shardfuse.checkpoints.stream import (
     to_torch,
 )
 from shardfuse.fusion.methods.plan import Plan, TensorJob
-from shardfuse.fusion.methods.registry import USES_BASE, make_plan
+from shardfuse.fusion.methods.registry import make_plan, uses_base
 from shardfuse.io import UserError
 
 BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
@@ -406,7 +406,7 @@ def merge_arrays(
             if not np.array_equal(array.view(np.uint8), arrays[0].view(np.uint8)):
                 raise copy_rule_error(name, str(dtype), rank)
         return arrays[0].copy(), {"max_abs_diff": 0.0, "copied_from_rank": 0}
-    if method in USES_BASE and base is None:
+    if uses_base(method) and base is None:
         raise ValueError(f"{method} needs the base tensor")
     if method == "weighted" and weights is None:
         weights = [1.0 / len(arrays)] * len(arrays)

@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.stream import (
     DTYPES,
     SafetensorsReader,
@@ -56,17 +57,11 @@ from shardfuse.checkpoints.stream import (
     decode_narrow,
     encode_float,
 )
-from shardfuse.checkpoints.trust import (
-    check_listed_digest,
-    check_listed_header,
-    checksum_algorithm,
-    open_listed,
-)
+from shardfuse.checkpoints.trust import check_listed_digest, check_listed_header, open_listed
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
-from shardfuse.fusion.methods.registry import BY_NAME, RECORDS, USES_BASE
+from shardfuse.fusion.methods import registry
 from shardfuse.io import UserError
 
-UPDATE_METHODS = tuple(record.name for record in RECORDS if record.not_on_updates is None)
 LINEAR_METHODS = ("uniform", "weighted", "task_arithmetic")  # merged ΔW = sum_i c_i ΔW_i, c fixed
 F64 = DTYPES["F64"]
 
@@ -159,9 +154,14 @@ class UpdateReader:
         """Nothing to hash: the factors are in memory; whoever read them from a file checked them."""
 
 
+def update_methods() -> tuple[str, ...]:
+    """The methods that fuse LoRA updates (their record has no ``not_on_updates``)."""
+    return tuple(record.name for record in registry.RECORDS if record.not_on_updates is None)
+
+
 def refuse_unless_on_updates(method: str) -> None:
     """The one-line refusal of a method that is no function of the updates over the frozen base."""
-    reason = BY_NAME[method].not_on_updates
+    reason = registry.method_record(method).not_on_updates
     if reason is not None:
         raise UserError(f"merge method {method} cannot fuse LoRA adapters: it {reason}")
 
@@ -215,7 +215,7 @@ def merge_updates(
     if method == "weighted" and weights is None:
         weights = [1.0 / len(ranks)] * len(ranks)
     readers = [UpdateReader(tensors, factors) for factors in ranks]
-    zero_base = UpdateReader(tensors, None) if method in USES_BASE else None
+    zero_base = UpdateReader(tensors, None) if registry.uses_base(method) else None
     engine = Engine(readers, zero_base, method, params, rank_numbers, weights, block_bytes)
     return _merged_one_by_one(engine, tensors, list(tensors) if names is None else names)
 
@@ -411,16 +411,16 @@ def encode_tensor(values: np.ndarray, dtype_name: str) -> np.ndarray:
     return encode_float(flat.astype(np.float64, copy=False), dtype, out)
 
 
-def read_rank_factors(info: Mapping[str, Any]) -> list[dict[str, LoraFactors]]:
+def read_rank_factors(gather: GatherRecord) -> list[dict[str, LoraFactors]]:
     """Every rank's factors gather.json lists, each file's size, header and digest checked against it
     (the digest over the very bytes read), as the merge stage checks whole checkpoints."""
-    algorithm = checksum_algorithm(dict(info))
+    algorithm = gather.checksum_algorithm
     ranks = []
-    for entry in info["ranks"]:
-        what = f"rank {entry['rank']}"
-        with open_listed(Path(entry["path"]), entry.get("bytes"), what, algorithm) as reader:
-            check_listed_header(reader, info["tensors"], what)
-            factors = read_factors(reader, info["adapter"])
+    for entry in gather.ranks:
+        what = f"rank {entry.rank}"
+        with open_listed(Path(entry.path), entry.bytes, what, algorithm) as reader:
+            check_listed_header(reader, gather.tensors, what)
+            factors = read_factors(reader, gather.adapter)
             check_listed_digest(reader, entry, what)
         ranks.append(factors)
     return ranks

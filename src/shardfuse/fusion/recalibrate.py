@@ -1,6 +1,7 @@
 """BatchNorm after fusion: recompute the merged model's running statistics on the validation split.
 
-A library module for the merge stage (``merge_recalibrate: true``). Averaging the ranks' weights does
+A library module for the merge stage (``merge_recalibrate: true``); the model and the validation split's
+batches are shardfuse.scoring's, as every scoring pass has them. Averaging the ranks' weights does
 not average what their BatchNorm layers would measure: the merged network's activations have other
 means and variances than any rank's running statistics say, which is a known cause of a merged CNN
 scoring below its ranks (Jordan et al. 2023, "REPAIR"; the standard repair after averaging). The
@@ -25,22 +26,18 @@ def recalibrate_batchnorm(
     tensors: dict[str, torch.Tensor], spec: dict[str, Any], val_split: Path, batch_size: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors with re-estimated BatchNorm statistics, what was done for merge.json)."""
-    from shardfuse.data.reader import load_table
-    from shardfuse.models.adapter import load_state
-    from shardfuse.models.registry import build_model, task_of
+    from shardfuse.scoring.scorer import model_of
+    from shardfuse.scoring.split import load_split
 
-    model = build_model(spec)
-    load_state(model, tensors, "the merged weights")
+    model, task = model_of(tensors, spec, "the merged weights")
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return tensors, {"batchnorm_layers": 0, "rows": 0}
-    features, targets = load_table(val_split)
-    if features.shape[0] == 0:
-        raise UserError(
-            f"validation split {val_split} has no rows; merge_recalibrate needs one: set the dataset's "
-            "val_fraction > 0 (e.g. 0.1) or merge_recalibrate: false"
-        )
-    task = task_of(spec, tensors)
+    fix = (
+        "merge_recalibrate needs one: set the dataset's val_fraction > 0 (e.g. 0.1) or merge_recalibrate: "
+        "false"
+    )
+    split = load_split(val_split, "val").require_rows("validation", fix)
     for norm in norms:
         norm.reset_running_stats()
         norm.momentum = None  # cumulative average over every batch, whatever their number
@@ -49,12 +46,11 @@ def recalibrate_batchnorm(
         if isinstance(module, nn.Dropout):
             module.eval()
     with torch.no_grad():
-        for start in range(0, features.shape[0], batch_size):
-            inputs, _ = task.batch(features[start : start + batch_size], targets[start : start + batch_size])
+        for inputs, _ in split.batches(task, batch_size):  # the batches every scoring pass sees
             model(inputs)
     state = model.state_dict()
     updated = {name: state[name].detach().clone().contiguous() for name in tensors}
-    return updated, {"batchnorm_layers": len(norms), "rows": int(features.shape[0]), "batch_size": batch_size}
+    return updated, {"batchnorm_layers": len(norms), "rows": split.rows, "batch_size": batch_size}
 
 
 def recalibrate_file(

@@ -1,6 +1,6 @@
 """The built-in ``cnn`` and ``transformer`` factories (``mlp`` lives in :mod:`shardfuse.models.registry`).
 
-A library module; :mod:`shardfuse.models.registry` registers these in ``BUILTINS``. By hand::
+A library module; :mod:`shardfuse.models.registry` registers these in ``RECORDS``. By hand::
 
     python -c "import torch, shardfuse.models.builtin as b, shardfuse.models.spec as s
     d = s.DataDescription('causal_lm', 16, 50, (), (), vocab_size=50, block_size=16, input_kind='tokens')

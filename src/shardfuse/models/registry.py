@@ -21,13 +21,13 @@ an error naming the file rather than weights silently loaded into another networ
 The framework owns input standardisation (the features' training-split mean and std, as buffers saved
 with the weights) and, for regression, the targets' scale: a user model sees standardised features
 and its outputs are mapped back to the targets' units, so a user's ``build`` stays plain PyTorch.
-:func:`score_state_dict` scores a model on a split with its task; evaluate and merge's greedy soup
-share it, so neither stage imports the other.
+Scoring a model on a split is shardfuse.scoring's (evaluate, greedy soup and recalibration share it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,11 +35,11 @@ from torch import nn
 
 from shardfuse.checkpoints.trust import Shapes, check_spec_bounds, shape_mismatch, spec_error
 from shardfuse.io import UserError
-from shardfuse.models.adapter import attach_output, load_state, ties_of
+from shardfuse.models.adapter import attach_output, ties_of
 from shardfuse.models.builtin import cnn, transformer
 from shardfuse.models.hf import hf
 from shardfuse.models.spec import DEFAULT_OUTPUT, DataDescription, description_of, normalized_spec
-from shardfuse.models.tasks import Task, Totals, task_for
+from shardfuse.models.tasks import Task, task_for
 from shardfuse.models.usercode import load_factory
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
@@ -146,14 +146,27 @@ def build_mlp(
     )
 
 
-# Built-ins standardise their inputs themselves; other factories get the Standardized wrapper.
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model a run names without code: ``build(description, **model_args)`` returns the network.
+    Built-ins standardise their inputs themselves; other factories get the Standardized wrapper."""
+
+    name: str
+    build: Callable[..., nn.Module]
+
+
 # shardfuse.models.usercode.BUILTIN_MODELS lists the same names for the torch-free config check.
-BUILTINS: dict[str, Callable[..., nn.Module]] = {
-    "mlp": build_mlp,
-    "cnn": cnn,
-    "transformer": transformer,
-    "hf": hf,
-}
+RECORDS: tuple[BuiltinModel, ...] = (
+    BuiltinModel("mlp", build_mlp),
+    BuiltinModel("cnn", cnn),
+    BuiltinModel("transformer", transformer),
+    BuiltinModel("hf", hf),
+)
+
+
+def builtin(name: str) -> BuiltinModel | None:
+    """The built-in called ``name``, read from ``RECORDS`` when called; None for a user model."""
+    return next((record for record in RECORDS if record.name == name), None)
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
@@ -162,7 +175,8 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     spec = normalized_spec(spec)
     description = description_of(spec)
     code_paths = spec["code"]["paths"] if spec.get("code") else []
-    factory = BUILTINS.get(spec["model"]) or load_factory(spec["model"], code_paths)
+    record = builtin(spec["model"])
+    factory = record.build if record is not None else load_factory(spec["model"], code_paths)
     try:
         model = factory(description, **spec["args"])
     except TypeError as exc:
@@ -177,7 +191,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     attach_output(model, spec.get("output", DEFAULT_OUTPUT), spec["model"])  # tensors pass unchanged
     scale_targets = task_for(description.task).scales_targets
     numeric = description.input_kind == "numeric"  # not images, not token ids: standardised columns
-    if spec["model"] in BUILTINS or not (numeric or scale_targets):
+    if record is not None or not (numeric or scale_targets):
         return model
     return Standardized(
         model, description.num_features, description.num_outputs, scale_targets, standardize_inputs=numeric
@@ -283,30 +297,3 @@ def check_output_shape(model: nn.Module, spec: dict[str, Any], device: torch.dev
             f"{description.task} needs {list(expected)} "
             f"({description.num_outputs} outputs); make its last layer produce num_outputs values"
         )
-
-
-@torch.no_grad()
-def score_state_dict(
-    tensors: dict[str, torch.Tensor],
-    spec: dict[str, Any],
-    features: torch.Tensor,
-    labels: torch.Tensor,
-    batch_size: int = 4096,
-) -> dict[str, float]:
-    """The task's metrics of model ``spec`` with weights ``tensors`` on (features, labels)."""
-    description = description_of(spec)
-    expected = tuple(description.feature_shape) or (description.num_features,)
-    if tuple(features.shape[1:]) != expected:
-        raise UserError(
-            f"the model expects inputs shaped {list(expected)} per row but the data has "
-            f"{list(features.shape[1:])}; evaluate with a split of the run's dataset"
-        )
-    model = build_model(spec)
-    load_state(model, tensors, "the weights to score")
-    model.eval()
-    task = task_of(spec, tensors)
-    totals = Totals()
-    for start in range(0, features.shape[0], batch_size):
-        inputs, targets = task.batch(features[start : start + batch_size], labels[start : start + batch_size])
-        task.accumulate(totals, model(inputs), targets)
-    return task.finish(totals)

@@ -193,16 +193,15 @@ def merge_params(config_params: dict[str, str], merge: MergeRecord) -> dict[str,
     """The run's params with the merge settings merge.json says were used (see the module docstring).
 
     A config key that sets a merge method's parameter (``merge_<param>`` for a param
-    of shardfuse.fusion.methods.registry.PARAMS) stays only when the run's method takes it, with the
+    of a shardfuse.fusion.methods.registry record) stays only when the run's method takes it, with the
     value the merge stage resolved."""
-    from shardfuse.fusion.methods.registry import (
-        PARAMS,  # numpy only; the config's key for param p is merge_<p>
-    )
+    from shardfuse.fusion.methods import registry  # numpy only; the config's key for param p is merge_<p>
 
     method = str(config_params.get("merge_method", "") if merge.method is None else merge.method)
     used = merge.params if isinstance(merge.params, dict) else {}
-    method_keys = {f"merge_{name}" for spec in PARAMS.values() for name in spec}
-    taken = {f"merge_{name}": name for name in PARAMS.get(method, {})}
+    params_of = {record.name: record.params for record in registry.RECORDS}
+    method_keys = {f"merge_{name}" for spec in params_of.values() for name in spec}
+    taken = {f"merge_{name}": name for name in params_of.get(method, {})}
     params = {k: v for k, v in config_params.items() if k not in method_keys or k in taken}
     for key, name in taken.items():
         if used.get(name) is not None:

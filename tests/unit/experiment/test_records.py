@@ -208,3 +208,21 @@ def test_the_ddp_baseline_is_filled_from_the_ddp_runs_eval_json(tmp_path):
     (warning,) = baseline_warnings(failed, baselines)
     assert warning.startswith("shardfuse: warning: ddp run ddp failed, so soup is evaluated without")
     assert baseline_warnings([Path("logs/merge/x.log")], baselines) == []
+
+
+def test_eval_json_holds_a_score_per_set_and_an_older_file_reads_as_its_test_set():
+    old = EvalRecord.from_json(eval_json(*EVAL_CASES[0]))
+    assert old.set_names() == ["test"]
+    assert old.scores_on("test") == {
+        "kind": "test", "rows": 10, "merged": old.merged, "ranks": old.ranks, "ensemble": old.ensemble,
+        "base": old.base,
+    }  # fmt: skip
+    local = {"kind": "local", "path": "l.parquet", "rows": 4, "merged": {"loss": 1.0, "accuracy": 0.25}}
+    test = {**old.scores_on("test"), "path": "test.parquet"}
+    new = EvalRecord.from_json({**eval_json(*EVAL_CASES[0]), "sets": {"test": test, "rank-0": local}})
+    assert new.set_names() == ["test", "rank-0"] and new.scores_on("rank-0") == local
+    assert list(new.to_json())[-1] == "sets" and EvalRecord.from_json(new.to_json()) == new
+    with pytest.raises(
+        UserError, match=r"eval.json has no scores on evaluation set 'domain-a' \(it has test, "
+    ):
+        new.scores_on("domain-a")

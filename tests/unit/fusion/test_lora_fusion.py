@@ -13,15 +13,15 @@ import pytest
 from shardfuse.fusion.engine import merge_arrays
 from shardfuse.fusion.lora import (
     LINEAR_METHODS,
-    UPDATE_METHODS,
     LoraFactors,
     cat_factors,
     linear_coefficients,
     merge_model,
     merge_updates,
     svd_factors,
+    update_methods,
 )
-from shardfuse.fusion.methods.registry import METHODS, USES_BASE, rank_weights, resolve_params
+from shardfuse.fusion.methods.registry import names, rank_weights, resolve_params, uses_base
 from shardfuse.io import UserError
 
 # Parameters that make each method do its work (sparsify, drop, select), not its defaults' no-ops.
@@ -85,7 +85,7 @@ def dense_merge(method, num_ranks, base, ranks):
             method,
             params_of(method, num_ranks),
             dense,
-            base=weight if method in USES_BASE else None,
+            base=weight if uses_base(method) else None,
             name=name,
             weights=weights_of(method, num_ranks),
         )
@@ -93,7 +93,7 @@ def dense_merge(method, num_ranks, base, ranks):
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
-@pytest.mark.parametrize("method", UPDATE_METHODS)
+@pytest.mark.parametrize("method", update_methods())
 def test_the_update_space_merge_is_the_dense_merge_of_base_plus_updates(method, num_ranks):
     base, ranks = random_model(num_ranks, seed=num_ranks)
     expected = dense_merge(method, num_ranks, base, ranks)
@@ -125,17 +125,17 @@ def test_the_dense_weights_keep_the_base_dtype_and_the_updates_stay_float64():
 
 
 def test_the_methods_that_cannot_fuse_updates_are_the_spherical_ones_and_greedy_soup():
-    assert sorted(set(METHODS) - set(UPDATE_METHODS)) == [
+    assert sorted(set(names()) - set(update_methods())) == [
         "greedy_soup",
         "karcher",
         "multislerp",
         "nuslerp",
         "slerp",
     ]
-    assert set(USES_BASE) <= set(UPDATE_METHODS)
+    assert {method for method in names() if uses_base(method)} <= set(update_methods())
 
 
-@pytest.mark.parametrize("method", sorted(set(METHODS) - set(UPDATE_METHODS)))
+@pytest.mark.parametrize("method", sorted(set(names()) - set(update_methods())))
 def test_a_method_on_whole_weights_is_refused_in_one_line_before_any_work(method):
     base, ranks = random_model(2)
     for call in (

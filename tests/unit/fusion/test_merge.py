@@ -95,7 +95,7 @@ def test_gather_detects_a_file_changed_after_training(tmp_path):
 
 
 def test_gather_records_checksums_and_rows(tmp_path):
-    record = gather(make_run(tmp_path, random_rank_tensors(2), [3, 4]), 2)
+    record = gather(make_run(tmp_path, random_rank_tensors(2), [3, 4]), 2).to_json()
     assert [r["rows"] for r in record["ranks"]] == [3, 4]
     assert (record["format_version"], record["hash"]) == (2, "blake3")
     for r in record["ranks"]:  # both from one read: the sha256 is training's sidecar's

@@ -26,7 +26,7 @@ from shardfuse.checkpoints.stream import (
 )
 from shardfuse.fusion.engine import merge_arrays
 from shardfuse.fusion.methods.plan import stream_seed
-from shardfuse.fusion.methods.registry import METHODS, rank_weights, resolve_params
+from shardfuse.fusion.methods.registry import names, rank_weights, resolve_params
 from shardfuse.io import UserError
 
 
@@ -276,7 +276,7 @@ def test_consolidate_treats_equal_nans_as_equal_and_a_nan_against_a_number_as_a_
         merge_arrays("consolidate", params("consolidate", 2), [a, np.array([1.0, 2.0, 3.0])])
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", names())
 def test_integer_and_bool_tensors_are_copied_from_rank_0_and_must_agree(method):
     n = 2
     counters = [np.array([7, 8], dtype=np.int64)] * n
@@ -298,7 +298,7 @@ STATISTIC_CASE_PARAMS = {
 }
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", names())
 def test_running_statistics_are_the_plain_mean_for_every_method_but_consolidate(method):
     n = 2
     ranks, base = random_ranks(n, seed=4), random_ranks(1, seed=5)[0]
@@ -388,7 +388,7 @@ tensors = st.integers(1, 24).flatmap(lambda size: st.lists(dyadic, min_size=size
     values=tensors,
     base_shift=dyadic,
     num_ranks=st.integers(1, 5),
-    method=st.sampled_from(METHODS),
+    method=st.sampled_from(names()),
     t=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
 )
 def test_merging_identical_models_returns_that_model(values, base_shift, num_ranks, method, t):
@@ -416,7 +416,7 @@ def test_weights_are_normalised_and_only_their_ratios_matter(raw, factor):
     assert all(w > 0 for w in weights)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", names())
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_output_dtype_is_the_input_dtype(method, dtype):
     n = 2

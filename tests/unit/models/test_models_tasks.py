@@ -19,7 +19,6 @@ from shardfuse.models.registry import (
     Standardized,
     build_model,
     check_output_shape,
-    score_state_dict,
 )
 from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Totals, task_for
@@ -219,19 +218,6 @@ def test_changed_user_code_is_named_by_later_stages(user_code, tmp_path):
     (tmp_path / "models" / "usernets.py").write_text(USER_CODE + "\n# edited\n")
     with pytest.raises(UserError, match=r"user model code models/usernets.py changed since training"):
         check_code_unchanged("usernets:build", fingerprint, "merge")
-
-
-def test_score_state_dict_scores_regression_in_target_units(user_code):
-    spec = model_spec("mlp", {"hidden_sizes": []}, [], REGRESSION_INFO)
-    model = build_model(spec)
-    with torch.no_grad():
-        model.net[0].weight.zero_()
-        model.net[0].bias.zero_()
-        model.target_mean.copy_(torch.tensor([1.0, 2.0]))
-        model.target_scale.copy_(torch.tensor([3.0, 3.0]))
-    features, targets = torch.zeros(4, 5), torch.tensor([[1.0, 2.0]] * 3 + [[3.0, 2.0]])
-    metrics = score_state_dict(model.state_dict(), spec, features, targets)
-    assert metrics["mse"] == pytest.approx(4.0 / 8) and metrics["mae"] == pytest.approx(2.0 / 8)
 
 
 # ---------------------------------------------------------------- config

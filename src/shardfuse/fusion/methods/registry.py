@@ -1,9 +1,12 @@
 """Every merge method, one record each: its plan, its parameters with their defaults, whether it needs the
-base weights or the validation split, its cross-parameter check, its reference, and why it cannot
-fuse LoRA updates (``not_on_updates``) where it cannot.
+base weights, how it selects ranks on the validation split (greedy soup), its cross-parameter check, its
+reference, and why it cannot fuse LoRA updates (``not_on_updates``) where it cannot.
 
 The merge stage's ``--method`` choices, the config schema's ``merge_method`` enum, the config's
 ``merge_<param>`` keys and their checks all derive from ``RECORDS`` (tests/contracts hold them equal).
+Every lookup reads ``RECORDS`` when it is called (:func:`method_record`, :func:`names`), never a table
+frozen at import, so a test that extends ``RECORDS`` extends every stage
+(tests/contracts/test_extension_merge_method.py).
 Adding a method is its plan in a family module (linear, sparse, spherical) and one record here.
 No command line; by hand::
 
@@ -45,7 +48,8 @@ from shardfuse.fusion.methods.sparse import (
     TiesPlan,
 )
 from shardfuse.fusion.methods.spherical import KarcherPlan, MultislerpPlan, NuslerpPlan, SlerpPlan
-from shardfuse.io import MAX_SEED, UserError
+from shardfuse.fusion.soup import Select, greedy_soup
+from shardfuse.io import MAX_SEED, UserError, find_record
 
 Check = Callable[[str, dict[str, Any], int], None]  # (method, resolved params, number of ranks)
 
@@ -57,12 +61,19 @@ class Method:
     reference: str
     params: dict[str, Param] = field(default_factory=dict)
     uses_base: bool = False  # reads the run's base weights (task vectors)
-    uses_val: bool = False  # reads the validation split (the merge stage selects ranks)
+    # Chooses the ranks that go in by scoring candidate merges on the validation split (greedy soup:
+    # shardfuse.fusion.soup); the method's plan then merges the chosen ones. None: every rank goes in.
+    select: Select | None = None
     check: Check | None = None  # checks across parameters and ranks, after each parameter passed its own
     # Why the method is no function of the ranks' updates theta_i - base alone, and what to use instead
     # (shardfuse.fusion.lora refuses it on LoRA adapters with this); None: merging the updates and adding
     # the result to the base gives what merging the models gives.
     not_on_updates: str | None = None
+
+    @property
+    def uses_val(self) -> bool:
+        """Reads the validation split: the merge stage needs ``--val-split`` and the model spec."""
+        return self.select is not None
 
 
 def _two_ranks(fallback: str) -> Check:
@@ -124,7 +135,7 @@ RECORDS: tuple[Method, ...] = (
         "greedy_soup",
         UniformPlan,
         "Wortsman et al. 2022, model soups (greedy)",
-        uses_val=True,
+        select=greedy_soup,
         not_on_updates="scores candidate soups as whole models on the validation split; use uniform",
     ),
     Method("task_arithmetic", TaskArithmeticPlan, "Ilharco et al. 2023", {"scale": SCALE}, uses_base=True),
@@ -200,12 +211,24 @@ RECORDS: tuple[Method, ...] = (
     ),
 )
 
-BY_NAME: dict[str, Method] = {record.name: record for record in RECORDS}
-METHODS = tuple(BY_NAME)
-PARAMS: dict[str, dict[str, Param]] = {record.name: record.params for record in RECORDS}
-USES_BASE = frozenset(record.name for record in RECORDS if record.uses_base)
-USES_VAL = frozenset(record.name for record in RECORDS if record.uses_val)
-WEIGHTED_METHODS = tuple(record.name for record in RECORDS if "weights" in record.params)
+
+def names() -> tuple[str, ...]:
+    """Every method's name, in the records' order (the stage's ``--method`` choices, the schema's enum)."""
+    return tuple(record.name for record in RECORDS)
+
+
+def method_record(name: str) -> Method:
+    """The record of merge method ``name``; a one-line UserError listing the methods otherwise."""
+    return find_record(RECORDS, name, "merge method")
+
+
+def uses_base(name: str) -> bool:
+    return method_record(name).uses_base
+
+
+def weighted_names() -> tuple[str, ...]:
+    """The methods that take per-rank weights (``merge_weights``)."""
+    return tuple(record.name for record in RECORDS if "weights" in record.params)
 
 
 def _is_number(value: Any) -> bool:
@@ -226,8 +249,7 @@ def _valid_type(param: Param, value: Any, num_ranks: int) -> bool:
 
 def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
     """Check ``params`` of ``method`` for a run whose ranks have ``rows`` rows; fill in defaults."""
-    if method not in BY_NAME:
-        raise UserError(f"unknown merge method {method!r}; use one of {', '.join(METHODS)}")
+    record = method_record(method)
     if params is None:
         params = {}
     if not isinstance(params, dict):
@@ -235,7 +257,6 @@ def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
             f"merge parameters must be a JSON object, got {type(params).__name__}; "
             "pass e.g. --params-json '{\"density\": 0.2}'"
         )
-    record = BY_NAME[method]
     unknown = sorted(set(params) - set(record.params))
     if unknown:
         valid = f"valid: {', '.join(record.params)}" if record.params else "it takes none"
@@ -276,12 +297,12 @@ def rank_weights(method: str, params: dict[str, Any], rows: list[int]) -> list[f
     return [w / total for w in raw]
 
 
-def make_plan(method: str, params: dict[str, Any], job: TensorJob) -> Plan:
-    if method == "consolidate" or not is_running_statistic(job.name):
-        return BY_NAME[method].plan(job, params)
+def make_plan(name: str, params: dict[str, Any], job: TensorJob) -> Plan:
+    if name == "consolidate" or not is_running_statistic(job.name):
+        return method_record(name).plan(job, params)
     # Statistics of activations, not weights: their "task vector" means nothing, so trimming, dropping,
     # scaling or a spherical path would give statistics that no rank measured. The (weighted) mean is
     # what a soup of the ranks would carry.
-    plan = (WeightedPlan if method == "weighted" else UniformPlan)(job, params)
-    plan.stats["running_statistic"] = "weighted mean" if method == "weighted" else "mean"
+    plan = (WeightedPlan if name == "weighted" else UniformPlan)(job, params)
+    plan.stats["running_statistic"] = "weighted mean" if name == "weighted" else "mean"
     return plan

@@ -1,0 +1,96 @@
+"""Score these weights on this split: the task's metrics of one or several models, and of their ensemble,
+in one pass over the split's batches.
+
+Every scoring in shardfuse goes through :func:`score_models`: evaluate (each named set: the merged model,
+every rank and their ensemble, the initial model), greedy soup's candidates on the validation split
+(:class:`Scorer`), and merge search's trials next. Same split, same batch size, same weights: the same
+figures, whoever asks. No command line; by hand::
+
+    python -c "from shardfuse.scoring.scorer import model_from_file, score_models; \\
+        from shardfuse.scoring.split import load_split; \\
+        split = load_split('results/datasets/digits/test.parquet', 'test'); \\
+        print(score_models([model_from_file('results/runs/ddp/merged.safetensors')], split, 4096))"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from shardfuse.models.adapter import file_ties, load_state
+from shardfuse.models.lora import load_model_weights
+from shardfuse.models.registry import build_model, task_of
+from shardfuse.models.spec import normalized_spec
+from shardfuse.models.tasks import Task, Totals, task_for
+from shardfuse.scoring.split import Split
+
+Metrics = dict[str, float]
+
+
+class Model(NamedTuple):
+    """A model ready to score: the network in eval mode and the task that scores its outputs (for
+    regression with the target scale of its own weights)."""
+
+    module: nn.Module
+    task: Task
+
+
+def model_of(
+    tensors: Mapping[str, torch.Tensor], spec: dict[str, Any], source: str, ties: Mapping[str, str] = ()
+) -> Model:
+    """The model ``spec`` describes with weights ``tensors`` (``source`` names them in errors)."""
+    module = build_model(spec)
+    load_state(module, tensors, source, ties)
+    module.eval()
+    return Model(module, task_of(spec, dict(tensors)))
+
+
+def model_from_file(path: str | Path) -> Model:
+    """The model a checkpoint holds, built from the spec in its header (a LoRA rank's factors added to
+    its base: shardfuse.models.lora.load_model_weights)."""
+    tensors, metadata = load_model_weights(path)
+    return model_of(tensors, metadata["model"], str(path), file_ties(metadata))
+
+
+@torch.no_grad()
+def score_models(
+    models: Sequence[Model], split: Split, batch_size: int, *, ensemble: bool = False
+) -> tuple[list[Metrics], Metrics | None]:
+    """(each model's metrics, their ensemble's or None) in one pass: every batch goes through every
+    model, each model's outputs are scored by its task, and (``ensemble``) their combination by the
+    first model's task (the models of one training share the task and the target scale). Memory holds
+    every model, but one batch of outputs. Each model's figures are those it gets scored alone."""
+    if not models:
+        raise ValueError("no models to score")
+    task = models[0].task
+    totals = [Totals() for _ in models]
+    combined = Totals()
+    for inputs, targets in split.batches(task, batch_size):
+        outputs = []
+        for model, model_totals in zip(models, totals, strict=True):
+            outputs.append(model.module(inputs))
+            model.task.accumulate(model_totals, outputs[-1], targets)
+        if ensemble:
+            task.accumulate(combined, task.combine(outputs), targets)
+        del outputs
+    metrics = [model.task.finish(model_totals) for model, model_totals in zip(models, totals, strict=True)]
+    return metrics, task.finish(combined) if ensemble else None
+
+
+class Scorer:
+    """Weights of one model spec scored on one split, as many times as asked: greedy soup's candidate
+    soups, merge search's trials. The split is checked against the spec once."""
+
+    def __init__(self, split: Split, spec: dict[str, Any], batch_size: int) -> None:
+        split.check_fits(spec)
+        self.split, self.spec, self.batch_size = split, spec, batch_size
+        self.task = task_for(normalized_spec(spec)["task"])  # the score and its direction
+
+    def score(self, tensors: Mapping[str, torch.Tensor]) -> Metrics:
+        """The task's metrics of the model with weights ``tensors`` on the split."""
+        model = model_of(tensors, self.spec, "the weights to score")
+        return score_models([model], self.split, self.batch_size)[0][0]
