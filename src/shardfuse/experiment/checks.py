@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
-from shardfuse.data.labels import RECORDS as LAYOUTS
+from shardfuse.data import labels
 from shardfuse.data.labels import find_layout, layout_of
 from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.init_check import (
@@ -68,7 +68,9 @@ def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
     # task it belongs to.
     others = [find_layout(other) for other in source.labels if other != layout.name]
     stray = [(key, other) for other in others for key in sorted(source.keys_of(other.name).required)]
-    stray += [(key, other) for other in LAYOUTS if other is not layout for key in sorted(other.spec_keys)]
+    stray += [
+        (key, other) for other in labels.RECORDS if other is not layout for key in sorted(other.spec_keys)
+    ]
     if found := next(((key, other) for key, other in stray if key in spec), None):
         key, owner = found[0], found[1].task_name()
         raise ConfigError(
