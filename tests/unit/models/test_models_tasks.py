@@ -290,6 +290,17 @@ def test_bad_model_and_init_keys_fail_before_any_job(tmp_path, monkeypatch, runs
             "needs `label_columns`",
         ),
         ({"source": "diabetes", "classes": [1]}, r"classes: only classification datasets use it"),
+        (
+            {
+                "source": "synthetic",
+                "num_rows": 100,
+                "num_features": 3,
+                "task": "regression",
+                "num_outputs": 1,
+                "num_classes": 3,
+            },
+            r"num_classes: only classification datasets use it but task is regression",
+        ),
     ],
 )
 def test_dataset_task_keys_are_checked(tmp_path, dataset, message):
