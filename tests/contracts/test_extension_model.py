@@ -1,6 +1,6 @@
 """Adding a built-in model is its factory and one record (README, Development): a toy model written into a
-temporary module, registered by extending the model registry's RECORDS (and its name in the torch-free
-list the config checks read), is trained by the real train stage, then gathered, merged and evaluated."""
+temporary module, registered by extending the torch-free catalog's RECORDS (shardfuse.models.catalog), is
+trained by the real train stage, then gathered, merged and evaluated."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from shardfuse import train
 from shardfuse.metrics.system import INTERVAL_ENV
-from shardfuse.models import registry, usercode
+from shardfuse.models import catalog
 from tests.support.extensions import free_port, gather_merge_evaluate, tensors_of, write_module
 from tests.support.helpers import call_stage
 
@@ -40,8 +40,9 @@ def build(description, scale=0.0625):
 def toy_model(tmp_path, monkeypatch):
     module = write_module(tmp_path, "toy_builtin_model", TOY)
     monkeypatch.delitem(sys.modules, "toy_builtin_model")
-    monkeypatch.setattr(registry, "RECORDS", (*registry.RECORDS, registry.BuiltinModel("toy", module.build)))
-    monkeypatch.setattr(usercode, "BUILTIN_MODELS", (*usercode.BUILTIN_MODELS, "toy"))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the record names its factory by import path
+    toy = catalog.BuiltinModel("toy", f"{module.__name__}:build", "a toy built-in of this test")
+    monkeypatch.setattr(catalog, "RECORDS", (*catalog.RECORDS, toy))
     return module
 
 

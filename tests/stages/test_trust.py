@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfuse.checkpoints.trust import check_spec_bounds, mlp_state_shapes
 from shardfuse.checkpoints.weights import load_weights, save_weights
 from shardfuse.io import UserError, file_digests
+from shardfuse.models.bounds import check_spec_bounds
+from shardfuse.models.catalog import mlp_state_shapes
 from shardfuse.models.registry import build_model, check_model_fits
 from shardfuse.models.spec import normalized_spec
 from shardfuse.track.inputs import load_inputs

@@ -33,7 +33,6 @@ spec saying ``hidden_sizes: [2e9]`` is refused, never allocated.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,6 @@ from typing import Any
 from shardfuse.checkpoints.gather_record import STALE, GatheredRank, GatherRecord
 from shardfuse.checkpoints.stream import InvalidSafetensors, SafetensorsReader
 from shardfuse.io import UserError, read_json
-from shardfuse.models.spec import normalized_spec
-from shardfuse.models.tasks import named_task, task_record
-from shardfuse.models.usercode import is_builtin
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: keep this module light)
 RERUN_TRAIN = "re-run training (snakemake -R train)"
@@ -231,93 +227,3 @@ def shapes_of(tensors: dict[str, dict[str, Any]]) -> Shapes:
         return {name: tuple(int(d) for d in entry["shape"]) for name, entry in tensors.items()}
     except (KeyError, TypeError, ValueError):
         raise UserError(f"gather.json's 'tensors' entry is malformed; {STALE}") from None
-
-
-def mlp_state_shapes(spec: dict[str, Any]) -> Shapes:
-    """The state dict of the built-in mlp that a normalized spec describes, laid out as
-    ``shardfuse.models.registry.MLP`` lays it out (tests/stages/test_trust.py holds the two together)."""
-    args, description = spec["args"], spec["description"]
-    features, outputs = int(description["num_features"]), int(description["num_outputs"])
-    hidden = [int(size) for size in args.get("hidden_sizes", (64,))]
-    if min([features, outputs, *hidden]) < 0:
-        raise ValueError("a negative size")
-    step = 3 if float(args.get("dropout", 0.0)) > 0 else 2  # Linear, activation (, Dropout)
-    shapes: Shapes = {}
-    width = features
-    for index, size in enumerate(hidden):
-        shapes[f"net.{step * index}.weight"] = (size, width)
-        shapes[f"net.{step * index}.bias"] = (size,)
-        width = size
-    shapes[f"net.{step * len(hidden)}.weight"] = (outputs, width)
-    shapes[f"net.{step * len(hidden)}.bias"] = (outputs,)
-    shapes["input_mean"] = shapes["input_scale"] = (features,)
-    if task_record(named_task(description)).scales_targets:
-        shapes["target_mean"] = shapes["target_scale"] = (outputs,)
-    return shapes
-
-
-def shape_mismatch(expected: Shapes, held: Shapes) -> str | None:
-    """How the model's state dict (``expected``) differs from the tensors held; None if it does not."""
-    for name in expected:
-        if name not in held:
-            return f"the model has a tensor {name!r} that the file lacks"
-        if tuple(expected[name]) != tuple(held[name]):
-            return f"tensor {name!r} is {list(expected[name])} in the model, {list(held[name])} in the file"
-    extra = sorted(set(held) - set(expected))
-    return f"the file has a tensor {extra[0]!r} that the model lacks" if extra else None
-
-
-def _oversized_argument(value: Any, name: str, num_values: int, num_tensors: int) -> str | None:
-    """A built-in's size argument beyond the file: each unit of a width, a depth or a channel count adds
-    at least one value (each list entry at least one tensor) to the model."""
-    if isinstance(value, dict):
-        items = [(f"{name}.{key}", item) for key, item in value.items()]
-    elif isinstance(value, list):
-        if len(value) > num_tensors:
-            return f"{name} has {len(value)} entries, more than the file's {num_tensors} tensors"
-        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-    else:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > num_values:
-            return f"{name} is {value!r}, more than the {num_values} values the file holds"
-        return None
-    for item_name, item in items:
-        if found := _oversized_argument(item, item_name, num_values, num_tensors):
-            return found
-    return None
-
-
-def spec_error(
-    source: str, ref: str, held: Shapes, detail: str, rerun: str, expected: Shapes | None = None
-) -> UserError:
-    size = f", {sum(math.prod(s) for s in expected.values())} values" if expected is not None else ""
-    return UserError(
-        f"the model spec in {source} ({ref}{size}) does not fit the tensors in the file "
-        f"({sum(math.prod(s) for s in held.values())} values): {detail}; {rerun}"
-    )
-
-
-def check_spec_bounds(source: str, spec: Any, held: Shapes, rerun: str) -> dict[str, Any]:
-    """Refuse, without torch, a spec whose model cannot be the tensors ``held``: the built-in mlp's
-    exact state dict; for cnn and transformer, no size argument beyond the file. Returns the normalized
-    spec. ``source`` names where the spec was read (e.g. "the header of PATH")."""
-    try:
-        spec = normalized_spec(spec)
-    except UserError as exc:
-        raise UserError(f"{source}: {exc}") from None
-    try:
-        ref = str(spec["model"])
-        if ref == "mlp":
-            hidden = spec["args"].get("hidden_sizes", (64,))
-            if isinstance(hidden, list) and 2 * (len(hidden) + 1) > len(held):
-                detail = f"hidden_sizes has {len(hidden)} layers, the file {len(held)} tensors"
-                raise spec_error(source, ref, held, detail, rerun)
-            expected = mlp_state_shapes(spec)
-            if detail := shape_mismatch(expected, held):
-                raise spec_error(source, ref, held, detail, rerun, expected)
-        elif is_builtin(ref):
-            num_values = sum(math.prod(shape) for shape in held.values())
-            if detail := _oversized_argument(spec["args"], "model_args", num_values, len(held)):
-                raise spec_error(source, ref, held, detail, rerun)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UserError(f"the model spec in {source} is malformed ({exc!r}); {rerun}") from None
-    return spec

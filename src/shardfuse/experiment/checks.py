@@ -31,6 +31,8 @@ from shardfuse.experiment.run_config import ModelConfig
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods import registry as merge_methods
 from shardfuse.io import UserError
+from shardfuse.models import catalog
+from shardfuse.models.catalog import spoken
 from shardfuse.models.hf import check_hf_args
 from shardfuse.models.spec import ADAPTER_DEFAULTS
 from shardfuse.models.tasks import named_task, task_names, task_record
@@ -104,22 +106,19 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
     check_align(name, run, datasets)
 
 
-# The built-in models whose permutation groups merge knows (shardfuse.fusion.align.BUILTIN_GROUPS, which
-# imports torch: a test holds the two equal).
-ALIGNED_BUILTINS = ("mlp", "cnn")
-
-
 def check_align(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> None:
     """merge_align needs the model's permutation groups: the built-in mlp and cnn have them, the other
     built-ins not, a user model declares them (looked up now in a subprocess, as init_from is checked)."""
     model = run["model"]
-    if run["merge_align"] == "none" or model in ALIGNED_BUILTINS:
+    if run["merge_align"] == "none" or model in catalog.aligned_names():
         return
     where = f"config error at runs[{name}]"
     if is_builtin(model):
+        aligned = catalog.aligned_names()
         raise ConfigError(
             f"{where}.merge_align: weight_matching needs the model's permutation groups: the built-in "
-            f"mlp and cnn declare them, {model!r} does not; set merge_align: none or use mlp or cnn"
+            f"{spoken(aligned)} declare them, {model!r} does not; set merge_align: none or use "
+            f"{' or '.join(aligned)}"
         )
     check_model_aligns(where, run, datasets[run["dataset"]])
 
@@ -381,10 +380,6 @@ def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | Non
         check_model_adapter(where, run, datasets[run["dataset"]])
 
 
-# The built-in models with FSDP wrap units (shardfuse.rank.fsdp.wrap_units, which imports torch).
-FSDP_BUILTINS = ("mlp", "transformer")
-
-
 def check_fsdp(name: str, run: dict[str, Any], datasets: dict[str, Any] | None = None) -> None:
     """fsdp: S shards each replica's model: S divides world_size, the model has wrap units, and nothing
     that needs whole per-rank models (or ranks drawn apart) is asked for."""
@@ -421,12 +416,12 @@ def check_fsdp(name: str, run: dict[str, Any], datasets: dict[str, Any] | None =
             "(bf16 parameters, fp32 reduction) instead"
         )
     model = run["model"]
-    if model in FSDP_BUILTINS:
+    if model in catalog.fsdp_names():
         return
     if is_builtin(model):
         raise ConfigError(
             f"{where}.fsdp: fsdp {shards} needs the model's wrap units, which the built-in {model} has "
-            "not (mlp and transformer have); set fsdp: 1 for it"
+            f"not ({spoken(catalog.fsdp_names())} have); set fsdp: 1 for it"
         )
     if datasets is not None:  # an hf or user model: its units looked up on the meta device
         check_model_fsdp(where, run, datasets[run["dataset"]])

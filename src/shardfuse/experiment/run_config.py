@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shardfuse.io import UserError
+from shardfuse.models.catalog import MLP_HIDDEN_SIZES
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ModelConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     code_paths: list[str] = field(default_factory=list)
     model_files: list[str] = field(default_factory=list)  # files the model is built from, hashed like code
-    hidden_sizes: list[int] = field(default_factory=lambda: [64])  # the built-in mlp's
+    hidden_sizes: list[int] = field(default_factory=lambda: list(MLP_HIDDEN_SIZES))  # the built-in mlp's
     activation: str = "relu"
     dropout: float = 0.0
     loss: str = "mse"  # regression only: mse | huber

@@ -71,7 +71,7 @@ def cnn_groups(names: list[str]) -> Groups:
     return groups
 
 
-# The built-ins whose groups are known here (the config check's ALIGNED_BUILTINS, held equal by a test).
+# The built-ins whose groups are known here (the catalog's records with aligned=True; a test holds both).
 BUILTIN_GROUPS = {"mlp": mlp_groups, "cnn": cnn_groups}
 
 

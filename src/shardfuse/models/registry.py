@@ -1,7 +1,7 @@
 """The model registry: a run names its model, every stage rebuilds it from a small JSON-able spec.
 
-A run's ``model`` is a built-in name (``mlp`` here; ``cnn`` and ``transformer`` in
-:mod:`shardfuse.models.builtin`) or an import path ``package.module:function`` (the function is
+A run's ``model`` is a built-in name (a record of :mod:`shardfuse.models.catalog`: ``mlp``, ``cnn``,
+``transformer``, ``hf``) or an import path ``package.module:function`` (the function is
 called as ``function(description, **model_args)`` with the dataset's :class:`DataDescription` and must
 return an ``nn.Module`` mapping a batch of inputs ``[N, *input_shape]`` to ``[N, num_outputs]``, or
 for causal_lm a token batch ``[N, T]`` to logits ``[N, T, vocab_size]``).
@@ -26,147 +26,19 @@ Scoring a model on a split is shardfuse.scoring's (evaluate, greedy soup and rec
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardfuse.checkpoints.trust import Shapes, check_spec_bounds, shape_mismatch, spec_error
 from shardfuse.io import UserError
 from shardfuse.models.adapter import attach_output, ties_of
-from shardfuse.models.builtin import cnn, transformer
-from shardfuse.models.hf import hf
-from shardfuse.models.spec import DEFAULT_OUTPUT, DataDescription, description_of, normalized_spec
+from shardfuse.models.bounds import check_spec_bounds, shape_mismatch, spec_error
+from shardfuse.models.catalog import Shapes, builtin
+from shardfuse.models.mlp import Standardized
+from shardfuse.models.spec import DEFAULT_OUTPUT, description_of, normalized_spec
 from shardfuse.models.tasks import Task, task_for
 from shardfuse.models.usercode import load_factory
-
-ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
-
-
-# ---------------------------------------------------------------- built-ins
-
-
-class MLP(nn.Module):
-    """The built-in ``mlp``: Linear layers with an activation (and dropout) between them."""
-
-    def __init__(
-        self,
-        num_features: int,
-        num_classes: int,
-        hidden_sizes: list[int],
-        activation: str,
-        dropout: float,
-        scale_targets: bool = False,
-    ) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        width = num_features
-        for hidden in hidden_sizes:
-            layers += [nn.Linear(width, hidden), ACTIVATIONS[activation]()]
-            if dropout > 0:
-                layers.append(nn.Dropout(dropout))
-            width = hidden
-        layers.append(nn.Linear(width, num_classes))
-        self.net = nn.Sequential(*layers)
-        # Input standardisation lives in the model (as buffers, saved with the weights) so every
-        # consumer of a checkpoint sees the same features the ranks trained on.
-        self.register_buffer("input_mean", torch.zeros(num_features))
-        self.register_buffer("input_scale", torch.ones(num_features))
-        self.scale_targets = scale_targets
-        if scale_targets:
-            _register_target_buffers(self, num_classes)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        outputs = self.net((features - self.input_mean) * self.input_scale)
-        return _unscale(self, outputs) if self.scale_targets else outputs
-
-
-class Standardized(nn.Module):
-    """A user model behind the framework's input standardisation (and regression target scale).
-
-    Its state dict holds ``input_mean``, ``input_scale`` (and ``target_mean``, ``target_scale``) beside
-    the user model's own tensors under ``model.``."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        num_features: int,
-        num_outputs: int,
-        scale_targets: bool,
-        standardize_inputs: bool = True,
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.standardize_inputs = standardize_inputs  # numeric columns only, not images or tokens
-        if standardize_inputs:
-            self.register_buffer("input_mean", torch.zeros(num_features))
-            self.register_buffer("input_scale", torch.ones(num_features))
-        self.scale_targets = scale_targets
-        if scale_targets:
-            _register_target_buffers(self, num_outputs)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        if self.standardize_inputs:
-            features = (features - self.input_mean) * self.input_scale
-        outputs = self.model(features)
-        return _unscale(self, outputs) if self.scale_targets else outputs
-
-
-def _register_target_buffers(module: nn.Module, num_outputs: int) -> None:
-    module.register_buffer("target_mean", torch.zeros(num_outputs))
-    module.register_buffer("target_scale", torch.ones(num_outputs))
-
-
-def _unscale(module: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
-    # The network predicts standardised targets; the model's outputs are in the targets' units.
-    return outputs * module.target_scale + module.target_mean
-
-
-def build_mlp(
-    description: DataDescription,
-    hidden_sizes: list[int] = (64,),
-    activation: str = "relu",
-    dropout: float = 0.0,
-) -> nn.Module:
-    if description.input_kind == "tokens":
-        raise UserError(
-            "the built-in mlp takes numeric features, not token blocks; name a model for causal_lm"
-        )
-    if activation not in ACTIVATIONS:
-        raise UserError(f"unknown activation {activation!r}; use one of {', '.join(ACTIVATIONS)}")
-    return MLP(
-        description.num_features,
-        description.num_outputs,
-        [int(h) for h in hidden_sizes],
-        activation,
-        float(dropout),
-        scale_targets=task_for(description.task).scales_targets,
-    )
-
-
-@dataclass(frozen=True)
-class BuiltinModel:
-    """A model a run names without code: ``build(description, **model_args)`` returns the network.
-    Built-ins standardise their inputs themselves; other factories get the Standardized wrapper."""
-
-    name: str
-    build: Callable[..., nn.Module]
-
-
-# shardfuse.models.usercode.BUILTIN_MODELS lists the same names for the torch-free config check.
-RECORDS: tuple[BuiltinModel, ...] = (
-    BuiltinModel("mlp", build_mlp),
-    BuiltinModel("cnn", cnn),
-    BuiltinModel("transformer", transformer),
-    BuiltinModel("hf", hf),
-)
-
-
-def builtin(name: str) -> BuiltinModel | None:
-    """The built-in called ``name``, read from ``RECORDS`` when called; None for a user model."""
-    return next((record for record in RECORDS if record.name == name), None)
 
 
 def build_model(spec: dict[str, Any]) -> nn.Module:
@@ -176,7 +48,7 @@ def build_model(spec: dict[str, Any]) -> nn.Module:
     description = description_of(spec)
     code_paths = spec["code"]["paths"] if spec.get("code") else []
     record = builtin(spec["model"])
-    factory = record.build if record is not None else load_factory(spec["model"], code_paths)
+    factory = record.build() if record is not None else load_factory(spec["model"], code_paths)
     try:
         model = factory(description, **spec["args"])
     except TypeError as exc:

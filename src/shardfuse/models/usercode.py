@@ -33,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.io import UserError, sha256_file
+from shardfuse.models.catalog import builtin, names
 
-BUILTIN_MODELS = ("mlp", "cnn", "transformer", "hf")
 FIX_MODEL = "fix `model` in the run (a built-in name or package.module:function)"
 
 
 def is_builtin(ref: str) -> bool:
-    return ref in BUILTIN_MODELS
+    return builtin(ref) is not None
 
 
 def add_code_paths(code_paths: list[str] | tuple[str, ...]) -> None:
@@ -140,7 +140,7 @@ def check_reference(ref: str) -> None:
     module_name, sep, attribute = ref.partition(":")
     if not sep or not module_name or not attribute:
         raise UserError(
-            f"model {ref!r} is neither a built-in ({', '.join(BUILTIN_MODELS)}) nor an import path "
+            f"model {ref!r} is neither a built-in ({', '.join(names())}) nor an import path "
             f"package.module:function; {FIX_MODEL}"
         )
 

@@ -80,7 +80,7 @@ def wrap_units(model: torch.nn.Module, model_name: str) -> list[torch.nn.Module]
 
 def _declared_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     from shardfuse.models.builtin import Transformer
-    from shardfuse.models.registry import MLP
+    from shardfuse.models.mlp import MLP
 
     for module in model.modules():  # the user's model may sit inside the framework's wrappers
         if hasattr(module, "fsdp_units") and callable(module.fsdp_units):

@@ -30,12 +30,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardfuse.checkpoints.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
+from shardfuse.checkpoints.trust import RERUN_MERGE, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.metrics.steps import EVERY_STEP_METRICS, SOME_STEP_METRICS
 from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
+from shardfuse.models.bounds import check_spec_bounds
 from shardfuse.models.tasks import evaluation_task, score_first
 
 LAYOUT_VERSION = "4"  # the fingerprint and a parent tag: a new layout replaces every run once

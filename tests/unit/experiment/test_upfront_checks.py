@@ -10,11 +10,12 @@ import os
 import pytest
 
 from shardfuse.experiment import init_check
-from shardfuse.experiment.checks import ALIGNED_BUILTINS, check_align, check_registered_model
+from shardfuse.experiment.checks import check_align, check_registered_model
 from shardfuse.experiment.keys import LONGEST_FILE_OF_NAME, MAX_NAME_LENGTH, NAME_MAX
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.io import write_json
+from shardfuse.models.catalog import aligned_names
 from tests.support.helpers import base_config
 
 
@@ -104,7 +105,7 @@ def test_registered_model_names_are_refused_exactly_where_mlflow_refuses_them():
 def test_the_builtins_the_config_aligns_are_those_merge_has_groups_for():
     from shardfuse.fusion.align import BUILTIN_GROUPS
 
-    assert set(ALIGNED_BUILTINS) == set(BUILTIN_GROUPS)
+    assert set(aligned_names()) == set(BUILTIN_GROUPS)
 
 
 @pytest.mark.parametrize("model", ["transformer", "hf"])

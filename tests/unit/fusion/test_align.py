@@ -18,7 +18,7 @@ from shardfuse.fusion.align import (
 )
 from shardfuse.io import UserError
 from shardfuse.models.builtin import CNN
-from shardfuse.models.registry import MLP
+from shardfuse.models.mlp import MLP
 
 
 def _shuffled(state: dict[str, torch.Tensor], groups, seed: int) -> tuple[dict, dict]:

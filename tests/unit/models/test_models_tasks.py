@@ -14,13 +14,9 @@ from shardfuse.experiment.keys import train_config, training_name
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.io import UserError
-from shardfuse.models.registry import (
-    DataDescription,
-    Standardized,
-    build_model,
-    check_output_shape,
-)
-from shardfuse.models.spec import model_spec
+from shardfuse.models.mlp import Standardized
+from shardfuse.models.registry import build_model, check_output_shape
+from shardfuse.models.spec import DataDescription, model_spec
 from shardfuse.models.tasks import Totals, task_for
 from shardfuse.models.usercode import check_code_unchanged, code_fingerprint, load_factory
 from tests.support.helpers import REPO
