@@ -1,6 +1,7 @@
-"""A task's or a source's name is compared in one place, its record: no module outside the task modules
-(the classes in ``shardfuse.models.tasks.RECORDS``, the registry and the base class) decides anything by a
-task's name, and none outside the source registry by a source's. Read from the source (AST): a comparison
+"""A task's, a source's, a strategy's or a partitioner's name is compared in one place, its record: no
+module outside the task modules (the classes in ``shardfuse.models.tasks.RECORDS``, the registry and the
+base class) decides anything by a task's name, none outside the source registry by a source's, none
+outside their packages by a strategy's or a partitioner's. Read from the source (AST): a comparison
 with a name (``== "causal_lm"``, ``in ("classification", ...)``, ``match``), a dict keyed by names (a
 dispatch table), ``.get()`` or a subscript with one, a default argument that is one, and ``isinstance``
 against a task class. Names in messages and docstrings are words, not decisions: they stay."""
@@ -106,6 +107,23 @@ def test_no_module_outside_the_source_records_decides_by_a_source_name():
     assert offenders == [], "ask the source's record (shardfuse.data.sources.registry):\n" + "\n".join(
         offenders
     )
+
+
+def test_no_module_outside_their_records_decides_by_a_strategy_or_partitioner_name():
+    from shardfuse.data.partitioners import registry as partitioners
+    from shardfuse.strategies import registry as strategies
+
+    offenders = []
+    for kind, registry in (("strategy", strategies), ("partitioner", partitioners)):
+        names = frozenset(registry.names())
+        home = Path(inspect.getsourcefile(registry)).resolve().parent  # the records and their modules
+        offenders += [
+            f"{path.relative_to(REPO)}:{where} ({kind})"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            if home not in path.resolve().parents
+            for where in name_decisions(path.read_text(), names, frozenset(), keywords=False)
+        ]
+    assert offenders == [], "ask the record instead:\n" + "\n".join(offenders)
 
 
 PLANTED = textwrap.dedent(
