@@ -170,8 +170,8 @@ def run(work_dir: Path, rows: int, features: int, epochs: int, reps: int) -> dic
 
     from shardfuse.experiment.run_config import TrainConfig
     from shardfuse.rank.dist import DistContext
+    from shardfuse.track.client import connect
     from shardfuse.track.live import LiveLogger
-    from shardfuse.tracking import connect
     from shardfuse.train import train_rank
 
     work_dir.mkdir(parents=True, exist_ok=True)

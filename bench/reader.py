@@ -194,8 +194,8 @@ def measure_training(path_name: str, shard_dir: Path, num_steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from shardfuse.data.dataset_info import read_dataset_info
     from shardfuse.data.manifest import read_manifest
-    from shardfuse.data.reader import read_dataset_info
     from shardfuse.models.registry import build_model
     from shardfuse.models.spec import model_spec
 

@@ -20,7 +20,7 @@ Throughput:
 
 All three write the same per-step history (two ranks x steps x loss/samples_per_second/lr) into the same
 store, one after the other:
-  ours       shardfuse.tracking.track_run end to end (runs, params, history, results, MLflow model);
+  ours       shardfuse.track.sync.track_run end to end (runs, params, history, results, MLflow model);
              "history only" is the part spent in sync_history (the points themselves)
   log_batch  a bare MlflowClient.log_batch loop, 1,000 points per call (Metric objects built in the loop)
   per-point  MlflowClient.log_metric once per point: timed on a sample and extrapolated (it would take
@@ -48,9 +48,9 @@ sys.path[:0] = [str(REPO / "src"), str(REPO), str(REPO / "bench")]
 import common  # noqa: E402
 from mlflow.entities import Metric  # noqa: E402
 
-from shardfuse import tracking  # noqa: E402
 from shardfuse.track import client as mlflow_common  # noqa: E402
-from shardfuse.track import inputs as tracking_inputs  # noqa: E402
+from shardfuse.track import series as track_series  # noqa: E402
+from shardfuse.track import sync as track_sync  # noqa: E402
 from tests.support.tracking import make_run_dir, run_config  # noqa: E402
 
 TARGET_VS_PER_POINT = 30.0
@@ -71,7 +71,7 @@ def history_columns(run_dir: Path) -> dict[int, dict[str, list]]:
     """Per rank, the history as plain column lists (what any loop over a metrics file starts from)."""
     columns = {}
     for path in sorted((run_dir / "train" / "metrics").glob("rank-*.parquet")):
-        table = tracking_inputs.read_step_metrics(path)
+        table = track_series.read_step_metrics(path)
         columns[int(path.stem[5:])] = {name: values.tolist() for name, values in table.items()}
     return columns
 
@@ -79,7 +79,7 @@ def history_columns(run_dir: Path) -> dict[int, dict[str, list]]:
 def bench_log_batch(client, experiment_id: str, columns: dict[int, dict[str, list]]) -> float:
     """One run per rank, like the track stage's children (one run for all ranks would collide on lr);
     the same point order, 1,000 points per call."""
-    keys = tracking_inputs.STEP_METRICS
+    keys = track_series.STEP_METRICS
     started = time.perf_counter()
     for rank, table in columns.items():
         run_id = client.create_run(experiment_id, run_name=f"bench/log_batch/rank-{rank}").info.run_id
@@ -102,7 +102,7 @@ def bench_per_point(client, experiment_id: str, columns: dict[int, dict[str, lis
     count = 0
     started = time.perf_counter()
     for i in range(len(table["step"])):
-        for key in tracking_inputs.STEP_METRICS:
+        for key in track_series.STEP_METRICS:
             client.log_metric(
                 run_id, key, table[key][i], timestamp=table["timestamp_ms"][i], step=table["step"][i]
             )
@@ -115,7 +115,7 @@ def bench_per_point(client, experiment_id: str, columns: dict[int, dict[str, lis
 def bench_ours(uri: str, experiment: str, root: Path, name: str) -> tuple[float, float, int]:
     run_dir, manifest = make_run_dir(root, name, num_steps=STEPS)
     spent = [0.0]
-    original = tracking.sync_history
+    original = track_sync.sync_history
 
     def timed(*args, **kwargs):
         started = time.perf_counter()
@@ -124,13 +124,13 @@ def bench_ours(uri: str, experiment: str, root: Path, name: str) -> tuple[float,
         finally:
             spent[0] += time.perf_counter() - started
 
-    tracking.sync_history = timed
+    track_sync.sync_history = timed
     try:
         started = time.perf_counter()
-        result = tracking.track_run(name, run_dir, manifest, run_config(name), uri, experiment)
+        result = track_sync.track_run(name, run_dir, manifest, run_config(name), uri, experiment)
         total = time.perf_counter() - started
     finally:
-        tracking.sync_history = original
+        track_sync.sync_history = original
     assert result["action"] == "created"
     return total, spent[0], result["num_points_pushed"]
 
@@ -300,19 +300,19 @@ def bench_per_run(ref: str, repeats: int, steps: int) -> bool:
 
 def bench_throughput(args) -> bool:
     global STEPS
-    STEPS = -(-args.points // (2 * len(tracking_inputs.STEP_METRICS)))  # two ranks
+    STEPS = -(-args.points // (2 * len(track_series.STEP_METRICS)))  # two ranks
     with tempfile.TemporaryDirectory(prefix="shardfuse-bench-") as tmp:
         root = Path(tmp)
         uri = args.tracking_uri or f"sqlite:///{root}/mlflow.db"
         experiment = f"bench-{int(time.time())}"
         if not args.tracking_uri:  # artifacts next to the store, not in ./mlruns of the caller
             mlflow_common.tracking_client(uri).create_experiment(experiment, str(root / "artifacts"))
-        client, experiment_id = tracking.connect(uri, experiment)
+        client, experiment_id = mlflow_common.connect(uri, experiment)
         points = history_columns(make_run_dir(root / "data", "reference", num_steps=STEPS)[0])
-        num_points = sum(len(p["step"]) for p in points.values()) * len(tracking_inputs.STEP_METRICS)
+        num_points = sum(len(p["step"]) for p in points.values()) * len(track_series.STEP_METRICS)
         print(
             f"store {mlflow_common.redact_uri(uri)}; {num_points:,} history points "
-            f"(2 ranks x {STEPS:,} steps x {len(tracking_inputs.STEP_METRICS)} metrics)"
+            f"(2 ranks x {STEPS:,} steps x {len(track_series.STEP_METRICS)} metrics)"
         )
 
         ours, history_only, bare = [], [], []

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from shardfuse.checkpoints.init_weights import expected_of, match_names, read_init_weights
+from shardfuse.console.errors import run_cli
 from shardfuse.data.sources.describe import info_from_spec
 from shardfuse.experiment.run_config import ModelConfig, TrainConfig
 from shardfuse.fusion.align import declared_groups
-from shardfuse.io import StageParser, UserError, parse_json_arg, run_cli
+from shardfuse.io import StageParser, UserError, parse_json_arg
 from shardfuse.models.adapter import storable_state
 from shardfuse.models.registry import meta_model
 from shardfuse.models.spec import model_spec

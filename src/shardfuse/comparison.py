@@ -20,7 +20,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from shardfuse.io import StageParser, UserError, read_json, run_cli, write_json
+from shardfuse.console.errors import run_cli
+from shardfuse.io import StageParser, UserError, read_json, write_json
 from shardfuse.track.client import exit_now, tracking_client, tracking_errors, writer_lock
 
 ARTIFACT_PATH = "comparison"

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import read_config_file
-from shardfuse.io import StageParser, run_cli
+from shardfuse.io import StageParser
 
 
 def main(argv: list[str] | None = None) -> None:

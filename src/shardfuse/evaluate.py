@@ -33,8 +33,9 @@ import argparse
 from pathlib import Path
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import EvalRecord
-from shardfuse.io import StageParser, UserError, run_cli, write_json
+from shardfuse.io import StageParser, UserError, write_json
 from shardfuse.models.registry import check_model_fits, normalized_spec
 from shardfuse.models.tasks import task_for
 from shardfuse.models.usercode import check_code_unchanged

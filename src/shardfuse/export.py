@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardfuse.io import StageParser, UserError, atomic_dir, run_cli
+from shardfuse.console.errors import run_cli
+from shardfuse.io import StageParser, UserError, atomic_dir
 
 
 def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:

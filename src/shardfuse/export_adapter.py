@@ -30,8 +30,9 @@ import numpy as np
 
 from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.trust import read_gather
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import MergeRecord
-from shardfuse.io import StageParser, UserError, atomic_dir, run_cli, write_json
+from shardfuse.io import StageParser, UserError, atomic_dir, write_json
 from shardfuse.models.tasks import named_task, task_record
 
 MODES = ("svd", "cat")

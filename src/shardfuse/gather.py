@@ -28,7 +28,8 @@ from shardfuse.checkpoints.gather_record import FORMAT_VERSION, GatheredRank, Ga
 from shardfuse.checkpoints.trust import check_base_header
 from shardfuse.checkpoints.weights import read_header, read_metadata
 from shardfuse.cluster.membership import recorded_membership
-from shardfuse.io import StageParser, UserError, file_digests, read_json, run_cli, sha256_file, write_json
+from shardfuse.console.errors import run_cli
+from shardfuse.io import StageParser, UserError, file_digests, read_json, sha256_file, write_json
 
 RERUN = "re-run training (snakemake -R train)"
 HASH = "blake3"  # the digest merge verifies

@@ -61,18 +61,9 @@ from shardfuse.cluster.torchrun import (
     node_step_command,
     rank_environ,
 )
-from shardfuse.io import (
-    Interrupted,
-    StageParser,
-    UserError,
-    error_line,
-    error_reason,
-    replace_dir,
-    run_cli,
-    stage_errors,
-    user_error_message,
-    write_json,
-)
+from shardfuse.console.errors import error_line, run_cli, user_error_message
+from shardfuse.console.failures import stage_errors
+from shardfuse.io import Interrupted, StageParser, UserError, error_reason, replace_dir, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, failure_message
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop

@@ -47,11 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.trust import read_gather
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.fusion.engine import BLOCK_BYTES
 from shardfuse.fusion.fuse import check_request, fuse
 from shardfuse.fusion.methods import registry
-from shardfuse.io import StageParser, UserError, parse_json_arg, refuse_shared_outputs, run_cli, write_json
+from shardfuse.io import StageParser, UserError, parse_json_arg, refuse_shared_outputs, write_json
 from shardfuse.models.usercode import check_code_unchanged
 
 

@@ -35,9 +35,10 @@ manifest's ``columns`` records every column's kind, dtype and row shape.
 
 from __future__ import annotations
 
+from shardfuse.console.errors import run_cli
 from shardfuse.data.partitioners import registry
 from shardfuse.data.shard_set import partition_parquet
-from shardfuse.io import StageParser, parse_json_arg, run_cli, seed_arg
+from shardfuse.io import StageParser, parse_json_arg, seed_arg
 
 __all__ = ["main", "partition_parquet"]
 

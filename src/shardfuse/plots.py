@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import EvalRecord
-from shardfuse.io import StageParser, UserError, run_cli
+from shardfuse.io import StageParser, UserError
 from shardfuse.models.tasks import evaluation_task
 from shardfuse.report.figures import (
     BASELINE_COLOR,
@@ -48,7 +49,7 @@ from shardfuse.report.figures import (
     score_label,
     zoomed_limits,
 )
-from shardfuse.track.inputs import read_step_metrics
+from shardfuse.track.series import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
 INITIAL = "initial model"  # the model before training: never "base", which reads like the ddp baseline

@@ -48,8 +48,9 @@ spec, asks the source and writes the files; this stage is its command line.
 
 from __future__ import annotations
 
+from shardfuse.console.errors import run_cli
 from shardfuse.data.sources.dataset import describe, prepare
-from shardfuse.io import StageParser, parse_json_arg, run_cli
+from shardfuse.io import StageParser, parse_json_arg
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,8 +33,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
-from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, run_cli
+from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg
 from shardfuse.models import tasks
 from shardfuse.models.tasks import evaluation_task, score_first, task_for
 

@@ -24,15 +24,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardfuse.console.errors import run_cli
 from shardfuse.experiment.run_config import TrainConfig
-from shardfuse.io import StageParser, parse_json_arg, run_cli
+from shardfuse.io import StageParser, parse_json_arg
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.rank.dist import DistContext, distributed, gate_for
 from shardfuse.rank.failure import failures_recorded
 from shardfuse.rank.loop import train_loop
 from shardfuse.rank.publish import publish
-from shardfuse.rank.setup import plan_steps, resume_or_start, set_up
+from shardfuse.rank.setup import set_up
+from shardfuse.rank.start import resume_or_start
+from shardfuse.rank.step_plan import plan_steps
 from shardfuse.rank.stop_files import record_stop
 from shardfuse.track.client import exit_now
 from shardfuse.track.live import LiveLogger

@@ -22,7 +22,7 @@ import pytest
 import torch
 import yaml
 
-from shardfuse.io import run_cli
+from shardfuse.console.errors import run_cli
 from tests.support.helpers import REPO, run_stage, snakemake_command, write_train_dir
 
 DOCS = REPO / "docs" / "errors.md"

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfuse.io import destination, run_cli
+from shardfuse.console.errors import run_cli
+from shardfuse.io import destination
 from tests.support.helpers import REPO, run_stage, subprocess_env, write_train_dir
 from tests.support.tracking import free_port
 
@@ -415,6 +416,7 @@ def test_each_error_line_is_one_write(monkeypatch):
     """Ranks share a console and a log: each line and its newline leave in one write (print makes two),
     so two ranks' lines never join into one."""
     from shardfuse import io
+    from shardfuse.console import errors as console_errors
 
     writes = []
     monkeypatch.setattr(io.os, "write", lambda fd, data: writes.append(data) or len(data))
@@ -426,7 +428,7 @@ def test_each_error_line_is_one_write(monkeypatch):
         def flush(self):
             pass
 
-    io.write_line("shardfuse.train: error: rank 1: x", Console())
+    console_errors.write_line("shardfuse.train: error: rank 1: x", Console())
     assert writes == [b"shardfuse.train: error: rank 1: x\n"]
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from shardfuse import comparison, tracking
+from shardfuse import comparison
 from shardfuse.report import figures
+from shardfuse.track import sync as track_sync
 from tests.support.tracking import make_run_dir, mlflow_service, run_config, service_unavailable
 
 pytestmark = pytest.mark.browser
@@ -72,7 +73,7 @@ def populated(tmp_path_factory):
             plots.mkdir()
             for name in ("fusion", "loss"):
                 _png(plots / f"{name}.png", f"{run_name}: {name}")
-            results[run_name] = tracking.track_run(
+            results[run_name] = track_sync.track_run(
                 run_name, run_dir, manifest, run_config(run_name), service["uri"], EXPERIMENT, plots_dir=plots
             )
             records.append(run_dir / "mlflow.json")

@@ -18,9 +18,10 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shardfuse import plots, tracking
+from shardfuse import plots
 from shardfuse.io import UserError
-from shardfuse.track import inputs as tracking_inputs
+from shardfuse.track import series as track_series
+from shardfuse.track import sync as track_sync
 from shardfuse.track.push import ROWS_PER_BATCH
 from tests.support.tracking import NUM_FEATURES, make_run_dir, mlflow_service, run_config, run_script
 
@@ -69,7 +70,7 @@ def _assert_complete(server, result: dict, num_steps: int) -> None:
     parent = client.get_run(result["parent_run_id"])
     assert parent.data.tags["shardfuse.complete"] == "true" and parent.info.status == "FINISHED"
     for child_id in result["child_run_ids"].values():
-        for key in tracking_inputs.STEP_METRICS:
+        for key in track_series.STEP_METRICS:
             steps = sorted(m.step for m in client.get_metric_history(child_id, key))
             assert steps == list(range(num_steps))  # every point, none twice
 
@@ -121,7 +122,7 @@ def test_server_down_fails_fast_with_rerun_hint_and_rerun_after_restart_loses_an
         assert run_script("mlflow-server-up.sh", server["env"]).returncode == 0
 
     # Now the server dies in the middle of the push, after rank 0's first batch went in.
-    original = tracking.sync_history
+    original = track_sync.sync_history
     stopped = []
 
     def server_dies_after_one_batch(client, run_id, rows, start):
@@ -132,10 +133,10 @@ def test_server_down_fails_fast_with_rerun_hint_and_rerun_after_restart_loses_an
         return original(client, run_id, rows, start + ROWS_PER_BATCH)
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setattr(tracking, "sync_history", server_dies_after_one_batch)
+    monkeypatch.setattr(track_sync, "sync_history", server_dies_after_one_batch)
     try:
         with pytest.raises(UserError, match=r"re-run `snakemake -R track`"):
-            tracking.track_run("outage", run_dir, manifest, run_config("outage"), server["uri"], EXPERIMENT)
+            track_sync.track_run("outage", run_dir, manifest, run_config("outage"), server["uri"], EXPERIMENT)
         assert stopped == [0]
     finally:
         monkeypatch.undo()

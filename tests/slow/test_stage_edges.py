@@ -12,7 +12,7 @@ import json
 import subprocess
 import time
 
-from shardfuse.io import stage_errors
+from shardfuse.console.failures import stage_errors
 from shardfuse.launch import staging_dir
 from tests.support.helpers import run_stage
 from tests.support.tracking import active_runs, make_run_dir, track_cli_args, tracking_env

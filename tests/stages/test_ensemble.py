@@ -131,7 +131,7 @@ def test_evaluate_scores_the_ensemble_of_the_ranks_as_an_independent_computation
 def test_track_pushes_the_ensemble_headline_once_and_an_old_eval_json_pushes_none(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from shardfuse import tracking
+    from shardfuse.track import sync as track_sync
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
@@ -139,7 +139,7 @@ def test_track_pushes_the_ensemble_headline_once_and_an_old_eval_json_pushes_non
     for name, ensemble in (("with", True), ("old", False)):
         run_dir, manifest = make_run_dir(tmp_path / name, name)
         (run_dir / "eval.json").write_text(json.dumps(regression_evaluation(name, ensemble=ensemble)))
-        first = tracking.track_run(name, run_dir, manifest, run_config(name), uri, "shardfuse")
+        first = track_sync.track_run(name, run_dir, manifest, run_config(name), uri, "shardfuse")
         metrics = client.get_run(first["parent_run_id"]).data.metrics
         pushed = {key: value for key, value in metrics.items() if "ensemble" in key or key == "fusion_gap"}
         if ensemble:
@@ -148,6 +148,6 @@ def test_track_pushes_the_ensemble_headline_once_and_an_old_eval_json_pushes_non
             assert pushed == pytest.approx(expected)
         else:
             assert pushed == {}
-        again = tracking.track_run(name, run_dir, manifest, run_config(name), uri, "shardfuse")
+        again = track_sync.track_run(name, run_dir, manifest, run_config(name), uri, "shardfuse")
         assert (again["action"], again["num_points_pushed"]) == ("unchanged", 0)
         assert client.get_run(first["parent_run_id"]).data.metrics == metrics

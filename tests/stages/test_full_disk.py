@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shardfuse.checkpoints.weights import save_weights, write_safetensors
-from shardfuse.io import atomic_path, foreign_error
+from shardfuse.console.errors import foreign_error
+from shardfuse.io import atomic_path
 from tests.support.helpers import missing_in_ci, run_stage, write_train_dir
 
 SIZE = 256 * 1024

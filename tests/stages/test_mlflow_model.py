@@ -27,6 +27,7 @@ from shardfuse.io import UserError
 from shardfuse.models.registry import build_model, set_data_stats
 from shardfuse.models.spec import model_spec
 from shardfuse.track import model as mlflow_model
+from shardfuse.track import model_logging
 from tests.support.helpers import subprocess_env
 
 USER_CODE = Path(__file__).resolve().parents[1] / "support" / "mlflow_user_model"
@@ -51,10 +52,10 @@ out.to_parquet(sys.argv[3])
 """
 LOG_WITHOUT_TORCH = """
 import json, sys
-from shardfuse.track import model as mlflow_model
+from shardfuse.track import model_logging
 from shardfuse.checkpoints.weights import read_metadata
 uri, run_id, weights, sha = sys.argv[1:]
-model_id = mlflow_model.log_merged_model(uri, run_id, weights, sha, read_metadata(weights)["model"])
+model_id = model_logging.log_merged_model(uri, run_id, weights, sha, read_metadata(weights)["model"])
 heavy = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "sf_")))
 print(json.dumps({"model_id": model_id, "heavy": heavy}))
 """
@@ -99,7 +100,7 @@ def _save(path: Path, spec: dict, seed: int = 0):
 
 def _log(store, weights: Path, sha: str, spec: dict) -> str:
     run_id = store["client"].create_run(store["experiment_id"]).info.run_id
-    return f"models:/{mlflow_model.log_merged_model(store['uri'], run_id, weights, sha, spec)}"
+    return f"models:/{model_logging.log_merged_model(store['uri'], run_id, weights, sha, spec)}"
 
 
 def _env(store) -> dict[str, str]:
@@ -351,7 +352,7 @@ def test_user_code_changed_since_training_is_refused_before_anything_is_logged(t
     blocks.write_text(blocks.read_text().replace("tanh", "relu"))
     db = tmp_path / "never.db"
     with pytest.raises(UserError, match=r"^user model code code/sf_blocks\.py changed since training"):
-        mlflow_model.log_merged_model(f"sqlite:///{db}", "0" * 32, workdir / "merged.safetensors", sha, spec)
+        model_logging.log_merged_model(f"sqlite:///{db}", "0" * 32, workdir / "merged.safetensors", sha, spec)
     assert not db.exists()
 
 
@@ -366,7 +367,7 @@ def test_a_factory_module_outside_the_code_paths_must_be_importable(tmp_path):
         "here, so the logged model could not import it; add its directory to `code_paths`"
     )
     with pytest.raises(UserError) as err:
-        mlflow_model.log_merged_model(f"sqlite:///{tmp_path}/x.db", "0" * 32, tmp_path / "w", "0", spec)
+        model_logging.log_merged_model(f"sqlite:///{tmp_path}/x.db", "0" * 32, tmp_path / "w", "0", spec)
     assert str(err.value) == message
 
 
@@ -375,9 +376,9 @@ def test_a_factory_module_outside_the_code_paths_is_copied_or_if_installed_pinne
     shutil.copytree(USER_CODE, outside)
     monkeypatch.syspath_prepend(str(outside))
     no_code = {"paths": [], "files": {}}
-    staged = mlflow_model._code_paths({"model": "sf_lm.bag:build", "code": no_code}, tmp_path / "a")
+    staged = model_logging._code_paths({"model": "sf_lm.bag:build", "code": no_code}, tmp_path / "a")
     assert [Path(path).name for path in staged[0]] == ["shardfuse", "sf_lm"] and staged[1] == []
     assert sorted(p.name for p in (tmp_path / "a" / "sf_lm").iterdir()) == ["__init__.py", "bag.py"]
-    staged = mlflow_model._code_paths({"model": "yaml:safe_load", "code": no_code}, tmp_path / "b")
+    staged = model_logging._code_paths({"model": "yaml:safe_load", "code": no_code}, tmp_path / "b")
     assert [Path(path).name for path in staged[0]] == ["shardfuse"] and staged[1] == ["PyYAML"]
-    assert "PyYAML==" in " ".join(mlflow_model._requirements(staged[1]))
+    assert "PyYAML==" in " ".join(model_logging._requirements(staged[1]))

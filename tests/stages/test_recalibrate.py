@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.data.reader import load_table, read_dataset_info
+from shardfuse.data.dataset_info import read_dataset_info
+from shardfuse.data.reader import load_table
 from shardfuse.fusion.recalibrate import recalibrate_batchnorm
 from shardfuse.models.registry import build_model
 from shardfuse.models.spec import model_spec

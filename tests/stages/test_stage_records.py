@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from shardfuse.checkpoints.weights import load_weights, read_metadata, save_weights
+from shardfuse.data.dataset_info import read_dataset_info
 from shardfuse.data.manifest import read_manifest
-from shardfuse.data.reader import read_dataset_info
 from shardfuse.data.verify import check_shard_set, check_split
 from shardfuse.io import UserError, sha256_file
 from shardfuse.launch import staging_dir

@@ -14,8 +14,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from shardfuse import tracking
-from shardfuse.io import run_cli
-from shardfuse.track import inputs as tracking_inputs
+from shardfuse.console.errors import run_cli
+from shardfuse.track import provenance as track_provenance
+from shardfuse.track import sync as track_sync
 from tests.support.tracking import (
     TRACK_EXPERIMENT,
     active_runs,
@@ -77,7 +78,7 @@ def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store
     assert proc.stderr.strip().endswith("s)") and "created parent run" in proc.stderr
 
     other_dir, _ = make_run_dir(tmp_path, "viacli_ties", training="shared")
-    other = tracking.track_run(
+    other = track_sync.track_run(
         "viacli_ties", other_dir, manifest, run_config("viacli_ties"), track_store["uri"], TRACK_EXPERIMENT,
         train_dir=training / "ranks", gather_path=training / "gather.json",
     )  # fmt: skip
@@ -137,7 +138,7 @@ def test_parent_tags_name_commit_tools_hosts_slurm_job_and_config_hash(track_sto
     assert tags["shardfuse.torch_version"] == "2.13.0"  # from train.json, i.e. what the ranks ran
     assert tags["shardfuse.hosts"] == "node0,node1"
     assert tags["shardfuse.slurm_job_id"] == "4242"
-    assert tags["shardfuse.config_hash"] == tracking_inputs.config_hash(config)
+    assert tags["shardfuse.config_hash"] == track_provenance.config_hash(config)
     for rank, child_id in result["child_run_ids"].items():
         assert track_store["client"].get_run(child_id).data.tags["shardfuse.host"] == f"node{rank}"
     assert parent.data.metrics["test_accuracy_initial"] == pytest.approx(0.34)

@@ -315,7 +315,7 @@ def call_stage(stage: str, *args: object, cwd: Path | None = None) -> subprocess
     through the same ``run_cli`` wrapper, its stdout and stderr captured, its exit status returned (an
     exception that is not a UserError is printed as a traceback, status 1). For tests about what a stage
     decides, not about the process boundary: each subprocess costs a second or more of imports."""
-    from shardfuse.io import run_cli
+    from shardfuse.console.errors import run_cli
 
     module = importlib.import_module(f"shardfuse.{stage}")
     out, err, status = io.StringIO(), io.StringIO(), 0

@@ -23,10 +23,10 @@ import pyarrow.parquet as pq
 import torch
 from mlflow.entities import ViewType
 
-from shardfuse import tracking
 from shardfuse.checkpoints.weights import save_weights
 from shardfuse.io import sha256_file
 from shardfuse.models.registry import build_model
+from shardfuse.track import sync as track_sync
 from tests.support.helpers import REPO, missing_in_ci
 
 NUM_FEATURES, NUM_CLASSES = 8, 3
@@ -426,7 +426,7 @@ TRACK_EXPERIMENT = "shardfuse"
 def track_into(track_store, tmp_path, run_name, track_kwargs=None, **run_kwargs):
     run_dir, manifest = make_run_dir(tmp_path, run_name, **run_kwargs)
     config = run_config(run_name, merge_method=run_kwargs.get("merge_method", "average"))
-    result = tracking.track_run(
+    result = track_sync.track_run(
         run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT, **(track_kwargs or {})
     )
     return result, run_dir, manifest, config

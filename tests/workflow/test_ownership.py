@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from shardfuse.cluster.ownership import own_training, owner_path
-from shardfuse.io import UserError, failed_job_errors
+from shardfuse.console.failures import failed_job_errors
+from shardfuse.io import UserError
 from tests.support.helpers import REPO, snakemake_command, subprocess_env
 from tests.support.training import write_failing_model, write_resume_config
 

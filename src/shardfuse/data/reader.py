@@ -12,8 +12,9 @@ what a batch holds: numeric columns x0..x{F-1} give float32 [N, F], a tensor col
 
 Two ways to feed training: :func:`load_shard` (the whole shard in memory) and :class:`ShardReader`
 (row groups streamed by a background thread; the first batch after one row group, memory flat in the
-shard size). :func:`feature_stats` gives the normalisation statistics from the manifest, without a
-pass over the data. Figures: bench/RESULTS.md (bench/reader.py).
+shard size). Figures: bench/RESULTS.md (bench/reader.py). The shard is checked against its manifest by
+:func:`shardfuse.data.verify.verify_shard`; the normalisation statistics come from the manifest
+(:mod:`shardfuse.data.moments`), dataset.json from :func:`shardfuse.data.dataset_info.read_dataset_info`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from shardfuse.data.labels import layout_of
 from shardfuse.data.manifest import RERUN_PARTITION, read_manifest
 from shardfuse.data.shard_format import (
     REMAKE,
@@ -42,47 +41,8 @@ from shardfuse.data.shard_format import (
     read_layout,
     shard_name,
 )
-from shardfuse.io import UserError, error_reason, read_json, sha256_file, wrong_type
-from shardfuse.models.tasks import IMPLICIT_TASK, task_names
-
-DATASET_KEYS = (
-    "name",
-    "source",
-    "num_features",
-    "num_classes",
-    "feature_names",
-    "label_names",
-    "rows",
-    "test_fraction",
-    "seed",
-    "sha256",
-)
-
-
-def verify_shard(shard_dir: str | Path, rank: int, manifest: dict, checksum: bool = True) -> Path:
-    """Return the path of rank's shard after checking it exists and matches the manifest's size and
-    (if ``checksum``, which costs a full read) sha256."""
-    world_size = manifest["world_size"]
-    if not 0 <= rank < world_size:
-        raise UserError(
-            f"rank {rank} has no shard: {shard_dir} holds {world_size} shards (world size "
-            f"{world_size}); partition for the world size you launch with"
-        )
-    entry = manifest["shards"][rank]
-    path = Path(shard_dir) / entry["path"]
-    if not path.is_file():
-        raise UserError(f"shard of rank {rank} ({path}) is missing; {RERUN_PARTITION}")
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise UserError(
-            f"shard of rank {rank} ({path}) has {size} bytes, manifest says {entry['bytes']}; "
-            f"{RERUN_PARTITION}"
-        )
-    if checksum and sha256_file(path) != entry["sha256"]:
-        raise UserError(
-            f"shard of rank {rank} ({path}) does not match its sha256 in the manifest; {RERUN_PARTITION}"
-        )
-    return path
+from shardfuse.data.verify import verify_shard
+from shardfuse.io import UserError, error_reason, sha256_file
 
 
 def num_features(path: str | Path) -> int:
@@ -204,37 +164,6 @@ def load_shard(shard_dir: str | Path, rank: int, verify: bool = True) -> tuple[t
     if verification is not None:
         verification.check()
     return loaded
-
-
-def feature_stats(manifest: dict, num_features: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Mean and (population) std of x0..x{F-1} over every shard, from the column moments partition
-    recorded in the manifest: no pass over the data and no collective, and the same on every rank.
-
-    None when the manifest has no moments (made by an older partition) or a sum is not finite; the
-    caller then computes the statistics from the data."""
-    return column_stats(manifest, [f"x{j}" for j in range(num_features)])
-
-
-def column_stats(manifest: dict, names: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Mean and (population) std of the numeric columns ``names`` from the manifest's moments (see
-    :func:`feature_stats`); regression targets use it for their scale."""
-    count, total, squares = np.zeros(len(names)), np.zeros(len(names)), np.zeros(len(names))
-    for shard in manifest["shards"]:
-        moments = shard.get("column_moments")
-        if not isinstance(moments, dict):
-            return None
-        for j, name in enumerate(names):
-            entry = moments.get(name)
-            if not isinstance(entry, dict) or entry.get("sum") is None or entry.get("sum_squares") is None:
-                return None
-            count[j] += entry["count"]
-            total[j] += entry["sum"]
-            squares[j] += entry["sum_squares"]
-    if not count.all():
-        return None
-    mean = total / count
-    std = np.sqrt(np.clip(squares / count - mean**2, 0.0, None))
-    return torch.from_numpy(mean).float(), torch.from_numpy(std).float()
 
 
 CACHE_BLOCK_ROWS = 8192  # rows gathered at once from the in-memory copy (cached epochs): 1 MB at 32 floats
@@ -451,59 +380,3 @@ def _rebatch(
         yield torch.from_numpy(batch_features).to(dtype), torch.from_numpy(batch_labels)
     if next(windows, None) is not None:
         raise UserError(f"shard {path} has more rows than its footer says; {RERUN_PARTITION}")
-
-
-def read_dataset_info(dataset_dir: str | Path) -> dict:
-    """Read dataset_dir/dataset.json (written by prepare): num_features, num_classes, names, rows, ..."""
-    path = Path(dataset_dir) / "dataset.json"
-    info = read_json(path, "dataset info")
-    missing = [key for key in DATASET_KEYS if not isinstance(info, dict) or key not in info]
-    if missing:
-        raise UserError(
-            f"dataset info {path} lacks {', '.join(missing)}; re-run the prepare stage "
-            "(snakemake -R prepare_dataset)"
-        )
-    _check_info_fields(path, info)
-    return info
-
-
-# dataset.json's fields as a rank builds from them, typed as the records of shardfuse.experiment.records
-# are: an edited field is this file's one-line error, not a TypeError or KeyError inside the ranks.
-DATASET_FIELDS = {
-    "name": "str", "source": "str", "task": "str", "input": "dict", "num_features": "int",
-    "num_classes": "int", "feature_names": "list", "label_names": "list", "rows": "dict",
-    "sha256": "dict", "seed": "int", "test_fraction": "float", "target_names": "list",
-    "vocab_size": "int", "block_size": "int",
-}  # fmt: skip
-
-
-def _info_problem(info: dict[str, Any]) -> str | None:
-    """How dataset.json fails :data:`DATASET_FIELDS` or the fields of its task's layout of targets
-    (shardfuse.data.labels), or None."""
-    for key, annotation in DATASET_FIELDS.items():
-        if key in info and (wrong := wrong_type(info[key], annotation)) is not None:
-            return f"'{key}' is {wrong}"
-    if (
-        null := next((key for key in ("num_features", "num_classes") if info[key] is None), None)
-    ) is not None:
-        return f"'{null}' is null"
-    task = info.get("task", IMPLICIT_TASK)
-    if task not in task_names():
-        return f"'task' is {task!r}, not one of {', '.join(task_names())}"
-    if missing := [key for key in layout_of(task).info_fields if info.get(key) is None]:
-        return f"task {task} needs {', '.join(missing)}"
-    if info["num_features"] < 1:
-        return f"'num_features' is {info['num_features']}, not a positive count of input values"
-    if info["num_classes"] < 0:
-        return f"'num_classes' is {info['num_classes']}, not a count of classes"
-    shape = info.get("input", {}).get("shape", [info["num_features"]])
-    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 1 for n in shape):
-        return f"'input' has shape {shape!r}, not a list of positive integers"
-    return None
-
-
-def _check_info_fields(path: Path, info: dict[str, Any]) -> None:
-    if (problem := _info_problem(info)) is not None:
-        raise UserError(
-            f"dataset info {path}: {problem}; re-run the prepare stage (snakemake -R prepare_dataset)"
-        )

@@ -1,7 +1,8 @@
 """Check the data files a stage reads from another stage against the records that describe them, before
 any work: a split against prepare's dataset.json (its rows and sha256), a shard set against that
-dataset.json and the shards' own footers, and dataset.json's claims (num_classes, num_features) against
-the data where that is cheap (the manifest's label counts, one Parquet footer).
+dataset.json and the shards' own footers, one rank's shard against the manifest (its size and, when
+asked, its sha256), and dataset.json's claims (num_classes, num_features) against the data where that is
+cheap (the manifest's label counts, one Parquet footer).
 
 A library module, torch-free (JSON and Parquet footers; merge imports it at start-up). The manifest's
 own consistency (row counts adding up, no shard listed twice) is checked by
@@ -141,3 +142,29 @@ def _check_classes(info: dict[str, Any], manifest: dict[str, Any], info_path: Pa
             f"{info_path} records num_classes {num_classes} but the shards hold labels "
             f"{min(labels)}..{max(labels)}; {RERUN_PREPARE}"
         )
+
+
+def verify_shard(shard_dir: str | Path, rank: int, manifest: dict, checksum: bool = True) -> Path:
+    """Return the path of rank's shard after checking it exists and matches the manifest's size and
+    (if ``checksum``, which costs a full read) sha256."""
+    world_size = manifest["world_size"]
+    if not 0 <= rank < world_size:
+        raise UserError(
+            f"rank {rank} has no shard: {shard_dir} holds {world_size} shards (world size "
+            f"{world_size}); partition for the world size you launch with"
+        )
+    entry = manifest["shards"][rank]
+    path = Path(shard_dir) / entry["path"]
+    if not path.is_file():
+        raise UserError(f"shard of rank {rank} ({path}) is missing; {RERUN_PARTITION}")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise UserError(
+            f"shard of rank {rank} ({path}) has {size} bytes, manifest says {entry['bytes']}; "
+            f"{RERUN_PARTITION}"
+        )
+    if checksum and sha256_file(path) != entry["sha256"]:
+        raise UserError(
+            f"shard of rank {rank} ({path}) does not match its sha256 in the manifest; {RERUN_PARTITION}"
+        )
+    return path

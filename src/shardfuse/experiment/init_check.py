@@ -25,9 +25,10 @@ from typing import Any
 
 import shardfuse
 from shardfuse.checkpoints.init_weights import header_digest
+from shardfuse.console.errors import ERROR_LINE
 from shardfuse.data.sources.hf_tokenizer import is_hf, tokenizer_file
 from shardfuse.experiment.schema import ConfigError
-from shardfuse.io import ERROR_LINE, UserError, sha256_file, write_json
+from shardfuse.io import UserError, sha256_file, write_json
 
 CACHE_DIR = Path(".snakemake") / "shardfuse" / "init-checks"  # under the working directory, as Snakemake's
 CHECK_FORMAT = 1  # raise when what a check decides changes, to drop the passes cached before

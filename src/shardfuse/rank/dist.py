@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from shardfuse.io import UserError, write_json, write_line
+from shardfuse.console.errors import write_line
+from shardfuse.io import UserError, write_json
 from shardfuse.rank.progress import Progress
 from shardfuse.track.live import LiveLogger
 

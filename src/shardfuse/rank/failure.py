@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shardfuse.io import user_error_message
+from shardfuse.console.errors import user_error_message
 from shardfuse.rank.checkpoint_steps import complete_steps
 
 FAILURES_DIR = "failures"
@@ -40,7 +40,8 @@ class RankFailure:
     attempt: int
     exception: str  # the type, qualified by its module unless a builtin: RuntimeError, torch.OutOfMemoryError
     message: str  # the first line of the message (shortened), "" if it has none
-    # a UserError or a broken input (shardfuse.io.foreign_error): the rank printed its own one line already
+    # a UserError or a broken input (shardfuse.console.errors.foreign_error): the rank printed its own
+    # one line already
     user_error: bool
 
     def describe(self) -> str:

@@ -24,13 +24,8 @@ from shardfuse.rank.resume import (
     mark_complete,
     save_rank_state,
 )
-from shardfuse.rank.setup import (
-    RankSetup,
-    StepPlan,
-    check_finite,
-    optimizer_steps,
-    publish_rank0_buffers,
-)
+from shardfuse.rank.setup import RankSetup, check_finite, optimizer_steps, publish_rank0_buffers
+from shardfuse.rank.step_plan import StepPlan
 from shardfuse.rank.stop import StopRequest
 from shardfuse.rank.validation import all_out_of_patience, shared_score
 from shardfuse.strategies.registry import mode_of

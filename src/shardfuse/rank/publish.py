@@ -18,12 +18,8 @@ from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.models.adapter import storable_state
 from shardfuse.rank.fsdp import full_tensors
-from shardfuse.rank.setup import (
-    RankSetup,
-    StepPlan,
-    optimizer_steps,
-    publish_rank0_buffers,
-)
+from shardfuse.rank.setup import RankSetup, optimizer_steps, publish_rank0_buffers
+from shardfuse.rank.step_plan import StepPlan
 from shardfuse.strategies.registry import mode_of
 
 if TYPE_CHECKING:

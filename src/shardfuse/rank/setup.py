@@ -1,5 +1,7 @@
-"""Setting up one rank of a training: its model and optimiser, the initial or resumed state, and the
-plan of its steps (precision, DDP, gradient accumulation).
+"""Setting up one rank of a training (its first phase): its model and optimiser, the same initial
+weights on every rank, and the helpers the later phases share (steps per epoch, the finite-loss check,
+rank 0's buffers). Where it starts is :mod:`shardfuse.rank.start`, the plan of its steps (precision,
+DDP, gradient accumulation) :mod:`shardfuse.rank.step_plan`.
 """
 
 from __future__ import annotations
@@ -9,25 +11,22 @@ import math
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
-from torch.nn.parallel import DistributedDataParallel
 
 from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_names, read_init_weights
-from shardfuse.checkpoints.weights import save_weights
 from shardfuse.cluster.membership import Membership
+from shardfuse.data.dataset_info import read_dataset_info
 from shardfuse.data.manifest import read_manifest
-from shardfuse.data.reader import column_stats, feature_stats, read_dataset_info
+from shardfuse.data.moments import column_stats, feature_stats
 from shardfuse.data.shard_format import target_columns
 from shardfuse.data.verify import check_shard_set
 from shardfuse.experiment.keys import RANK_SEED_STRIDE
 from shardfuse.experiment.run_config import TrainConfig
 from shardfuse.io import UserError
 from shardfuse.models.adapter import file_ties, load_state, storable_state, tensor_bytes, ties_of
-from shardfuse.models.lora import base_name, is_adapted
-from shardfuse.models.lora import base_state as lora_base_state
 from shardfuse.models.lora import inject as inject_lora
 from shardfuse.models.lora import settings as lora_settings
 from shardfuse.models.registry import (
@@ -39,22 +38,10 @@ from shardfuse.models.registry import (
 )
 from shardfuse.models.spec import model_spec
 from shardfuse.models.tasks import Task, named_task, task_record
-from shardfuse.rank.checkpoint_steps import complete_steps
-from shardfuse.rank.dist import DistContext, RankGate, gate_for, step_dtype
-from shardfuse.rank.fsdp import Layout, full_tensors, layout_of, make_mesh, shard_model, wrap_units
+from shardfuse.rank.dist import DistContext, RankGate, gate_for
+from shardfuse.rank.fsdp import Layout, layout_of, make_mesh, shard_model, wrap_units
 from shardfuse.rank.optim import check_schedule, make_optimizer
-from shardfuse.rank.resume import (
-    Position,
-    checkpoint_problem,
-    load_rank_extras,
-    load_rank_state,
-    none_readable,
-    passed_over,
-    resume_step,
-)
-from shardfuse.rank.validation import BestTracker, Validator
-from shardfuse.strategies.registry import find_strategy, make_sync
-from shardfuse.strategies.sync import Sync
+from shardfuse.strategies.registry import find_strategy
 
 
 @torch.no_grad()
@@ -147,32 +134,6 @@ class RankSetup:
         if self.sharded:
             identity["fsdp"] = self.layout.shards
         return identity
-
-
-class StepPlan(NamedTuple):
-    """How every step runs, fixed after resume-or-start (DDP wraps the model as it was loaded)."""
-
-    net: torch.nn.Module  # the model, or its DDP wrapper (a strategy that reduces gradients: ddp)
-    dtype: torch.dtype | None  # autocast dtype; None: fp32
-    num_batches: int  # micro-batches per epoch, the same on every rank
-    grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
-    total_steps: int  # optimiser steps of the whole run (the schedule's length)
-    sync: Sync  # the strategy's hook after every optimiser step (local SGD, DiLoCo), bytes counted
-    layout: Layout  # replicas x shards (fsdp; shards 1 without)
-    mesh: Any  # fsdp > 1: the (replicate, shard) mesh; else None
-    checkpoint_every: int  # 0: no checkpoints
-    nonfinite_policy: str  # error | skip
-    grad_clip_norm: float | None
-    eval_every: int  # 0: no validation while training
-    validator: Validator | None
-    tracker: BestTracker
-    hsdp: bool = False  # fsdp > 1 with a strategy that reduces gradients (ddp): across replicas too
-
-    @property
-    def same_weights(self) -> bool:
-        """All ranks hold the same weights at every step (DDP, or HSDP: fsdp with strategy ddp): one
-        validation decision for all."""
-        return isinstance(self.net, DistributedDataParallel) or self.hsdp
 
 
 def optimizer_steps(num_batches: int, grad_accum_steps: int) -> int:
@@ -324,67 +285,6 @@ def set_up(
     )
 
 
-def resume_or_start(setup: RankSetup) -> Position:
-    """Continue from the newest complete checkpoint every rank can read (model, optimiser, RNG, data
-    position), or start at step 0 and save the shared initial weights as ``base.safetensors``."""
-    model, checkpoint_dir = setup.model, setup.checkpoint_dir
-    step = agreed_resume_step(setup)
-    if step is None:
-        base_meta = {key: value for key, value in setup.meta.items() if key != "adapter"}
-        base_meta["rank"] = None
-        if is_adapted(model):  # the frozen weights under the model's own names
-            ties = ties_of(model)
-            base = lora_base_state(model, ties)
-            if ties:
-                base_meta["ties"] = {base_name(alias): base_name(source) for alias, source in ties.items()}
-        elif setup.sharded:  # whole again, one tensor at a time, onto rank 0
-            base_meta.pop("fsdp", None)
-            base = full_tensors(setup.model_state(), keep=setup.ctx.rank == 0)
-        else:
-            base = storable_state(model)[0]
-        setup.gate.call(save_weights, setup.out_dir / "base.safetensors", base, base_meta)
-        return Position()
-    position = load_rank_state(
-        checkpoint_dir,
-        step,
-        setup.ctx.rank,
-        model,
-        setup.optimizer,
-        expect=setup.identity,
-        sharded=setup.model_state() if setup.sharded else None,
-    )
-    setup.gate.log(
-        f"[{setup.run}] resuming from checkpoint step {position.step} (epoch {position.epoch + 1}, "
-        f"batch {position.next_batch})"
-    )
-    return position
-
-
-def agreed_resume_step(setup: RankSetup) -> int | None:
-    """The step every rank resumes from: the newest complete checkpoint that all ranks can read, each
-    newer one passed over with a warning (a file truncated by a full disk); None to start afresh.
-    Rank 0 lists the checkpoints and every rank takes its list: ranks that looked at the directory at
-    different moments (a checkpoint completing in between) would otherwise resume out of step."""
-    listed = [complete_steps(setup.checkpoint_dir) if setup.ctx.rank == 0 else None]
-    torch_dist.broadcast_object_list(listed, src=0)
-    steps = listed[0]
-    if not steps:
-        return None
-    own = {
-        step: problem
-        for step in steps
-        if (problem := checkpoint_problem(setup.checkpoint_dir, step, setup.ctx.rank)) is not None
-    }
-    problems: list[dict[int, str]] = [{} for _ in range(setup.ctx.world_size)]
-    torch_dist.all_gather_object(problems, own)
-    step, skipped = resume_step(steps, problems)
-    if step is None:
-        raise UserError(none_readable(setup.checkpoint_dir, skipped))
-    for skipped_step, problem in skipped:
-        setup.gate.log(passed_over(skipped_step, problem, step))
-    return step
-
-
 def forward_updates_buffers(model: torch.nn.Module, probe: torch.Tensor | None = None) -> bool:
     """Whether training changes the model's buffers (normalisation running statistics, an EMA a
     forward keeps), so DDP must broadcast rank 0's before every forward to keep the ranks equal:
@@ -412,61 +312,6 @@ def forward_updates_buffers(model: torch.nn.Module, probe: torch.Tensor | None =
         with torch.no_grad():
             for b, s in zip(buffers, saved, strict=True):
                 b.copy_(s)
-
-
-def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
-    """Precision, the DDP wrapper, the strategy, validation and the step counts; a resumed run's
-    strategy and validation state come back from its checkpoint. Peak GPU memory counts from here."""
-    device, cfg, model = setup.ctx.device, setup.cfg, setup.model
-    cuda = device.type == "cuda"
-    dtype = step_dtype(cfg.loop.precision, device, cuda and torch.cuda.is_bf16_supported())
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    device_ids = [device.index] if cuda else None
-    sharded = setup.sharded  # FSDP's own wrapping, done at set-up, is the whole story: no DDP
-    reduces_gradients = find_strategy(cfg.sync.strategy).reduces_gradients
-    net = (
-        DistributedDataParallel(
-            model,
-            device_ids=device_ids,
-            broadcast_buffers=setup.updates_buffers,
-            find_unused_parameters=cfg.sync.find_unused_parameters,
-            static_graph=cfg.sync.static_graph,
-        )
-        if reduces_gradients and not sharded
-        else model
-    )
-    num_batches = steps_per_epoch(setup.manifest, cfg.loop.batch_size)
-    grad_accum_steps = cfg.loop.grad_accum_steps
-    eval_every = cfg.loop.eval_every
-    layout = setup.layout or layout_of(setup.ctx.rank, setup.ctx.world_size, 1)
-    sync = make_sync(model, setup.ctx.world_size, cfg.sync, setup.mesh)
-    tracker = BestTracker(setup.task, cfg.loop.keep == "best", cfg.loop.patience)
-    if position.step:
-        tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.ctx.rank)
-        sync.resume_at(position.step)
-        sync.load_state_tensors(tensors)
-        tracker.load(state.get("validation", {}), tensors)
-    validator = (
-        Validator(setup.dataset_dir, setup.task, 4 * cfg.loop.batch_size, device) if eval_every else None
-    )
-    return StepPlan(
-        net=net,
-        dtype=dtype,
-        num_batches=num_batches,
-        grad_accum_steps=grad_accum_steps,
-        total_steps=cfg.loop.epochs * optimizer_steps(num_batches, grad_accum_steps),
-        sync=sync,
-        layout=layout,
-        mesh=setup.mesh,
-        checkpoint_every=cfg.loop.checkpoint_every,
-        nonfinite_policy=cfg.loop.nonfinite_loss,
-        grad_clip_norm=cfg.optim.grad_clip_norm,
-        eval_every=eval_every,
-        validator=validator,
-        tracker=tracker,
-        hsdp=sharded and reduces_gradients,
-    )
 
 
 @torch.no_grad()

@@ -71,6 +71,20 @@ def tracking_client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+def connect(tracking_uri: str, experiment: str):
+    """Return (the process's client for the URI, experiment id), creating the experiment if missing."""
+    client = tracking_client(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return client, client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
+    if found.lifecycle_stage != "active":
+        raise UserError(
+            f"experiment '{experiment}' is deleted in {redact_uri(tracking_uri)}; restore it "
+            "(mlflow experiments restore) or pass another --experiment"
+        )
+    return client, found.experiment_id
+
+
 def _sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a sqlite:///PATH URI (relative or, with four slashes, absolute)."""
     if not tracking_uri.startswith("sqlite:///"):

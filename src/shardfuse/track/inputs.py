@@ -8,10 +8,11 @@ gather.json is only uploaded, but the checkpoints it lists must still be the tra
 (shardfuse.checkpoints.trust.read_gather), and the merged weights' model spec must fit their tensors (the
 torch-free shardfuse.checkpoints.trust.check_spec_bounds): MLflow would otherwise record another model, or log
 one whose spec builds a network larger than the file.
-From them come what :mod:`shardfuse.tracking` pushes: the config as params (:func:`flatten_params`) and
+From them come what :mod:`shardfuse.track.sync` pushes: the config as params (:func:`flatten_params`) and
 the training's own (:data:`TRAIN_PARAMS`), the headline metrics, each rank's sparse step series
-(:func:`step_series`), the provenance tags (git commit, tool versions, hosts, SLURM job id, config hash)
-and the fingerprint that tells an unchanged run from one to sync again.
+(:mod:`shardfuse.track.series`); the provenance tags (git commit, tool versions, hosts, SLURM job id,
+config hash) and the fingerprint that tells an unchanged run from one to sync again are in
+:mod:`shardfuse.track.provenance`.
 
 train.json and the metrics files of older trainings lack what later train stages added (mode, bytes
 all-reduced, the grad_norm and val_score columns, ...): what is absent is not pushed, never an error.
@@ -20,10 +21,7 @@ all-reduced, the grad_norm and val_score columns, ...): what is absent is not pu
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.metadata
 import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,17 +31,19 @@ import numpy as np
 from shardfuse.checkpoints.trust import RERUN_MERGE, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
-from shardfuse.io import UserError, read_json, sha256_file
-from shardfuse.metrics.steps import EVERY_STEP_METRICS, SOME_STEP_METRICS
-from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
+from shardfuse.io import UserError, read_json
+from shardfuse.metrics.system import system_metrics_path
 from shardfuse.models.bounds import check_spec_bounds
 from shardfuse.models.tasks import evaluation_task, score_first
+from shardfuse.track.series import (
+    node_peaks,
+    read_rank_system,
+    read_step_metrics,
+    step_series,
+    system_series,
+    validation_metric,
+)
 
-LAYOUT_VERSION = "4"  # the fingerprint and a parent tag: a new layout replaces every run once
-CONFIG_HASH_TAG = "shardfuse.config_hash"
-STEP_METRICS = EVERY_STEP_METRICS  # every step: pushed as whole rows (mlflow_sync)
-PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
-OPTIONAL_COLUMNS = SOME_STEP_METRICS  # NaN on the steps without a value: pushed where finite, as series
 # train.json fields that become parent params, when the train stage wrote them.
 TRAIN_PARAMS = ("mode", "grad_accum_steps", "effective_batch_size", "init", "keep")
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit (mlflow.utils.validation); a longer value is rejected
@@ -84,47 +84,6 @@ def _recorded(record: TrainRecord | MergeRecord | EvalRecord, name: str, path: P
     except KeyError as missing:
         key = missing.args[0]
         raise UserError(f"{path} has no '{key}' field; re-run the stage that produces it") from None
-
-
-def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
-    """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file, and those
-    of :data:`OPTIONAL_COLUMNS` that it has."""
-    import pyarrow.parquet as pq
-
-    # ParquetFile, not read_table: read_table imports pyarrow.dataset, a cost paid by every track job.
-    try:
-        with pq.ParquetFile(path) as parquet:
-            names = parquet.schema_arrow.names
-            missing = [c for c in PARQUET_COLUMNS if c not in names]
-            columns = [*PARQUET_COLUMNS, *(c for c in OPTIONAL_COLUMNS if c in names)]
-            table = None if missing else parquet.read(columns=columns)
-    except Exception as exc:
-        raise UserError(f"{path} is not a readable Parquet file ({exc}); re-run the train stage") from None
-    if missing:
-        raise UserError(f"{path} lacks column(s) {', '.join(missing)}; re-run the train stage")
-    return {c: table.column(c).to_numpy() for c in columns}
-
-
-def validation_metric(train: TrainRecord, default_score: str) -> str:
-    """The name the val_score column goes by: ``val_`` + train.json's validation score (else the task's)."""
-    validation = train.validation
-    score = validation.get("score") if isinstance(validation, dict) else None
-    return f"val_{score if isinstance(score, str) and score else default_score}"
-
-
-def step_series(history: dict[str, np.ndarray], val_metric: str) -> dict[str, np.ndarray]:
-    """Metric name -> (step, timestamp_ms, value) float64 rows of the steps where it is finite, for each
-    optional column with at least one such step (grad_norm, the val_score column as ``val_metric``)."""
-    series = {}
-    for column, name in (("grad_norm", "grad_norm"), ("val_score", val_metric)):
-        if column not in history:
-            continue
-        values = history[column].astype(np.float64)
-        finite = np.isfinite(values)
-        if finite.any():
-            columns = (history["step"][finite], history["timestamp_ms"][finite], values[finite])
-            series[name] = np.ascontiguousarray(np.column_stack(columns).astype(np.float64))
-    return series
 
 
 def _number(value: Any) -> float | None:
@@ -288,7 +247,7 @@ def load_inputs(
     check_spec_bounds(f"the header of {weights}", *header_spec(weights, RERUN_MERGE), RERUN_MERGE)
     hosts = _rank_hosts(train_dir, train, world_size)
     val_metric = validation_metric(train, task.score)
-    samples = {rank: _read_system(path) for rank, path in system.items()}
+    samples = {rank: read_rank_system(path) for rank, path in system.items()}
     ranks = tuple(
         RankInputs(
             rank,
@@ -317,36 +276,6 @@ def adapter_metrics(record: Any, path: Path) -> dict[str, float]:
     return {f"adapter_{key}": float(record[key]) for key in keys}
 
 
-def _read_system(path: Path) -> dict[str, np.ndarray]:
-    try:
-        return read_system_metrics(path)
-    except (OSError, ValueError, KeyError) as exc:  # pyarrow's errors are ValueErrors or OSErrors
-        raise UserError(f"cannot read {path} ({exc}); re-run the train stage (snakemake -R train)") from None
-
-
-def system_series(samples: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A rank's system metrics (:func:`shardfuse.metrics.system.read_system_metrics`) as series rows (step =
-    the sample's index, timestamp, value): MLflow's System metrics tab charts ``system/...`` metrics,
-    and MLflow's own sampler numbers its samples the same way."""
-    return {
-        name: np.ascontiguousarray(np.column_stack([np.arange(len(rows)), rows[:, 0], rows[:, 1]]))
-        for name, rows in samples.items()
-    }
-
-
-def node_peaks(samples: dict[int, dict[str, np.ndarray]], hosts: dict[int, str]) -> dict[str, float]:
-    """The parent's per-node peaks: ``system/<host>/peak_<metric>``, the largest sample of any rank on
-    that host (ranks of an unknown host count as host ``rank<r>``)."""
-    by_host: dict[str, list] = {}
-    for rank, metrics in samples.items():
-        by_host.setdefault(hosts.get(rank, f"rank{rank}"), []).append(metrics)
-    return {
-        f"system/{host}/peak_{name.removeprefix('system/')}": value
-        for host, metrics in sorted(by_host.items())
-        for name, value in peak(*metrics).items()
-    }
-
-
 def _rank_hosts(train_dir: Path, train: TrainRecord, world_size: int) -> dict[int, str]:
     """Host per rank from train.json's "hosts", else the rank sidecars' "host" (both optional)."""
     hosts = train.hosts
@@ -359,20 +288,6 @@ def _rank_hosts(train_dir: Path, train: TrainRecord, world_size: int) -> dict[in
             if host := json.loads(sidecar.read_text()).get("host"):
                 found[rank] = str(host)
     return found
-
-
-def fingerprint(config: dict, files: RunFiles, registered_model: str | None = None) -> str:
-    """sha256 over the layout version, the config (sorted keys), the registry name and every file's sha256."""
-    digest = hashlib.sha256(f"{LAYOUT_VERSION}\n{registered_model}\n".encode())
-    digest.update(json.dumps(config, sort_keys=True).encode())
-    named = files.by_name()
-    for name in sorted(named):
-        digest.update(f"\n{name}:{sha256_file(named[name])}".encode())
-    return digest.hexdigest()
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
 def headline_metrics(
@@ -437,50 +352,3 @@ def headline_metrics(
     if throughputs:
         metrics["samples_per_second"] = sum(throughputs)  # all ranks together
     return metrics
-
-
-def _git_state(directory: Path) -> tuple[str | None, bool | None]:
-    def git(*args: str) -> str | None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            proc = subprocess.run(
-                ["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10
-            )
-            return proc.stdout.strip() if proc.returncode == 0 else None
-        return None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return commit, None if status is None else bool(status)
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def provenance_tags(inputs: RunInputs, run_config_hash: str) -> dict[str, str]:
-    """Where the results came from: code, tools, machines, scheduler."""
-    train = inputs.train
-    commit, dirty = train.git_commit, train.git_dirty
-    if commit is None:  # the code that is pushing is the code that ran, unless train.json says otherwise
-        commit, dirty = _git_state(Path(__file__).resolve().parent)
-    tags = {
-        CONFIG_HASH_TAG: run_config_hash,
-        "shardfuse.git_commit": commit or "unknown",
-        "shardfuse.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower(),
-        "shardfuse.snakemake_version": _version("snakemake"),
-        "shardfuse.torch_version": str(train.torch_version or _version("torch")),
-        "shardfuse.mlflow_version": _version("mlflow"),
-    }
-    if commit:
-        tags["mlflow.source.git.commit"] = commit  # shown by the MLflow UI
-    if hosts := inputs.hosts:
-        tags["shardfuse.hosts"] = ",".join(sorted(set(hosts.values())))
-    if train.slurm_job_id:
-        tags["shardfuse.slurm_job_id"] = str(train.slurm_job_id)
-    if isinstance(train.adapter, dict):  # LoRA: the frozen base every rank's adapter was trained over
-        tags["shardfuse.adapter"] = f"lora r={train.adapter.get('r')} alpha={train.adapter.get('alpha')}"
-        tags["shardfuse.adapter_base_sha256"] = str(train.adapter.get("base_sha256"))
-    return tags

@@ -1,5 +1,5 @@
 """The parent run's artifacts, its logged model and the model's metrics, and datasets as run inputs:
-the MLflow writes of :mod:`shardfuse.tracking` beyond params and curves, each skipped when MLflow already
+the MLflow writes of :mod:`shardfuse.track.sync` beyond params and curves, each skipped when MLflow already
 holds it (a push of unchanged files writes nothing).
 
 - artifacts: the JSON results under ``results/``, the plots under ``plots/`` and again at the artifact
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfuse.io import sha256_file
-from shardfuse.track import model as mlflow_model
+from shardfuse.track import model_logging
 from shardfuse.track.inputs import RunInputs
 from shardfuse.track.push import changed_metrics
 from shardfuse.track.ui import run_datasets
@@ -75,11 +75,11 @@ def sync_parent_extras(
             client.log_artifact(parent_id, str(path), artifact_path=directory)
         client.set_tag(parent_id, ARTIFACTS_TAG, artifacts_sha.hexdigest())
     weights_sha = sha256_file(files.weights)
-    model = mlflow_model.find_logged_model(client, experiment_id, parent_id, weights_sha)
+    model = model_logging.find_logged_model(client, experiment_id, parent_id, weights_sha)
     model_id = model.model_id if model is not None else None
     if model_id is None:
-        with mlflow_model.unfinished_models_deleted(client, experiment_id, parent_id):
-            model_id = mlflow_model.log_merged_model(
+        with model_logging.unfinished_models_deleted(client, experiment_id, parent_id):
+            model_id = model_logging.log_merged_model(
                 options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
                 name=options.run_name, hf_dir=options.hf_dir,
             )  # fmt: skip
@@ -89,11 +89,11 @@ def sync_parent_extras(
         if missing := {k: v for k, v in described.items() if k not in have}:
             client.log_model_params(model_id, missing)
     if tags.get(MODEL_TAG) != model_id:
-        mlflow_model.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
+        model_logging.delete_unregistered_models(client, experiment_id, parent_id, keep=model_id)
         client.set_tag(parent_id, MODEL_TAG, model_id)
     registered = None
     if options.registered_model:
-        version = mlflow_model.register_model(client, options.registered_model, parent_id, model_id)
+        version = model_logging.register_model(client, options.registered_model, parent_id, model_id)
         registered = f"{options.registered_model}/{version}"
         if tags.get(REGISTERED_TAG) != registered:
             client.set_tag(parent_id, REGISTERED_TAG, registered)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from shardfuse.track.client import MAX_METRICS_PER_BATCH, MAX_PARAMS_PER_BATCH
-from shardfuse.track.inputs import STEP_METRICS
+from shardfuse.track.series import STEP_METRICS
 
 SYNCED_TAG = "shardfuse.synced"
 ROWS_PER_BATCH = MAX_METRICS_PER_BATCH // len(STEP_METRICS)  # whole rows: 333 rows = 999 points

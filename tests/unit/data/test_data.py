@@ -13,17 +13,12 @@ import pytest
 import torch
 
 from shardfuse.data import shard_writer
+from shardfuse.data.dataset_info import read_dataset_info
 from shardfuse.data.manifest import read_manifest
-from shardfuse.data.reader import (
-    ShardReader,
-    feature_stats,
-    load_shard,
-    load_table,
-    num_features,
-    read_dataset_info,
-    verify_shard,
-)
+from shardfuse.data.moments import feature_stats
+from shardfuse.data.reader import ShardReader, load_shard, load_table, num_features
 from shardfuse.data.shard_format import SHAPE_KEY, ColumnSpec, list_values, recognise_layout
+from shardfuse.data.verify import verify_shard
 from shardfuse.io import UserError
 from shardfuse.partition import partition_parquet
 from shardfuse.prepare import prepare

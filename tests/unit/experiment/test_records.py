@@ -188,7 +188,7 @@ def test_a_merge_or_eval_json_that_is_no_json_object_is_refused_naming_the_file_
 
 def test_the_ddp_baseline_is_filled_from_the_ddp_runs_eval_json(tmp_path):
     """evaluate no longer waits for the ddp run: plots, track and summary read its metrics instead."""
-    from shardfuse.io import baseline_warnings
+    from shardfuse.console.failures import baseline_warnings
 
     own = {"run": "soup", "task": "causal_lm", "score": "loss", "merged": {"loss": 2.0}, "ddp_baseline": None}
     ddp = {"run": "ddp", "task": "causal_lm", "score": "loss", "merged": {"loss": 1.5}, "ddp_baseline": None}

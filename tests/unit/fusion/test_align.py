@@ -77,7 +77,7 @@ def test_a_model_matched_with_itself_keeps_the_identity():
 
 
 def test_a_user_model_without_permutation_groups_cannot_be_aligned(digits_dataset):
-    from shardfuse.data.reader import read_dataset_info
+    from shardfuse.data.dataset_info import read_dataset_info
     from shardfuse.models.spec import model_spec
     from tests.support.helpers import REPO
 

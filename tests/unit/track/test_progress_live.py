@@ -10,8 +10,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from shardfuse import tracking
 from shardfuse.rank.progress import Progress
+from shardfuse.track import sync as track_sync
 from shardfuse.track.live import LiveLogger
 from tests.support.tracking import make_run_dir, run_config
 
@@ -156,6 +156,6 @@ def test_track_deletes_live_runs_of_the_pushed_training_but_not_of_a_newer_one(s
     run_dir, manifest = make_run_dir(tmp_path, "mirrored")  # train.json: the training finished now
     time.sleep(0.05)
     newer = live_run()
-    tracking.track_run("mirrored", run_dir, manifest, run_config("mirrored"), store["uri"], EXPERIMENT)
+    track_sync.track_run("mirrored", run_dir, manifest, run_config("mirrored"), store["uri"], EXPERIMENT)
     assert store["client"].get_run(old).info.lifecycle_stage == "deleted"
     assert [r.info.run_id for r in _live_runs(store, "mirrored")] == [newer]

@@ -16,7 +16,6 @@ import torch
 from mlflow.entities import ViewType
 from safetensors.torch import save_file
 
-from shardfuse import tracking
 from shardfuse.checkpoints.weights import load_weights, read_metadata
 from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import UserError
@@ -24,6 +23,8 @@ from shardfuse.models.registry import build_model
 from shardfuse.track import client as mlflow_common
 from shardfuse.track import inputs as tracking_inputs
 from shardfuse.track import push as mlflow_sync
+from shardfuse.track import series as track_series
+from shardfuse.track import sync as track_sync
 from shardfuse.track.push import ROWS_PER_BATCH
 from tests.support.tracking import (
     NEW_TRAIN_FIELDS,
@@ -76,7 +77,7 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
     run_dir, manifest = make_run_dir(tmp_path, run_name, world_size=world_size, num_steps=num_steps)
     config = run_config(run_name, world_size=world_size)
     config["extra"] = {f"knob_{i}": i for i in range(150)}  # more params than one log_batch takes
-    result = tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    result = track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     client = track_store["client"]
 
     assert result["action"] == "created"
@@ -141,7 +142,7 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
 def test_regression_run_carries_its_mse_r2_and_rank_scores_and_no_accuracy(track_store, tmp_path):
     run_dir, manifest = make_run_dir(tmp_path, "regressed", ddp_baseline=True)
     (run_dir / "eval.json").write_text(json.dumps(regression_evaluation("regressed", ddp_baseline=True)))
-    result = tracking.track_run(
+    result = track_sync.track_run(
         "regressed", run_dir, manifest, run_config("regressed"), track_store["uri"], TRACK_EXPERIMENT
     )
     metrics = track_store["client"].get_run(result["parent_run_id"]).data.metrics
@@ -159,7 +160,7 @@ def test_regression_run_carries_its_mse_r2_and_rank_scores_and_no_accuracy(track
 
 def test_second_track_with_identical_inputs_keeps_run_and_does_not_duplicate_history(track_store, tmp_path):
     first, run_dir, manifest, config = track_into(track_store, tmp_path, "rerun")
-    second = tracking.track_run("rerun", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    second = track_sync.track_run("rerun", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
 
     assert second["action"] == "unchanged"
     assert second["num_points_pushed"] == 0
@@ -182,7 +183,7 @@ def test_changed_merge_method_replaces_parent_and_deletes_old_runs(track_store, 
     merge["method"] = "fisher"
     (run_dir / "merge.json").write_text(json.dumps(merge))
     config["merge"]["method"] = "fisher"  # params are immutable in MLflow: a new config is a new parent
-    second = tracking.track_run("remerged", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    second = track_sync.track_run("remerged", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
 
     assert second["action"] == "replaced"
     assert second["parent_run_id"] != first["parent_run_id"]
@@ -200,22 +201,22 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
     run_name, num_steps = "crashed", 700  # 3 batches per rank
     run_dir, manifest = make_run_dir(tmp_path, run_name, num_steps=num_steps)
     config = run_config(run_name)
-    original = tracking.sync_history
+    original = track_sync.sync_history
 
     def killed_after_one_batch(client, run_id, rows, start):
         original(client, run_id, rows[: start + ROWS_PER_BATCH], start)
         raise KeyboardInterrupt  # as if the job were killed while pushing rank 0's history
 
     with monkeypatch.context() as patch:
-        patch.setattr(tracking, "sync_history", killed_after_one_batch)
+        patch.setattr(track_sync, "sync_history", killed_after_one_batch)
         with pytest.raises(KeyboardInterrupt):
-            tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+            track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     (interrupted,), (partial,) = active_runs(track_store, run_name)
     assert interrupted.info.status == "FAILED"
     assert interrupted.data.tags["shardfuse.complete"] == "false"
     assert len(track_store["client"].get_metric_history(partial.info.run_id, "loss")) == ROWS_PER_BATCH
 
-    result = tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    result = track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert result["action"] == "updated"
     parents, children = active_runs(track_store, run_name)
     # The rest of the histories, each rank's two test metrics and the parent's headline metrics (logged
@@ -227,7 +228,7 @@ def test_interrupted_track_resumes_on_next_run_without_losing_or_doubling_points
     assert parents[0].info.status == "FINISHED"
     assert result["child_run_ids"]["0"] == partial.info.run_id
     for child in children:
-        for key in tracking_inputs.STEP_METRICS:
+        for key in track_series.STEP_METRICS:
             history = track_store["client"].get_metric_history(child.info.run_id, key)
             assert sorted(m.step for m in history) == list(range(num_steps))
 
@@ -236,7 +237,7 @@ def test_missing_eval_json_is_a_user_error_naming_the_evaluate_stage(track_store
     run_dir, manifest = make_run_dir(tmp_path, "noeval")
     (run_dir / "eval.json").unlink()
     with pytest.raises(UserError, match=r"eval\.json does not exist; re-run the evaluate stage"):
-        tracking.track_run(
+        track_sync.track_run(
             "noeval", run_dir, manifest, run_config("noeval"), track_store["uri"], TRACK_EXPERIMENT
         )
     assert active_runs(track_store, "noeval") == ([], [])
@@ -260,14 +261,14 @@ def test_more_training_steps_append_only_the_new_points_to_the_same_runs(track_s
     evaluation["merged"]["accuracy"] = 0.85
     (run_dir / "eval.json").write_text(json.dumps(evaluation))
 
-    second = tracking.track_run("grown", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    second = track_sync.track_run("grown", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert second["action"] == "updated"
     assert (second["parent_run_id"], second["child_run_ids"]) == (
         first["parent_run_id"],
         first["child_run_ids"],
     )
     for child_id in second["child_run_ids"].values():
-        for key in tracking_inputs.STEP_METRICS:
+        for key in track_series.STEP_METRICS:
             points = track_store["client"].get_metric_history(child_id, key)
             assert sorted(m.step for m in points) == list(range(12))  # 7 old + 5 new, none twice
         assert [s for s, _ in metric_history(track_store, child_id, "test_accuracy")] == [
@@ -282,9 +283,9 @@ def test_more_training_steps_append_only_the_new_points_to_the_same_runs(track_s
     assert latest == pytest.approx(0.85)
     parents, _ = active_runs(track_store, "grown")
     assert parents[0].data.metrics["test_accuracy_merged"] == pytest.approx(0.85)
-    new_points = 2 * 5 * len(tracking_inputs.STEP_METRICS)
+    new_points = 2 * 5 * len(track_series.STEP_METRICS)
     assert new_points < second["num_points_pushed"] <= new_points + 12  # + changed headline metrics
-    third = tracking.track_run("grown", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    third = track_sync.track_run("grown", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert (third["action"], third["num_points_pushed"]) == ("unchanged", 0)
 
 
@@ -293,7 +294,9 @@ def test_rewritten_history_with_the_same_config_replaces_the_runs(track_store, t
     path = run_dir / "train" / "metrics" / "rank-1.parquet"
     table = pq.read_table(path)
     pq.write_table(table.set_column(2, "loss", pa.array(table.column("loss").to_numpy() + 0.5)), path)
-    second = tracking.track_run("retrained", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    second = track_sync.track_run(
+        "retrained", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT
+    )
     assert second["action"] == "replaced"
     assert track_store["client"].get_run(first["parent_run_id"]).info.lifecycle_stage == "deleted"
     losses = metric_history(track_store, second["child_run_ids"]["1"], "loss")
@@ -325,7 +328,7 @@ def test_merged_model_loads_with_pyfunc_predicts_like_the_weights_and_is_registe
         np.testing.assert_allclose(probabilities, expected.numpy(), rtol=1e-5, atol=1e-6)
 
     _edit_json(run_dir / "eval.json", best_rank_accuracy=0.75)  # new results, same weights
-    again = tracking.track_run(
+    again = track_sync.track_run(
         "served", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT, registered_model=name
     )
     assert again["action"] == "updated"
@@ -362,7 +365,7 @@ def test_a_password_in_the_tracking_uri_is_refused_before_anything_is_sent(tmp_p
     with pytest.raises(
         UserError, match=r"http://\*\*\*@127.0.0.1:1 has a password in it; .* MLFLOW_TRACKING_PASSWORD"
     ) as err:
-        tracking.track_run("leaky", run_dir, manifest, run_config("leaky"), uri, TRACK_EXPERIMENT)
+        track_sync.track_run("leaky", run_dir, manifest, run_config("leaky"), uri, TRACK_EXPERIMENT)
     assert "s3cret" not in str(err.value)
 
 
@@ -414,7 +417,7 @@ def test_new_train_fields_become_parent_params_a_bytes_metric_and_sparse_rank_se
         assert "val_score" not in metrics
 
     manifest = tmp_path / "results/shards/synthetic/w2-seed0/manifest.json"
-    again = tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    again = track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert (again["action"], again["num_points_pushed"]) == ("unchanged", 0)
     for child_id in again["child_run_ids"].values():
         assert len(_points(track_store, child_id, "val_accuracy")) == 3
@@ -427,7 +430,9 @@ def test_more_steps_append_only_the_new_grad_norm_and_validation_points(track_st
     ranks = json.loads(train_json.read_text())["ranks"]
     ranks[0]["published_step"] = 11  # rank 0 now publishes its last step; rank 1 keeps step 5
     _edit_json(train_json, num_steps=12, ranks=ranks)
-    second = tracking.track_run("grown_val", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    second = track_sync.track_run(
+        "grown_val", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT
+    )
     assert second["action"] == "updated" and second["child_run_ids"] == first["child_run_ids"]
     # Per rank 5 rows of 3 step metrics, 5 grad norms, 2 validations; rank 0's published_step; the
     # parent's samples_per_second (a mean over more steps).
@@ -437,7 +442,7 @@ def test_more_steps_append_only_the_new_grad_norm_and_validation_points(track_st
         assert len(_points(track_store, child_id, "grad_norm")) == 12 - (rank == "1")
         published = [(s, v) for s, _, v in _points(track_store, child_id, "published_step")]
         assert published == ([(0, 6.0), (0, 11.0)] if rank == "0" else [(0, 5.0)])
-    third = tracking.track_run("grown_val", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    third = track_sync.track_run("grown_val", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert (third["action"], third["num_points_pushed"]) == ("unchanged", 0)
 
 
@@ -447,7 +452,7 @@ def test_interrupted_series_push_resumes_without_losing_or_doubling_points(
     run_name, num_steps = "crashed_val", 2500  # grad_norm: 3 log_batches of 1000 points per rank
     run_dir, manifest = make_run_dir(tmp_path, run_name, num_steps=num_steps, new_train_fields=True)
     config = run_config(run_name)
-    original = tracking.log_batches
+    original = track_sync.log_batches
 
     def killed_after_one_grad_norm_batch(client, run_id, metrics=(), params=(), tags=()):
         metrics = list(metrics)
@@ -457,21 +462,21 @@ def test_interrupted_series_push_resumes_without_losing_or_doubling_points(
         original(client, run_id, metrics=metrics, params=params, tags=tags)
 
     with monkeypatch.context() as patch:
-        patch.setattr(tracking, "log_batches", killed_after_one_grad_norm_batch)
+        patch.setattr(track_sync, "log_batches", killed_after_one_grad_norm_batch)
         patch.setattr(mlflow_sync, "log_batches", killed_after_one_grad_norm_batch)  # the series' pushes
         with pytest.raises(KeyboardInterrupt):
-            tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+            track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     (_,), (partial,) = active_runs(track_store, run_name)
     assert len(_points(track_store, partial.info.run_id, "grad_norm")) == 1000
 
-    result = tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    result = track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert result["action"] == "updated" and result["child_run_ids"]["0"] == partial.info.run_id
     for rank, child_id in result["child_run_ids"].items():
         assert _points(track_store, child_id, "grad_norm") == _expected_series(
             int(rank), num_steps, grad_norm
         )
         assert len(_points(track_store, child_id, "val_accuracy")) == num_steps // VAL_EVERY
-    again = tracking.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    again = track_sync.track_run(run_name, run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
     assert (again["action"], again["num_points_pushed"]) == ("unchanged", 0)
 
 
@@ -481,14 +486,16 @@ def test_a_rewritten_validation_series_or_changed_train_param_replaces_the_runs(
     table = pq.read_table(path)
     index = table.schema.get_field_index("val_score")
     pq.write_table(table.set_column(index, "val_score", pa.array(table["val_score"].to_numpy() - 0.1)), path)
-    second = tracking.track_run(
+    second = track_sync.track_run(
         "revalidated", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT
     )
     assert second["action"] == "replaced"  # loss, lr, throughput unchanged: only the series says so
     assert _points(track_store, second["child_run_ids"]["0"], "val_accuracy")[0][2] == pytest.approx(0.42)
 
     _edit_json(run_dir / "train" / "train.json", mode="localsgd")  # MLflow params cannot change
-    third = tracking.track_run("revalidated", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    third = track_sync.track_run(
+        "revalidated", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT
+    )
     assert third["action"] == "replaced"
     assert track_store["client"].get_run(third["parent_run_id"]).data.params["mode"] == "localsgd"
     assert track_store["client"].get_run(second["parent_run_id"]).info.lifecycle_stage == "deleted"
@@ -497,10 +504,14 @@ def test_a_rewritten_validation_series_or_changed_train_param_replaces_the_runs(
 def test_config_keys_win_over_train_json_params_of_the_same_name(track_store, tmp_path):
     run_dir, manifest = make_run_dir(tmp_path, "configured", new_train_fields=True)
     config = {**run_config("configured"), "grad_accum_steps": 2, "keep": "best", "init": "shared"}
-    result = tracking.track_run("configured", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    result = track_sync.track_run(
+        "configured", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT
+    )
     params = track_store["client"].get_run(result["parent_run_id"]).data.params
     assert (params["grad_accum_steps"], params["keep"], params["mode"]) == ("2", "best", "diloco")
-    again = tracking.track_run("configured", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
+    again = track_sync.track_run(
+        "configured", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT
+    )
     assert again["action"] == "unchanged"
 
 
@@ -512,16 +523,16 @@ def test_step_series_keep_finite_points_and_name_validation_after_the_score():
         "grad_norm": np.array([1, np.nan, 3, np.inf, 5, 6.0]),
         "val_score": np.array([np.nan, np.nan, 0.5, np.nan, np.nan, 0.7]),
     }
-    series = tracking_inputs.step_series(history, "val_mse")
+    series = track_series.step_series(history, "val_mse")
     assert series["grad_norm"].tolist() == [[0, T0_MS, 1], [2, T0_MS + 20, 3], [4, T0_MS + 40, 5],
                                             [5, T0_MS + 50, 6]]  # fmt: skip
     assert series["val_mse"].tolist() == [[2, T0_MS + 20, 0.5], [5, T0_MS + 50, 0.7]]
     history["grad_norm"][:] = np.nan  # clipping off in an old trainer, no validation: no series at all
-    assert tracking_inputs.step_series({**history, "val_score": history["grad_norm"]}, "val_mse") == {}
-    assert tracking_inputs.step_series({"step": steps, "timestamp_ms": steps}, "val_mse") == {}
+    assert track_series.step_series({**history, "val_score": history["grad_norm"]}, "val_mse") == {}
+    assert track_series.step_series({"step": steps, "timestamp_ms": steps}, "val_mse") == {}
 
     def validation(train_json: dict, default_score: str) -> str:
-        return tracking_inputs.validation_metric(TrainRecord.from_json(train_json), default_score)
+        return track_series.validation_metric(TrainRecord.from_json(train_json), default_score)
 
     assert validation({"validation": {"score": "loss", "every": 5}}, "accuracy") == "val_loss"
     assert validation({"validation": None}, "mse") == validation({}, "mse") == "val_mse"
@@ -550,9 +561,9 @@ def test_train_params_and_rank_metrics_take_what_train_json_has_and_skip_nulls()
 
 def test_old_metrics_files_read_without_the_new_columns(tmp_path):
     run_dir, _ = make_run_dir(tmp_path, "old")
-    history = tracking_inputs.read_step_metrics(run_dir / "train" / "metrics" / "rank-0.parquet")
+    history = track_series.read_step_metrics(run_dir / "train" / "metrics" / "rank-0.parquet")
     assert set(history) == {"step", "loss", "samples_per_second", "lr", "timestamp_ms"}
     new_dir, _ = make_run_dir(tmp_path / "new", "new", new_train_fields=True)
-    history = tracking_inputs.read_step_metrics(new_dir / "train" / "metrics" / "rank-1.parquet")
+    history = track_series.read_step_metrics(new_dir / "train" / "metrics" / "rank-1.parquet")
     assert np.isnan(history["grad_norm"][0]) and history["grad_norm"][1] == pytest.approx(2.11)
     assert np.isfinite(history["val_score"]).sum() == 2  # 7 steps: validated at 2 and 5

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from shardfuse import tracking
 from shardfuse.experiment.records import MergeRecord
+from shardfuse.track import sync as track_sync
 from shardfuse.track import ui as tracking_ui
-from shardfuse.track.inputs import LAYOUT_VERSION
+from shardfuse.track.provenance import LAYOUT_VERSION
 from tests.support.tracking import T0_MS, make_run_dir
 
 EXPERIMENT = "shardfuse-ui-items"
@@ -49,10 +49,10 @@ def pushed(tmp_path_factory):
     snakefile.write_text("# the workflow\n")
     args = (manifest, flat_config("ties_run", "ties"), uri, EXPERIMENT)
     kwargs = {"plots_dir": plots, "snakefile": snakefile}
-    first = tracking.track_run("ties_run", run_dir, *args, **kwargs)
+    first = track_sync.track_run("ties_run", run_dir, *args, **kwargs)
 
     def again():
-        return tracking.track_run("ties_run", run_dir, *args, **kwargs)
+        return track_sync.track_run("ties_run", run_dir, *args, **kwargs)
 
     return {"client": client, "first": first, "again": again, "snakefile": snakefile, "root": root}
 
@@ -184,7 +184,7 @@ def test_rank_system_metrics_become_system_series_of_the_child_and_node_peaks_of
     client.create_experiment(EXPERIMENT, artifact_location=str(tmp_path / "artifacts"))
     run_dir, manifest = make_run_dir(tmp_path, "sys_run", system_metrics=True)
     config = flat_config("sys_run", "uniform")
-    result = tracking.track_run("sys_run", run_dir, manifest, config, uri, EXPERIMENT)
+    result = track_sync.track_run("sys_run", run_dir, manifest, config, uri, EXPERIMENT)
     for rank, child_id in result["child_run_ids"].items():
         samples = read_system_metrics(run_dir / "train" / "metrics" / f"system-rank-{rank}.parquet")
         assert len(samples["system/process_rss_megabytes"]) >= 2
@@ -201,5 +201,5 @@ def test_rank_system_metrics_become_system_series_of_the_child_and_node_peaks_of
         "system/process_rss_megabytes"
     ]
     assert parent["system/node1/peak_process_rss_megabytes"] == pytest.approx(rss[:, 1].max())
-    again = tracking.track_run("sys_run", run_dir, manifest, config, uri, EXPERIMENT)
+    again = track_sync.track_run("sys_run", run_dir, manifest, config, uri, EXPERIMENT)
     assert again["action"] == "unchanged" and again["num_points_pushed"] == 0

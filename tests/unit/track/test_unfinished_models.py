@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardfuse import tracking
-from shardfuse.track import model as mlflow_model
+from shardfuse.track import model_logging
+from shardfuse.track import sync as track_sync
 from tests.support.tracking import TRACK_EXPERIMENT, active_runs, make_run_dir, run_config
 
 
@@ -29,14 +29,14 @@ def test_a_failure_after_the_logged_model_is_created_leaves_no_pending_model(
         raise RuntimeError("disk full while saving the model")
 
     # Model.log creates the logged model (PENDING), then saves it through the flavor: fail there.
-    monkeypatch.setattr(mlflow_model._PYFUNC_FLAVOR, "save_model", fail_while_saving)
+    monkeypatch.setattr(model_logging._PYFUNC_FLAVOR, "save_model", fail_while_saving)
     with pytest.raises(Exception, match="disk full"):
-        tracking.track_run(
+        track_sync.track_run(
             "failing", run_dir, manifest, run_config("failing"), track_store["uri"], TRACK_EXPERIMENT
         )
     assert logged_models(track_store, "failing") == {}
     monkeypatch.undo()
-    result = tracking.track_run(
+    result = track_sync.track_run(
         "failing", run_dir, manifest, run_config("failing"), track_store["uri"], TRACK_EXPERIMENT
     )
     assert logged_models(track_store, "failing") == {result["model_uri"].split("/")[-1]: "READY"}
@@ -45,13 +45,13 @@ def test_a_failure_after_the_logged_model_is_created_leaves_no_pending_model(
 def test_the_next_track_deletes_a_pending_model_a_killed_track_left(track_store, tmp_path):
     run_dir, manifest = make_run_dir(tmp_path, "killed")
     args = ("killed", run_dir, manifest, run_config("killed"), track_store["uri"], TRACK_EXPERIMENT)
-    first = tracking.track_run(*args)
+    first = track_sync.track_run(*args)
     ready = first["model_uri"].split("/")[-1]
     # What a track killed while logging leaves (no except clause runs on SIGKILL): a PENDING model.
     stray = track_store["client"].create_logged_model(
         track_store["experiment_id"], name="killed", source_run_id=first["parent_run_id"]
     )
     assert logged_models(track_store, "killed") == {ready: "READY", stray.model_id: "PENDING"}
-    again = tracking.track_run(*args)
+    again = track_sync.track_run(*args)
     assert again["action"] == "unchanged"
     assert logged_models(track_store, "killed") == {ready: "READY"}
