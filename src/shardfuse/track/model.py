@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from shardfuse.io import UserError
+from shardfuse.models.catalog import exports_hf
 from shardfuse.models.spec import description_of, normalized_spec
 from shardfuse.models.task import Outputs, numbered
 from shardfuse.models.tasks import Task, task_for
@@ -377,7 +378,7 @@ def log_merged_model(
             extra_requirements = [*extra_requirements, *HF_REQUIREMENTS]
         else:
             _stage_model_files(spec, data_dir / FILES_DIR)
-        if spec.get("model") == "hf":
+        if exports_hf(spec.get("model")):
             extra_requirements = list(dict.fromkeys([*extra_requirements, *HF_REQUIREMENTS]))
         # Model.log puts the model in the active run's experiment: resume our run (the caller sets its
         # status afterwards).
