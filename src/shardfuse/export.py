@@ -21,6 +21,7 @@ from shardfuse.io import StageParser, UserError, atomic_dir
 
 def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:
     from shardfuse.models.adapter import file_ties, load_state
+    from shardfuse.models.catalog import exports_hf, hf_export_names
     from shardfuse.models.hf import export_pretrained
     from shardfuse.models.lora import load_model_weights  # deferred: torch
     from shardfuse.models.registry import build_model
@@ -29,9 +30,10 @@ def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:
 
     tensors, metadata = load_model_weights(weights)
     spec = normalized_spec(metadata.get("model"))
-    if spec["model"] != "hf":
+    if not exports_hf(spec["model"]):
         raise UserError(
-            f"{weights} holds model {spec['model']!r}; only model hf exports to a transformers folder"
+            f"{weights} holds model {spec['model']!r}; only model {' or '.join(hf_export_names())} exports "
+            "to a transformers folder"
         )
     check_code_unchanged(spec["model"], spec.get("code"), "export")
     model = build_model(spec)

@@ -33,6 +33,7 @@ from shardfuse.checkpoints.trust import read_gather
 from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.io import StageParser, UserError, atomic_dir, write_json
+from shardfuse.models.catalog import exports_hf
 from shardfuse.models.tasks import named_task, task_record
 
 MODES = ("svd", "cat")
@@ -105,7 +106,7 @@ def export_adapter(
     spec = info.model or {}
     config = {
         "peft_type": "LORA",
-        "task_type": task_record(named_task(spec)).peft_task_type if spec.get("model") == "hf" else None,
+        "task_type": task_record(named_task(spec)).peft_task_type if exports_hf(spec.get("model")) else None,
         "base_model_name_or_path": base_ref,
         "r": rank,
         "lora_alpha": alpha,

@@ -104,7 +104,8 @@ def merge(
     spec = gather.model or {}
     # The tensors are merged by name, whatever network they belong to; but a merged file whose model
     # code changed since training would be rebuilt as another network by every later stage.
-    check_code_unchanged(spec.get("model", "mlp"), spec.get("code"), "merge")
+    if spec.get("code"):  # user code (a spec with code names its model)
+        check_code_unchanged(spec["model"], spec["code"], "merge")
     rows = gather.rows
     resolved = registry.resolve_params(method, params, rows)
     options = {"val_split": val_split, "dcp_dir": dcp_dir, "align": align}

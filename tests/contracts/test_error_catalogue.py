@@ -167,7 +167,7 @@ def case_slerp_needs_two(tmp):
     return config_case(
         tmp,
         base_config(world_size=4, merge_method="slerp"),
-        "slerp interpolates exactly two models but world_size is 4",
+        "runs[r].merge_method: slerp interpolates exactly 2 models but the run has 4 ranks",
     )
 
 

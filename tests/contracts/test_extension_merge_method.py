@@ -80,3 +80,10 @@ def test_the_toy_methods_own_parameter_and_check_reach_the_stage(tmp_path, toy_m
     assert not (tmp_path / "m.safetensors").exists()
     registered = call_stage("merge", "--gather", gather, "--method", "no_such_method", *outputs)
     assert "toy_pick" in registered.stderr  # the stage's --method choices are the records'
+
+
+def test_the_toy_methods_parameter_is_a_run_key_that_reaches_the_merge_rule(toy_method):
+    from shardfuse.experiment.keys import merge_param_keys, merge_params
+
+    assert merge_param_keys("toy_pick") == {"merge_pick": "pick"}  # read from RECORDS when called
+    assert merge_params({"merge_method": "toy_pick", "merge_pick": 1, "merge_t": 0.3}) == {"pick": 1}

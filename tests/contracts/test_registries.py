@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardfuse.experiment.keys import MERGE_PARAMS
+from shardfuse.experiment.keys import merge_param_keys
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods.registry import RECORDS, method_record, names, resolve_params
@@ -41,7 +41,7 @@ def test_every_method_param_is_a_config_key_whose_schema_default_is_the_methods_
 
 
 def test_the_keys_that_reach_the_merge_rule_are_the_methods_params():
-    assert {method: sorted(keys.values()) for method, keys in MERGE_PARAMS.items()} == {
+    assert {method: sorted(merge_param_keys(method).values()) for method in names()} == {
         record.name: sorted(record.params) for record in RECORDS
     }
 

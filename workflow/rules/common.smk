@@ -43,6 +43,7 @@ from shardfuse.experiment.load import (  # noqa: E402
 )
 from shardfuse.experiment.schema import ConfigError  # noqa: E402
 from shardfuse.io import write_json  # noqa: E402
+from shardfuse.models.catalog import exports_hf  # noqa: E402
 
 try:
     EXPERIMENT = load_experiment(
@@ -296,7 +297,7 @@ def hf_export_of_run(wildcards):
     """The run's transformers folder (model hf only): exported, then logged with the MLflow model."""
     return (
         [f"results/runs/{wildcards.run}/hf"]
-        if RUNS[wildcards.run]["model"] == "hf"
+        if exports_hf(RUNS[wildcards.run]["model"])
         else []
     )
 
@@ -314,7 +315,7 @@ def base_hf_of_run(wildcards):
     """The training's base as a transformers folder (model hf with an adapter exported): the
     base_model_name_or_path of the run's PEFT adapter, so AutoPeftModel loads both."""
     run = RUNS[wildcards.run]
-    if run["model"] != "hf" or run.get("merge_adapter", "none") == "none":
+    if not exports_hf(run["model"]) or run.get("merge_adapter", "none") == "none":
         return []
     return [f"{training_dir_of_run(wildcards)}/base-hf"]
 

@@ -33,7 +33,6 @@ from shardfuse.fusion.methods import registry as merge_methods
 from shardfuse.io import UserError
 from shardfuse.models import catalog
 from shardfuse.models.catalog import spoken
-from shardfuse.models.hf import check_hf_args
 from shardfuse.models.spec import ADAPTER_DEFAULTS
 from shardfuse.models.tasks import named_task, task_names, task_record
 from shardfuse.models.usercode import code_fingerprint, is_builtin, load_factory, model_files_of
@@ -92,8 +91,8 @@ def check_model(name: str, run: dict[str, Any], datasets: dict[str, Any]) -> Non
             f"{task}; remove loss or use a {owners} dataset"
         )
     try:
-        if run["model"] == "hf":
-            check_hf_args(run["model_args"])
+        if (record := catalog.builtin(run["model"])) is not None:
+            record.check_model_args(run["model_args"])
         files = model_files_of(run["model"], run["model_args"], run["model_files"])
         fingerprint = code_fingerprint(run["model"], run["code_paths"], files)
         if not is_builtin(run["model"]):
@@ -209,11 +208,6 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{world_size}; make them agree"
         )
     method = run["merge_method"]
-    if method == "slerp" and world_size != 2:
-        raise ConfigError(
-            f"{where}.merge_method: slerp interpolates exactly two models but world_size is "
-            f"{world_size}; use world_size 2 or another merge_method"
-        )
     if run["merge_weights"] is not None and len(run["merge_weights"]) != world_size:
         raise ConfigError(
             f"{where}.merge_weights: {len(run['merge_weights'])} weights for {world_size} ranks; "
@@ -226,20 +220,14 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{weighted[-1]} uses weights; "
             "remove them or set merge_method weighted"
         )
-    if method == "nuslerp" and world_size > 2:  # one rank: nuslerp returns it (as the method does)
-        raise ConfigError(
-            f"{where}.merge_method: nuslerp interpolates exactly two models but world_size is "
-            f"{world_size}; use world_size 2, or multislerp or karcher"
-        )
-    density, epsilon = run["merge_density"] or 1.0, run["merge_epsilon"]
-    if method == "della" and density < 1 and not (density - epsilon > 0 and density + epsilon < 1):
-        raise ConfigError(
-            f"{where}.merge_epsilon: della keeps entries with probability merge_density +- merge_epsilon, "
-            f"which must lie in (0, 1) (density {density:g}, epsilon {epsilon:g}); lower "
-            "merge_epsilon"
-        )
-    selects = method in merge_methods.names() and merge_methods.method_record(method).uses_val
-    if selects and datasets[run["dataset"]]["val_fraction"] == 0:
+    # The method's own checks (its parameters together, the number of ranks it takes), as the merge stage
+    # runs them: the record is the one place they are said.
+    try:
+        record = merge_methods.method_record(method)
+        merge_methods.resolve_params(method, merge_params(run), [1] * world_size)
+    except UserError as exc:
+        raise ConfigError(f"{where}.merge_method: {exc}") from None
+    if record.uses_val and datasets[run["dataset"]]["val_fraction"] == 0:
         raise ConfigError(
             f"{where}.merge_method: {method} needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
@@ -249,16 +237,16 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{where}.merge_recalibrate: re-estimating BatchNorm statistics needs a validation split but "
             f"dataset {run['dataset']!r} has val_fraction 0; set val_fraction > 0 or merge_recalibrate: false"
         )
-    if run.get("merge_align", "none") != "none" and method == "consolidate":
+    if run.get("merge_align", "none") != "none" and record.consolidates:
         raise ConfigError(
-            f"{where}.merge_align: consolidate checks that the ranks are identical, there is nothing to "
+            f"{where}.merge_align: {method} checks that the ranks are identical, there is nothing to "
             "align; remove merge_align or choose another merge_method"
         )
     strategy = find_strategy(run["strategy"])
-    if method == "consolidate" and not strategy.publishes_identical(run.get("keep", "last")):
+    if record.consolidates and not strategy.publishes_identical(run.get("keep", "last")):
         keep_best = " with keep best" if strategy.publishes_identical("last") else ""
         raise ConfigError(
-            f"{where}.merge_method: consolidate needs identical ranks ({identical_publishers()}) but "
+            f"{where}.merge_method: {method} needs identical ranks ({identical_publishers()}) but "
             f"strategy is {strategy.name}{keep_best}; use merge_method uniform or weighted"
         )
     if (problem := strategy.sync_every_problem(run["sync_every"])) is not None:
@@ -330,9 +318,6 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
         run["decay_rule"] = DECAY_RULE
 
 
-LINEAR_IN_UPDATES = ("uniform", "weighted", "task_arithmetic")
-
-
 def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | None = None) -> None:
     """A LoRA adapter and the keys it rules out; fills the adapter's defaults in (so that spelling a
     default out, or 16 for 16.0, names the same training)."""
@@ -371,10 +356,11 @@ def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | Non
             f"{where}.adapter.init: per_rank gives each rank its own adapter but {equal_start}; use "
             f"adapter.init shared or strategy {apart_starters()}"
         )
-    if run.get("merge_adapter") == "cat" and method not in LINEAR_IN_UPDATES:
+    linear = merge_methods.linear_names()
+    if run.get("merge_adapter") == "cat" and method not in linear:
         raise ConfigError(
             f"{where}.merge_adapter: cat is exact only for the methods linear in the updates "
-            f"({', '.join(LINEAR_IN_UPDATES)}), not {method}; use merge_adapter svd"
+            f"({', '.join(linear)}), not {method}; use merge_adapter svd"
         )
     if datasets is not None:  # its targets and r against the model, built on the meta device
         check_model_adapter(where, run, datasets[run["dataset"]])

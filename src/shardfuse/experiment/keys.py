@@ -10,7 +10,7 @@ from typing import Any
 
 from shardfuse.data.partitioners import registry as partitioners
 from shardfuse.experiment.run_config import flat_defaults
-from shardfuse.fusion.methods.registry import RECORDS
+from shardfuse.fusion.methods import registry as merge_methods
 from shardfuse.io import MAX_SEED
 
 # Run and dataset names become directory names; matched in full (``$`` would accept a trailing newline).
@@ -68,9 +68,13 @@ TRAIN_KEYS = (
 )
 
 
-# What each merge method reads from the run config (config key merge_<param> -> merge param), from the
-# methods' own records; other keys do not reach the merge rule, so changing them does not re-run it.
-MERGE_PARAMS = {record.name: {f"merge_{param}": param for param in record.params} for record in RECORDS}
+def merge_param_keys(method: str) -> dict[str, str]:
+    """What merge method ``method`` reads from the run config (config key merge_<param> -> its param), from
+    its record, read when called (a test's extension is seen); other keys do not reach the merge rule, so
+    changing them does not re-run it. {} for a name no record has."""
+    if method not in merge_methods.names():
+        return {}
+    return {f"merge_{param}": param for param in merge_methods.method_record(method).params}
 
 
 # Train keys added after the first release (the model registry, then the training loop). They join a
@@ -152,7 +156,7 @@ def merge_align_args(run_cfg: dict[str, Any]) -> str:
 
 def merge_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
     """The params of the run's merge method (null values mean the method's own default)."""
-    mapping = MERGE_PARAMS.get(run_cfg["merge_method"], {})
+    mapping = merge_param_keys(run_cfg["merge_method"])
     return {param: run_cfg[key] for key, param in mapping.items() if run_cfg[key] is not None}
 
 

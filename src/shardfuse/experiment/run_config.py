@@ -58,7 +58,7 @@ class ModelConfig:
     init_source: str | None = None  # derived: what init_from points at
 
     def mlp_keys(self) -> dict[str, Any]:
-        """The flat keys the built-in mlp's spec reads (shardfuse.models.spec.MLP_KEYS)."""
+        """The flat keys the built-in mlp's spec reads (its run_keys in shardfuse.models.catalog)."""
         return {"hidden_sizes": self.hidden_sizes, "activation": self.activation, "dropout": self.dropout}
 
 

@@ -11,7 +11,8 @@ result independent of rank order beyond the reference, and costs one pass per ra
 ``{group: [(tensor name, axis), ...]}``. The built-in ``mlp`` (each hidden layer: its Linear's weight
 rows and bias, the next Linear's weight columns) and ``cnn`` (each conv stage: its conv's output
 channels and bias, its BatchNorm's weight, bias and running statistics, the next conv's input channels
-or the head's columns) declare theirs here. A user model declares its own with a method
+or the head's columns) name theirs in their catalog records (shardfuse.models.catalog: a function beside
+the factory). A user model declares its own with a method
 ``permutation_groups(self) -> dict[str, list[tuple[str, int]]]`` naming its own state-dict keys (the
 framework adds its ``model.`` prefix); a model without it cannot be aligned (one-line error).
 
@@ -29,8 +30,6 @@ models), unlike the merge itself, which streams block by block.
 from __future__ import annotations
 
 import hashlib
-import itertools
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,47 +38,17 @@ import torch
 
 from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.io import UserError, file_digests
-
-Groups = dict[str, list[tuple[str, int]]]
-
-
-def mlp_groups(names: list[str]) -> Groups:
-    """The built-in mlp: Linear layers ``net.<k>`` in order; hidden layer i's units index its weight
-    rows and bias and the next layer's weight columns."""
-    layers = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"net\.(\d+)\.weight", n)))
-    groups: Groups = {}
-    for i, (k, following) in enumerate(itertools.pairwise(layers)):
-        groups[f"hidden{i}"] = [(f"net.{k}.weight", 0), (f"net.{k}.bias", 0), (f"net.{following}.weight", 1)]
-    return groups
-
-
-def cnn_groups(names: list[str]) -> Groups:
-    """The built-in cnn: conv stages ``features.<k>`` (+ BatchNorm at ``features.<k+1>``), then ``head``."""
-    convs = sorted(
-        int(m.group(1))
-        for n in names
-        if (m := re.fullmatch(r"features\.(\d+)\.weight", n))
-        and f"features.{int(m.group(1)) + 1}.running_mean" in names
-    )
-    groups: Groups = {}
-    for i, k in enumerate(convs):
-        bn = f"features.{k + 1}"
-        members = [(f"features.{k}.weight", 0), (f"features.{k}.bias", 0)]
-        members += [(f"{bn}.{p}", 0) for p in ("weight", "bias", "running_mean", "running_var")]
-        members.append((f"features.{convs[i + 1]}.weight", 1) if i + 1 < len(convs) else ("head.weight", 1))
-        groups[f"channels{i}"] = members
-    return groups
-
-
-# The built-ins whose groups are known here (the catalog's records with aligned=True; a test holds both).
-BUILTIN_GROUPS = {"mlp": mlp_groups, "cnn": cnn_groups}
+from shardfuse.models.catalog import Groups, aligned_names, builtin, spoken
+from shardfuse.models.spec import normalized_spec
 
 
 def permutation_groups(model_spec: dict[str, Any], names: list[str]) -> Groups:
-    """The model's permutation groups (built-in, or declared by a user model), checked against ``names``."""
-    model = model_spec.get("model", model_spec.get("type", "mlp"))
-    builtin = BUILTIN_GROUPS.get(model)
-    groups = builtin(names) if builtin else declared_groups(model_spec, model)
+    """The model's permutation groups (a built-in's record names its function, a user model declares
+    them), checked against ``names``."""
+    model = normalized_spec(model_spec)["model"]
+    record = builtin(model)
+    aligned = record is not None and record.aligned
+    groups = record.permutation_groups(names) if aligned else declared_groups(model_spec, model)
     missing = sorted({name for members in groups.values() for name, _ in members} - set(names))
     if missing:
         raise UserError(
@@ -99,9 +68,9 @@ def declared_groups(model_spec: dict[str, Any], model: str) -> Groups:
     declare = getattr(inner, "permutation_groups", None)
     if not callable(declare):
         raise UserError(
-            f"merge_align weight_matching needs the model's permutation groups: the built-in mlp and cnn "
-            f"declare them, {model!r} does not; give it a permutation_groups() method (config/README.md, "
-            "merge_align) or set merge_align: none"
+            f"merge_align weight_matching needs the model's permutation groups: the built-in "
+            f"{spoken(aligned_names())} declare them, {model!r} does not; give it a permutation_groups() "
+            "method (config/README.md, merge_align) or set merge_align: none"
         )
     prefix = "model." if inner is not built else ""
     return {

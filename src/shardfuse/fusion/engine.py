@@ -43,7 +43,7 @@ from shardfuse.checkpoints.stream import (
     to_torch,
 )
 from shardfuse.fusion.methods.plan import Plan, TensorJob
-from shardfuse.fusion.methods.registry import make_plan, uses_base
+from shardfuse.fusion.methods.registry import default_weights, make_plan, uses_base
 from shardfuse.io import UserError
 
 BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
@@ -399,7 +399,8 @@ def merge_arrays(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """Merge one tensor held in memory (numpy float16/32/64 merged in float64; other dtypes copied).
 
-    ``params`` come from ``resolve_params``; ``weights`` are weighted's (default: equal)."""
+    ``params`` come from ``resolve_params``; ``weights`` the rank weights the method reads (``rank_weights``;
+    default: equal)."""
     dtype, shape = arrays[0].dtype, arrays[0].shape
     if dtype.kind != "f":
         for rank, array in enumerate(arrays[1:], start=1):
@@ -408,8 +409,7 @@ def merge_arrays(
         return arrays[0].copy(), {"max_abs_diff": 0.0, "copied_from_rank": 0}
     if uses_base(method) and base is None:
         raise ValueError(f"{method} needs the base tensor")
-    if method == "weighted" and weights is None:
-        weights = [1.0 / len(arrays)] * len(arrays)
+    weights = default_weights(method, len(arrays), weights)
     job = TensorJob(name, int(arrays[0].size), list(range(len(arrays))), weights)
     plan = make_plan(method, params, job)
     base64 = None if base is None else np.asarray(base, dtype=np.float64).ravel()

@@ -32,7 +32,7 @@ from shardfuse.checkpoints.trust import (
 )
 from shardfuse.data.verify import check_split
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
-from shardfuse.fusion.methods.registry import Method
+from shardfuse.fusion.methods.registry import Method, consolidating_names
 from shardfuse.fusion.soup import Selection
 from shardfuse.io import UserError, atomic_path, read_json
 
@@ -64,9 +64,10 @@ def check_request(
     a model spec that does not fit the tensors (the selecting methods build the model), alignment of
     identical ranks, and what LoRA adapters cannot take."""
     name = method.name
-    if dcp_dir is not None and name != "consolidate":
+    if dcp_dir is not None and not method.consolidates:
         raise UserError(
-            f"--dcp-dir consolidates a sharded checkpoint: use it with --method consolidate, not {name}"
+            "--dcp-dir consolidates a sharded checkpoint: use it with --method "
+            f"{' or '.join(consolidating_names())}, not {name}"
         )
     if method.uses_val and val_split is None:
         raise UserError(
@@ -79,9 +80,9 @@ def check_request(
         from shardfuse.models.registry import check_model_fits  # deferred: imports torch
 
         check_model_fits(str(gather_path), gather.model, shapes_of(gather.tensors), STALE)
-    if align != "none" and (dcp_dir is not None or name == "consolidate"):
+    if align != "none" and (dcp_dir is not None or method.consolidates):
         raise UserError(
-            f"merge_align {align} permutes ranks that differ; consolidate (identical ranks) takes none"
+            f"merge_align {align} permutes ranks that differ; {name} (identical ranks) takes none"
         )
     if gather.adapted and (align != "none" or dcp_dir is not None or recalibrate):
         raise UserError(

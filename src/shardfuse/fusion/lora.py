@@ -29,7 +29,8 @@ own array.
 
 Adapters out: :func:`svd_factors` re-factorises a merged ΔW to rank r (the best rank-r approximation,
 Eckart-Young) and returns its relative truncation error; :func:`cat_factors` concatenates the ranks'
-factors to rank sum_i r_i, exact for the methods linear in the updates (:data:`LINEAR_METHODS`).
+factors to rank sum_i r_i, exact for the methods linear in the updates (their records'
+``update_coefficients``).
 
 No command line; by hand::
 
@@ -62,7 +63,6 @@ from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.fusion.methods import registry
 from shardfuse.io import UserError
 
-LINEAR_METHODS = ("uniform", "weighted", "task_arithmetic")  # merged ΔW = sum_i c_i ΔW_i, c fixed
 F64 = DTYPES["F64"]
 
 
@@ -207,13 +207,13 @@ def merge_updates(
 
     ``ranks``: each rank's factors by module weight name, in rank order; ``rank_numbers`` their ranks
     (DARE's and della's streams are seeded by them, as in the merge stage; default 0..N-1); ``params``
-    from ``resolve_params``; ``weights`` weighted's, summing to 1 (``rank_weights``; default equal). A
+    from ``resolve_params``; ``weights`` the rank weights the method reads, summing to 1 (``rank_weights``;
+    default equal). A
     method that cannot fuse updates, or adapters that disagree, are refused here, before any work."""
     refuse_unless_on_updates(method)
     tensors = update_tensors(ranks)
     rank_numbers = list(range(len(ranks))) if rank_numbers is None else rank_numbers
-    if method == "weighted" and weights is None:
-        weights = [1.0 / len(ranks)] * len(ranks)
+    weights = registry.default_weights(method, len(ranks), weights)
     readers = [UpdateReader(tensors, factors) for factors in ranks]
     zero_base = UpdateReader(tensors, None) if registry.uses_base(method) else None
     engine = Engine(readers, zero_base, method, params, rank_numbers, weights, block_bytes)
@@ -312,18 +312,15 @@ def truncation_error(singular: np.ndarray, kept: int) -> float:
 def linear_coefficients(
     method: str, params: dict[str, Any], num_ranks: int, weights: list[float] | None = None
 ) -> list[float]:
-    """c_i with merged ΔW = sum_i c_i ΔW_i: uniform 1/N, weighted w_i (summing to 1; default equal),
-    task_arithmetic scale/N. Other methods are not linear in the updates: refused."""
-    if method == "uniform" or (method == "weighted" and weights is None):
-        return [1.0 / num_ranks] * num_ranks
-    if method == "weighted":
-        return list(weights)
-    if method == "task_arithmetic":
-        return [params["scale"] / num_ranks] * num_ranks
-    raise UserError(
-        f"merge_adapter cat is exact only for the methods linear in the updates "
-        f"({', '.join(LINEAR_METHODS)}), not {method}; use merge_adapter svd"
-    )
+    """c_i with merged ΔW = sum_i c_i ΔW_i, from the method's record (uniform 1/N, weighted w_i summing
+    to 1, default equal, task_arithmetic scale/N). Methods not linear in the updates: refused."""
+    coefficients = registry.method_record(method).update_coefficients
+    if coefficients is None:
+        raise UserError(
+            f"merge_adapter cat is exact only for the methods linear in the updates "
+            f"({', '.join(registry.linear_names())}), not {method}; use merge_adapter svd"
+        )
+    return coefficients(params, num_ranks, weights)
 
 
 def cat_factors(factors: Sequence[LoraFactors], coefficients: Sequence[float], scaling: float) -> LoraFactors:

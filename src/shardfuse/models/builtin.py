@@ -1,6 +1,7 @@
-"""The built-in ``cnn`` and ``transformer`` factories (``mlp`` lives in :mod:`shardfuse.models.registry`).
+"""The built-in ``cnn`` and ``transformer`` factories and the cnn's permutation groups (``mlp`` lives in
+:mod:`shardfuse.models.mlp`).
 
-A library module; :mod:`shardfuse.models.registry` registers these in ``RECORDS``. By hand::
+A library module; :mod:`shardfuse.models.catalog` names these in ``RECORDS``. By hand::
 
     python -c "import torch, shardfuse.models.builtin as b, shardfuse.models.spec as s
     d = s.DataDescription('causal_lm', 16, 50, (), (), vocab_size=50, block_size=16, input_kind='tokens')
@@ -19,6 +20,7 @@ shared tensors), the optimiser and every merge method see one tensor, and a merg
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +28,7 @@ from torch import nn
 from torch.nn import functional
 
 from shardfuse.io import UserError
+from shardfuse.models.catalog import Groups
 from shardfuse.models.spec import DataDescription
 from shardfuse.models.tasks import task_for
 
@@ -108,6 +111,24 @@ def cnn(description: DataDescription, channels: Sequence[int] = (16, 32), dropou
         _dropout("cnn", dropout),
         scale_targets=task_for(description.task).scales_targets,
     )
+
+
+def cnn_groups(names: list[str]) -> Groups:
+    """The built-in cnn: conv stages ``features.<k>`` (+ BatchNorm at ``features.<k+1>``), then ``head``."""
+    convs = sorted(
+        int(m.group(1))
+        for n in names
+        if (m := re.fullmatch(r"features\.(\d+)\.weight", n))
+        and f"features.{int(m.group(1)) + 1}.running_mean" in names
+    )
+    groups: Groups = {}
+    for i, k in enumerate(convs):
+        bn = f"features.{k + 1}"
+        members = [(f"features.{k}.weight", 0), (f"features.{k}.bias", 0)]
+        members += [(f"{bn}.{p}", 0) for p in ("weight", "bias", "running_mean", "running_var")]
+        members.append((f"features.{convs[i + 1]}.weight", 1) if i + 1 < len(convs) else ("head.weight", 1))
+        groups[f"channels{i}"] = members
+    return groups
 
 
 # ---------------------------------------------------------------- transformer

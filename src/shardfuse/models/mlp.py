@@ -1,8 +1,8 @@
 """The built-in ``mlp`` and the wrapper that gives any other numeric model the framework's input
 standardisation (``Standardized``): both keep the features' moments (and a regression's target scale)
 as buffers, saved with the weights, so every consumer of a checkpoint sees the features the ranks
-trained on. A library module (shardfuse.models.catalog names ``build_mlp`` as the mlp's factory). By
-hand::
+trained on. A library module (shardfuse.models.catalog names ``build_mlp`` as the mlp's factory and
+``mlp_groups`` as its permutation groups for merge_align). By hand::
 
     python -c "import torch; from shardfuse.models.mlp import MLP; \
         print(MLP(4, 3, [8], 'relu', 0.0)(torch.zeros(2, 4)).shape)"
@@ -10,11 +10,14 @@ hand::
 
 from __future__ import annotations
 
+import itertools
+import re
+
 import torch
 from torch import nn
 
 from shardfuse.io import UserError
-from shardfuse.models.catalog import MLP_HIDDEN_SIZES
+from shardfuse.models.catalog import MLP_HIDDEN_SIZES, Groups
 from shardfuse.models.spec import DataDescription
 from shardfuse.models.tasks import task_for
 
@@ -117,3 +120,13 @@ def build_mlp(
         float(dropout),
         scale_targets=task_for(description.task).scales_targets,
     )
+
+
+def mlp_groups(names: list[str]) -> Groups:
+    """The built-in mlp: Linear layers ``net.<k>`` in order; hidden layer i's units index its weight
+    rows and bias and the next layer's weight columns."""
+    layers = sorted(int(m.group(1)) for n in names if (m := re.fullmatch(r"net\.(\d+)\.weight", n)))
+    groups: Groups = {}
+    for i, (k, following) in enumerate(itertools.pairwise(layers)):
+        groups[f"hidden{i}"] = [(f"net.{k}.weight", 0), (f"net.{k}.bias", 0), (f"net.{following}.weight", 1)]
+    return groups

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardfuse.io import UserError
+from shardfuse.models.catalog import BuiltinModel, builtin
 from shardfuse.models.tasks import IMPLICIT_TASK, named_task, task_for
 from shardfuse.models.usercode import code_fingerprint, model_files_of
 
@@ -36,9 +37,6 @@ ADAPTER_DEFAULTS = {
 
 # The field of a dict or ModelOutput holding a model's outputs unless the run's model_output says.
 DEFAULT_OUTPUT = "logits"
-
-# The run keys the built-in MLP reads (model_args may override them).
-MLP_KEYS = ("hidden_sizes", "activation", "dropout")
 
 
 @dataclass(frozen=True)
@@ -98,8 +96,9 @@ def model_spec(
     field a dict or ModelOutput holds the outputs in) is recorded only off its default, so specs of
     models that return tensors stay as they were."""
     args = dict(model_args)
-    if ref == "mlp" and run_cfg is not None:
-        args = {**{key: run_cfg[key] for key in MLP_KEYS if key in run_cfg}, **args}
+    record = builtin(ref)
+    if record is not None and run_cfg is not None:  # the built-in's run keys (the mlp's), then model_args
+        args = {**{key: run_cfg[key] for key in record.run_keys if key in run_cfg}, **args}
     spec = {
         "model": ref,
         "args": args,
@@ -112,11 +111,11 @@ def model_spec(
     return spec
 
 
-def _legacy_spec(spec: dict[str, Any]) -> dict[str, Any]:
+def _legacy_spec(spec: dict[str, Any], record: BuiltinModel) -> dict[str, Any]:
     """A checkpoint written before the registry: {"type": "mlp", num_features, num_classes, ...}."""
     return {
-        "model": "mlp",
-        "args": {key: spec[key] for key in MLP_KEYS},
+        "model": record.name,
+        "args": {key: spec[key] for key in record.run_keys},
         "task": IMPLICIT_TASK,
         "description": DataDescription(
             task=IMPLICIT_TASK,
@@ -133,8 +132,9 @@ def _legacy_spec(spec: dict[str, Any]) -> dict[str, Any]:
 def normalized_spec(spec: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(spec, dict):
         raise UserError("checkpoint metadata has no model spec; re-run the stage that wrote it")
-    if spec.get("type") == "mlp":
-        return _legacy_spec(spec)
+    legacy = builtin(spec.get("type"))  # specs before the registry were the model with run keys
+    if legacy is not None and legacy.run_keys:
+        return _legacy_spec(spec, legacy)
     if "model" not in spec or "description" not in spec:
         raise UserError(
             f"unknown model spec {sorted(spec)} in checkpoint metadata; it was written by another "

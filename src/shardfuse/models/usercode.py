@@ -148,10 +148,12 @@ def check_reference(ref: str) -> None:
 def model_files_of(
     ref: str, model_args: dict[str, Any], model_files: list[str] | tuple[str, ...]
 ) -> list[str]:
-    """The files a model is built from besides code: the run's ``model_files`` and, for ``hf``, its
-    pretrained folder."""
+    """The files a model is built from besides code: the run's ``model_files`` and a built-in's pretrained
+    folder (hf's ``model_args.pretrained``: its record's ``pretrained_arg``)."""
     files = list(model_files)
-    pretrained = model_args.get("pretrained") if ref == "hf" and isinstance(model_args, dict) else None
+    record = builtin(ref)
+    key = record.pretrained_arg if record is not None else None
+    pretrained = model_args.get(key) if key is not None and isinstance(model_args, dict) else None
     if pretrained is not None and str(pretrained) not in files:
         files.append(str(pretrained))
     return files

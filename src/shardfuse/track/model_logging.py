@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.io import UserError
+from shardfuse.models.catalog import exports_hf
 from shardfuse.models.usercode import stage_code
 from shardfuse.track.model import (
     FILES_DIR,
@@ -180,7 +181,7 @@ def log_merged_model(
             extra_requirements = [*extra_requirements, *HF_REQUIREMENTS]
         else:
             _stage_model_files(spec, data_dir / FILES_DIR)
-        if spec.get("model") == "hf":
+        if exports_hf(spec.get("model")):
             extra_requirements = list(dict.fromkeys([*extra_requirements, *HF_REQUIREMENTS]))
         # Model.log puts the model in the active run's experiment: resume our run (the caller sets its
         # status afterwards).

@@ -102,10 +102,12 @@ def test_registered_model_names_are_refused_exactly_where_mlflow_refuses_them():
         assert refused == mlflow_refuses, name
 
 
-def test_the_builtins_the_config_aligns_are_those_merge_has_groups_for():
-    from shardfuse.fusion.align import BUILTIN_GROUPS
+def test_the_builtins_the_config_aligns_name_a_groups_function_merge_can_import():
+    from shardfuse.models import catalog
 
-    assert set(aligned_names()) == set(BUILTIN_GROUPS)
+    assert set(aligned_names()) == {"mlp", "cnn"}
+    for name in aligned_names():  # the record's module:function imports; no tensors, no groups
+        assert catalog.builtin(name).permutation_groups([]) == {}
 
 
 @pytest.mark.parametrize("model", ["transformer", "hf"])

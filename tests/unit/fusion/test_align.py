@@ -8,17 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardfuse.fusion.align import (
-    apply_permutations,
-    cnn_groups,
-    is_identity,
-    mlp_groups,
-    permutation_groups,
-    weight_matching,
-)
+from shardfuse.fusion.align import apply_permutations, is_identity, permutation_groups, weight_matching
 from shardfuse.io import UserError
-from shardfuse.models.builtin import CNN
-from shardfuse.models.mlp import MLP
+from shardfuse.models.builtin import CNN, cnn_groups
+from shardfuse.models.mlp import MLP, mlp_groups
 
 
 def _shuffled(state: dict[str, torch.Tensor], groups, seed: int) -> tuple[dict, dict]:

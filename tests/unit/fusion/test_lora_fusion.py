@@ -12,7 +12,6 @@ import pytest
 
 from shardfuse.fusion.engine import merge_arrays
 from shardfuse.fusion.lora import (
-    LINEAR_METHODS,
     LoraFactors,
     cat_factors,
     linear_coefficients,
@@ -21,7 +20,7 @@ from shardfuse.fusion.lora import (
     svd_factors,
     update_methods,
 )
-from shardfuse.fusion.methods.registry import names, rank_weights, resolve_params, uses_base
+from shardfuse.fusion.methods.registry import linear_names, names, rank_weights, resolve_params, uses_base
 from shardfuse.io import UserError
 
 # Parameters that make each method do its work (sparsify, drop, select), not its defaults' no-ops.
@@ -217,7 +216,7 @@ def test_svd_truncation_error_is_the_tail_of_the_singular_values():
     assert svd_factors(np.zeros((3, 4)), 2, scaling=1.0)[1] == 0.0
 
 
-@pytest.mark.parametrize("method", LINEAR_METHODS)
+@pytest.mark.parametrize("method", linear_names())
 def test_cat_is_the_merged_update_exactly_for_linear_methods(method):
     num_ranks = 3
     _, ranks = random_model(num_ranks, seed=7)

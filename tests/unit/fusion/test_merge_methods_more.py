@@ -312,11 +312,12 @@ def config_of(**run):
     [
         (
             {"merge_method": "nuslerp", "world_size": 4},
-            "nuslerp interpolates exactly two models but world_size is 4",
+            "runs[r].merge_method: nuslerp interpolates exactly 2 models but the run has 4 ranks",
         ),
         (
             {"merge_method": "della", "merge_density": 0.9, "world_size": 2},
-            "della keeps entries with probability merge_density +- merge_epsilon, which must lie in (0, 1)",
+            "runs[r].merge_method: merge method della: density +- epsilon must lie in (0, 1) but is "
+            "[0.75, 1.05]; lower merge_epsilon",
         ),
         (
             {"merge_method": "multislerp", "merge_weights": [1, 2], "world_size": 4},

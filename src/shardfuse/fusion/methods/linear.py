@@ -20,6 +20,7 @@ base.safetensors, saved before the first step), tau_i = theta_i - base its task 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,24 @@ from shardfuse.fusion.methods.plan import (
     _mean,
 )
 from shardfuse.io import UserError
+
+# The coefficients c_i of the methods linear in the ranks' updates, merged ΔW = sum_i c_i ΔW_i
+# (registry.Method.update_coefficients; LoRA's merge_adapter cat is exact for these only). ``weights`` are
+# the rank weights the merge reads (registry.rank_weights; None: equal).
+
+
+def mean_coefficients(params: dict[str, Any], num_ranks: int, weights: list[float] | None) -> list[float]:
+    return [1.0 / num_ranks] * num_ranks
+
+
+def weight_coefficients(params: dict[str, Any], num_ranks: int, weights: list[float] | None) -> list[float]:
+    return mean_coefficients(params, num_ranks, weights) if weights is None else list(weights)
+
+
+def scaled_mean_coefficients(
+    params: dict[str, Any], num_ranks: int, weights: list[float] | None
+) -> list[float]:
+    return [params["scale"] / num_ranks] * num_ranks
 
 
 class ConsolidatePlan(Plan):

@@ -1,6 +1,8 @@
 """Every merge method, one record each: its plan, its parameters with their defaults, whether it needs the
-base weights, how it selects ranks on the validation split (greedy soup), its cross-parameter check, its
-reference, and why it cannot fuse LoRA updates (``not_on_updates``) where it cannot.
+base weights, how it weighs the ranks, how it selects ranks on the validation split (greedy soup), its
+cross-parameter check (the config's too), whether it consolidates identical ranks, its reference, and
+how it fuses LoRA updates (``update_coefficients``, ``not_on_updates``). Nothing outside these records
+decides by a method's name (tests/contracts/test_name_decisions.py).
 
 The merge stage's ``--method`` choices, the config schema's ``merge_method`` enum, the config's
 ``merge_<param>`` keys and their checks all derive from ``RECORDS`` (tests/contracts hold them equal).
@@ -29,6 +31,9 @@ from shardfuse.fusion.methods.linear import (
     TaskArithmeticPlan,
     UniformPlan,
     WeightedPlan,
+    mean_coefficients,
+    scaled_mean_coefficients,
+    weight_coefficients,
 )
 from shardfuse.fusion.methods.plan import (
     SCALE,
@@ -52,6 +57,8 @@ from shardfuse.fusion.soup import Select, greedy_soup
 from shardfuse.io import MAX_SEED, UserError, find_record
 
 Check = Callable[[str, dict[str, Any], int], None]  # (method, resolved params, number of ranks)
+# (resolved params, number of ranks, rank weights or None) -> c_i of merged ΔW = sum_i c_i ΔW_i
+Coefficients = Callable[[dict[str, Any], int, list[float] | None], list[float]]
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,17 @@ class Method:
     # (shardfuse.fusion.lora refuses it on LoRA adapters with this); None: merging the updates and adding
     # the result to the base gives what merging the models gives.
     not_on_updates: str | None = None
+    # The method is linear in the ranks' updates, with these coefficients (fusion.methods.linear): LoRA's
+    # merge_adapter cat (the ranks' factors side by side) is exact for it. None: it is not.
+    update_coefficients: Coefficients | None = None
+    # The rank weights its plan reads (``job.weights``, summing to 1; merge.json records them): "equal",
+    # or "rows": merge_weights where given, else each rank's shard rows (FedAvg). None: it reads none.
+    # Running statistics follow: "rows" fuses them by the weighted mean, every other method by the mean.
+    weighing: str | None = None
+    # Keeps rank 0's weights after checking the ranks agree: it needs a strategy whose ranks end
+    # identical, takes a sharded DCP checkpoint (--dcp-dir), has nothing to align, and keeps its own
+    # rule for running statistics.
+    consolidates: bool = False
 
     @property
     def uses_val(self) -> bool:
@@ -105,10 +123,8 @@ def _della_window(method: str, params: dict[str, Any], num_ranks: int) -> None:
             )
 
 
-DENSITY = {
-    "ties": Param(0.2, "number", "a number in (0, 1]", lambda v: 0 < v <= 1),
-    "dare": Param(0.5, "number", "a number in (0, 1]", lambda v: 0 < v <= 1),
-}
+TIES_DENSITY = Param(0.2, "number", "a number in (0, 1]", lambda v: 0 < v <= 1)
+DARE_DENSITY = Param(0.5, "number", "a number in (0, 1]", lambda v: 0 < v <= 1)
 SEED = Param(0, "integer", f"an integer from 0 to {MAX_SEED}", lambda v: 0 <= v <= MAX_SEED)
 T = Param(0.5, "number", "a number in [0, 1]", lambda v: 0 <= v <= 1)
 BREADCRUMBS = {
@@ -128,9 +144,23 @@ RECORDS: tuple[Method, ...] = (
         ConsolidatePlan,
         "rank 0 after checking the ranks agree (synchronous training)",
         {"tolerance": Param(1e-6, "number", "a number >= 0", lambda v: v >= 0)},
+        consolidates=True,
     ),
-    Method("uniform", UniformPlan, "Wortsman et al. 2022, model soups (uniform)"),
-    Method("weighted", WeightedPlan, "McMahan et al. 2017, FedAvg", {"weights": WEIGHTS}),
+    Method(
+        "uniform",
+        UniformPlan,
+        "Wortsman et al. 2022, model soups (uniform)",
+        update_coefficients=mean_coefficients,
+        weighing="equal",
+    ),
+    Method(
+        "weighted",
+        WeightedPlan,
+        "McMahan et al. 2017, FedAvg",
+        {"weights": WEIGHTS},
+        update_coefficients=weight_coefficients,
+        weighing="rows",
+    ),
     Method(
         "greedy_soup",
         UniformPlan,
@@ -138,16 +168,21 @@ RECORDS: tuple[Method, ...] = (
         select=greedy_soup,
         not_on_updates="scores candidate soups as whole models on the validation split; use uniform",
     ),
-    Method("task_arithmetic", TaskArithmeticPlan, "Ilharco et al. 2023", {"scale": SCALE}, uses_base=True),
     Method(
-        "ties", TiesPlan, "Yadav et al. 2023", {"density": DENSITY["ties"], "scale": SCALE}, uses_base=True
+        "task_arithmetic",
+        TaskArithmeticPlan,
+        "Ilharco et al. 2023",
+        {"scale": SCALE},
+        uses_base=True,
+        update_coefficients=scaled_mean_coefficients,
     ),
+    Method("ties", TiesPlan, "Yadav et al. 2023", {"density": TIES_DENSITY, "scale": SCALE}, uses_base=True),
     Method(
         "dare",
         DarePlan,
         "Yu et al. 2024",
         {
-            "density": DENSITY["dare"],
+            "density": DARE_DENSITY,
             "seed": SEED,
             "sign_election": Param(False, "boolean", "true or false"),
             "scale": SCALE,
@@ -231,6 +266,15 @@ def weighted_names() -> tuple[str, ...]:
     return tuple(record.name for record in RECORDS if "weights" in record.params)
 
 
+def linear_names() -> tuple[str, ...]:
+    """The methods linear in the ranks' updates (LoRA's merge_adapter cat is exact for these only)."""
+    return tuple(record.name for record in RECORDS if record.update_coefficients is not None)
+
+
+def consolidating_names() -> tuple[str, ...]:
+    return tuple(record.name for record in RECORDS if record.consolidates)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -285,24 +329,36 @@ def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
 
 
 def rank_weights(method: str, params: dict[str, Any], rows: list[int]) -> list[float] | None:
-    """The normalised weights of weighted (explicit, else shard rows) and uniform; None otherwise."""
-    if method == "uniform":
-        return [1.0 / len(rows)] * len(rows)
-    if method != "weighted":
+    """The normalised rank weights ``method``'s plan reads (its record's ``weighing``): equal, or the
+    explicit weights else the shard rows; None where it reads none."""
+    weighing = method_record(method).weighing
+    if weighing is None:
         return None
+    if weighing == "equal":
+        return [1.0 / len(rows)] * len(rows)
     raw = params["weights"] if params["weights"] is not None else rows
     total = float(sum(raw))
     if total <= 0:
-        raise UserError("weighted merge needs ranks with rows > 0; use merge_method uniform")
+        raise UserError(f"{method} merge needs ranks with rows > 0; use merge_method uniform")
     return [w / total for w in raw]
 
 
+def default_weights(method: str, num_ranks: int, weights: list[float] | None) -> list[float] | None:
+    """``weights``, or equal weights where ``method``'s plan reads weights and none were given (the
+    in-memory entry points, which know no shard rows)."""
+    if weights is None and method_record(method).weighing is not None:
+        return [1.0 / num_ranks] * num_ranks
+    return weights
+
+
 def make_plan(name: str, params: dict[str, Any], job: TensorJob) -> Plan:
-    if name == "consolidate" or not is_running_statistic(job.name):
-        return method_record(name).plan(job, params)
+    record = method_record(name)
+    if record.consolidates or not is_running_statistic(job.name):
+        return record.plan(job, params)
     # Statistics of activations, not weights: their "task vector" means nothing, so trimming, dropping,
     # scaling or a spherical path would give statistics that no rank measured. The (weighted) mean is
     # what a soup of the ranks would carry.
-    plan = (WeightedPlan if name == "weighted" else UniformPlan)(job, params)
-    plan.stats["running_statistic"] = "weighted mean" if name == "weighted" else "mean"
+    by_rows = record.weighing == "rows"
+    plan = (WeightedPlan if by_rows else UniformPlan)(job, params)
+    plan.stats["running_statistic"] = "weighted mean" if by_rows else "mean"
     return plan
