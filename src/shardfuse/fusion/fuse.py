@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardfuse.checkpoints.dcp import ShardedCheckpoint
 from shardfuse.checkpoints.gather_record import GatheredRank, GatherRecord
-from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, ShardedCheckpoint, file_order
+from shardfuse.checkpoints.stream import SafetensorsReader, SafetensorsWriter, file_order
 from shardfuse.checkpoints.trust import (
     STALE,
     check_base_header,
