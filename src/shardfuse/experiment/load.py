@@ -10,17 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfuse.data.sources.registry import find_source
-from shardfuse.experiment.checks import (
-    check_adapter,
-    check_dataset_task,
-    check_fsdp,
-    check_model,
-    check_partition,
-    check_registered_model,
-    check_run,
-    check_training_loop,
-    resolve_init_sources,
-)
+from shardfuse.experiment.checks import check_dataset_task, check_partition, check_run, check_training_loop
 from shardfuse.experiment.keys import (
     DEFAULT_TRACKING_URI,
     LONGEST_FILE_OF_NAME,
@@ -29,6 +19,13 @@ from shardfuse.experiment.keys import (
     RUN_NAME,
     training_identity,
     training_name,
+)
+from shardfuse.experiment.model_checks import (
+    check_adapter,
+    check_fsdp,
+    check_model,
+    check_registered_model,
+    resolve_init_sources,
 )
 from shardfuse.experiment.runs_table import read_runs_table
 from shardfuse.experiment.schema import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfuse.experiment import checks
+from shardfuse.experiment import model_checks as checks
 from shardfuse.experiment.load import load_experiment
 from shardfuse.experiment.schema import ConfigError, load_schema
 from shardfuse.models.spec import ADAPTER_DEFAULTS

@@ -51,7 +51,9 @@ def test_fsdp_1_keeps_the_training_name_and_sharding_names_a_new_training():
     ],
 )
 def test_what_sharding_cannot_serve_is_one_line(run, message, monkeypatch):
-    monkeypatch.setattr("shardfuse.experiment.checks.check_model_adapter", lambda *a, **k: {"checked": True})
+    monkeypatch.setattr(
+        "shardfuse.experiment.model_checks.check_model_adapter", lambda *a, **k: {"checked": True}
+    )
     with pytest.raises(ConfigError) as caught:
         experiment(**run)
     assert message in str(caught.value) and "\n" not in str(caught.value)

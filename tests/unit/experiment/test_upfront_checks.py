@@ -10,9 +10,9 @@ import os
 import pytest
 
 from shardfuse.experiment import init_check
-from shardfuse.experiment.checks import check_align, check_registered_model
 from shardfuse.experiment.keys import LONGEST_FILE_OF_NAME, MAX_NAME_LENGTH, NAME_MAX
 from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.model_checks import check_align, check_registered_model
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.io import write_json
 from shardfuse.models.catalog import aligned_names
