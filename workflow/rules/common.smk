@@ -78,7 +78,11 @@ wildcard_constraints:
 def print_failed_job_errors(snakemake_logs):
     """onerror: each failed job's one-line error, after Snakemake's own messages (``log`` is the
     Snakemake log's path, or a list of them)."""
-    from shardfuse.console.failures import baseline_warnings, failed_job_errors, failed_jobs
+    from shardfuse.console.failures import (
+        baseline_warnings,
+        failed_job_errors,
+        failed_jobs,
+    )
 
     paths = (
         [snakemake_logs] if isinstance(snakemake_logs, (str, Path)) else snakemake_logs
