@@ -78,6 +78,20 @@ def _check_base_start(path: Path, base_meta: dict[str, Any], rank: int, metadata
         )
 
 
+def recorded_rows_seen(train_info: dict[str, Any], path: Path) -> dict[int, int]:
+    """{rank: rows it trained on} from train.json's ``ranks`` (none from trainings older than
+    epoch_steps); a value that is not a count is a one-line error."""
+    found = {}
+    for index, entry in enumerate(train_info.get("ranks") or []):
+        if not isinstance(entry, dict) or entry.get("rows_seen") is None:
+            continue
+        value = entry["rows_seen"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"{path}: ranks[{index}].rows_seen is {value!r}, not a count of rows; {RERUN}")
+        found[entry.get("rank")] = value
+    return found
+
+
 def gather(train_dir: Path, world_size: int) -> GatherRecord:
     train_info = read_json(train_dir / "train.json", "training summary")
     if train_info["world_size"] != world_size:
@@ -93,6 +107,7 @@ def gather(train_dir: Path, world_size: int) -> GatherRecord:
     membership = recorded_membership(train_info, world_size, str(train_dir / "train.json"), RERUN)
     # fsdp > 1: one checkpoint per replica (its ranks' shards gathered), fused as ranks are otherwise.
     replicas = len(membership.replicas)
+    rows_seen = recorded_rows_seen(train_info, train_dir / "train.json")
     ranks = []
     for rank in membership.alive_replicas:
         path = train_dir / f"rank-{rank}.safetensors"
@@ -129,6 +144,7 @@ def gather(train_dir: Path, world_size: int) -> GatherRecord:
                 bytes=path.stat().st_size,
                 rows=int(metadata["rows"]),
                 num_steps=int(metadata["num_steps"]),
+                rows_seen=rows_seen.get(rank),
             )
         )
     base_sha256 = _check_base(base_path, base_meta, train_info["run"])

@@ -106,7 +106,7 @@ def merge(
     # code changed since training would be rebuilt as another network by every later stage.
     if spec.get("code"):  # user code (a spec with code names its model)
         check_code_unchanged(spec["model"], spec["code"], "merge")
-    rows = gather.rows
+    rows = gather.rows_trained  # weighted: FedAvg's weights, the rows each rank trained on
     resolved = registry.resolve_params(method, params, rows)
     options = {"val_split": val_split, "dcp_dir": dcp_dir, "align": align}
     check_request(gather_path, gather, record, recalibrate=recalibrate, **options)

@@ -281,6 +281,22 @@ def case_per_rank_init_with_init_from(tmp):
     return config_case(tmp, config, "per_rank draws each rank's own initial weights but init_from gives")
 
 
+def case_epoch_steps_own_with_ddp(tmp):
+    return config_case(
+        tmp,
+        base_config(epoch_steps="own"),
+        "runs[r].epoch_steps: own lets each rank take its own number of steps, but strategy ddp keeps the "
+        "ranks in step; set strategy localsgd with sync_every 0, or epoch_steps min, max or mean",
+    )
+
+
+def case_epoch_steps_own_with_fsdp(tmp):
+    config = base_config(epoch_steps="own", strategy="localsgd", merge_method="uniform", world_size=4, fsdp=2)
+    return config_case(
+        tmp, config, "runs[r].epoch_steps: own lets each rank take its own number of steps, but with fsdp 2"
+    )
+
+
 def case_betas_with_sgd(tmp):
     return config_case(
         tmp,

@@ -169,3 +169,11 @@ def test_every_built_in_model_record_names_a_factory_that_builds_it():
 
     for record in MODEL_RECORDS:
         assert callable(record.build()), record.name
+
+
+def test_the_schema_enum_of_epoch_steps_is_its_records_and_its_default_the_typed_configs():
+    from shardfuse.data import epoch_steps
+    from shardfuse.experiment.run_config import LoopConfig
+
+    assert RUN_KEYS["epoch_steps"]["enum"] == list(epoch_steps.names())
+    assert RUN_KEYS["epoch_steps"]["default"] == epoch_steps.DEFAULT == LoopConfig().epoch_steps

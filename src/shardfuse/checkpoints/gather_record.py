@@ -75,7 +75,8 @@ def _json(record: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class GatheredRank:
     """One rank's checkpoint: its file, its digests (``sha256``, and ``blake3`` from format version 2),
-    its size in bytes, its shard rows and steps."""
+    its size in bytes, its shard rows and steps, and the rows it trained on (``rows_seen``: train.json's,
+    absent from trainings older than epoch_steps)."""
 
     rank: int
     path: str
@@ -84,6 +85,7 @@ class GatheredRank:
     bytes: int | None = None
     rows: int | None = None
     num_steps: int | None = None
+    rows_seen: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def digest(self, algorithm: str) -> str | None:
@@ -183,6 +185,15 @@ class GatherRecord:
     def rows(self) -> list[int]:
         """Each rank's shard rows (the caller asked for them: ``need_in_ranks=("rows",)``)."""
         return [int(rank.rows or 0) for rank in self.ranks]
+
+    @property
+    def rows_trained(self) -> list[int]:
+        """What merge_method weighted weighs each rank by: the rows it trained on (cycled or stopped
+        early as epoch_steps said), or a gather.json of an older training's shard rows. Over whole epochs
+        of the default epoch_steps these are the shard rows times the epochs: the same weights."""
+        if all(rank.rows_seen is not None for rank in self.ranks):
+            return [int(rank.rows_seen) for rank in self.ranks]
+        return self.rows
 
     @property
     def model_tensors(self) -> dict[str, Any]:

@@ -29,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from shardfuse.data.batches import rebatch, truncated
+from shardfuse.data.epoch_steps import split_sizes
 from shardfuse.data.manifest import RERUN_PARTITION, read_manifest
 from shardfuse.data.shard_format import (
     REMAKE,
@@ -169,12 +171,6 @@ def load_shard(shard_dir: str | Path, rank: int, verify: bool = True) -> tuple[t
 CACHE_BLOCK_ROWS = 8192  # rows gathered at once from the in-memory copy (cached epochs): 1 MB at 32 floats
 
 
-def split_sizes(num_rows: int, num_batches: int) -> list[int]:
-    """Batch sizes of one epoch, as torch.tensor_split(range(num_rows), num_batches) cuts it."""
-    base, extra = divmod(num_rows, num_batches)
-    return [base + 1] * extra + [base] * (num_batches - extra)
-
-
 class ShardReader:
     """Stream one rank's shard as shuffled mini-batches, one Parquet row group at a time::
 
@@ -199,8 +195,12 @@ class ShardReader:
     int64 [B, block_size + 1] token ids). Token blocks stay in their stored type in memory (the cache
     of a uint16 corpus is a quarter of int64's) and are widened one batch at a time.
 
-    The batches depend only on (seed, epoch, num_batches, cache), never on what ran before in this
-    process, so a run resumed mid-epoch (``start_batch``) sees the batches of an uninterrupted one.
+    An epoch may take fewer rows than the shard has (``num_rows``: the first rows of its order, so the
+    next epoch's new order reaches others) or more: it cycles, each further pass over the shard in a new
+    seeded order (from memory with ``cache=True``; :mod:`shardfuse.data.epoch_steps` says when).
+
+    The batches depend only on (seed, epoch, num_batches, num_rows, cache), never on what ran before in
+    this process, so a run resumed mid-epoch (``start_batch``) sees the batches of an uninterrupted one.
     ``verify`` checks the shard's sha256 in a background thread; a mismatch raises UserError when the
     first epoch ends, before the caller can save anything trained on it.
     """
@@ -235,6 +235,8 @@ class ShardReader:
                 _empty_targets(self.layout, self.num_rows),
             )
         self._cache_complete = False
+        self._order_key: list[int] | None = None  # the pass whose order _order holds
+        self._order = np.empty(0, dtype=np.int64)
 
     def __enter__(self) -> ShardReader:
         return self
@@ -246,30 +248,29 @@ class ShardReader:
         self._file.close()
 
     def epoch(
-        self, epoch: int, num_batches: int, start_batch: int = 0
+        self, epoch: int, num_batches: int, start_batch: int = 0, num_rows: int | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The epoch's batches: exactly ``num_batches`` of them, sized like torch.tensor_split, from
-        batch ``start_batch`` on (resuming mid-epoch: the batches are the ones an uninterrupted epoch
-        would have given, and skipped row groups are not read)."""
-        if not 1 <= num_batches <= self.num_rows:
+        """The epoch's batches: exactly ``num_batches`` of them over ``num_rows`` rows (default: the
+        shard's), sized like torch.tensor_split, from batch ``start_batch`` on (resuming mid-epoch: the
+        batches are the ones an uninterrupted epoch would have given, and skipped row groups are not
+        read)."""
+        rows = self.num_rows if num_rows is None else num_rows
+        if not 1 <= num_batches <= rows or (rows > self.num_rows and not self.num_rows):
             raise UserError(
-                f"{num_batches} batches per epoch do not fit the {self.num_rows} rows of {self.path}; "
-                "use a batch size that gives between 1 and that many batches"
+                f"{num_batches} batches per epoch do not fit the {rows} rows of an epoch of {self.path} "
+                f"({self.num_rows} rows); use a batch size that gives between 1 and that many batches"
             )
         if not 0 <= start_batch <= num_batches:
             raise UserError(f"start batch {start_batch} is outside the epoch's {num_batches} batches")
-        sizes = split_sizes(self.num_rows, num_batches)
+        sizes = split_sizes(rows, num_batches)
         try:
             if self._cache is not None and epoch > 0:
-                if not self._cache_complete:  # resumed after epoch 0: the batches must not depend on that
-                    self._read_window(np.arange(len(self._group_offsets) - 1), self.num_rows)
-                    self._cache_complete = True
+                self._complete_cache()
                 yield from self._cached_batches(epoch, sizes, start_batch)
             else:
                 skip_rows = sum(sizes[:start_batch])
-                windows = prefetched(self._shuffled_windows(epoch, skip_rows), self.prefetch)
-                yield from _rebatch(windows, sizes[start_batch:], self.path, self._batch_dtype)
-                self._cache_complete = self._cache is not None and skip_rows == 0
+                windows = prefetched(self._epoch_windows(epoch, rows, skip_rows), self.prefetch)
+                yield from rebatch(windows, sizes[start_batch:], self.path, self._batch_dtype)
         except UserError:
             # A damaged file usually fails to decode before its checksum is done: report the mismatch.
             if self._verification is not None:
@@ -279,11 +280,58 @@ class ShardReader:
             self._verification.check()
             self._verification = None
 
+    def _complete_cache(self) -> None:
+        """Every row in memory (epoch 0 stopped early or was resumed: the batches must not depend on it)."""
+        if not self._cache_complete:
+            self._read_window(np.arange(len(self._group_offsets) - 1), self.num_rows)
+            self._cache_complete = True
+
+    def _pass_order(self, epoch: int, index: int) -> np.ndarray:
+        """The order of the epoch's pass ``index`` over the cached shard (pass 0: what every epoch >= 1
+        was before epochs could cycle)."""
+        key = [self.seed, epoch, 2] if index == 0 else [self.seed, epoch, 2, index]
+        if self._order_key != key:
+            self._order_key, self._order = key, np.random.default_rng(key).permutation(self.num_rows)
+        return self._order
+
+    def _epoch_order(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Positions ``start`` to ``stop`` of the epoch's sequence of cached rows: its passes one after
+        another."""
+        parts = []
+        for index in range(start // self.num_rows, -(-stop // self.num_rows)):
+            offset = index * self.num_rows
+            lo, hi = max(start, offset) - offset, min(stop, offset + self.num_rows) - offset
+            parts.append(self._pass_order(epoch, index)[lo:hi])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _epoch_windows(
+        self, epoch: int, rows: int, skip_rows: int
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Runs in the prefetch thread: the epoch's rows after its first ``skip_rows``, as windows. Its
+        first pass (at most the shard) streams; further passes come from memory with ``cache``, else
+        stream again in their own order."""
+        first_pass = min(rows, self.num_rows)
+        if skip_rows < first_pass:
+            yield from truncated(self._shuffled_windows(epoch, skip_rows), first_pass - skip_rows)
+            # Every row group was read (and kept) once a whole first pass streamed from its start.
+            self._cache_complete |= self._cache is not None and skip_rows == 0 and rows >= self.num_rows
+        for index in range(1, -(-rows // self.num_rows)):
+            start, stop = max(skip_rows, index * self.num_rows), min(rows, (index + 1) * self.num_rows)
+            if start >= stop:
+                continue
+            if self._cache is None:
+                offset = index * self.num_rows
+                yield from truncated(self._shuffled_windows(epoch, start - offset, index), stop - start)
+                continue
+            self._complete_cache()
+            for first in range(start, stop, CACHE_BLOCK_ROWS):
+                order = self._epoch_order(epoch, first, min(stop, first + CACHE_BLOCK_ROWS))
+                yield self._cache[0][order], self._cache[1][order]
+
     def _cached_batches(
         self, epoch: int, sizes: list[int], start_batch: int
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         features, labels = (torch.from_numpy(array) for array in self._cache)
-        order = torch.from_numpy(np.random.default_rng([self.seed, epoch, 2]).permutation(self.num_rows))
         bounds = [0, *itertools.accumulate(sizes)]
         # The rows of several batches are gathered at once (index_select, not fancy indexing: the same
         # gather, faster on CPU) and handed out as contiguous views: one call per block instead of two
@@ -293,16 +341,21 @@ class ShardReader:
         per_block = max(1, CACHE_BLOCK_ROWS // max(1, max(sizes)))
         for first in range(start_batch, len(sizes), per_block):
             last = min(first + per_block, len(sizes))
-            rows = order[bounds[first] : bounds[last]]
+            rows = torch.from_numpy(self._epoch_order(epoch, bounds[first], bounds[last]))
             block_features, block_labels = features.index_select(0, rows), labels.index_select(0, rows)
             for index in range(first, last):
                 start, stop = bounds[index] - bounds[first], bounds[index + 1] - bounds[first]
                 yield block_features[start:stop].to(self._batch_dtype), block_labels[start:stop]
 
-    def _shuffled_windows(self, epoch: int, skip_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _shuffled_windows(
+        self, epoch: int, skip_rows: int, pass_index: int = 0
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Runs in the prefetch thread: read, convert and shuffle one window of row groups at a time;
-        the first ``skip_rows`` rows of the epoch are left out (whole windows without reading them)."""
-        group_order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(self._group_offsets) - 1)
+        the first ``skip_rows`` rows of the pass are left out (whole windows without reading them).
+        Pass 0 is every epoch's first; a cycling epoch's later passes (without cache) have their own keys."""
+        again = [pass_index] if pass_index else []
+        num_groups = len(self._group_offsets) - 1
+        group_order = np.random.default_rng([self.seed, epoch, 0, *again]).permutation(num_groups)
         group_rows = np.diff(self._group_offsets)
         # The first window is a single row group, so the first batch waits for one read only.
         bounds = sorted({0, *range(1, len(group_order), self.window_row_groups), len(group_order)})
@@ -314,7 +367,7 @@ class ShardReader:
             if window_start <= skip_rows:
                 continue
             features, labels = self._read_window(groups, size)
-            order = np.random.default_rng([self.seed, epoch, 1, index]).permutation(size)
+            order = np.random.default_rng([self.seed, epoch, 1, index, *again]).permutation(size)
             drop = max(0, skip_rows - (window_start - size))
             yield features[order[drop:]], labels[order[drop:]]
 
@@ -345,38 +398,3 @@ class ShardReader:
                 self._cache[1][start : start + table.num_rows] = labels[offset:end]
             offset = end
         return features, labels
-
-
-def _rebatch(
-    windows: Iterator[tuple[np.ndarray, np.ndarray]], sizes: list[int], path: Path, dtype: torch.dtype
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a stream of shuffled windows into batches of ``sizes`` of inputs in ``dtype``; a batch inside
-    one window is a view (no copy, unless token ids are widened), one spanning two windows is stitched
-    together."""
-    features = np.empty(0, dtype=np.float32)
-    labels = np.empty(0, dtype=np.int64)
-    position = 0
-    for size in sizes:
-        if position + size <= len(labels):
-            batch_features, batch_labels = (
-                features[position : position + size],
-                labels[position : position + size],
-            )
-            position += size
-        else:
-            have = len(labels) - position
-            parts_f, parts_l = ([features[position:]], [labels[position:]]) if have else ([], [])
-            while have < size:
-                window = next(windows, None)
-                if window is None:
-                    raise UserError(f"shard {path} has fewer rows than its footer says; {RERUN_PARTITION}")
-                features, labels = window
-                take = min(size - have, len(labels))
-                parts_f.append(features[:take])
-                parts_l.append(labels[:take])
-                have += take
-                position = take
-            batch_features, batch_labels = np.concatenate(parts_f), np.concatenate(parts_l)
-        yield torch.from_numpy(batch_features).to(dtype), torch.from_numpy(batch_labels)
-    if next(windows, None) is not None:
-        raise UserError(f"shard {path} has more rows than its footer says; {RERUN_PARTITION}")

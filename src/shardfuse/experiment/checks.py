@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardfuse.data import labels
+from shardfuse.data.epoch_steps import alignment_problem
 from shardfuse.data.labels import find_layout, layout_of
 from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.keys import (
@@ -23,6 +24,7 @@ from shardfuse.fusion.methods import registry as merge_methods
 from shardfuse.io import UserError
 from shardfuse.models.tasks import named_task
 from shardfuse.strategies.registry import (
+    apart_runs,
     apart_starters,
     find_strategy,
     identical_publishers,
@@ -148,6 +150,9 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
             f"{where}.init: per_rank gives each rank its own initial weights but "
             f"{strategy.equal_start}; use init shared or strategy {apart_starters()}"
         )
+    problem = alignment_problem(run["epoch_steps"], strategy, run["sync_every"], run["fsdp"], apart_runs())
+    if problem is not None:
+        raise ConfigError(f"{where}.{problem}")
     if run["init"] == "per_rank" and run["init_from"] is not None:
         raise ConfigError(
             f"{where}.init: per_rank draws each rank's own initial weights but init_from gives every "

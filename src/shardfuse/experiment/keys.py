@@ -112,6 +112,7 @@ OPTIONAL_TRAIN_KEYS = {
         "adapter",
         "fsdp",
         "fsdp_precision",
+        "epoch_steps",
     )
 }
 

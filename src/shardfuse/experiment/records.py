@@ -129,9 +129,17 @@ class TrainRecord(_Record):
     sync_every: int | None = None
     num_steps: int | None = None
     epochs: int | None = None
-    steps_per_epoch: int | None = None
+    steps_per_epoch: int | None = None  # on the ranks' shared clock (epoch_steps own: the longest rank's)
+    # how ranks with unequal shards lined up an epoch (shardfuse.data.epoch_steps); None: an older train
+    # stage, whose ranks all took the smallest shard's steps, spreading their own shards over them
+    epoch_steps: str | None = None
     grad_accum_steps: int | None = None
+    # rows of an optimiser step over all ranks: batch_size x grad_accum_steps per rank, capped at the rank's
+    # rows per epoch (older train stages: uncapped, and a larger shard's steps took more rows)
     effective_batch_size: int | None = None
+    # the true effective batch: the mean rows an optimiser step took over all ranks, each rank's rows seen
+    # over its steps summed (an epoch's rows are spread evenly over its steps, so at most the one above)
+    rows_per_step: float | None = None
     lr_schedule: str | None = None
     warmup_steps: int | None = None
     grad_clip_norm: float | None = None
@@ -159,7 +167,9 @@ class TrainRecord(_Record):
     task: str | None = None
     model: dict[str, Any] | None = None
     init_from: str | None = None
-    ranks: list[dict[str, Any]] | None = None  # rank, rows, host, checkpoint, published_step, best_val_score
+    # rank, rows (its shard's), num_steps and rows_seen (its optimiser steps and the rows they took;
+    # absent from older train stages), host, checkpoint, published_step, best_val_score
+    ranks: list[dict[str, Any]] | None = None
     # LoRA runs: the adapter config, its targets and the base's sha256 (shardfuse.models.lora)
     adapter: dict[str, Any] | None = None
     # fsdp > 1: {shards_per_replica, replicas, precision, hsdp, bytes_within_replica_per_rank}; then

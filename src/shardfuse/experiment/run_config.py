@@ -83,8 +83,9 @@ class OptimConfig:
 class LoopConfig:
     """The loop: data, steps, validation, checkpoints, precision."""
 
-    batch_size: int = 32
+    batch_size: int = 32  # rows of a step on every rank
     epochs: int = 10
+    epoch_steps: str = "min"  # min | max | mean | own: how ranks with unequal shards line up an epoch
     seed: int = 0
     grad_accum_steps: int = 1
     eval_every: int = 0

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfuse.data.epoch_steps import optimizer_steps
 from shardfuse.data.reader import ShardReader
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.rank.dist import autocast
@@ -24,7 +25,7 @@ from shardfuse.rank.resume import (
     mark_complete,
     save_rank_state,
 )
-from shardfuse.rank.setup import RankSetup, check_finite, optimizer_steps, publish_rank0_buffers
+from shardfuse.rank.setup import RankSetup, check_finite, publish_rank0_buffers
 from shardfuse.rank.step_plan import StepPlan
 from shardfuse.rank.stop import StopRequest
 from shardfuse.rank.validation import all_out_of_patience, shared_score
@@ -66,7 +67,8 @@ def accumulate_gradients(
             with autocast(ctx.device, plan.dtype):
                 loss = task.loss(plan.net(inputs), targets)
             loss_value = loss.item()  # one host sync a micro-step: the finite check and metrics share it
-            if check_finite(loss_value, ctx, step, plan.nonfinite_policy):
+            # Ranks that step apart (epoch_steps own) skip alone: they never meet mid-step.
+            if check_finite(loss_value, ctx, step, plan.nonfinite_policy, agree=setup.epochs.aligned):
                 (loss / group_size if group_size > 1 else loss).backward()
                 # Under DDP only the last backward syncs the accumulated gradients: without it the
                 # ranks' gradients differ, so the whole step is skipped.
@@ -77,14 +79,18 @@ def accumulate_gradients(
     return StepResult(total_loss / group_size, rows, applied, compute)
 
 
-def validate(setup: RankSetup, plan: StepPlan, step: int) -> tuple[float, bool]:
-    """Score the validation split; (score, whether every rank now stops early)."""
+def validate(setup: RankSetup, plan: StepPlan, step: int) -> float:
+    """Score the validation split (a collective when all ranks hold the same weights)."""
     if plan.same_weights and setup.updates_buffers:
         publish_rank0_buffers(setup.model)
     score = shared_score(plan.validator.score(setup.model), plan.same_weights, setup.ctx.device)
     plan.tracker.update(score, step, setup.model)
-    stop = plan.tracker.patience is not None and all_out_of_patience(plan.tracker, setup.ctx.device)
-    return score, stop
+    return score
+
+
+def all_stop(plan: StepPlan, device) -> bool:
+    """Whether every rank is now out of patience (a collective on every rank's validation steps)."""
+    return plan.tracker.patience is not None and all_out_of_patience(plan.tracker, device)
 
 
 class LoopEnd(NamedTuple):
@@ -94,16 +100,21 @@ class LoopEnd(NamedTuple):
     # the framework's: reading batches, metrics, schedule, stop checks, validation, checkpoints)
     stopped_early: bool  # validation stopped the run (it is finished)
     interrupted: str | None  # why the ranks stopped before the end, with a checkpoint of ``step``
+    at: Position  # where the loop stopped on the shared clock (each rank's rows seen and steps follow)
 
 
 def train_loop(
     setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None, live: LiveLogger | None
 ) -> LoopEnd:
     """Run the remaining optimiser steps, or stop at a step boundary with a checkpoint when asked to
-    (:mod:`shardfuse.rank.stop`)."""
+    (:mod:`shardfuse.rank.stop`).
+
+    Steps count on the ranks' shared clock (plan.num_batches slots an epoch). With epoch_steps own a
+    rank whose epoch has fewer micro-batches waits out the epoch's last slots: it takes no step there
+    but still joins what every rank joins (stop checks, checkpoints, validations' patience)."""
     ctx, cfg, run, gate = setup.ctx, setup.cfg, setup.run, setup.gate
     model, optimizer, num_batches = setup.model, setup.optimizer, plan.num_batches
-    accum = plan.grad_accum_steps
+    accum, own_batches, shard = plan.grad_accum_steps, plan.own.num_batches, setup.data_shard
     gate.log(
         f"[{run}] {mode_of(cfg.sync.strategy, cfg.sync.sync_every)} on {ctx.world_size} ranks "
         f"({ctx.backend}, {'fp32' if plan.dtype is None else 'bf16 autocast'}): {cfg.loop.epochs} epochs x "
@@ -117,6 +128,8 @@ def train_loop(
     torch_dist.barrier()
     started = time.perf_counter()
     step = position.step
+    own_step = setup.epochs.steps_taken(shard, position.epoch, position.next_batch, accum)  # its schedule's
+    here = position
     loss_value = float("nan")  # a resume at an epoch's end runs no batch in that epoch
     stop = False
     interrupted = None
@@ -128,36 +141,47 @@ def train_loop(
         ShardReader(
             setup.shard_dir, setup.data_shard, seed=setup.rank_seed, cache=True, verify=True
         ) as reader,
-        gate.progress(plan.total_steps, initial_step=step, description=run) as progress,
+        gate.progress(plan.clock_steps, initial_step=step, description=run) as progress,
     ):
         for epoch in range(position.epoch, cfg.loop.epochs):
             first = position.next_batch if epoch == position.epoch else 0
-            batches = reader.epoch(epoch, num_batches, first)
+            start = min(first, own_batches)
+            batches = reader.epoch(epoch, own_batches, start, plan.own.rows)
             tick = time.perf_counter()  # samples/s covers the whole step: waiting for data included
             for group_start in range(first, num_batches, accum):
                 group_size = min(accum, num_batches - group_start)
-                optimizer.zero_grad(set_to_none=True)
-                result = accumulate_gradients(setup, plan, batches, group_size, step + 1)
-                lr = lr_at(step, plan.total_steps, cfg.optim)  # the schedule is a function of the step
-                step += 1
-                loss_value, grad_norm = result.loss, math.nan
-                if plan.mesh is not None:  # the replica's loss: the mean of its ranks' (one collective)
-                    shards = plan.layout.shards
-                    loss_value = all_reduce_mean(
-                        loss_value, plan.mesh["shard"].get_group(), shards, ctx.device
-                    )
-                started_update = time.perf_counter()
-                if result.applied:
-                    set_lr(optimizer, lr)
-                    grad_norm = clip_gradients(model.parameters(), plan.grad_clip_norm)
-                    optimizer.step()
-                plan.sync.after_step(step)
-                compute += result.compute_seconds + time.perf_counter() - started_update
+                own_size = min(group_size, own_batches - group_start)  # < 1: waiting out the epoch
                 end_of_epoch = group_start + group_size == num_batches
-                val_score = math.nan
-                if plan.validator is not None and (step % plan.eval_every == 0 or end_of_epoch):
-                    val_score, stop = validate(setup, plan, step)
-                if metrics is not None:
+                here = Position(step + 1, epoch, group_start + group_size)
+                validates = plan.validator is not None and ((step + 1) % plan.eval_every == 0 or end_of_epoch)
+                if own_size < 1:
+                    step += 1
+                    stop = validates and all_stop(plan, ctx.device)
+                else:
+                    optimizer.zero_grad(set_to_none=True)
+                    result = accumulate_gradients(setup, plan, batches, own_size, step + 1)
+                    lr = lr_at(own_step, plan.total_steps, cfg.optim)  # a function of the (own) step
+                    step, own_step = step + 1, own_step + 1
+                    loss_value, grad_norm = result.loss, math.nan
+                    if plan.mesh is not None:  # the replica's loss: the mean of its ranks' (one collective)
+                        shards = plan.layout.shards
+                        loss_value = all_reduce_mean(
+                            loss_value, plan.mesh["shard"].get_group(), shards, ctx.device
+                        )
+                    started_update = time.perf_counter()
+                    if result.applied:
+                        set_lr(optimizer, lr)
+                        grad_norm = clip_gradients(model.parameters(), plan.grad_clip_norm)
+                        optimizer.step()
+                    plan.sync.after_step(own_step)
+                    compute += result.compute_seconds + time.perf_counter() - started_update
+                    # A rank's own epoch end (own: before the clock's) is validated too: it waits unchanged.
+                    own_end = group_start + own_size == own_batches
+                    val_score = math.nan
+                    if plan.validator is not None and (validates or own_end):
+                        val_score = validate(setup, plan, step)
+                    stop = validates and all_stop(plan, ctx.device)
+                if metrics is not None and own_size > 0:
                     now = time.perf_counter()
                     throughput = result.rows * plan.layout.shards / max(now - tick, 1e-9)
                     tick = now
@@ -166,7 +190,6 @@ def train_loop(
                     if live is not None:
                         live.log(step, {"loss": loss_value, "samples_per_second": throughput})
                 # No checkpoint at the stopping step: a run resumed from an earlier one stops here again.
-                here = Position(step, epoch, group_start + group_size)
                 saved = plan.checkpoint_every and step % plan.checkpoint_every == 0 and not stop
                 if saved:
                     save_checkpoint(setup, plan, here, metrics)
@@ -191,9 +214,9 @@ def train_loop(
                 break
     seconds = time.perf_counter() - started
     if interrupted:
-        return LoopEnd(step, seconds, compute, False, interrupted)
-    plan.sync.finish(step)
-    return LoopEnd(step, seconds, compute, stop, None)
+        return LoopEnd(step, seconds, compute, False, interrupted, here)
+    plan.sync.finish(own_step)
+    return LoopEnd(step, seconds, compute, stop, None, here)
 
 
 def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metrics: MetricsLog | None) -> None:

@@ -12,13 +12,15 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.checkpoints.weights import save_weights
+from shardfuse.data.epoch_steps import optimizer_steps
 from shardfuse.experiment.records import TrainRecord
 from shardfuse.io import read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.models.adapter import storable_state
 from shardfuse.rank.fsdp import full_tensors
-from shardfuse.rank.setup import RankSetup, optimizer_steps, publish_rank0_buffers
+from shardfuse.rank.resume import Position
+from shardfuse.rank.setup import RankSetup, publish_rank0_buffers
 from shardfuse.rank.step_plan import StepPlan
 from shardfuse.strategies.registry import mode_of
 
@@ -75,6 +77,7 @@ def publish(
     torch_dist.all_gather_object(facts, (setup.meta["host"], published_step, best))
     hosts = [fact[0] for fact in facts]
     world_size, accum = ctx.world_size, plan.grad_accum_steps
+    steps, rows_seen = rank_progress(setup, end.at)
     record = TrainRecord(
         run=setup.run,
         world_size=world_size,
@@ -84,8 +87,10 @@ def publish(
         num_steps=num_steps,
         epochs=cfg.loop.epochs,
         steps_per_epoch=optimizer_steps(plan.num_batches, accum),
+        epoch_steps=cfg.loop.epoch_steps,
         grad_accum_steps=accum,
-        effective_batch_size=cfg.loop.batch_size * accum * world_size,
+        effective_batch_size=effective_batch(setup),
+        rows_per_step=sum(rows / count for rows, count in zip(rows_seen, steps, strict=True) if count),
         lr_schedule=cfg.optim.lr_schedule,
         warmup_steps=cfg.optim.warmup_steps,
         grad_clip_norm=plan.grad_clip_norm,
@@ -114,7 +119,9 @@ def publish(
         init_from=setup.meta["init_from"],
         adapter=rank_meta.get("adapter"),
         fsdp=fsdp_record(setup, plan, num_steps) if setup.sharded else None,
-        ranks=[replica_entry(setup, replica, hosts, facts) for replica in membership.replicas],
+        ranks=[
+            replica_entry(setup, replica, hosts, facts, steps, rows_seen) for replica in membership.replicas
+        ],
         membership=membership.to_json(),
     )
     setup.gate.write_json(setup.out_dir / "train.json", record.to_json())
@@ -125,13 +132,37 @@ def replica_rows(setup: RankSetup, ranks: list[int]) -> int:
     return sum(setup.manifest["shards"][setup.membership.shard_of(rank)]["rows"] for rank in ranks)
 
 
-def replica_entry(setup: RankSetup, replica: int, hosts: list[str], facts: list[Any]) -> dict[str, Any]:
-    """train.json's ``ranks`` entry of a replica (a rank, without fsdp), from its first rank's facts."""
+def effective_batch(setup: RankSetup) -> int:
+    """batch_size x grad_accum_steps summed over the ranks, each capped at its epoch's rows (an epoch of
+    fewer rows than batch_size is one step of them)."""
+    loop, epochs = setup.cfg.loop, setup.epochs
+    shards = [setup.membership.shard_of(rank) for rank in range(setup.ctx.world_size)]
+    return loop.grad_accum_steps * sum(min(loop.batch_size, epochs.shards[shard].rows) for shard in shards)
+
+
+def rank_progress(setup: RankSetup, at: Position) -> tuple[list[int], list[int]]:
+    """Every rank's optimiser steps and rows seen when the loop stopped at ``at`` (the shared clock's
+    position, the same on every rank): functions of the epoch plan, so a resumed run counts the steps
+    taken before it too."""
+    accum = setup.cfg.loop.grad_accum_steps
+    shards = [setup.membership.shard_of(rank) for rank in range(setup.ctx.world_size)]
+    steps = [setup.epochs.steps_taken(shard, at.epoch, at.next_batch, accum) for shard in shards]
+    rows_seen = [setup.epochs.rows_seen(shard, at.epoch, at.next_batch) for shard in shards]
+    return steps, rows_seen
+
+
+def replica_entry(
+    setup: RankSetup, replica: int, hosts: list[str], facts: list[Any], steps: list[int], rows_seen: list[int]
+) -> dict[str, Any]:
+    """train.json's ``ranks`` entry of a replica (a rank, without fsdp), from its first rank's facts; its
+    steps and rows seen from every rank's (a replica's ranks step together and each reads its shard)."""
     ranks = setup.membership.ranks_of(replica)
     leader = ranks[0]
     entry = {
         "rank": replica,  # the replica: its checkpoint's number, as a rank's without fsdp
         "rows": replica_rows(setup, ranks),
+        "num_steps": steps[leader],
+        "rows_seen": sum(rows_seen[rank] for rank in ranks),
         "host": hosts[leader],
         "checkpoint": f"rank-{replica}.safetensors",
         "published_step": facts[leader][1],

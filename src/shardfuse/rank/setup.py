@@ -19,6 +19,7 @@ import torch.distributed as torch_dist
 from shardfuse.checkpoints.init_weights import expected_of, load_tensors, match_names, read_init_weights
 from shardfuse.cluster.membership import Membership
 from shardfuse.data.dataset_info import read_dataset_info
+from shardfuse.data.epoch_steps import EpochPlan, alignment_problem, optimizer_steps, plan_epochs
 from shardfuse.data.manifest import read_manifest
 from shardfuse.data.moments import column_stats, feature_stats
 from shardfuse.data.shard_format import target_columns
@@ -41,7 +42,7 @@ from shardfuse.models.tasks import Task, named_task, task_record
 from shardfuse.rank.dist import DistContext, RankGate, gate_for
 from shardfuse.rank.fsdp import Layout, layout_of, make_mesh, shard_model, wrap_units
 from shardfuse.rank.optim import check_schedule, make_optimizer
-from shardfuse.strategies.registry import find_strategy
+from shardfuse.strategies.registry import apart_runs, find_strategy
 
 
 @torch.no_grad()
@@ -59,17 +60,18 @@ def state_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def steps_per_epoch(manifest: dict[str, Any], batch_size: int) -> int:
-    """Same step count on every rank (DDP would hang otherwise): set by the smallest shard.
-
-    Larger shards spread their extra rows over the same number of batches, so no row is skipped.
-    """
-    smallest = min(shard["rows"] for shard in manifest["shards"])
-    return max(1, math.ceil(smallest / batch_size))
+def epoch_plan(manifest: dict[str, Any], cfg: TrainConfig) -> EpochPlan:
+    """Every shard's epoch (its rows, its micro-batches) under the run's ``epoch_steps``: the same step
+    count on every rank unless the ranks never meet (:mod:`shardfuse.data.epoch_steps`)."""
+    rows = [shard["rows"] for shard in manifest["shards"]]
+    return plan_epochs(rows, cfg.loop.batch_size, cfg.loop.epoch_steps)
 
 
-def check_finite(loss_value: float, ctx: DistContext, step: int, policy: str) -> bool:
-    """True if the step may proceed. 'error' stops the run; 'skip' skips the batch on every rank."""
+def check_finite(loss_value: float, ctx: DistContext, step: int, policy: str, agree: bool = True) -> bool:
+    """True if the step may proceed. 'error' stops the run; 'skip' skips the batch on every rank (on
+    this rank alone unless ``agree``: ranks that take their own steps never meet mid-step)."""
+    if policy == "skip" and not agree:
+        return math.isfinite(loss_value)
     if policy == "skip":
         finite = torch.tensor([int(math.isfinite(loss_value))], dtype=torch.int32, device=ctx.device)
         torch_dist.all_reduce(finite, op=torch_dist.ReduceOp.MIN)
@@ -95,6 +97,7 @@ class RankSetup:
     dataset_dir: Path
     out_dir: Path
     manifest: dict[str, Any]
+    epochs: EpochPlan  # every shard's epoch: its rows and micro-batches (epoch_steps)
     spec: dict[str, Any]
     task: Task
     model: torch.nn.Module
@@ -134,11 +137,6 @@ class RankSetup:
         if self.sharded:
             identity["fsdp"] = self.layout.shards
         return identity
-
-
-def optimizer_steps(num_batches: int, grad_accum_steps: int) -> int:
-    """Optimiser steps per epoch: the last one takes whatever micro-batches are left over."""
-    return math.ceil(num_batches / grad_accum_steps)
 
 
 def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) -> tuple[Any, Any]:
@@ -186,6 +184,10 @@ def set_up(
 ) -> RankSetup:
     """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
     strategy = find_strategy(cfg.sync.strategy)  # an unknown one fails before anything is built
+    sync = cfg.sync
+    problem = alignment_problem(cfg.loop.epoch_steps, strategy, sync.sync_every, sync.fsdp, apart_runs())
+    if problem is not None:
+        raise UserError(problem)
     manifest = read_manifest(shard_dir)
     if manifest["world_size"] != ctx.world_size:
         raise UserError(
@@ -211,8 +213,12 @@ def set_up(
             "workflow started; run snakemake again (the training name follows the code)"
         )
     input_stats, target_stats = _data_stats(manifest, info, shard_dir)
-    num_batches = steps_per_epoch(manifest, cfg.loop.batch_size)
-    check_schedule(cfg.optim, cfg.loop.epochs * optimizer_steps(num_batches, cfg.loop.grad_accum_steps))
+    epochs = epoch_plan(manifest, cfg)
+    # The shortest schedule: every rank's, but with epoch_steps own each rank has its own.
+    shortest = min(optimizer_steps(shard.num_batches, cfg.loop.grad_accum_steps) for shard in epochs.shards)
+    check_schedule(cfg.optim, cfg.loop.epochs * shortest)
+    if (warning := epochs.warning()) is not None:
+        gate_for(ctx.rank).log(warning)  # rank 0's stderr: one line
     # Dropout and data order differ per rank; the initial weights do not, unless init: per_rank.
     rank_seed = cfg.loop.seed * RANK_SEED_STRIDE + ctx.rank + 1
     per_rank = cfg.model.init == "per_rank"
@@ -272,6 +278,7 @@ def set_up(
         dataset_dir=dataset_dir,
         out_dir=out_dir,
         manifest=manifest,
+        epochs=epochs,
         spec=spec,
         task=task,
         model=model,

@@ -10,10 +10,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfuse.data.epoch_steps import ShardEpoch, optimizer_steps
 from shardfuse.rank.dist import step_dtype
 from shardfuse.rank.fsdp import Layout, layout_of
 from shardfuse.rank.resume import Position, load_rank_extras
-from shardfuse.rank.setup import RankSetup, optimizer_steps, steps_per_epoch
+from shardfuse.rank.setup import RankSetup
 from shardfuse.rank.validation import BestTracker, Validator
 from shardfuse.strategies.registry import find_strategy, make_sync
 from shardfuse.strategies.sync import Sync
@@ -24,9 +25,15 @@ class StepPlan(NamedTuple):
 
     net: torch.nn.Module  # the model, or its DDP wrapper (a strategy that reduces gradients: ddp)
     dtype: torch.dtype | None  # autocast dtype; None: fp32
-    num_batches: int  # micro-batches per epoch, the same on every rank
+    # Micro-batch slots per epoch, the same on every rank: the ranks' shared clock. A step is a group of
+    # grad_accum_steps slots; checkpoints, stop checks, validations and metrics count these steps.
+    num_batches: int
     grad_accum_steps: int  # micro-batches per optimiser step (an epoch's last step takes the rest)
-    total_steps: int  # optimiser steps of the whole run (the schedule's length)
+    # This rank's epoch: its rows and micro-batches (as many as the clock's, except with epoch_steps own,
+    # where a rank with fewer waits out the epoch's other slots)
+    own: ShardEpoch
+    total_steps: int  # this rank's optimiser steps of the whole run (its schedule's length)
+    clock_steps: int  # steps of the whole run on the shared clock (the progress bar's)
     sync: Sync  # the strategy's hook after every optimiser step (local SGD, DiLoCo), bytes counted
     layout: Layout  # replicas x shards (fsdp; shards 1 without)
     mesh: Any  # fsdp > 1: the (replicate, shard) mesh; else None
@@ -67,7 +74,7 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         if reduces_gradients and not sharded
         else model
     )
-    num_batches = steps_per_epoch(setup.manifest, cfg.loop.batch_size)
+    num_batches, own = setup.epochs.num_batches, setup.epochs.shards[setup.data_shard]
     grad_accum_steps = cfg.loop.grad_accum_steps
     eval_every = cfg.loop.eval_every
     layout = setup.layout or layout_of(setup.ctx.rank, setup.ctx.world_size, 1)
@@ -86,7 +93,9 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
         dtype=dtype,
         num_batches=num_batches,
         grad_accum_steps=grad_accum_steps,
-        total_steps=cfg.loop.epochs * optimizer_steps(num_batches, grad_accum_steps),
+        own=own,
+        total_steps=cfg.loop.epochs * optimizer_steps(own.num_batches, grad_accum_steps),
+        clock_steps=cfg.loop.epochs * optimizer_steps(num_batches, grad_accum_steps),
         sync=sync,
         layout=layout,
         mesh=setup.mesh,

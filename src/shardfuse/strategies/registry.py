@@ -71,6 +71,11 @@ class Strategy:
         """train.json's and the summary's mode: the name, or the ``apart`` mode when it never syncs."""
         return self.apart[0] if self.apart is not None and sync_every in NEVER_SYNCS else self.name
 
+    def runs_apart(self, sync_every: Any) -> bool:
+        """Whether its ranks never meet while they train (no gradient reduction, no sync), so they may
+        take different numbers of steps (epoch_steps: own)."""
+        return self.apart is not None and sync_every in NEVER_SYNCS and not self.reduces_gradients
+
     def colors(self) -> dict[str, str]:
         return {self.name: self.color, **({self.apart[0]: self.apart[1]} if self.apart else {})}
 
@@ -215,6 +220,11 @@ def own_keys_problem(strategy: str, run: Mapping[str, Any], defaults: Mapping[st
 def apart_starters() -> str:
     """The strategies whose ranks may start from their own weights, for an error's fix."""
     return listing([record.name for record in RECORDS if record.equal_start is None], "or")
+
+
+def apart_runs() -> str:
+    """The strategy settings whose ranks never meet while training, for an error's fix."""
+    return listing([f"{record.name} with sync_every 0" for record in RECORDS if record.apart], "or")
 
 
 def identical_publishers() -> str:

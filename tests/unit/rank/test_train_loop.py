@@ -15,10 +15,12 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from shardfuse.data.epoch_steps import plan_epochs
 from shardfuse.experiment.run_config import OptimConfig
 from shardfuse.models.tasks import Classification
 from shardfuse.rank.loop import accumulate_gradients
 from shardfuse.rank.optim import check_schedule, clip_gradients, lr_at, make_optimizer
+from shardfuse.rank.setup import check_finite
 from shardfuse.rank.validation import BestTracker
 from shardfuse.strategies.diloco import DiLoCo
 from shardfuse.strategies.localsgd import LocalSGD
@@ -118,7 +120,8 @@ def test_accumulation_equals_the_large_batch_step(single_process_group, wrap):
 
     model = _model()
     net = DistributedDataParallel(model) if wrap == "ddp" else model
-    setup = SimpleNamespace(ctx=SimpleNamespace(device=torch.device("cpu"), rank=0), task=task)
+    ctx = SimpleNamespace(device=torch.device("cpu"), rank=0)
+    setup = SimpleNamespace(ctx=ctx, task=task, epochs=plan_epochs([32], 8, "min"))
     plan = SimpleNamespace(net=net, dtype=None, nonfinite_policy="error", mesh=None)
     batches = iter([(inputs[i : i + 8], targets[i : i + 8]) for i in range(0, 32, 8)])
     result = accumulate_gradients(setup, plan, batches, 4, step=1)
@@ -220,3 +223,10 @@ def test_best_tracker_keeps_the_best_weights_and_counts_patience():
     restored.load(tracker.state(), tracker.state_tensors())
     assert restored.state() == tracker.state()
     assert torch.equal(restored.best_weights["weight"], tracker.best_weights["weight"])
+
+
+def test_a_rank_taking_its_own_steps_skips_a_nonfinite_batch_alone_without_a_collective():
+    # epoch_steps own: the ranks never meet mid-step, so skip asks no other rank (no process group here).
+    ctx = SimpleNamespace(device=torch.device("cpu"), rank=1)
+    assert check_finite(math.nan, ctx, 3, "skip", agree=False) is False
+    assert check_finite(0.5, ctx, 3, "skip", agree=False) is True
