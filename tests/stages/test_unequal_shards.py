@@ -71,19 +71,20 @@ def test_train_json_records_each_ranks_steps_and_rows_seen_and_the_true_effectiv
 
 
 def test_own_steps_with_ranks_that_meet_stop_the_train_stage_with_one_line(tmp_path, digits_dataset, shards):
-    proc = launch(
-        tmp_path / "train", digits_dataset, shards, {**CFG, "strategy": "ddp", "epoch_steps": "own"}, check=False
-    )
+    cfg = {**CFG, "strategy": "ddp", "epoch_steps": "own"}
+    proc = launch(tmp_path / "train", digits_dataset, shards, cfg, check=False)
     assert proc.returncode != 0
     assert (
-        "shardfuse.train: error: epoch_steps: own lets each rank take its own number of steps, but strategy "
-        "ddp keeps the ranks in step; set strategy localsgd with sync_every 0, or epoch_steps min, max or mean"
+        "shardfuse.train: error: epoch_steps: own lets each rank take its own number of steps, but "
+        "strategy ddp keeps the ranks in step; set strategy localsgd with sync_every 0, or epoch_steps "
+        "min, max or mean"
     ) in proc.stderr
 
 
 def test_weighted_merges_the_ranks_by_the_rows_they_trained_on(tmp_path, digits_dataset, shards):
     out = tmp_path / "ranks"
-    launch(out, digits_dataset, shards, {**CFG, "strategy": "localsgd", "sync_every": 0, "epoch_steps": "max"})
+    cfg = {**CFG, "strategy": "localsgd", "sync_every": 0, "epoch_steps": "max"}
+    launch(out, digits_dataset, shards, cfg)
     gather = tmp_path / "gather.json"
     assert call_stage("gather", "--train-dir", out, "--world-size", 2, "--out", gather).returncode == 0
     gathered = json.loads(gather.read_text())["ranks"]

@@ -101,7 +101,8 @@ def test_own_steps_are_only_for_ranks_that_never_meet_while_training(strategy, s
     if refused is None:
         assert problem is None
     else:
-        assert problem.startswith("epoch_steps: own lets each rank take its own number of steps") and refused in problem
+        assert problem.startswith("epoch_steps: own lets each rank take its own number of steps")
+        assert refused in problem
     for mode in ("min", "max", "mean"):  # the same step counts everywhere: any strategy
         assert alignment_problem(mode, find_strategy(strategy), sync_every, fsdp, apart_runs()) is None
 
@@ -110,3 +111,18 @@ def test_an_unknown_choice_is_one_line_naming_the_known():
     assert names() == ("min", "max", "mean", "own") and DEFAULT == "min"
     with pytest.raises(UserError, match="unknown epoch_steps 'longest'; use one of min, max, mean, own"):
         plan_epochs(HAND_MADE, 32, "longest")
+
+
+def test_epoch_steps_joins_a_trainings_name_only_off_its_default():
+    from shardfuse.experiment.load import load_experiment
+    from tests.support.helpers import base_config
+
+    runs = {
+        "plain": {},
+        "min": {"epoch_steps": "min"},
+        "max": {"epoch_steps": "max"},
+        "mean": {"epoch_steps": "mean"},
+    }
+    experiment = load_experiment(base_config(runs), environ={})
+    names = {run: experiment.training(run) for run in runs}
+    assert names["plain"] == names["min"] and len({names["plain"], names["max"], names["mean"]}) == 3

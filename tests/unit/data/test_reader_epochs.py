@@ -93,4 +93,5 @@ def test_an_epoch_of_the_shards_own_length_is_the_epoch_it_always_was(shards, ca
     with ShardReader(shards, 1, seed=7, cache=cache) as reader:
         rows = reader.num_rows
         told = [[torch.clone(f) for f in batch] for e in range(2) for batch in reader.epoch(e, 5, 0, rows)]
-    assert all(torch.equal(a, b) for left, right in zip(given, told, strict=True) for a, b in zip(left, right))
+    pairs = [pair for left, right in zip(given, told, strict=True) for pair in zip(left, right, strict=True)]
+    assert all(torch.equal(a, b) for a, b in pairs)
