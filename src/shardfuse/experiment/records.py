@@ -127,7 +127,7 @@ class TrainRecord(_Record):
     strategy: str | None = None
     mode: str | None = None
     sync_every: int | None = None
-    num_steps: int | None = None
+    num_steps: int | None = None  # on the ranks' shared clock (each rank's own: ``ranks``)
     epochs: int | None = None
     steps_per_epoch: int | None = None  # on the ranks' shared clock (epoch_steps own: the longest rank's)
     # how ranks with unequal shards lined up an epoch (shardfuse.data.epoch_steps); None: an older train
