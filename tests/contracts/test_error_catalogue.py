@@ -890,10 +890,10 @@ def case_partition_seed_too_large(tmp):
 def case_unknown_partitioner(tmp):
     return Case(
         "partition",
-        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "dirichlet",
+        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "nosuch",
          "--out-dir", tmp / "out"],
-        "unknown partitioner 'dirichlet'; use one of iid; set the run key partition (or --partitioner) to "
-        "one of them",
+        "unknown partitioner 'nosuch'; use one of iid, dirichlet, pathological, shards, column, size, "
+        "continuous; set the run key partition (or --partitioner) to one of them",
         tmp / "out",
     )  # fmt: skip
 

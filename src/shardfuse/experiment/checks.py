@@ -22,7 +22,6 @@ from shardfuse.experiment.keys import (
     OPTIONAL_TRAIN_KEYS,
     SOURCE_TASKS,
     merge_params,
-    partition_params,
     training_name,
 )
 from shardfuse.experiment.run_config import ADAPTER_DEFAULTS
@@ -468,12 +467,3 @@ def check_registered_model(name: str | None, where: str = "config error at mlflo
         f"{where}: {name!r} is not a name MLflow accepts ({reason}); use a name without '/', ':' or '%' "
         "that does not start with '..', e.g. shardfuse-digits"
     )
-
-
-def check_partition(name: str, run: dict[str, Any]) -> None:
-    """The run's partitioner takes its partition_<param> keys: its record checks them (before any job,
-    not at partition time)."""
-    try:
-        partition_params(run)
-    except UserError as exc:
-        raise ConfigError(f"config error at runs[{name}].partition: {exc}") from None

@@ -14,7 +14,6 @@ from shardfuse.experiment.checks import (
     check_dataset_task,
     check_fsdp,
     check_model,
-    check_partition,
     check_registered_model,
     check_run,
     check_training_loop,
@@ -31,6 +30,7 @@ from shardfuse.experiment.keys import (
     training_identity,
     training_name,
 )
+from shardfuse.experiment.partition_check import check_partition
 from shardfuse.experiment.runs_table import read_runs_table
 from shardfuse.experiment.schema import (
     SCHEMA_PATH,
@@ -123,7 +123,7 @@ def load_experiment(
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
         check_run(name, resolved, datasets, fix)
-        check_partition(name, resolved)
+        check_partition(name, resolved, datasets)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
         check_adapter(name, resolved, datasets)

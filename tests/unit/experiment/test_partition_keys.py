@@ -11,9 +11,9 @@ import pytest
 
 from shardfuse.data.partitioners import registry
 from shardfuse.data.partitioners.assignment import Param
-from shardfuse.experiment.checks import check_partition
 from shardfuse.experiment.keys import partition_args, shardset_name, training_name
 from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.partition_check import check_partition
 from shardfuse.experiment.schema import ConfigError
 from tests.support.helpers import base_config
 
@@ -60,5 +60,5 @@ def test_a_bad_partition_param_is_a_config_error_naming_the_key(skew):
 
 
 def test_the_config_refuses_a_partitioner_the_registry_does_not_have():
-    with pytest.raises(ConfigError, match=r"runs\[r\].partition: 'dirichlet' is not one of iid; "):
-        resolved_run(partition="dirichlet")
+    with pytest.raises(ConfigError, match=r"runs\[r\].partition: 'nosuch' is not one of iid, dirichlet, "):
+        resolved_run(partition="nosuch")

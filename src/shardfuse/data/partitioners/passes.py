@@ -4,14 +4,14 @@ counting pass over the columns it declares, and each read batch's ranks from its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from shardfuse.data.partitioners.assignment import Deal, ValueCounts
+from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Scan, ValueCounts
 from shardfuse.data.shard_format import read_batches
 from shardfuse.io import UserError
 
@@ -24,6 +24,34 @@ def check_columns(name: str, columns: Sequence[str], schema: pa.Schema, what: st
             f"partitioner {name} reads column {missing[0]!r}, which {what} does not have (it has "
             f"{', '.join(schema.names)}); name another column in the partition keys, or {fix}"
         )
+
+
+def check_counted(name: str, columns: Sequence[str], schema: pa.Schema) -> None:
+    """A counted column holds discrete values: a float column's counts would be as large as the data."""
+    for column in columns:
+        column_type = schema.field(column).type
+        if pa.types.is_floating(column_type):
+            raise UserError(
+                f"partitioner {name} groups rows by the values of column {column!r}, which holds "
+                f"floating-point numbers ({column_type}); name a column of integers or strings "
+                "(partition: continuous splits by a float column)"
+            )
+
+
+def shown_columns(batch: pa.RecordBatch, columns: Sequence[str]) -> dict[str, np.ndarray]:
+    return {column: batch.column(column).to_numpy(zero_copy_only=False) for column in columns}
+
+
+def scanner(
+    parquet_file: pq.ParquetFile, columns: Sequence[str], what: str, fix: str, batch_size: int
+) -> Scan:
+    """A fresh pass over ``columns`` each call (for a deal that needs more than value counts)."""
+
+    def scan() -> Iterator[Mapping[str, np.ndarray]]:
+        batches = read_batches(parquet_file, what, fix, batch_size=batch_size, columns=list(columns))
+        return (shown_columns(batch, columns) for batch in batches)
+
+    return scan
 
 
 def count_values(
@@ -50,8 +78,7 @@ def dealt_ranks(
 ) -> np.ndarray:
     """The ranks ``deal`` gives the rows of ``batch`` (shown its declared columns), checked: one integer
     in 0..world_size per row (a deal that breaks its contract is a bug in the partitioner, not bad input)."""
-    shown = {column: batch.column(column).to_numpy(zero_copy_only=False) for column in columns}
-    ranks = np.asarray(deal(batch.num_rows, shown))
+    ranks = np.asarray(deal(batch.num_rows, shown_columns(batch, columns)))
     if ranks.shape != (batch.num_rows,) or not np.issubdtype(ranks.dtype, np.integer):
         raise ValueError(
             f"partitioner {name} dealt {ranks.dtype} ranks of shape {ranks.shape} to a batch of "
@@ -64,3 +91,29 @@ def dealt_ranks(
         )
     # bincount and comparisons want a platform integer; iid's uint8 (one byte per row) already is one.
     return ranks if np.can_cast(ranks.dtype, np.intp) else ranks.astype(np.intp)
+
+
+class RankValueTally:
+    """Rows of each value of ``columns`` (the counted ones but the label, which the shard writers count)
+    per rank, batch by batch: the group values and rows the manifest records for each rank."""
+
+    def __init__(self, columns: Sequence[str], world_size: int) -> None:
+        self.columns = [column for column in columns if column != LABEL_COLUMN]
+        self.world_size = world_size
+        self.found: dict[str, dict] = {column: {} for column in self.columns}
+
+    def add(self, batch: pa.RecordBatch, ranks: np.ndarray) -> None:
+        for column in self.columns:
+            uniques, inverse = np.unique(shown_columns(batch, [column])[column], return_inverse=True)
+            width = self.world_size + 1
+            table = np.bincount(inverse * width + ranks, minlength=len(uniques) * width).reshape(-1, width)
+            found = self.found[column]
+            for value, row in zip(uniques.tolist(), table, strict=True):
+                found[value] = found.get(value, 0) + row
+
+    def of_rank(self, rank: int) -> dict[str, dict[str, int]]:
+        """{column: {value: rows}} of one rank, in value order, values it has none of left out."""
+        return {
+            column: {str(value): int(rows[rank]) for value, rows in sorted(found.items()) if rows[rank]}
+            for column, found in self.found.items()
+        }
