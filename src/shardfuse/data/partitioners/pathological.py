@@ -2,10 +2,12 @@
 pathological non-IID; Flower Datasets' ``PathologicalPartitioner``, whose semantics it keeps).
 
 Which classes a rank gets (classes in sorted order, C of them):
-- ``deterministic``: rank r gets classes r, r + 1, ..., r + k - 1 (mod C), so 2 ranks x 5 classes of
-  digits are 0-4 and 5-9;
+- ``deterministic``: rank r gets classes r, r + 1, ..., r + k - 1 (mod C): windows that overlap
+  (2 ranks x 5 classes of digits: 0-4 and 1-5), as Flower's;
 - ``first-deterministic``: class r mod C first, then classes drawn at random until it has k;
-- ``random``: k classes drawn at random without replacement.
+- ``random``: k classes drawn at random without replacement;
+- ``blocks`` (ours, not Flower's): rank r gets the r-th block of k classes, r k ... r k + k - 1 (mod
+  C): disjoint while W k <= C (2 ranks x 5 classes of digits: 0-4 and 5-9, Git Re-Basin's split).
 Each class's rows, in input order, are then split evenly (np.array_split) among the ranks that have it,
 in rank order; the rows of a class no rank has are dropped. Draws use numpy's ``default_rng(seed)`` as
 Flower's do (``choice`` over the sorted classes), so the same seed picks the same classes.
@@ -29,7 +31,7 @@ from shardfuse.data.partitioners.dealing import (
 )
 from shardfuse.io import UserError
 
-ASSIGNMENTS = ("random", "deterministic", "first-deterministic")
+ASSIGNMENTS = ("random", "deterministic", "first-deterministic", "blocks")
 
 PARAMS = {
     "classes_per_rank": Param(None, "an integer >= 1", lambda v: is_int(v) and v >= 1),
@@ -64,8 +66,9 @@ def rank_classes(classes: list[Any], layout: Layout, params: dict[str, Any]) -> 
     choices = np.array(classes)
     chosen: list[list[Any]] = []
     for rank in range(layout.world_size):
-        if mode == "deterministic":
-            chosen.append([classes[(rank + i) % num_classes] for i in range(k)])
+        if mode in ("deterministic", "blocks"):
+            first = rank * k if mode == "blocks" else rank
+            chosen.append([classes[(first + i) % num_classes] for i in range(k)])
         elif mode == "random":
             chosen.append(rng.choice(choices, size=k, replace=False).tolist())
         else:
