@@ -270,3 +270,26 @@ def test_an_iid_manifest_keeps_its_bytes_and_a_reader_computes_its_heterogeneity
     assert "heterogeneity" not in manifest and "value_counts" not in manifest["shards"][0]
     numbers = manifest_heterogeneity(manifest)
     assert numbers["label_jsd_max"] < 0.01 and numbers["rows_cv"] == 0.0
+
+
+def test_string_groups_and_many_classes_deal_alike_whatever_the_read_batches(tmp_path):
+    """The other paths of the deal: groups that are strings (no lookup table), and more classes in a
+    batch than the per-class pass takes (a sort)."""
+    rng = np.random.default_rng(5)
+    table = pa.table(
+        {
+            "id": np.arange(3000),
+            "x0": rng.normal(size=3000).astype(np.float32),
+            "site": [f"site-{i}" for i in rng.integers(0, 50, 3000)],
+            "label": rng.integers(0, 60, 3000),
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet", row_group_size=700)
+    for name, params in (("column", {"column": "site"}), ("dirichlet", {"alpha": 1.0, "min_rows": 1})):
+        small = partition(tmp_path / "in.parquet", tmp_path / f"{name}-a", name, params, batch_size=20)
+        large = partition(tmp_path / "in.parquet", tmp_path / f"{name}-b", name, params, batch_size=4000)
+        assert small == large
+        tables = shard_tables(tmp_path / f"{name}-a")
+        assert row_digests(pa.concat_tables(tables)) == row_digests(table)
+    sites = [set(t["site"].to_pylist()) for t in shard_tables(tmp_path / "column-a")]
+    assert sum(map(len, sites)) == 50  # every site whole on one rank

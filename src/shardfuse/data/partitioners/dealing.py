@@ -88,29 +88,67 @@ class SegmentPlan:
 
 class _SegmentDeal:
     """The plan as a deal: every (value, occurrence) is looked up in one sorted table of segment
-    starts, the key value_index * stride + occurrence (stride: more than any value's rows)."""
+    starts, the key value_index * stride + occurrence (stride: more than any value's rows). Values of
+    one segment (column's groups) need no occurrence: their rank is the value's."""
 
     def __init__(self, plan: SegmentPlan, counts: ValueCounts) -> None:
         if any(not starts or starts[0] != 0 for starts in plan.starts):
             raise ValueError("a segment plan gives every value a segment from occurrence 0")
         self.column = plan.column
-        self.index = {value: i for i, value in enumerate(plan.values)}
+        self.values = ValueIndex(plan.values)
         self.stride = np.int64(1 + max(counts.values(), default=0))
         keys = [i * int(self.stride) + start for i, starts in enumerate(plan.starts) for start in starts]
         self.keys = np.array(keys, dtype=np.int64)
-        self.ranks = np.array([rank for ranks in plan.ranks for rank in ranks], dtype=np.int64)
+        rank_dtype = np.min_scalar_type(plan.world_size)  # as iid's: grouping by rank compares less
+        self.ranks = np.array([rank for ranks in plan.ranks for rank in ranks], dtype=rank_dtype)
+        self.one_segment = all(len(starts) == 1 for starts in plan.starts)
         self.seen = np.zeros(len(plan.values), dtype=np.int64)
 
     def __call__(self, num_rows: int, shown: Mapping[str, np.ndarray]) -> np.ndarray:
-        uniques, inverse = np.unique(shown[self.column], return_inverse=True)
-        value_index = np.array([self.index[value] for value in uniques.tolist()], dtype=np.int64)
-        per_value = np.bincount(inverse, minlength=len(uniques))
-        # Each row's place among this batch's rows of its value, in input order.
-        order = np.argsort(inverse, kind="stable")
-        place = np.empty(num_rows, dtype=np.int64)
-        place[order] = np.arange(num_rows) - np.repeat(np.cumsum(per_value) - per_value, per_value)
-        rows_value = value_index[inverse]
-        occurrence = self.seen[rows_value] + place
-        self.seen[value_index] += per_value
+        rows_value = self.values.of(shown[self.column])
+        if self.one_segment:
+            return self.ranks[rows_value]
+        occurrence = self._occurrences(rows_value)
         found = np.searchsorted(self.keys, rows_value * self.stride + occurrence, side="right") - 1
         return self.ranks[found]
+
+    def _occurrences(self, rows_value: np.ndarray) -> np.ndarray:
+        """Each row's occurrence: the rows of its value before it (earlier batches, then this one)."""
+        per_value = np.bincount(rows_value, minlength=len(self.seen))
+        occurrence = np.empty(len(rows_value), dtype=np.int64)
+        present = np.flatnonzero(per_value)
+        if len(present) <= SMALL_VALUE_COUNT:  # a few classes: a pass per value beats a sort
+            for value in present.tolist():
+                where = np.flatnonzero(rows_value == value)
+                occurrence[where] = self.seen[value] + np.arange(len(where))
+        else:
+            order = np.argsort(rows_value, kind="stable")
+            firsts = np.cumsum(per_value) - per_value
+            occurrence[order] = np.arange(len(rows_value)) - np.repeat(firsts, per_value)
+            occurrence += self.seen[rows_value]
+        self.seen += per_value
+        return occurrence
+
+
+SMALL_VALUE_COUNT = 32
+
+
+class ValueIndex:
+    """Each row's value as its index in the plan's values: a lookup table for integers of a compact
+    range (labels, ids), np.unique and a dict otherwise (strings)."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self.index = {value: i for i, value in enumerate(values)}
+        self.table = None
+        if values and all(is_int(value) for value in values):
+            low, high = min(values), max(values)
+            if high - low < 4 * len(values) + (1 << 16):
+                self.low = low
+                self.table = np.full(high - low + 1, -1, dtype=np.int64)
+                self.table[np.array(values) - low] = np.arange(len(values))
+
+    def of(self, column: np.ndarray) -> np.ndarray:
+        if self.table is not None and np.issubdtype(column.dtype, np.integer):
+            return self.table[column - self.low]
+        uniques, inverse = np.unique(column, return_inverse=True)
+        return np.array([self.index[value] for value in uniques.tolist()], dtype=np.int64)[inverse]

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Scan, ValueCounts
-from shardfuse.data.shard_format import read_batches
+from shardfuse.data.shard_format import column_values, read_batches
 from shardfuse.io import UserError
 
 
@@ -39,7 +39,18 @@ def check_counted(name: str, columns: Sequence[str], schema: pa.Schema) -> None:
 
 
 def shown_columns(batch: pa.RecordBatch, columns: Sequence[str]) -> dict[str, np.ndarray]:
-    return {column: batch.column(column).to_numpy(zero_copy_only=False) for column in columns}
+    """The batch's ``columns`` as NumPy: numeric ones without nulls as views (Arrow's own to_numpy
+    imports pandas, a start-up cost per process), others (strings, nulls: NaN or None) converted."""
+    shown = {}
+    for column in columns:
+        values = batch.column(column)
+        numeric = pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
+        shown[column] = (
+            column_values(values)
+            if numeric and not values.null_count
+            else values.to_numpy(zero_copy_only=False)
+        )
+    return shown
 
 
 def scanner(
