@@ -6,8 +6,9 @@ skewed sizes: the group column ``column`` partitions by); then, interleaved and 
 process: ``python -m shardfuse.partition`` with ``dirichlet`` (alpha 0.5) and with ``column`` (by user),
 the two bare pyarrow copies of bench/partition.py, and (with --flwr-python) bench/flwr_partition.py:
 flwr-datasets' DirichletPartitioner on the same labels, loading the Parquet file with
-``datasets.load_dataset`` (its Arrow cache emptied before every run) and writing each partition with
-``to_parquet``. Whole process: wall time and peak RSS. The shard sizes of both Dirichlet runs are
+``datasets.load_dataset`` (its Arrow cache emptied before every run), once with each partition only
+loaded (as a simulation's clients use them) and once written with ``to_parquet`` (shards on disk, what
+partition makes). Whole process: wall time and peak RSS. The shard sizes of both Dirichlet runs are
 compared (the same seed draws the same proportions: equal sizes mean the same split).
 """
 
@@ -24,6 +25,8 @@ NUM_GROUPS = 1000
 TARGET_THROUGHPUT_RATIO = 0.7
 TARGET_RSS_GROWTH = 1.2
 RULES = {"dirichlet": {"alpha": ALPHA}, "column": {"column": "user"}}
+FLWR = "flwr-datasets dirichlet + to_parquet"
+FLWR_IN_MEMORY = "flwr-datasets dirichlet (in memory)"
 
 
 def add_groups(source: Path, dest: Path) -> Path:
@@ -64,10 +67,12 @@ def commands(train: Path, work_dir: Path, flwr_python: str | None) -> dict[str, 
         partition_py, "--bare-copy", train, work_dir / "copy.parquet", "true"
     )
     if flwr_python:
-        found["flwr-datasets dirichlet"] = [
+        peer = [
             flwr_python, Path(__file__).with_name("flwr_partition.py"), train, work_dir / "flwr",
             WORLD_SIZE, ALPHA, 0, work_dir / "hf-cache",
         ]  # fmt: skip
+        found[FLWR_IN_MEMORY] = [*peer, "--no-write"]
+        found[FLWR] = peer
     return found
 
 
@@ -78,11 +83,13 @@ def measure_scale(train: Path, reps: int, work_dir: Path, flwr_python: str | Non
     for _ in range(reps):
         for name, cmd in cmds.items():
             samples[name].append(common.measure(cmd))
-            if name == "flwr-datasets dirichlet":
+            if name == FLWR:
                 manifest = json.loads((work_dir / "dirichlet" / "manifest.json").read_text())
                 flwr_sizes = json.loads(samples[name][-1].stdout.strip().splitlines()[-1])
                 same_split = flwr_sizes == [shard["rows"] for shard in manifest["shards"]]
-        for path in (*RULES, "flwr", "hf-cache", "copy.parquet"):
+            for path in ("flwr", "hf-cache", "copy.parquet"):  # each run starts without the others' files
+                common.remove(work_dir / path)
+        for path in RULES:
             common.remove(work_dir / path)
     mb = train.stat().st_size / 1e6
 
@@ -122,7 +129,7 @@ def run(
 def summarise(results: list[dict], reps: int, with_flwr: bool) -> dict:
     first, last = results[0], results[-1]
     names = [*RULES, "pyarrow (same options)", "pyarrow (defaults)"] + (
-        ["flwr-datasets dirichlet"] if with_flwr else []
+        [FLWR_IN_MEMORY, FLWR] if with_flwr else []
     )
     checks = []
     for name in RULES:
@@ -162,7 +169,7 @@ def summarise(results: list[dict], reps: int, with_flwr: bool) -> dict:
         f"\n\nW={WORLD_SIZE}, dirichlet alpha {ALPHA} (seed 0), column by a `user` column of {NUM_GROUPS:,} "
         f"groups of skewed sizes; median of {reps} interleaved repetitions; whole processes (start-up "
         "included), peak RSS of the process. flwr-datasets: `load_dataset('parquet')` into an emptied "
-        "cache, DirichletPartitioner, `to_parquet` per partition."
+        "cache, DirichletPartitioner, each partition loaded (in memory) or written with `to_parquet`."
     )
     return {
         "title": "1b. Non-IID partitioners at scale",
