@@ -51,3 +51,10 @@ def manifest_heterogeneity(manifest: dict[str, Any]) -> dict[str, float | None]:
     """The manifest's recorded heterogeneity, or (an iid manifest, or one written before it) computed
     from its shards."""
     return manifest.get("heterogeneity") or heterogeneity(manifest["shards"])
+
+
+def shard_metrics(manifest: dict[str, Any]) -> dict[str, float]:
+    """The heterogeneity as a run's metrics (``shard_label_jsd_mean``, ``shard_label_jsd_max``,
+    ``shard_rows_cv``; the label ones only where there are labels)."""
+    numbers = manifest_heterogeneity(manifest)
+    return {f"shard_{key}": value for key, value in numbers.items() if value is not None}

@@ -94,7 +94,7 @@ def partition_parquet(
     scan = scanner(parquet_file, dealt_columns, what, REMAKE_INPUT, read_rows)
     deal = record.assign(Layout(num_rows, world_size, seed, drop_remainder, scan), counts, params)
     # Group values per rank for the manifest: a named partitioner's counted columns but the label.
-    tally = RankValueTally(counted_columns if record.identity(params) else (), world_size)
+    tally = RankValueTally(counts if record.identity(params) else {}, world_size)
     ranks_of = functools.partial(_tallied_ranks, tally, record.name, deal, dealt_columns, world_size)
     row_group_rows = rows_per_group(parquet_file, world_size)
     use_dictionary = dictionary_columns(parquet_file)

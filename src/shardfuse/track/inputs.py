@@ -32,6 +32,7 @@ import numpy as np
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, check_spec_bounds, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
+from shardfuse.data.heterogeneity import shard_metrics
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import UserError, read_json, sha256_file
 from shardfuse.metrics.system import peak, read_system_metrics, system_metrics_path
@@ -305,6 +306,7 @@ def load_inputs(
     if adapter_dir is not None:
         headline.update(adapter_metrics(read_json(fusion, "adapter fusion record"), fusion))
     manifest_json = read_json(manifest, "manifest")
+    headline.update(shard_metrics(manifest_json))  # how heterogeneous the shards are (iid's computed)
     return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
 
 

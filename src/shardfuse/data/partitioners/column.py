@@ -112,4 +112,4 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
     require_min_rows(
         "column", plan.sizes(column_counts), params["min_rows"], "use fewer ranks or lower partition_min_rows"
     )
-    return plan.deal(column_counts)
+    return plan.deal()

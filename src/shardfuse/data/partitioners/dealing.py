@@ -11,6 +11,7 @@ before: memory is the plan (values x ranks), never the rows.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -82,55 +83,56 @@ class SegmentPlan:
             np.add.at(sizes, ranks, np.subtract(ends, starts))
         return sizes[: self.world_size].tolist()
 
-    def deal(self, counts: ValueCounts) -> Deal:
-        return _SegmentDeal(self, counts)
+    def deal(self) -> Deal:
+        return _SegmentDeal(self)
 
 
 class _SegmentDeal:
-    """The plan as a deal: every (value, occurrence) is looked up in one sorted table of segment
-    starts, the key value_index * stride + occurrence (stride: more than any value's rows). Values of
-    one segment (column's groups) need no occurrence: their rank is the value's."""
+    """The plan as a deal. A batch's rows are ordered by value (a stable radix sort of the value
+    indices, so each value's rows stay in input order) and each value's run is cut where its
+    segments begin: a few slice assignments per value, no per-row lookup. Values of one segment
+    (column's groups) need no order: their rank is the value's."""
 
-    def __init__(self, plan: SegmentPlan, counts: ValueCounts) -> None:
+    def __init__(self, plan: SegmentPlan) -> None:
         if any(not starts or starts[0] != 0 for starts in plan.starts):
             raise ValueError("a segment plan gives every value a segment from occurrence 0")
         self.column = plan.column
         self.values = ValueIndex(plan.values)
-        self.stride = np.int64(1 + max(counts.values(), default=0))
-        keys = [i * int(self.stride) + start for i, starts in enumerate(plan.starts) for start in starts]
-        self.keys = np.array(keys, dtype=np.int64)
+        self.starts, self.ranks = plan.starts, plan.ranks
         rank_dtype = np.min_scalar_type(plan.world_size)  # as iid's: grouping by rank compares less
-        self.ranks = np.array([rank for ranks in plan.ranks for rank in ranks], dtype=rank_dtype)
-        self.one_segment = all(len(starts) == 1 for starts in plan.starts)
+        self.rank_dtype = rank_dtype
+        self.only_rank = (
+            np.array([ranks[0] for ranks in plan.ranks], dtype=rank_dtype)
+            if all(len(starts) == 1 for starts in plan.starts)
+            else None
+        )
         self.seen = np.zeros(len(plan.values), dtype=np.int64)
+        self.index_dtype = np.min_scalar_type(max(len(plan.values) - 1, 0))
 
     def __call__(self, num_rows: int, shown: Mapping[str, np.ndarray]) -> np.ndarray:
         rows_value = self.values.of(shown[self.column])
-        if self.one_segment:
-            return self.ranks[rows_value]
-        occurrence = self._occurrences(rows_value)
-        found = np.searchsorted(self.keys, rows_value * self.stride + occurrence, side="right") - 1
-        return self.ranks[found]
-
-    def _occurrences(self, rows_value: np.ndarray) -> np.ndarray:
-        """Each row's occurrence: the rows of its value before it (earlier batches, then this one)."""
+        if self.only_rank is not None:
+            return self.only_rank[rows_value]
+        order = np.argsort(rows_value.astype(self.index_dtype), kind="stable")
         per_value = np.bincount(rows_value, minlength=len(self.seen))
-        occurrence = np.empty(len(rows_value), dtype=np.int64)
-        present = np.flatnonzero(per_value)
-        if len(present) <= SMALL_VALUE_COUNT:  # a few classes: a pass per value beats a sort
-            for value in present.tolist():
-                where = np.flatnonzero(rows_value == value)
-                occurrence[where] = self.seen[value] + np.arange(len(where))
-        else:
-            order = np.argsort(rows_value, kind="stable")
-            firsts = np.cumsum(per_value) - per_value
-            occurrence[order] = np.arange(len(rows_value)) - np.repeat(firsts, per_value)
-            occurrence += self.seen[rows_value]
-        self.seen += per_value
-        return occurrence
+        ranks = np.empty(num_rows, dtype=self.rank_dtype)
+        first = 0
+        for value in np.flatnonzero(per_value).tolist():
+            count = int(per_value[value])
+            self._fill(ranks, order[first : first + count], value)
+            first += count
+        return ranks
 
-
-SMALL_VALUE_COUNT = 32
+    def _fill(self, ranks: np.ndarray, rows: np.ndarray, value: int) -> None:
+        """Rows of ``value`` (in input order) get the ranks of the segments their occurrences fall in."""
+        starts, seen = self.starts[value], int(self.seen[value])
+        end = seen + len(rows)
+        segment = bisect.bisect_right(starts, seen) - 1
+        while segment < len(starts) and starts[segment] < end:
+            stop = min(starts[segment + 1], end) if segment + 1 < len(starts) else end
+            ranks[rows[max(starts[segment], seen) - seen : stop - seen]] = self.ranks[value][segment]
+            segment += 1
+        self.seen[value] = end
 
 
 class ValueIndex:

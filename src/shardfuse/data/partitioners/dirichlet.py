@@ -73,4 +73,4 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
     for index, bounds in enumerate(draw(layout, [label_counts[c] for c in classes], params)):
         for rank, start in enumerate([0, *bounds.tolist()]):
             plan.add(index, start, rank)
-    return plan.deal(label_counts)
+    return plan.deal()

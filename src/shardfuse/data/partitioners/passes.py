@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Scan, ValueCounts
+from shardfuse.data.partitioners.dealing import ValueIndex
 from shardfuse.data.shard_format import column_values, read_batches
 from shardfuse.io import UserError
 
@@ -105,26 +106,34 @@ def dealt_ranks(
 
 
 class RankValueTally:
-    """Rows of each value of ``columns`` (the counted ones but the label, which the shard writers count)
-    per rank, batch by batch: the group values and rows the manifest records for each rank."""
+    """Rows of each value of the counted columns but the label (which the shard writers count) per
+    rank, batch by batch: the group values and rows the manifest records for each rank. Memory: the
+    values (from the counting pass) x the ranks."""
 
-    def __init__(self, columns: Sequence[str], world_size: int) -> None:
-        self.columns = [column for column in columns if column != LABEL_COLUMN]
-        self.world_size = world_size
-        self.found: dict[str, dict] = {column: {} for column in self.columns}
+    def __init__(self, counts: Mapping[str, ValueCounts], world_size: int) -> None:
+        self.width = world_size + 1
+        self.values = {column: list(found) for column, found in counts.items() if column != LABEL_COLUMN}
+        self.index = {column: ValueIndex(values) for column, values in self.values.items()}
+        self.tables = {
+            column: np.zeros(len(values) * self.width, dtype=np.int64)
+            for column, values in self.values.items()
+        }
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.values)
 
     def add(self, batch: pa.RecordBatch, ranks: np.ndarray) -> None:
-        for column in self.columns:
-            uniques, inverse = np.unique(shown_columns(batch, [column])[column], return_inverse=True)
-            width = self.world_size + 1
-            table = np.bincount(inverse * width + ranks, minlength=len(uniques) * width).reshape(-1, width)
-            found = self.found[column]
-            for value, row in zip(uniques.tolist(), table, strict=True):
-                found[value] = found.get(value, 0) + row
+        for column, index in self.index.items():
+            rows_value = index.of(shown_columns(batch, [column])[column])
+            self.tables[column] += np.bincount(
+                rows_value * self.width + ranks, minlength=len(self.tables[column])
+            )
 
     def of_rank(self, rank: int) -> dict[str, dict[str, int]]:
         """{column: {value: rows}} of one rank, in value order, values it has none of left out."""
-        return {
-            column: {str(value): int(rows[rank]) for value, rows in sorted(found.items()) if rows[rank]}
-            for column, found in self.found.items()
-        }
+        found = {}
+        for column, values in self.values.items():
+            rows = self.tables[column].reshape(-1, self.width)[:, rank]
+            found[column] = {str(value): int(n) for value, n in zip(values, rows.tolist(), strict=True) if n}
+        return found

@@ -101,4 +101,4 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
         params["min_rows"],
         "raise partition_classes_per_rank, use fewer ranks or lower partition_min_rows",
     )
-    return plan.deal(label_counts)
+    return plan.deal()

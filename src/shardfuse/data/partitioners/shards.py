@@ -59,4 +59,4 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
         params["min_rows"],
         "lower partition_shards_per_rank or partition_min_rows, or use fewer ranks",
     )
-    return plan.deal(label_counts)
+    return plan.deal()
