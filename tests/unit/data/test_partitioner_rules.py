@@ -5,6 +5,7 @@ each rule's meaning (Flower Datasets' semantics; bench/partition.py compares the
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardfuse.data.heterogeneity import heterogeneity, jensen_shannon, manifest_heterogeneity
+from shardfuse.data.manifest import read_manifest
 from shardfuse.data.partitioners import continuous
 from shardfuse.data.partitioners.assignment import Layout
 from shardfuse.data.shard_format import recognise_layout
@@ -293,3 +295,15 @@ def test_string_groups_and_many_classes_deal_alike_whatever_the_read_batches(tmp
         assert row_digests(pa.concat_tables(tables)) == row_digests(table)
     sites = [set(t["site"].to_pylist()) for t in shard_tables(tmp_path / "column-a")]
     assert sum(map(len, sites)) == 50  # every site whole on one rank
+
+
+def test_a_manifest_with_malformed_group_rows_is_refused_by_its_reader(grouped, tmp_path):
+    source, _ = grouped
+    partition(source, tmp_path / "out", "column", {"column": "user"})
+    path = tmp_path / "out" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert read_manifest(tmp_path / "out")["shards"][0]["value_counts"]["user"]
+    manifest["shards"][1]["value_counts"] = {"user": {"3": "many"}}
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"has a malformed shards\[1\].value_counts"):
+        read_manifest(tmp_path / "out")
