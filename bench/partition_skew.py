@@ -3,8 +3,9 @@ read -> write of the same file and against Flower Datasets' DirichletPartitioner
 
 For each scale, a synthetic dataset (10 classes) is prepared and a ``user`` column added (1,000 groups of
 skewed sizes: the group column ``column`` partitions by); then, interleaved and repeated, each in its own
-process: ``python -m shardfuse.partition`` with ``dirichlet`` (alpha 0.5) and with ``column`` (by user),
-the two bare pyarrow copies of bench/partition.py, and (with --flwr-python) bench/flwr_partition.py:
+process: ``python -m shardfuse.partition`` with ``dirichlet`` (alpha 0.5), with ``column`` (by user) and,
+for reference, with ``iid``, the two bare pyarrow copies of bench/partition.py, and (with --flwr-python)
+bench/flwr_partition.py:
 flwr-datasets' DirichletPartitioner on the same labels, loading the Parquet file with
 ``datasets.load_dataset`` (its Arrow cache emptied before every run), once with each partition only
 loaded (as a simulation's clients use them) and once written with ``to_parquet`` (shards on disk, what
@@ -24,7 +25,9 @@ ALPHA = 0.5
 NUM_GROUPS = 1000
 TARGET_THROUGHPUT_RATIO = 0.7
 TARGET_RSS_GROWTH = 1.2
-RULES = {"dirichlet": {"alpha": ALPHA}, "column": {"column": "user"}}
+# iid on the same file: the reference, measured alongside (the targets are dirichlet's and column's).
+RULES = {"iid": {}, "dirichlet": {"alpha": ALPHA}, "column": {"column": "user"}}
+CHECKED = ("dirichlet", "column")
 FLWR = "flwr-datasets dirichlet + to_parquet"
 FLWR_IN_MEMORY = "flwr-datasets dirichlet (in memory)"
 
@@ -132,7 +135,7 @@ def summarise(results: list[dict], reps: int, with_flwr: bool) -> dict:
         [FLWR_IN_MEMORY, FLWR] if with_flwr else []
     )
     checks = []
-    for name in RULES:
+    for name in CHECKED:
         worst = min(r[name]["ratio_vs_same_options"] for r in results)
         growth = last[name]["rss_mb"] / first[name]["rss_mb"]
         checks += [
