@@ -107,7 +107,15 @@ def partition_parquet(
         source_sha256: Future[str] = hashers.submit(lambda: recorded or sha256_file(input_path))
         writes = BackgroundWrites()
         writers = [
-            ShardWriter(tmp_dir / shard_name(rank), schema, row_group_rows, writes, hashers, use_dictionary)
+            ShardWriter(
+                tmp_dir / shard_name(rank),
+                schema,
+                row_group_rows,
+                writes,
+                hashers,
+                use_dictionary,
+                world_size,
+            )
             for rank in range(world_size)
         ]
         offset = 0
