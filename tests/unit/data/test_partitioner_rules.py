@@ -307,3 +307,26 @@ def test_a_manifest_with_malformed_group_rows_is_refused_by_its_reader(grouped, 
     path.write_text(json.dumps(manifest))
     with pytest.raises(UserError, match=r"has a malformed shards\[1\].value_counts"):
         read_manifest(tmp_path / "out")
+
+
+def test_a_rank_dealt_a_small_share_of_every_batch_does_not_hold_the_batches(tmp_path):
+    """Slices keep their read batch alive: a writer given a few rows of many batches copies them out
+    past W pieces, so what it holds is its own rows, not the batches they were cut from."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardfuse.data.shard_writer import BackgroundWrites, ShardWriter
+
+    big = pa.record_batch(
+        {"x0": np.zeros(100_000, dtype=np.float32), "label": np.zeros(100_000, dtype=np.int64)}
+    )
+    writes = BackgroundWrites()
+    with ThreadPoolExecutor(1) as hashers:
+        writer = ShardWriter(tmp_path / "s.parquet", big.schema, 10_000, writes, hashers, max_borrowed=4)
+        for _ in range(20):  # 20 batches of 1.2 MB, 10 rows dealt to this rank from each
+            writer.add(pa.record_batch(big.columns, schema=big.schema).slice(500, 10))
+        held = sum(piece.get_total_buffer_size() for piece in writer.pending)
+        assert writer.num_pending == 200 and held < 4 * big.get_total_buffer_size()
+        writer.flush()
+        writes.finish()
+        writer.close()
+    assert pq.read_metadata(tmp_path / "s.parquet").num_rows == 200
