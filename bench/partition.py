@@ -17,6 +17,12 @@ per repetition, then the median is taken.
 Then a causal-LM token corpus (``tokens``: fixed_size_list<uint16>[257], random ids; ``--token-blocks``
 blocks at full size, ~1 GB of Parquet by default, and 1/8 of that) is partitioned the same way, against
 the same bare copy: the peak RSS at full size must stay within 1.2x of the one at 1/8.
+
+``--skew`` runs benchmark 1b instead (bench/partition_skew.py): the ``dirichlet`` and ``column``
+partitioners against the same bare copies, and flwr-datasets' DirichletPartitioner side by side
+(``--flwr-python``: the interpreter of a venv with flwr-datasets, e.g. /tmp/shardfuse-flwr/bin/python)::
+
+    python bench/partition.py --skew --base-rows 350000 --flwr-python /tmp/shardfuse-flwr/bin/python
 """
 
 from __future__ import annotations
@@ -291,14 +297,26 @@ def main() -> None:
     parser.add_argument("--token-blocks", type=int, help="token corpus blocks at full size (base rows x 1.4)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardfuse-bench/partition"))
     parser.add_argument("--bare-copy", nargs=3, metavar=("IN", "OUT", "USE_DICTIONARY_JSON"), help="internal")
+    parser.add_argument("--skew", action="store_true", help="benchmark 1b: dirichlet and column partitions")
+    parser.add_argument(
+        "--flwr-python", help="--skew: a Python with flwr-datasets, to run its partitioner too"
+    )
     args = parser.parse_args()
     if args.bare_copy:
         bare_copy(*args.bare_copy)
         return
     try:
-        section = run(
-            args.base_rows, args.factors, args.features, args.reps, args.work_dir, args.token_blocks
-        )
+        if args.skew:
+            import partition_skew
+
+            print(f"load average at start: {common.load_average()}")
+            section = partition_skew.run(
+                args.base_rows, args.factors, args.features, args.reps, args.work_dir, args.flwr_python
+            )
+        else:
+            section = run(
+                args.base_rows, args.factors, args.features, args.reps, args.work_dir, args.token_blocks
+            )
     finally:
         common.remove(args.work_dir)
     print(section["markdown"])

@@ -13,8 +13,14 @@ first N % W ranks get the extra row), or are exactly N // W with --drop-remainde
 reads columns (the label, a group column) sees them in a counting pass before the rows are dealt in a
 second pass (``shardfuse.data.partitioners.assignment``). Within a shard, rows keep their input order:
 training reshuffles every epoch, and keeping order makes the output independent of the read batch size.
-The manifest names the partitioner and its parameters, except for iid (its manifests are byte for byte
-those written before partitioners existed).
+The manifest names the partitioner and its parameters, each rank's group values and rows (a counted
+column other than the label: ``value_counts``) and the shard set's ``heterogeneity`` (label
+Jensen-Shannon divergence to the pooled labels, spread of shard rows: ``shardfuse.data.heterogeneity``),
+except for iid (its manifests are byte for byte those written before partitioners existed; a reader
+computes its heterogeneity from its label counts). For example, label skew::
+
+    python -m shardfuse.partition --input results/datasets/digits/train.parquet --world-size 4 --seed 0 \
+        --partitioner dirichlet --params-json '{"alpha": 0.1}' --out-dir /tmp/shards
 
 Memory is flat in the number of rows (:mod:`shardfuse.data.shard_writer`): iid's assignment is drawn
 block by block (ASSIGNMENT_BLOCK_ROWS rows at a time), plus one read batch and per rank a write buffer sized

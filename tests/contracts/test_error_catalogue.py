@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from shardfuse.console.errors import run_cli
+from tests.support.data import write_grouped_rows
 from tests.support.helpers import REPO, run_stage, snakemake_command, write_train_dir
 
 DOCS = REPO / "docs" / "errors.md"
@@ -913,12 +914,93 @@ def case_partition_seed_too_large(tmp):
 def case_unknown_partitioner(tmp):
     return Case(
         "partition",
-        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "dirichlet",
+        ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "nosuch",
          "--out-dir", tmp / "out"],
-        "unknown partitioner 'dirichlet'; use one of iid; set the run key partition (or --partitioner) to "
-        "one of them",
+        "unknown partitioner 'nosuch'; use one of iid, dirichlet, pathological, shards, column, size, "
+        "continuous; set the run key partition (or --partitioner) to one of them",
         tmp / "out",
     )  # fmt: skip
+
+
+def case_partition_alpha_not_positive(tmp):
+    return config_case(
+        tmp,
+        base_config(partition="dirichlet", partition_alpha=0),
+        "runs[r].partition: partitioner dirichlet: parameter 'alpha' must be a number > 0 (the Dirichlet "
+        "concentration), got 0; fix run key partition_alpha",
+    )
+
+
+def case_partition_key_not_taken(tmp):
+    return config_case(
+        tmp,
+        base_config(partition="pathological", partition_classes_per_rank=2, partition_alpha=0.5),
+        "partitioner pathological does not take partition_alpha (it takes partition_classes_per_rank, "
+        "partition_assignment, partition_min_rows); remove it, or set partition to the partitioner it "
+        "belongs to",
+    )
+
+
+def case_label_partition_on_regression(tmp):
+    config = base_config(partition="shards")
+    config["datasets"] = {"d": {"source": "diabetes"}}
+    return config_case(
+        tmp,
+        config,
+        "partitioner shards splits by class labels, but dataset d is a regression dataset without them; "
+        "use partition: size, column or continuous (or iid)",
+    )
+
+
+def case_partition_sizes_not_summing_to_one(tmp):
+    return config_case(
+        tmp,
+        base_config(partition="size", partition_sizes=[0.5, 0.2], world_size=2),
+        "partitioner size: partition_sizes [0.5, 0.2] are 2 fractions summing to 0.7; give 2 fractions (one "
+        "per rank) that sum to 1",
+    )
+
+
+def partition_rules_case(tmp, partitioner: str, params: dict, fragment: str, num_groups: int = 12) -> Case:
+    write_grouped_rows(tmp / "train.parquet", 400, num_classes=4, num_groups=num_groups)
+    return Case(
+        "partition",
+        ["--input", tmp / "train.parquet", "--world-size", 4, "--seed", 0, "--partitioner", partitioner,
+         "--params-json", json.dumps(params), "--out-dir", tmp / "out"],
+        fragment,
+        tmp / "out",
+    )  # fmt: skip
+
+
+def case_dirichlet_min_rows_unmet(tmp):
+    return partition_rules_case(
+        tmp,
+        "dirichlet",
+        {"alpha": 0.01, "min_rows": 120},
+        "partitioner dirichlet: 11 draws with partition_alpha 0.01 each left a rank under partition_min_rows "
+        "120 (the last: shards of",
+    )
+
+
+def case_column_partition_float_column(tmp):
+    return partition_rules_case(
+        tmp,
+        "column",
+        {"column": "x0"},
+        "partitioner column groups rows by the values of column 'x0', which holds floating-point numbers "
+        "(float); name a column of integers or strings (partition: continuous splits by a float column)",
+    )
+
+
+def case_column_partition_fewer_groups_than_ranks(tmp):
+    return partition_rules_case(
+        tmp,
+        "column",
+        {"column": "user"},
+        "partitioner column: column 'user' holds 3 groups, fewer than the 4 ranks; use at most 3 ranks or "
+        "another column",
+        num_groups=3,
+    )
 
 
 def case_merge_output_twice(tmp):

@@ -125,6 +125,12 @@ COLLISIONS = {
 }
 
 
+# Partitioners named by common words ("shards", "size", "column" are also keys of manifests, headers
+# and tables everywhere): compared only under their home, like every name, but a dict key or a lookup
+# with one is not counted as a decision (test_no_partition_name_is_compared_outside_its_package).
+COMMON_WORDS = {"partitioner": {"shards", "size", "column"}}
+
+
 def _registries() -> list[tuple[str, frozenset[str], Path]]:
     """(kind, names, home): each kind's names are compared only under its home (a package or a module)."""
     from shardfuse.data.partitioners import registry as partitioners
@@ -152,7 +158,7 @@ def record_name_decisions(paths: list[Path]) -> list[str]:
             if resolved == home or home in resolved.parents:
                 continue
             where = str(resolved.relative_to(REPO)) if REPO in resolved.parents else str(path)
-            words = names - COLLISIONS.get(kind, {}).get(where, set())
+            words = names - COLLISIONS.get(kind, {}).get(where, set()) - COMMON_WORDS.get(kind, set())
             found += [
                 f"{where}:{decision}"
                 for decision in name_decisions(path.read_text(), words, frozenset(), False, kind)
@@ -163,6 +169,22 @@ def record_name_decisions(paths: list[Path]) -> list[str]:
 def test_no_module_outside_their_records_decides_by_a_strategy_partitioner_merge_method_or_model_name():
     offenders = record_name_decisions(sorted(PACKAGE.rglob("*.py")))
     assert offenders == [], "ask the record instead:\n" + "\n".join(offenders)
+
+
+def test_no_partition_name_is_compared_outside_its_package():
+    """The common words left out above, still refused where they are compared with or matched."""
+    from shardfuse.data.partitioners import registry as partitioners
+
+    home = Path(inspect.getsourcefile(partitioners)).resolve().parent
+    words = frozenset(COMMON_WORDS["partitioner"])
+    offenders = [
+        f"{path.relative_to(REPO)}:{where}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if home not in path.resolve().parents
+        for where in name_decisions(path.read_text(), words, frozenset(), False, "partitioner")
+        if "compares" in where or "matches" in where
+    ]
+    assert offenders == [], "ask the partitioner's record instead:\n" + "\n".join(offenders)
 
 
 def test_a_planted_merge_method_or_built_in_model_decision_is_found(tmp_path):

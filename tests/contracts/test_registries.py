@@ -91,6 +91,21 @@ def test_every_partitioner_param_is_a_config_key_whose_schema_default_is_the_rec
                 assert default == param.default, f"partition_{name}: schema {default!r}, {record.name}"
 
 
+def test_the_schema_enums_of_partitioner_choices_are_the_partitioners_own():
+    from shardfuse.data.partitioners import pathological, size
+    from shardfuse.data.partitioners.assignment import LABEL_COLUMN
+    from shardfuse.data.shard_format import LABEL_COLUMN as SHARD_LABEL_COLUMN
+
+    assert RUN_KEYS["partition_assignment"]["enum"] == [*pathological.ASSIGNMENTS, None]
+    assert RUN_KEYS["partition_law"]["enum"] == [*size.LAWS, None]
+    assert LABEL_COLUMN == SHARD_LABEL_COLUMN
+    # Each partition_<param> key belongs to some partitioner (a stray key would be refused for all).
+    from shardfuse.data.partitioners import registry
+
+    taken = {f"partition_{param}" for record in registry.RECORDS for param in record.params}
+    assert {key for key in RUN_KEYS if key.startswith("partition_")} == taken
+
+
 def test_the_schema_enum_of_dataset_sources_is_the_registry():
     from shardfuse.data.sources.registry import source_names
 

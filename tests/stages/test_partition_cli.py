@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardfuse.data.manifest import read_manifest
-from tests.support.data import write_rows, write_token_split
+from tests.support.data import write_grouped_rows, write_rows, write_token_split
 from tests.support.helpers import run_stage
 
 
@@ -59,3 +59,26 @@ def test_cli_partitions_a_token_corpus(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert read_manifest(tmp_path / "out")["columns"][0]["kind"] == "tokens"
+
+
+def test_cli_deals_by_a_partitioner_and_records_its_heterogeneity(tmp_path):
+    write_grouped_rows(tmp_path / "in.parquet", 600, num_classes=5, num_groups=9)
+    for name, params in (("dirichlet", '{"alpha": 0.2}'), ("column", '{"column": "user"}')):
+        out = tmp_path / name
+        result = run_stage("partition",
+            "--input", str(tmp_path / "in.parquet"), "--world-size", "3", "--seed", "1",
+            "--partitioner", name, "--params-json", params, "--out-dir", str(out),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        manifest = read_manifest(out)
+        assert manifest["partition"]["name"] == name
+        assert set(manifest["heterogeneity"]) == {"label_jsd_mean", "label_jsd_max", "rows_cv"}
+        assert sum(shard["rows"] for shard in manifest["shards"]) == 600
+    # Groups are whole on one rank each; dirichlet skews the labels, column (random labels) hardly.
+    groups = [set(read_manifest(tmp_path / "column")["shards"][r]["value_counts"]["user"]) for r in range(3)]
+    assert sum(map(len, groups)) == len(set().union(*groups)) == 9
+    skew = {
+        name: read_manifest(tmp_path / name)["heterogeneity"]["label_jsd_mean"]
+        for name in ("dirichlet", "column")
+    }
+    assert skew["dirichlet"] > 0.1 > 0.02 > skew["column"]

@@ -92,3 +92,22 @@ def prepare_and_partition(out_root: Path, name: str, spec: str, world_size: int 
         command = [sys.executable, "-m", f"shardfuse.{stage}", *map(str, args)]
         subprocess.run(command, check=True, env=subprocess_env(), capture_output=True)
     return dataset, shards
+
+
+def write_grouped_rows(
+    path: Path, num_rows: int, num_classes: int = 10, num_groups: int = 12, seed: int = 0
+) -> pa.Table:
+    """A prepared-looking split for the partitioners: a unique ``id``, two float features, a ``user``
+    group column (integers; carried as data, not a model input) and class labels, all random."""
+    rng = np.random.default_rng(seed)
+    table = pa.table(
+        {
+            "id": np.arange(num_rows, dtype=np.int64),
+            "x0": rng.normal(size=num_rows).astype(np.float32),
+            "x1": rng.normal(size=num_rows).astype(np.float32),
+            "user": rng.integers(0, num_groups, num_rows),
+            "label": rng.integers(0, num_classes, num_rows),
+        }
+    )
+    pq.write_table(table, path, row_group_size=max(1, num_rows // 5))
+    return table

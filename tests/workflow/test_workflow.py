@@ -91,6 +91,21 @@ def test_until_partition_stops_before_training(tmp_path):
     assert not (tmp_path / "results" / "runs").exists()
 
 
+def test_an_alpha_sweep_partitions_one_shard_set_per_alpha_beside_the_iid_one(tmp_path):
+    path = tiny_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    sweep = {f"alpha{alpha}": {"partition": "dirichlet", "partition_alpha": alpha} for alpha in (0.1, 10)}
+    config["runs"] = {"ddp": config["runs"]["ddp"], **sweep}
+    path.write_text(yaml.safe_dump(config))
+    snakemake(tmp_path, "--until", "partition")
+    shards = tmp_path / "results" / "shards" / "digits"
+    manifests = {p.parent.name: json.loads(p.read_text()) for p in shards.glob("*/manifest.json")}
+    assert len(manifests) == 3 and "partition" not in manifests.pop("w2-seed0")
+    alphas = {m["partition"]["params"]["alpha"]: m["heterogeneity"] for m in manifests.values()}
+    assert alphas[0.1]["label_jsd_mean"] > alphas[10.0]["label_jsd_mean"]
+    assert all(name.startswith("w2-seed0-dirichlet-") for name in manifests)
+
+
 def test_invalid_config_fails_before_any_job_with_one_clear_line(tmp_path):
     path = tiny_config(tmp_path)
     config = yaml.safe_load(path.read_text())

@@ -126,6 +126,14 @@ def _bad_shard_field(shard: dict) -> str | None:
         "sha256": lambda v: isinstance(v, str),
         "bytes": _is_count,
         "label_counts": lambda v: v is None or (isinstance(v, dict) and all(map(_is_count, v.values()))),
+        # A partitioner's group values and their rows per column (column, say): {column: {value: rows}}.
+        "value_counts": lambda v: (
+            v is None
+            or (
+                isinstance(v, dict)
+                and all(isinstance(c, dict) and all(map(_is_count, c.values())) for c in v.values())
+            )
+        ),
         "column_moments": lambda v: (
             v is None
             or (

@@ -10,10 +10,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
+from shardfuse.data.heterogeneity import heterogeneity
 from shardfuse.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from shardfuse.data.partitioners import registry
-from shardfuse.data.partitioners.assignment import Layout
-from shardfuse.data.partitioners.passes import check_columns, count_values, dealt_ranks
+from shardfuse.data.partitioners.assignment import Deal, Layout
+from shardfuse.data.partitioners.passes import (
+    RankValueTally,
+    check_columns,
+    check_counted,
+    count_values,
+    dealt_ranks,
+    scanner,
+)
 from shardfuse.data.shard_format import (
     LABEL_COLUMN,
     describe_columns,
@@ -59,6 +70,11 @@ def partition_parquet(
     _check_numbers(world_size, seed, batch_size)
     record = registry.find(partitioner)
     params = registry.resolve_params(partitioner, params, world_size)
+    if drop_remainder and not record.drops_remainder:
+        raise UserError(
+            f"--drop-remainder makes iid's shards equal; partitioner {record.name} decides its own shard "
+            "sizes, so remove it (drop_remainder: false in the config)"
+        )
     parquet_file = open_parquet(input_path, "--input", REMAKE_INPUT)
     num_rows = parquet_file.metadata.num_rows
     if world_size > num_rows:
@@ -71,11 +87,15 @@ def partition_parquet(
     columns = describe_columns(schema, input_path)
     what = f"--input {input_path}"
     read_rows = min(batch_size, max_rows_per_group(schema))  # does not change the output, only memory
-    dealt_columns = record.columns(params)
-    check_columns(record.name, dealt_columns, schema, what, REMAKE_INPUT)
-    counts = count_values(parquet_file, dealt_columns, what, REMAKE_INPUT, read_rows)
-    deal = record.assign(Layout(num_rows, world_size, seed, drop_remainder), counts, params)
-    ranks_of = functools.partial(dealt_ranks, record.name, deal, dealt_columns, world_size)
+    dealt_columns, counted_columns = record.columns(params), record.counted_columns(params)
+    check_columns(record.name, (*dealt_columns, *counted_columns), schema, what, REMAKE_INPUT)
+    check_counted(record.name, counted_columns, schema)
+    counts = count_values(parquet_file, counted_columns, what, REMAKE_INPUT, read_rows)
+    scan = scanner(parquet_file, dealt_columns, what, REMAKE_INPUT, read_rows)
+    deal = record.assign(Layout(num_rows, world_size, seed, drop_remainder, scan), counts, params)
+    # Group values per rank for the manifest: a named partitioner's counted columns but the label.
+    tally = RankValueTally(counts if record.identity(params) else {}, world_size)
+    ranks_of = functools.partial(_tallied_ranks, tally, record.name, deal, dealt_columns, world_size)
     row_group_rows = rows_per_group(parquet_file, world_size)
     use_dictionary = dictionary_columns(parquet_file)
 
@@ -87,7 +107,15 @@ def partition_parquet(
         source_sha256: Future[str] = hashers.submit(lambda: recorded or sha256_file(input_path))
         writes = BackgroundWrites()
         writers = [
-            ShardWriter(tmp_dir / shard_name(rank), schema, row_group_rows, writes, hashers, use_dictionary)
+            ShardWriter(
+                tmp_dir / shard_name(rank),
+                schema,
+                row_group_rows,
+                writes,
+                hashers,
+                use_dictionary,
+                world_size,
+            )
             for rank in range(world_size)
         ]
         offset = 0
@@ -122,6 +150,8 @@ def partition_parquet(
             }
             if LABEL_COLUMN in schema.names:
                 shard["label_counts"] = writer.sorted_label_counts()
+            if tally.columns:
+                shard["value_counts"] = tally.of_rank(rank)
             shard["column_moments"] = writer.column_moments()
             shards.append(shard)
         total_rows = sum(shard["rows"] for shard in shards)
@@ -129,6 +159,7 @@ def partition_parquet(
         manifest["drop_remainder"] = drop_remainder
         if record.identity(params):  # iid's manifests keep the bytes they had before partitioners
             manifest["partition"] = {"name": record.name, "params": params}
+            manifest["heterogeneity"] = heterogeneity(shards)
         manifest.update(
             source={"path": given_path, "sha256": source_sha256.result(), "rows": num_rows},
             total_rows=total_rows,
@@ -139,6 +170,20 @@ def partition_parquet(
         )
         write_json(tmp_dir / MANIFEST_NAME, manifest)
     return manifest
+
+
+def _tallied_ranks(
+    tally: RankValueTally,
+    name: str,
+    deal: Deal,
+    columns: tuple[str, ...],
+    world_size: int,
+    batch: pa.RecordBatch,
+) -> np.ndarray:
+    """The batch's ranks from the deal (checked), its group values tallied per rank on the way."""
+    ranks = dealt_ranks(name, deal, columns, world_size, batch)
+    tally.add(batch, ranks)
+    return ranks
 
 
 def _refuse_empty_shards(name: str, rows: list[int]) -> None:

@@ -39,6 +39,10 @@ MAX_COLUMN_VALUES = 1 << 21
 # plain size (its values repeat, e.g. pixel intensities); continuous values never do.
 DICTIONARY_MAX_STORED_FRACTION = 0.5
 REMAKE_INPUT = "fix the path or (re-)run the prepare stage"
+# Slices of read batches a rank's buffer holds at least before they are copied out; the partition stage
+# allows W of them: iid's ranks, dealt a 1/W share of each batch, fill a row group in at most about W
+# pieces (never copied), a rank dealt a smaller share would take many more.
+MIN_BORROWED_PIECES = 4
 
 
 def max_rows_per_group(schema: pa.Schema) -> int:
@@ -205,6 +209,7 @@ class ShardWriter:
         writes: BackgroundWrites,
         hashers: ThreadPoolExecutor,
         use_dictionary: list[str] | bool = True,
+        max_borrowed: int = MIN_BORROWED_PIECES,
     ) -> None:
         self.path = path
         self.digest = _FileDigest(path)
@@ -215,6 +220,8 @@ class ShardWriter:
         self.writer = pq.ParquetWriter(path, schema, use_dictionary=use_dictionary)
         self.pending: list[pa.RecordBatch] = []
         self.num_pending = 0
+        self.borrowed = 0  # pending pieces at the end that are slices of a read batch
+        self.max_borrowed = max(MIN_BORROWED_PIECES, max_borrowed)
         self.num_rows = 0
         self.label_counts: dict = {}
         self.moments: dict[str, list[float]] = {}
@@ -225,11 +232,19 @@ class ShardWriter:
         self.pending.append(batch)
         self.num_pending += batch.num_rows
         self.num_rows += batch.num_rows
+        self.borrowed += 1
         while self.num_pending >= self.row_group_rows:
             table = self._take_pending()
             self._submit(table.slice(0, self.row_group_rows))
             rest = table.slice(self.row_group_rows)
-            self.pending, self.num_pending = rest.to_batches(), rest.num_rows
+            self.pending, self.num_pending, self.borrowed = rest.to_batches(), rest.num_rows, 0
+        if self.borrowed > self.max_borrowed:
+            # A slice keeps its whole read batch alive: a rank dealt a few rows of every batch (a skewed
+            # partition) would hold many batches until its row group fills. Copy those pieces into one
+            # (each row at most once more; the rows, hence the bytes written, are the same).
+            owned = pa.Table.from_batches(self.pending[-self.borrowed :], schema=self.schema).combine_chunks()
+            self.pending[-self.borrowed :] = owned.to_batches()
+            self.borrowed = 0
 
     def flush(self) -> None:
         """Queue the last, shorter row group."""

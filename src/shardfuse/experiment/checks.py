@@ -17,7 +17,6 @@ from shardfuse.experiment.keys import (
     FLOAT_TRAIN_KEYS,
     OPTIONAL_TRAIN_KEYS,
     merge_params,
-    partition_params,
 )
 from shardfuse.experiment.schema import ConfigError
 from shardfuse.fusion.methods import registry as merge_methods
@@ -201,12 +200,3 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     run["betas"] = [float(beta) for beta in run["betas"]]
     if optimizer == "adamw" and run["weight_decay"] > 0:
         run["decay_rule"] = DECAY_RULE
-
-
-def check_partition(name: str, run: dict[str, Any]) -> None:
-    """The run's partitioner takes its partition_<param> keys: its record checks them (before any job,
-    not at partition time)."""
-    try:
-        partition_params(run)
-    except UserError as exc:
-        raise ConfigError(f"config error at runs[{name}].partition: {exc}") from None

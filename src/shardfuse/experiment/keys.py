@@ -197,9 +197,10 @@ def partitioner_of(run_cfg: dict[str, Any]) -> str:
     return run_cfg.get("partition", partitioners.DEFAULT)
 
 
-def partition_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
+def partition_params(run_cfg: dict[str, Any], num_classes: int | None = None) -> dict[str, Any]:
     """The run's partitioner's params, from its partition_<param> keys (null or absent: the record's
-    default), checked by the record (a UserError names the key)."""
+    default), checked by the record (a UserError names the key; ``num_classes``, where the config knows
+    it, is checked too)."""
     name = partitioner_of(run_cfg)
     record = partitioners.find(name)
     given = {
@@ -207,7 +208,7 @@ def partition_params(run_cfg: dict[str, Any]) -> dict[str, Any]:
         for param in record.params
         if run_cfg.get(f"partition_{param}") is not None
     }
-    return partitioners.resolve_params(name, given, run_cfg["world_size"])
+    return partitioners.resolve_params(name, given, run_cfg["world_size"], num_classes)
 
 
 def shardset_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfuse.data.sources.registry import find_source
-from shardfuse.experiment.checks import check_dataset_task, check_partition, check_run, check_training_loop
+from shardfuse.experiment.checks import check_dataset_task, check_run, check_training_loop
 from shardfuse.experiment.keys import (
     DEFAULT_TRACKING_URI,
     LONGEST_FILE_OF_NAME,
@@ -27,6 +27,7 @@ from shardfuse.experiment.model_checks import (
     check_registered_model,
     resolve_init_sources,
 )
+from shardfuse.experiment.partition_check import check_partition
 from shardfuse.experiment.runs_table import read_runs_table
 from shardfuse.experiment.schema import (
     SCHEMA_PATH,
@@ -123,7 +124,7 @@ def load_experiment(
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
         check_run(name, resolved, datasets, fix)
-        check_partition(name, resolved)
+        check_partition(name, resolved, datasets)
         check_model(name, resolved, datasets)
         check_training_loop(name, resolved, datasets)
         check_adapter(name, resolved, datasets)

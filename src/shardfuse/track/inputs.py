@@ -30,6 +30,7 @@ import numpy as np
 
 from shardfuse.checkpoints.trust import RERUN_MERGE, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
+from shardfuse.data.heterogeneity import shard_metrics
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import UserError, read_json
 from shardfuse.metrics.system import system_metrics_path
@@ -265,6 +266,7 @@ def load_inputs(
     if adapter_dir is not None:
         headline.update(adapter_metrics(read_json(fusion, "adapter fusion record"), fusion))
     manifest_json = read_json(manifest, "manifest")
+    headline.update(shard_metrics(manifest_json))  # how heterogeneous the shards are (iid's computed)
     return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
 
 

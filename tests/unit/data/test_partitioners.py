@@ -59,8 +59,9 @@ def test_iids_deal_hands_out_the_seeded_assignment_whatever_the_batch_sizes():
 
 
 def test_an_unknown_partitioner_is_one_line_listing_the_known_ones(parity):
-    with pytest.raises(UserError, match="unknown partitioner 'dirichlet'; use one of iid, parity"):
-        registry.find("dirichlet")
+    known = "iid, dirichlet, pathological, shards, column, size, continuous, parity"
+    with pytest.raises(UserError, match=f"unknown partitioner 'nosuch'; use one of {known}"):
+        registry.find("nosuch")
 
 
 def test_params_are_filled_with_defaults_and_checked_by_the_record(parity):

@@ -11,9 +11,9 @@ import pytest
 
 from shardfuse.data.partitioners import registry
 from shardfuse.data.partitioners.assignment import Param
-from shardfuse.experiment.checks import check_partition
 from shardfuse.experiment.keys import partition_args, shardset_name, training_name
 from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.partition_check import check_partition
 from shardfuse.experiment.schema import ConfigError
 from tests.support.helpers import base_config
 
@@ -60,5 +60,64 @@ def test_a_bad_partition_param_is_a_config_error_naming_the_key(skew):
 
 
 def test_the_config_refuses_a_partitioner_the_registry_does_not_have():
-    with pytest.raises(ConfigError, match=r"runs\[r\].partition: 'dirichlet' is not one of iid; "):
-        resolved_run(partition="dirichlet")
+    with pytest.raises(ConfigError, match=r"runs\[r\].partition: 'nosuch' is not one of iid, dirichlet, "):
+        resolved_run(partition="nosuch")
+
+
+def test_two_runs_differing_only_in_alpha_get_their_own_shard_sets_and_trainings():
+    low, high = (resolved_run(partition="dirichlet", partition_alpha=alpha) for alpha in (0.1, 1))
+    assert shardset_name(low) != shardset_name(high)
+    assert shardset_name(low).startswith("w2-seed0-dirichlet-")
+    assert training_name(low) != training_name(high) != training_name(resolved_run())
+    # 1 and 1.0 are one alpha (YAML reads 1 as an integer, runs.tsv as a float): one shard set
+    assert shardset_name(high) == shardset_name(resolved_run(partition="dirichlet", partition_alpha=1.0))
+    assert '"alpha": 1.0' in partition_args(high)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"partition": "dirichlet", "partition_alpha": 0}, "parameter 'alpha' must be a number > 0"),
+        ({"partition": "dirichlet"}, "'alpha' must be a number > 0 (the Dirichlet concentration), got None"),
+        ({"partition": "pathological", "partition_classes_per_rank": 2, "partition_alpha": 0.5},
+         "partitioner pathological does not take partition_alpha (it takes partition_classes_per_rank, "),
+        ({"partition_min_rows": 5}, "partitioner iid does not take partition_min_rows (it takes no "),
+        ({"partition": "column", "partition_column": "label"}, "partition_column 'label' is the label"),
+        ({"partition": "column", "partition_column": "user", "partition_groups": [[1, 2]]},
+         "partition_groups lists 1 groups of values (2 values) for 2 ranks; give every rank a non-empty"),
+        ({"partition": "column", "partition_column": "user", "partition_groups": [[1], [1]]},
+         "partition_groups names 1 for two ranks"),
+        ({"partition": "size", "partition_sizes": [0.5, 0.2]}, "are 2 fractions summing to 0.7; give 2"),
+        ({"partition": "size", "partition_sizes": [1.5, -0.5]},
+         "'sizes' must be null or a list of fractions >= 0"),
+        ({"partition": "size"}, "takes partition_sizes (a fraction per rank) or partition_law"),
+        ({"partition": "continuous", "partition_column": "x0", "partition_strictness": 2},
+         "parameter 'strictness' must be a number from 0 (iid) to 1"),
+        ({"partition": "shards", "drop_remainder": True},
+         "drop_remainder makes iid's shards equal; partitioner shards decides its own shard sizes"),
+    ],
+)  # fmt: skip
+def test_bad_partition_keys_are_one_config_error_before_any_job(keys, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolved_run(**keys)
+
+
+def test_a_label_partition_on_a_dataset_without_class_labels_is_refused():
+    config = base_config({"r": {"partition": "dirichlet", "partition_alpha": 0.5}})
+    config["datasets"] = {"d": {"source": "diabetes"}}
+    config["run_defaults"]["dataset"] = "d"
+    with pytest.raises(
+        ConfigError, match="partitioner dirichlet splits by class labels, but dataset d is a regression"
+    ):
+        load_experiment(config, environ={})
+    config["runs"] = {"r": {"partition": "size", "partition_law": "linear"}}
+    assert load_experiment(config, environ={}).runs["r"]["partition"] == "size"
+
+
+def test_more_classes_per_rank_than_the_spec_lists_is_refused_before_the_data_is_read():
+    config = base_config({"r": {"partition": "pathological", "partition_classes_per_rank": 4}})
+    config["datasets"]["digits"]["classes"] = [0, 1, 2]
+    with pytest.raises(
+        ConfigError, match="partition_classes_per_rank 4 is more than the 3 classes of the data"
+    ):
+        load_experiment(config, environ={})

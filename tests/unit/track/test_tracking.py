@@ -105,6 +105,10 @@ def test_track_creates_one_parent_with_config_params_headline_metrics_and_rank_h
     assert metrics["train_seconds"] == pytest.approx(12.5)
     assert metrics["merge_seconds"] == pytest.approx(0.25)
     assert "bytes_all_reduced_per_rank" not in metrics  # unknown in an old train.json: not 0
+    # How heterogeneous the shards are: from the manifest's rows (no label counts here: no label JSD).
+    rows = np.array([719 + rank for rank in range(world_size)])
+    assert metrics["shard_rows_cv"] == pytest.approx(rows.std() / rows.mean())
+    assert "shard_label_jsd_mean" not in metrics
     for rank in range(world_size):
         assert metrics[f"test_accuracy_rank_{rank}"] == pytest.approx(0.70 + 0.02 * rank)
 

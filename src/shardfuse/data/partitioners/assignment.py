@@ -3,21 +3,24 @@ every partitioner in :mod:`shardfuse.data.partitioners.registry`.
 
 Rows are dealt in two streamed passes, so memory stays flat in the number of rows whatever the rule:
 
-1. the counting pass (only for a partitioner that declares columns): for each column it names
-   (``Partitioner.columns(params)``: the label, a group column), how many rows hold each value;
+1. the counting pass (only for a partitioner that counts columns): for each column it counts
+   (``Partitioner.counted(params)``, by default the columns it reads: the label, a group column), how
+   many rows hold each value;
 2. the deal: ``Partitioner.assign(layout, counts, params)`` returns a :data:`Deal`, which the stage
-   calls on the rows in input order, one read batch at a time, with that batch's declared columns; it
-   returns each row's rank (``world_size`` marks a dropped row).
+   calls on the rows in input order, one read batch at a time, with that batch's declared columns
+   (``Partitioner.columns(params)``); it returns each row's rank (``world_size`` marks a dropped row).
 
-A deal sees every row once and keeps none: what it must know about all rows it learns from the counts.
-Its output may depend on the layout, the counts and the params, never on how rows were batched (the
-stage's --batch-size changes memory, not bytes).
+A deal sees every row once and keeps none: what it must know about all rows it learns from the counts,
+or, where value counts are not enough (quantiles of a float column: ``continuous``), from its own
+passes over the declared columns through ``layout.scan``. Its output may depend on the layout, the
+counts and the params, never on how rows were batched (the stage's --batch-size changes memory, not
+bytes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,13 @@ ValueCounts = dict[Any, int]
 # of that many entries in 0..world_size (world_size: the row is dropped).
 Deal = Callable[[int, Mapping[str, np.ndarray]], np.ndarray]
 
+# Reads the declared columns again from the first row, one batch at a time (each call a new pass).
+Scan = Callable[[], Iterator[Mapping[str, np.ndarray]]]
+
+# The column of class labels in a prepared split (shardfuse.data.shard_format.LABEL_COLUMN; a test
+# holds them equal: this package stays pyarrow-free for the workflow, which imports the registry).
+LABEL_COLUMN = "label"
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -39,13 +49,15 @@ class Layout:
     world_size: int
     seed: int
     drop_remainder: bool = False
+    scan: Scan | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter of a partitioner: its default, what it must be (for the one-line error), and the
-    test a value must pass."""
+    """One parameter of a partitioner: its default, what it must be (for the one-line error), the
+    test a value must pass, and the form it is kept in (so that 1 and 1.0 name one shard set)."""
 
     default: Any
     describe: str
     accept: Callable[[Any], bool] = lambda value: True
+    normalize: Callable[[Any], Any] = lambda value: value

@@ -33,9 +33,19 @@ def iter_rank_assignment(
 ) -> Iterator[np.ndarray]:
     """The rank of every input row (value ``world_size`` marks a dropped row), block by block, in the
     smallest integer dtype that fits: a seeded uniformly random arrangement of the shard sizes in
-    O(block) memory. Each block's rank counts are a multivariate hypergeometric draw from the rows still
-    unassigned, then the block is shuffled: together exactly a shuffle of the whole assignment."""
+    O(block) memory (:func:`iter_sized_assignment`)."""
     sizes = shard_sizes(num_rows, world_size, drop_remainder)
+    return iter_sized_assignment(sizes, num_rows, seed, block_rows)
+
+
+def iter_sized_assignment(
+    sizes: list[int], num_rows: int, seed: int, block_rows: int = ASSIGNMENT_BLOCK_ROWS
+) -> Iterator[np.ndarray]:
+    """A seeded uniformly random arrangement of ``sizes[r]`` rows of each rank r among ``num_rows``
+    rows (the rest dropped: rank ``len(sizes)``), block by block. Each block's rank counts are a
+    multivariate hypergeometric draw from the rows still unassigned, then the block is shuffled:
+    together exactly a shuffle of the whole assignment."""
+    world_size = len(sizes)
     remaining = np.array([*sizes, num_rows - sum(sizes)], dtype=np.int64)
     dtype = np.min_scalar_type(world_size)
     ranks = np.arange(world_size + 1, dtype=dtype)

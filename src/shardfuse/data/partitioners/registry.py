@@ -18,12 +18,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardfuse.data.partitioners import iid
-from shardfuse.data.partitioners.assignment import Deal, Layout, Param, ValueCounts
+from shardfuse.data.partitioners import column, continuous, dirichlet, iid, pathological, shards, size
+from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Layout, Param, ValueCounts
 from shardfuse.io import UserError, find_record
 
 Assign = Callable[[Layout, Mapping[str, ValueCounts], dict[str, Any]], Deal]
-Check = Callable[[str, dict[str, Any], int], None]  # (partitioner, resolved params, world size)
+# (partitioner, resolved params, world size, the number of classes where known before the data is read)
+Check = Callable[[str, dict[str, Any], int, "int | None"], None]
 
 
 def no_columns(params: dict[str, Any]) -> tuple[str, ...]:
@@ -39,7 +40,12 @@ class Partitioner:
     # The columns the counting pass counts and the deal is shown, from the resolved params (the label,
     # a column a param names); none: no counting pass, the deal sees row counts only.
     columns: Callable[[dict[str, Any]], tuple[str, ...]] = no_columns
+    # The columns whose values the counting pass counts (None: the columns above); a float column's
+    # counts would be as large as the data, so a rule that reads one counts nothing (continuous).
+    counted: Callable[[dict[str, Any]], tuple[str, ...]] | None = None
     check: Check | None = None  # checks across parameters and the world size, after each passed its own
+    # Whether it honours drop_remainder (equal shards of N // W rows); the others decide their own sizes.
+    drops_remainder: bool = False
     # Whether its shard sets are named by its name and params (beside world size, seed, drop_remainder):
     # false only for iid, whose shard sets, commands and trainings keep the names they had before
     # partitioners existed.
@@ -52,6 +58,13 @@ class Partitioner:
             return {}
         return {"partition": self.name, **{f"partition_{key}": value for key, value in params.items()}}
 
+    def counted_columns(self, params: dict[str, Any]) -> tuple[str, ...]:
+        return self.columns(params) if self.counted is None else self.counted(params)
+
+    def reads_labels(self, params: dict[str, Any]) -> bool:
+        """Whether it reads the class labels (a label partition: classification data only)."""
+        return LABEL_COLUMN in self.columns(params)
+
 
 RECORDS: tuple[Partitioner, ...] = (
     Partitioner(
@@ -59,6 +72,57 @@ RECORDS: tuple[Partitioner, ...] = (
         iid.assign,
         "a seeded uniformly random split into shards whose sizes differ by at most one row",
         named=False,
+        drops_remainder=True,
+    ),
+    Partitioner(
+        "dirichlet",
+        dirichlet.assign,
+        "label skew: each class split over the ranks by p ~ Dir(alpha) (Hsu et al. 2019; Flower's "
+        "DirichletPartitioner)",
+        dirichlet.PARAMS,
+        columns=dirichlet.columns,
+    ),
+    Partitioner(
+        "pathological",
+        pathological.assign,
+        "each rank sees classes_per_rank classes (McMahan et al. 2017; Flower's PathologicalPartitioner)",
+        pathological.PARAMS,
+        columns=pathological.columns,
+        check=pathological.check,
+    ),
+    Partitioner(
+        "shards",
+        shards.assign,
+        "rows sorted by label, cut into shards, shards_per_rank dealt to each rank (FedAvg; Flower's "
+        "ShardPartitioner)",
+        shards.PARAMS,
+        columns=shards.columns,
+    ),
+    Partitioner(
+        "column",
+        column.assign,
+        "natural groups: each value of a column one group, groups dealt to ranks balanced by rows or as "
+        "named (Flower's NaturalIdPartitioner)",
+        column.PARAMS,
+        columns=column.columns,
+        check=column.check,
+    ),
+    Partitioner(
+        "size",
+        size.assign,
+        "quantity skew: iid rows in shards of given fractions or by a law (Flower's SizePartitioner, "
+        "Linear/Square/ExponentialPartitioner)",
+        size.PARAMS,
+        check=size.check,
+    ),
+    Partitioner(
+        "continuous",
+        continuous.assign,
+        "skew along a numeric column: sorted by strictness x z + (1 - strictness) x noise, cut in W runs "
+        "(Flower's ContinuousPartitioner)",
+        continuous.PARAMS,
+        columns=continuous.columns,
+        counted=continuous.counted,
     ),
 )
 
@@ -76,8 +140,9 @@ def find(name: str) -> Partitioner:
     )
 
 
-def resolve_params(name: str, params: Any, world_size: int) -> dict[str, Any]:
-    """Check ``params`` of partitioner ``name`` for ``world_size`` ranks; fill in defaults."""
+def resolve_params(name: str, params: Any, world_size: int, num_classes: int | None = None) -> dict[str, Any]:
+    """Check ``params`` of partitioner ``name`` for ``world_size`` ranks (and ``num_classes``, where the
+    number of classes is known before the data is read); fill in defaults."""
     record = find(name)
     if params is None:
         params = {}
@@ -101,9 +166,9 @@ def resolve_params(name: str, params: Any, world_size: int) -> dict[str, Any]:
                 f"partitioner {name}: parameter {key!r} must be {param.describe}, got {value!r}; "
                 f"fix run key partition_{key} (or --params-json)"
             )
-        resolved[key] = value
+        resolved[key] = param.normalize(value)
     if record.check is not None:
-        record.check(name, resolved, world_size)
+        record.check(name, resolved, world_size, num_classes)
     return resolved
 
 
