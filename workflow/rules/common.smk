@@ -182,10 +182,6 @@ def shard_dir_of(wildcards):
     return f"results/shards/{cfg['dataset']}/{shardset_name(cfg)}"
 
 
-def shard_manifest_of_run(wildcards):
-    return f"{shard_dir_of(wildcards)}/manifest.json"
-
-
 def dataset_dir_of(wildcards):
     return f"results/datasets/{_cfg(wildcards)['dataset']}"
 

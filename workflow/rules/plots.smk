@@ -3,7 +3,7 @@ rule plots:
         ranks=ranks_of_run,
         evaluation=rules.evaluate.output.record,
         ddp_baseline=ddp_baseline_of_run,
-        manifest=shard_manifest_of_run,
+        shards=shard_dir_of,
     output:
         loss=report(
             "results/runs/{run}/plots/loss.png",
@@ -37,7 +37,7 @@ rule plots:
         "../../envs/tracking.yaml"
     shell:
         "python -m shardfuse.plots --run-dir results/runs/{wildcards.run} --train-dir {input.ranks}"
-        " --ddp-baseline {input.ddp_baseline:q} --manifest {input.manifest:q}"
+        " --ddp-baseline {input.ddp_baseline:q} --manifest {input.shards:q}/manifest.json"
         " --out-dir results/runs/{wildcards.run}/plots > {log} 2>&1"
 
 
