@@ -3,7 +3,7 @@
 By hand::
 
     python -m shardfuse.plots --run-dir results/runs/ddp --train-dir results/trainings/<training>/ranks \\
-        --out-dir results/runs/ddp/plots
+        --manifest results/shards/digits/w2-seed0/manifest.json --out-dir results/runs/ddp/plots
     python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
     python -m shardfuse.plots communication --summary results/summary.csv \\
         --out results/plots/communication.png
@@ -14,7 +14,8 @@ ensemble, the ddp baseline, the initial model) on an axis zoomed to them, not an
 model far worse than the trained ones is an arrow at the axis's edge with its value. ``compare`` shows
 every run of ``summary.csv`` as a row, best merged score first, against its ranks, ensemble and ddp
 baseline; ``communication`` shows each run's merged score against the bytes its training all-reduced per
-rank (log scale; independent training at a ``0 B`` tick). Those two figures are drawn by
+rank (log scale; independent training at a ``0 B`` tick). With ``--manifest`` (the run's shard set),
+``shards.png``: each rank's rows by class, titled with the heterogeneity numbers. Those figures are drawn by
 :mod:`shardfuse.report.figures`. The score is the task's (accuracy, mse, loss: see
 :mod:`shardfuse.models.tasks`); every axis says which way is better. Matplotlib's Agg backend, no display
 needed; every PNG is written
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from shardfuse.console.errors import run_cli
+from shardfuse.data.manifest import read_manifest
 from shardfuse.experiment.records import EvalRecord
 from shardfuse.io import StageParser, UserError
 from shardfuse.models.tasks import evaluation_task
@@ -49,9 +51,11 @@ from shardfuse.report.figures import (
     score_label,
     zoomed_limits,
 )
+from shardfuse.report.shards import plot_shard_set
 from shardfuse.track.series import read_step_metrics
 
 RUN_PLOTS = ("loss.png", "throughput.png", "fusion.png")
+SHARD_PLOT = "shards.png"  # with --manifest: what each rank was dealt
 INITIAL = "initial model"  # the model before training: never "base", which reads like the ddp baseline
 # Subcommands that draw one figure of summary.csv: name -> (description, default file name, drawer).
 SUMMARY_PLOTS = {
@@ -199,11 +203,23 @@ def plot_fusion(evaluation: EvalRecord, title: str, out: Path) -> Path:
     return save_figure(fusion_figure(evaluation, title), out)
 
 
-def plot_run(run_dir: Path, out_dir: Path, train_dir: Path, ddp_baseline: Path | None = None) -> list[Path]:
+def plot_run(
+    run_dir: Path,
+    out_dir: Path,
+    train_dir: Path,
+    ddp_baseline: Path | None = None,
+    manifest: Path | None = None,
+) -> list[Path]:
+    """The run's plots; with its shard set's ``manifest``, ``shards.png`` too (report/shards.py)."""
     metrics = rank_metrics(train_dir)
     evaluation = EvalRecord.read_with_baseline(run_dir / "eval.json", ddp_baseline)
     name = run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
+    shards = (
+        []
+        if manifest is None
+        else [plot_shard_set(read_manifest(manifest.parent), name, out_dir / SHARD_PLOT)]
+    )
     return [
         plot_curves(metrics, "loss", "training loss", f"{name}: loss per rank", out_dir / "loss.png"),
         plot_curves(
@@ -214,6 +230,7 @@ def plot_run(run_dir: Path, out_dir: Path, train_dir: Path, ddp_baseline: Path |
             out_dir / "throughput.png",
         ),
         plot_fusion(evaluation, name, out_dir / "fusion.png"),
+        *shards,
     ]
 
 
@@ -240,10 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(
             "--ddp-baseline", nargs="?", default="", help="eval.json of the ddp run trained alike, if any"
         )
+        parser.add_argument("--manifest", type=Path, help="its shard set's manifest.json: shards.png too")
         parser.add_argument("--out-dir", type=Path, required=True, help="where loss/throughput/fusion.png go")
         args = parser.parse_args(argv)
         baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
-        written = plot_run(args.run_dir, args.out_dir, args.train_dir, baseline)
+        written = plot_run(args.run_dir, args.out_dir, args.train_dir, baseline, args.manifest)
     print("wrote " + ", ".join(str(path) for path in written))
 
 

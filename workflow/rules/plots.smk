@@ -3,6 +3,7 @@ rule plots:
         ranks=ranks_of_run,
         evaluation=rules.evaluate.output.record,
         ddp_baseline=ddp_baseline_of_run,
+        shards=shard_dir_of,
     output:
         loss=report(
             "results/runs/{run}/plots/loss.png",
@@ -22,6 +23,12 @@ rule plots:
             category="Runs",
             subcategory="{run}",
         ),
+        shards=report(
+            "results/runs/{run}/plots/shards.png",
+            caption="../report/shards.rst",
+            category="Runs",
+            subcategory="{run}",
+        ),
     log:
         "logs/plots/{run}.log",
     benchmark:
@@ -30,7 +37,7 @@ rule plots:
         "../../envs/tracking.yaml"
     shell:
         "python -m shardfuse.plots --run-dir results/runs/{wildcards.run} --train-dir {input.ranks}"
-        " --ddp-baseline {input.ddp_baseline:q}"
+        " --ddp-baseline {input.ddp_baseline:q} --manifest {input.shards:q}/manifest.json"
         " --out-dir results/runs/{wildcards.run}/plots > {log} 2>&1"
 
 

@@ -37,8 +37,9 @@ class Partitioner:
     assign: Assign
     reference: str
     params: dict[str, Param] = field(default_factory=dict)
-    # The columns the counting pass counts and the deal is shown, from the resolved params (the label,
-    # a column a param names); none: no counting pass, the deal sees row counts only.
+    # The columns the deal is shown (and, unless ``counted`` says otherwise, the counting pass counts),
+    # from the resolved params (the label, a column a param names); none: no counting pass, the deal
+    # sees row counts only.
     columns: Callable[[dict[str, Any]], tuple[str, ...]] = no_columns
     # The columns whose values the counting pass counts (None: the columns above); a float column's
     # counts would be as large as the data, so a rule that reads one counts nothing (continuous).
