@@ -83,24 +83,21 @@ def test_mlflow_has_one_parent_per_run_with_world_size_children(workdir):
     assert len(state["histories"][("ddp/rank-0", "loss")]) == train["num_steps"]
 
 
-def test_until_partition_stops_before_training(tmp_path):
-    tiny_config(tmp_path)
-    snakemake(tmp_path, "--until", "partition")
-    manifest = json.loads((tmp_path / "results/shards/digits/w2-seed0/manifest.json").read_text())
-    assert manifest["world_size"] == 2
-    assert not (tmp_path / "results" / "runs").exists()
-
-
-def test_an_alpha_sweep_partitions_one_shard_set_per_alpha_beside_the_iid_one(tmp_path):
+def test_until_partition_stops_before_training_with_one_shard_set_per_alpha_beside_the_iid_one(tmp_path):
+    """``--until partition`` on an alpha sweep (runs.tsv rows differing in partition_alpha): one shard set
+    per alpha beside the iid one (unchanged: no partition entry), none trained."""
     path = tiny_config(tmp_path)
     config = yaml.safe_load(path.read_text())
     sweep = {f"alpha{alpha}": {"partition": "dirichlet", "partition_alpha": alpha} for alpha in (0.1, 10)}
     config["runs"] = {"ddp": config["runs"]["ddp"], **sweep}
     path.write_text(yaml.safe_dump(config))
     snakemake(tmp_path, "--until", "partition")
+    assert not (tmp_path / "results" / "runs").exists()
+    assert not (tmp_path / "results" / "trainings").exists()
     shards = tmp_path / "results" / "shards" / "digits"
     manifests = {p.parent.name: json.loads(p.read_text()) for p in shards.glob("*/manifest.json")}
-    assert len(manifests) == 3 and "partition" not in manifests.pop("w2-seed0")
+    iid = manifests.pop("w2-seed0")
+    assert iid["world_size"] == 2 and "partition" not in iid and len(manifests) == 2
     alphas = {m["partition"]["params"]["alpha"]: m["heterogeneity"] for m in manifests.values()}
     assert alphas[0.1]["label_jsd_mean"] > alphas[10.0]["label_jsd_mean"]
     assert all(name.startswith("w2-seed0-dirichlet-") for name in manifests)
