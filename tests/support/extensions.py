@@ -5,13 +5,9 @@ see)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
-import sys
-import textwrap
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -19,19 +15,8 @@ from shardfuse.checkpoints.weights import load_weights, save_weights
 from shardfuse.io import write_json
 from shardfuse.models.registry import build_model
 from shardfuse.models.spec import model_spec
+from tests.support.extension import import_toy_module as write_module  # noqa: F401 (re-used)
 from tests.support.helpers import call_stage
-
-
-def write_module(tmp_path: Path, name: str, source: str) -> ModuleType:
-    """``source`` as module ``name`` in ``tmp_path``, imported from that file (and registered in
-    sys.modules, as an import would); the caller's monkeypatch removes it with ``delitem``."""
-    path = tmp_path / f"{name}.py"
-    path.write_text(textwrap.dedent(source))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_ranks(out: Path, dataset: Path, num_ranks: int, run: str = "t", **model_args) -> dict:
