@@ -24,6 +24,12 @@ Last come :data:`ENSEMBLE_COLUMNS`: ``test_<score>_ensemble`` for each task's sc
 ensemble of the ranks, see :mod:`shardfuse.evaluate`), then ``fusion_gap`` (eval.json's: how much better
 the ensemble scores than the merged model, positive when it is better). eval.json files from before the
 evaluate stage scored the ensemble leave both empty.
+
+When some run of the experiment is not iid, the workflow gives every run its shard set's manifest
+(``manifest`` in ``--runs-json``) and the header ends with :data:`HETEROGENEITY_COLUMNS`: the label
+Jensen-Shannon divergence of the ranks to the pooled labels (mean, max; empty without class labels) and
+the spread of the shards' rows (:mod:`shardfuse.data.heterogeneity`; an iid run's computed from its
+manifest). Without a manifest, no such column: an all-iid experiment keeps its bytes.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.console.errors import run_cli
+from shardfuse.data.heterogeneity import shard_metrics
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
-from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg
+from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, read_json
 from shardfuse.models import tasks
 from shardfuse.models.tasks import evaluation_task, score_first, task_for
 
@@ -66,6 +73,8 @@ SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
 # Appended after the training columns: the ensemble of the ranks, test_<score>_ensemble per task first.
 ENSEMBLE_COLUMNS = ("fusion_gap",)
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
+# Appended last where runs name their manifests (some run of the experiment is not iid).
+HETEROGENEITY_COLUMNS = ("shard_label_jsd_mean", "shard_label_jsd_max", "shard_rows_cv")
 ACCURACY = "accuracy"  # the score of the header every summary had before tasks (COLUMNS)
 
 
@@ -116,7 +125,24 @@ def checked_runs(runs: Any) -> dict[str, dict[str, Any]]:
             value = cfg[key]
             if not isinstance(value, KIND_OF[kind]) or isinstance(value, bool):
                 raise UserError(f"--runs-json: run {run!r} has {key} {value!r}, not a {kind}; {fix}")
+        if not isinstance(cfg.get("manifest", ""), str):
+            raise UserError(f"--runs-json: run {run!r} has manifest {cfg['manifest']!r}, not a path; {fix}")
     return runs
+
+
+def heterogeneity_cells(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The run's shard set heterogeneity from its manifest (label cells empty without class labels)."""
+    if "manifest" not in cfg:
+        return {}
+    manifest = read_json(cfg["manifest"], "shard manifest")
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(shards, list) or not all(
+        isinstance(shard, dict) and "rows" in shard for shard in shards
+    ):
+        raise UserError(
+            f"shard manifest {cfg['manifest']} has no shards with rows; re-run the partition stage"
+        )
+    return {column: shard_metrics(manifest).get(column, "") for column in HETEROGENEITY_COLUMNS}
 
 
 def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
@@ -163,6 +189,7 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         "bytes_all_reduced_per_rank": _count(training.bytes_all_reduced_per_rank),
         f"test_{score}_ensemble": ensemble.get(score, ""),
         "fusion_gap": "" if gap is None else gap,
+        **heterogeneity_cells(cfg),
     }
 
 
@@ -171,6 +198,8 @@ def write_summary(
 ) -> list[dict[str, Any]]:
     rows = [summary_row(run, cfg, results_dir / run, trainings_dir) for run, cfg in runs.items()]
     columns = summary_columns(row["task"] for row in rows)
+    if any("manifest" in cfg for cfg in runs.values()):
+        columns = (*columns, *HETEROGENEITY_COLUMNS)
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:
         # restval: a run leaves other tasks' columns empty; ignore: "task" when it is no column.
         writer = csv.DictWriter(fh, fieldnames=columns, restval="", extrasaction="ignore")

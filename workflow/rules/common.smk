@@ -34,6 +34,7 @@ from shardfuse.experiment.keys import (  # noqa: E402
     merge_align_args,
     merge_params,
     partition_args,
+    shardset_identity,
     shardset_name,
     train_config,
 )
@@ -395,13 +396,27 @@ def registered_model_args(wildcards):
     return f"--registered-model {shlex.quote(EXPERIMENT.registered_model)}"
 
 
+def summary_shard_dirs(wildcards):
+    """Every run's shard set when some run is not iid (summary.csv's heterogeneity columns); none for
+    an all-iid experiment, whose summary keeps its inputs, params and bytes."""
+    if not any(shardset_identity(cfg) for cfg in RUNS.values()):
+        return []
+    return sorted({shard_dir_of(_run_wildcards(run)) for run in RUNS})
+
+
 def summary_runs_json(wildcards):
     keys = ("dataset", "world_size", "strategy", "sync_every")
+    with_manifests = bool(summary_shard_dirs(wildcards))
     rows = {
         run: {
             **{key: cfg[key] for key in keys},
             "training": EXPERIMENT.training(run),
             "ddp_baseline": EXPERIMENT.ddp_baseline(run),
+            **(
+                {"manifest": f"{shard_dir_of(_run_wildcards(run))}/manifest.json"}
+                if with_manifests
+                else {}
+            ),
         }
         for run, cfg in RUNS.items()
     }

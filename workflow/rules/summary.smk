@@ -3,6 +3,7 @@ rule summary:
         evaluations=expand(rules.evaluate.output.record, run=RUNS),
         merges=expand(rules.merge.output.record, run=RUNS),
         gathers=expand(rules.gather.output.record, training=TRAININGS),
+        shards=summary_shard_dirs,
     output:
         csv=report(
             "results/summary.csv",

@@ -45,11 +45,9 @@ class Layout:
         """(key, what is wrong) for the config check, which the schema cannot say; None if fine."""
         return None
 
-    def select(
-        self, features: np.ndarray, targets: np.ndarray | None, names: list[str], spec: dict[str, Any]
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The rows prepare keeps (all of them, unless the layout filters)."""
-        return features, targets
+    def select(self, targets: np.ndarray | None, names: list[str], spec: dict[str, Any]) -> np.ndarray | None:
+        """The rows prepare keeps: a boolean mask, or None for all of them (unless the layout filters)."""
+        return None
 
     def strata(self, targets: np.ndarray | None, num_rows: int, names: list[str]) -> tuple[np.ndarray, int]:
         """(stratum of each row, number of strata) the split is stratified by: one stratum, a random split."""
@@ -103,14 +101,13 @@ class ClassLabels(Layout):
             )
         return None
 
-    def select(
-        self, features: np.ndarray, targets: np.ndarray | None, names: list[str], spec: dict[str, Any]
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    def select(self, targets: np.ndarray | None, names: list[str], spec: dict[str, Any]) -> np.ndarray | None:
         """The rows of the spec's ``classes``; refused when a class has a single row (a stratified split
         needs two)."""
+        keep = None
         if "classes" in spec:
             keep = np.isin(targets, kept_class_codes(spec["classes"], names))
-            features, targets = features[keep], targets[keep]
+            targets = targets[keep]
         counts = np.bincount(targets, minlength=len(names))
         rare = [f"{names[c]!r}" for c in np.flatnonzero(counts == 1)]
         if rare:
@@ -118,7 +115,7 @@ class ClassLabels(Layout):
                 f"label value(s) {', '.join(rare[:10])} in {spec.get('path', spec['source'])} have a single "
                 "row; a stratified split needs at least 2 rows per class: add rows or drop those"
             )
-        return features, targets
+        return keep
 
     def strata(self, targets: np.ndarray | None, num_rows: int, names: list[str]) -> tuple[np.ndarray, int]:
         return targets, len(names)

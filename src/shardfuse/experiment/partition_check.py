@@ -1,7 +1,9 @@
 """What the schema cannot say about a run's partition keys: which partition_<param> keys its partitioner
-takes, their values (the partitioner's record checks them), and whether its data can be split so;
-each refused with the key and the fix, before any job (the partition stage checks what only the data
-can tell: a column's type, the number of classes or groups, a draw's shard sizes).
+takes, their values (the partitioner's record checks them), and whether its data can be split so (class
+labels for a label partition; a group column the dataset's split files carry, with enough groups where
+the spec says how many); each refused with the key and the fix, before any job (the partition stage
+checks what only the data can tell: a column's type, the number of classes or groups, a draw's shard
+sizes).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardfuse.data.partitioners import registry as partitioners
+from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.checks import dataset_task
 from shardfuse.experiment.keys import partition_params, partitioner_of
 from shardfuse.experiment.schema import ConfigError
@@ -55,6 +58,36 @@ def check_partition(
             f"{dataset_task(dataset)} dataset without them; use partition: size, column or continuous "
             "(or iid)"
         )
+    if dataset is not None:
+        _check_group_columns(where, run, record, params, dataset)
+
+
+def _check_group_columns(
+    where: str, run: dict[str, Any], record: partitioners.Partitioner, params: dict[str, Any], dataset: dict
+) -> None:
+    """The columns the partitioner groups rows by are carried by the dataset's split files (its source's
+    record says which its spec asks for), with as many groups as the record needs where the spec says."""
+    source = find_source(dataset["source"])
+    carried = source.carried(dataset)
+    for column in record.group_columns(params):
+        if column in carried:
+            continue
+        has = (
+            f"they carry {', '.join(carried)}"
+            if carried
+            else "they carry no column beyond inputs and targets"
+        )
+        fix = source.carry_fix or "a csv or parquet dataset carries its keep_columns"
+        raise ConfigError(
+            f"{where}: partitioner {record.name} groups rows by column {column!r}, which the split files of "
+            f"dataset {run['dataset']} do not carry ({has}); {fix}"
+        )
+    if record.check_groups is not None:
+        known = {column: groups for column, groups in carried.items() if groups is not None}
+        try:
+            record.check_groups(record.name, params, run["world_size"], known)
+        except UserError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def _has_class_labels(dataset: dict[str, Any]) -> bool:

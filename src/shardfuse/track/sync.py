@@ -75,7 +75,7 @@ from shardfuse.track.push import (
     synced_rows,
     synced_tag_value,
 )
-from shardfuse.track.ui import merge_params, run_datasets, run_times, source_tags
+from shardfuse.track.ui import merge_params, partition_params, run_datasets, run_times, source_tags
 
 
 class Synced(NamedTuple):
@@ -269,6 +269,7 @@ def track_run(
     # The config says it first: train.json's params only add what it has no key for; the merge
     # settings are those merge.json says were used.
     params = merge_params({**inputs.params, **flatten_params(config)}, inputs.merge)
+    params = partition_params(params, inputs.manifest)  # the partitioner's own keys, as the shards were cut
     with tracking_errors(tracking_uri), writer_lock(tracking_uri):
         client, experiment_id = connect(tracking_uri, experiment)
         runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {quote_run_name(run_name)}")

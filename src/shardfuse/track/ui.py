@@ -20,6 +20,9 @@ already read by :mod:`shardfuse.track.inputs`, so a push of unchanged files writ
   run's method does not take are left out, and the ones it takes show the values merge.json records,
   defaults filled in (``merge_density`` 0.2 for ``ties``, not ``None``); greedy soup's chosen ranks as
   ``merge_greedy_soup_selected``.
+- **the partition settings that were used** (:func:`partition_params`): only the ``partition_<param>``
+  keys of the partitioner that made the shards, with the values its manifest records (defaults filled
+  in, nulls left out); none for iid.
 """
 
 from __future__ import annotations
@@ -209,4 +212,20 @@ def merge_params(config_params: dict[str, str], merge: MergeRecord) -> dict[str,
     soup = merge.greedy_soup
     if isinstance(soup, dict) and isinstance(soup.get("selected"), list):
         params["merge_greedy_soup_selected"] = ",".join(str(rank) for rank in soup["selected"])
+    return params
+
+
+def partition_params(config_params: dict[str, str], manifest: dict[str, Any]) -> dict[str, str]:
+    """The run's params with the partition settings its shards' manifest says were used (see the module
+    docstring): every config has a ``partition_<param>`` key for each param of every partitioner, mostly
+    null; the run's own partitioner's resolved ones replace them all."""
+    from shardfuse.data.partitioners import registry  # standard library only
+
+    config_keys = {f"partition_{name}" for record in registry.RECORDS for name in record.params}
+    params = {key: value for key, value in config_params.items() if key not in config_keys}
+    used = manifest.get("partition") if isinstance(manifest, dict) else None  # absent: iid
+    if isinstance(used, dict) and isinstance(used.get("params"), dict):
+        for name, value in used["params"].items():
+            if value is not None:
+                params[f"partition_{name}"] = _param_text(value)
     return params

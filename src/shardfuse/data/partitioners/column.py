@@ -67,6 +67,19 @@ def check(name: str, params: dict[str, Any], world_size: int, num_classes: int |
         raise UserError(f"partitioner {name}: partition_groups names {twice!r} for two ranks; name it once")
 
 
+def check_groups(name: str, params: dict[str, Any], world_size: int, num_groups: Mapping[str, int]) -> None:
+    """Dealt balanced, every rank needs a group of its own (named groups say their own ranks):
+    ``num_groups`` holds the groups of the columns known so far (the spec's, before any job; the
+    counting pass's, at partition time)."""
+    column = params["column"]
+    found = num_groups.get(column)
+    if params["groups"] is None and found is not None and found < world_size:
+        raise UserError(
+            f"partitioner {name}: column {column!r} holds {found} groups, fewer than the {world_size} "
+            f"ranks; use at most {found} ranks or another column"
+        )
+
+
 def balanced(values: list[Any], counts: ValueCounts, layout: Layout) -> list[int]:
     """Each value's rank: largest group first to the rank with the fewest rows (ties: lower rank)."""
     tie_break = np.random.default_rng(layout.seed).permutation(len(values))
@@ -97,12 +110,8 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
     column = params["column"]
     column_counts = counts[column]
     values = values_of("column", column, column_counts)
+    check_groups("column", params, layout.world_size, {column: len(values)})
     if params["groups"] is None:
-        if len(values) < layout.world_size:
-            raise UserError(
-                f"partitioner column: column {column!r} holds {len(values)} groups, fewer than the "
-                f"{layout.world_size} ranks; use at most {len(values)} ranks or another column"
-            )
         ranks = balanced(values, column_counts, layout)
     else:
         ranks = named(values, params["groups"], column, layout.world_size)

@@ -25,6 +25,8 @@ from shardfuse.io import UserError, find_record
 Assign = Callable[[Layout, Mapping[str, ValueCounts], dict[str, Any]], Deal]
 # (partitioner, resolved params, world size, the number of classes where known before the data is read)
 Check = Callable[[str, dict[str, Any], int, "int | None"], None]
+# (partitioner, resolved params, world size, {counted column: its number of groups} where known)
+GroupsCheck = Callable[[str, dict[str, Any], int, Mapping[str, int]], None]
 
 
 def no_columns(params: dict[str, Any]) -> tuple[str, ...]:
@@ -45,6 +47,9 @@ class Partitioner:
     # counts would be as large as the data, so a rule that reads one counts nothing (continuous).
     counted: Callable[[dict[str, Any]], tuple[str, ...]] | None = None
     check: Check | None = None  # checks across parameters and the world size, after each passed its own
+    # Checks against the number of groups of a counted column where the dataset's spec tells it, so the
+    # config refuses before any job what the deal would refuse (the column partitioner: a group a rank).
+    check_groups: GroupsCheck | None = None
     # Whether it honours drop_remainder (equal shards of N // W rows); the others decide their own sizes.
     drops_remainder: bool = False
     # Whether its shard sets are named by its name and params (beside world size, seed, drop_remainder):
@@ -61,6 +66,11 @@ class Partitioner:
 
     def counted_columns(self, params: dict[str, Any]) -> tuple[str, ...]:
         return self.columns(params) if self.counted is None else self.counted(params)
+
+    def group_columns(self, params: dict[str, Any]) -> tuple[str, ...]:
+        """The columns whose values it counts as groups: its counted columns but the label. A
+        dataset's split files carry them only where its spec asks (shardfuse.data.sources.carried)."""
+        return tuple(column for column in self.counted_columns(params) if column != LABEL_COLUMN)
 
     def reads_labels(self, params: dict[str, Any]) -> bool:
         """Whether it reads the class labels (a label partition: classification data only)."""
@@ -107,6 +117,7 @@ RECORDS: tuple[Partitioner, ...] = (
         column.PARAMS,
         columns=column.columns,
         check=column.check,
+        check_groups=column.check_groups,
     ),
     Partitioner(
         "size",

@@ -54,7 +54,11 @@ BAD_IMAGE_CHOICES = ("error", "skip")
 
 
 class DigitsImages(SourceBehaviour):
-    """The digits source's rows (same order, so the same split), as 1x8x8 images scaled to [0, 1]."""
+    """The digits source's rows (same order, so the same split and writers), as 1x8x8 images scaled to
+    [0, 1]."""
+
+    def check(self, spec: dict[str, Any], task: Task) -> None:
+        Digits().check(spec, task)
 
     def describe(self, spec: dict[str, Any], task: Task) -> Described:
         return Described("tensor", [1, 8, 8], [], DIGIT_CLASSES)

@@ -22,6 +22,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from shardfuse.data.labels import find_layout
+from shardfuse.data.sources.carried import (
+    KEEP_COLUMNS,
+    WRITER_COLUMN,
+    WRITERS,
+    digit_writers,
+    kept_columns,
+    no_columns,
+)
 from shardfuse.data.sources.files import image_folder_files, no_files, path_file, text_files_of
 from shardfuse.io import find_record
 from shardfuse.models.task import CLASSES, TOKENS, VALUES
@@ -59,6 +67,11 @@ class Source:
     label_keys: Mapping[str, LabelKeys] = field(default_factory=lambda: MappingProxyType({}))
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # of optional keys
     files: Callable[[dict], list[str]] = no_files  # the files a spec reads (standard library only)
+    # The columns a spec carries into the splits as data, never inputs ({column: groups or None}:
+    # shardfuse.data.sources.carried), and how a spec asks for one (the config's fix when a partition
+    # groups by a column the splits lack).
+    carried: Callable[[dict], dict[str, int | None]] = no_columns
+    carry_fix: str | None = None
 
     def tasks(self) -> tuple[str, ...]:
         """The tasks it serves (those of its layouts), the default first."""
@@ -111,9 +124,16 @@ USER_FILE_LABELS = MappingProxyType(
 )
 MODULE = "shardfuse.data.sources"
 
+DIGIT_WRITERS = {
+    "optional": _keys(WRITERS),
+    "carried": digit_writers,
+    "carry_fix": f"set the dataset's {WRITERS}: N and group by column {WRITER_COLUMN}",
+}
+USER_FILE_KEEPS = {"carried": kept_columns, "carry_fix": f"add it to the dataset's {KEEP_COLUMNS}"}
+
 RECORDS: tuple[Source, ...] = (
-    Source("digits", (CLASSES,), f"{MODULE}.tables:Digits"),
-    Source("digits_images", (CLASSES,), f"{MODULE}.images:DigitsImages"),
+    Source("digits", (CLASSES,), f"{MODULE}.tables:Digits", **DIGIT_WRITERS),
+    Source("digits_images", (CLASSES,), f"{MODULE}.images:DigitsImages", **DIGIT_WRITERS),
     Source("diabetes", (VALUES,), f"{MODULE}.tables:Diabetes"),
     Source(
         "synthetic",
@@ -133,17 +153,20 @@ RECORDS: tuple[Source, ...] = (
         BOTH,
         f"{MODULE}.images:Parquet",
         required=_keys("path", "feature_columns"),
-        optional=_keys("feature_shape"),
+        optional=_keys("feature_shape", KEEP_COLUMNS),
         label_keys=USER_FILE_LABELS,
         files=path_file,
+        **USER_FILE_KEEPS,
     ),
     Source(
         "csv",
         BOTH,
         f"{MODULE}.tables:Csv",
         required=_keys("path", "feature_columns"),
+        optional=_keys(KEEP_COLUMNS),
         label_keys=USER_FILE_LABELS,
         files=path_file,
+        **USER_FILE_KEEPS,
     ),
     Source(
         "image_folder",

@@ -12,7 +12,8 @@ then splits and writes them. By hand::
 
 Labels of a classification source are coded in sorted order of their distinct values; the spec's
 ``classes`` names labels by value (:func:`shardfuse.data.labels.kept_class_codes`), and the label space
-stays the whole data's.
+stays the whole data's. Columns carried as data, never inputs (:mod:`shardfuse.data.sources.carried`):
+a user file's ``keep_columns`` as they are, digits' ``writers: N`` as a column ``writer``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from shardfuse.data.shard_format import (
+    FEATURE_COLUMN,
+    LABEL_COLUMN,
+    TARGET_COLUMN,
+    TENSOR_COLUMN,
+    TOKENS_COLUMN,
+)
 from shardfuse.data.sources.base import Described, Loaded, SourceBehaviour
-from shardfuse.data.sources.checks import SPEC_FIX, require_names, require_shape, require_string
+from shardfuse.data.sources.carried import KEEP_COLUMNS, WRITER_COLUMN, WRITERS
+from shardfuse.data.sources.checks import SPEC_FIX, require_int, require_names, require_shape, require_string
 from shardfuse.io import UserError, error_reason
 from shardfuse.models.task import CLASSES, VALUES, Task
 
@@ -36,6 +45,7 @@ from shardfuse.models.task import CLASSES, VALUES, Task
 MAX_FLOAT_CLASSES = 20
 MIN_CLASS_ROWS = 10
 DIGIT_CLASSES = [str(digit) for digit in range(10)]
+NUM_DIGITS = 1797  # rows of scikit-learn's digits: at most one writer each
 DIGIT_PIXELS = [f"pixel_{row}_{col}" for row in range(8) for col in range(8)]  # scikit-learn's names
 DIABETES_FEATURES = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6"]
 
@@ -44,7 +54,15 @@ DIABETES_FEATURES = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s
 
 
 class Digits(SourceBehaviour):
-    """scikit-learn's handwritten digits: 1797 rows of 64 pixel counts (0..16), 10 classes."""
+    """scikit-learn's handwritten digits: 1797 rows of 64 pixel counts (0..16), 10 classes.
+
+    They are UCI optdigits' test file, written by 13 people and kept in collection order (the first rows
+    cycle 0..9 as on a form), but no writer id ships with them: ``writers: N`` adds a column ``writer``
+    of N contiguous blocks of the row order, a stand-in for the writer, not a verified one."""
+
+    def check(self, spec: dict[str, Any], task: Task) -> None:
+        if WRITERS in spec:
+            require_int(spec, WRITERS, 2, NUM_DIGITS)
 
     def describe(self, spec: dict[str, Any], task: Task) -> Described:
         return Described("numeric", [64], DIGIT_PIXELS, DIGIT_CLASSES)
@@ -54,12 +72,16 @@ class Digits(SourceBehaviour):
 
         digits = load_digits()
         label_names = [str(int(v)) for v in digits.target_names]
-        return Loaded(
+        loaded = Loaded(
             digits.data.astype(np.float32),
             digits.target.astype(np.int64),
             list(digits.feature_names),
             label_names,
         )
+        if WRITERS not in spec:
+            return loaded
+        writers = np.arange(len(digits.target), dtype=np.int64) * spec[WRITERS] // len(digits.target)
+        return loaded._replace(carried=pa.table({WRITER_COLUMN: writers}))
 
 
 class Diabetes(SourceBehaviour):
@@ -109,6 +131,8 @@ class UserFile(SourceBehaviour):
                 )
         if "feature_shape" in spec:
             require_shape(spec, "feature_shape")
+        if KEEP_COLUMNS in spec:
+            _check_keep_columns(spec, task)
 
     def _read_columns(self, path: Path, source: str, wanted: list[str]) -> pa.Table:
         """The user file's columns ``wanted`` (each named once in its header; a Parquet file's other
@@ -139,7 +163,8 @@ class UserFile(SourceBehaviour):
         path = Path(spec["path"])
         require_file(path)
         targets = [spec["label_column"]] if task.labels == CLASSES else spec["label_columns"]
-        table = self._read_columns(path, spec["source"], [*spec["feature_columns"], *targets])
+        wanted = [*spec["feature_columns"], *targets, *spec.get(KEEP_COLUMNS, [])]
+        table = self._read_columns(path, spec["source"], wanted)
         if table.num_rows == 0:
             raise UserError(f"{path} has no rows; point the dataset's path at a file with data")
         return table
@@ -159,6 +184,8 @@ class UserFile(SourceBehaviour):
             )
         else:
             loaded = Loaded(tensor, np.zeros(0), [], [], "tensor")
+        if KEEP_COLUMNS in spec:
+            loaded = loaded._replace(carried=carried_columns(table, spec[KEEP_COLUMNS], path))
         if task.labels == VALUES:
             if table.num_rows < 2:
                 raise UserError(f"{path} has a single row; a train/test split needs at least 2: add rows")
@@ -189,6 +216,59 @@ class Csv(UserFile):
             return None
         columns = list(spec["feature_columns"])
         return Described("numeric", [len(columns)], columns, list(spec["label_columns"]))
+
+
+def _is_reserved(name: str) -> bool:
+    """A column name the shard format gives a meaning (an input or a target): carried data may not
+    take it."""
+    return (
+        name in (LABEL_COLUMN, TENSOR_COLUMN, TOKENS_COLUMN)
+        or FEATURE_COLUMN.fullmatch(name) is not None
+        or TARGET_COLUMN.fullmatch(name) is not None
+    )
+
+
+def _check_keep_columns(spec: dict[str, Any], task: Task) -> None:
+    """Distinct names, none a target column (the label travels as ``label``: keeping it too would let
+    a group partition split by labels) and none a name the shard format reserves for inputs and
+    targets. A feature column may also be kept: its values then travel twice, once as data."""
+    require_names(spec, KEEP_COLUMNS, "non-empty list of distinct column names")
+    targets = [spec["label_column"]] if task.labels == CLASSES else spec["label_columns"]
+    for name in spec[KEEP_COLUMNS]:
+        if name in targets or _is_reserved(name):
+            what = "a target column of this spec" if name in targets else "a name the split files reserve"
+            raise UserError(
+                f"spec key 'keep_columns' names {name!r}, {what} (label, x, x0.., y0.., tokens); keep "
+                f"group columns only, renamed in the file if need be ({SPEC_FIX})"
+            )
+
+
+def carried_columns(table: pa.Table, names: list[str], path: str) -> pa.Table:
+    """The ``keep_columns`` of the user's table as they are (a dictionary column decoded to its
+    values): integers, floats or strings without missing values."""
+    columns = {}
+    for name in names:
+        column = table.column(name)
+        if pa.types.is_dictionary(column.type):
+            column = column.cast(column.type.value_type)
+        kind = column.type
+        if not (
+            pa.types.is_integer(kind)
+            or pa.types.is_floating(kind)
+            or pa.types.is_string(kind)
+            or pa.types.is_large_string(kind)
+        ):
+            raise UserError(
+                f"keep column {name!r} in {path} has type {kind}; keep columns of integers, floats or "
+                "strings (a group id), or drop it from keep_columns"
+            )
+        if column.null_count:
+            raise UserError(
+                f"keep column {name!r} in {path} has {column.null_count} missing value(s); fill or drop "
+                "those rows first"
+            )
+        columns[name] = column
+    return pa.table(columns)
 
 
 def require_file(path: Path, what: str = "dataset file") -> None:

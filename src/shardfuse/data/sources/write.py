@@ -1,6 +1,8 @@
 """Writing a source's rows as the three split files: the input columns of its layout (numeric, tensor or
 tokens: :mod:`shardfuse.data.shard_format`), then the target columns of the task's layout
-(:mod:`shardfuse.data.labels`), each split in a seeded random order, one row group at a time.
+(:mod:`shardfuse.data.labels`), then the columns the spec asked to carry as data (group ids:
+:mod:`shardfuse.data.sources.carried`; none unless asked), each split in a seeded random order, one row
+group at a time.
 
 A source held in memory (:class:`Loaded`) is split here (stratified by class, or at random, as its layout
 says); a streamed source (synthetic) hands over chunks that carry their own split masks. The same rows
@@ -42,6 +44,7 @@ class Loaded(NamedTuple):
     target_names: list[str]  # the class names (classes) or the target names (values); [] for tokens
     kind: InputKind = "numeric"
     dataset_keys: dict[str, Any] | None = None  # the source's own dataset.json keys (skipped_images, ...)
+    carried: pa.Table | None = None  # columns carried as data, one row per row (None: none asked for)
 
 
 class Written(NamedTuple):
@@ -76,11 +79,21 @@ def _feature_fields(features: np.ndarray, kind: InputKind) -> tuple[list[pa.Fiel
     return [pa.field(TENSOR_COLUMN, array.type, metadata=metadata)], [array]
 
 
-def table(features: np.ndarray, targets: np.ndarray | None, layout: Layout, kind: InputKind) -> pa.Table:
-    """The rows as a table: the input columns, then the layout's target columns."""
+def table(
+    features: np.ndarray,
+    targets: np.ndarray | None,
+    layout: Layout,
+    kind: InputKind,
+    carried: pa.Table | None = None,
+) -> pa.Table:
+    """The rows as a table: the input columns, the layout's target columns, then the carried ones."""
     fields, arrays = _feature_fields(features, kind)
     target_fields, target_arrays = layout.fields(targets)
-    return pa.Table.from_arrays([*arrays, *target_arrays], schema=pa.schema([*fields, *target_fields]))
+    fields, arrays = [*fields, *target_fields], [*arrays, *target_arrays]
+    if carried is not None:
+        fields += list(carried.schema)
+        arrays += [column.combine_chunks() for column in carried.columns]
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
 def write_split(
@@ -95,10 +108,16 @@ def write_split(
     partition keeps the input's order within a shard, which the shard reader's first epoch follows
     row group by row group. Built and written one row group at a time (the same bytes as one
     write_table), so the float32 copy never exceeds a row group. Returns the rows per split."""
-    features, targets = loaded.features, loaded.targets
+    features, targets, carried = loaded.features, loaded.targets, loaded.carried
 
     def table_of(rows: np.ndarray) -> pa.Table:
-        return table(features[rows], None if targets is None else targets[rows], layout, loaded.kind)
+        return table(
+            features[rows],
+            None if targets is None else targets[rows],
+            layout,
+            loaded.kind,
+            None if carried is None else carried.take(rows),
+        )
 
     schema = table_of(np.zeros(0, dtype=np.int64)).schema
     for index, (split, mask) in enumerate(masks.items()):
@@ -116,14 +135,18 @@ def write_loaded(loaded: Loaded, spec: dict, task: Task, out_dir: Path, row_grou
     """Split a source's in-memory rows as the task's layout says (its class filter, stratified or at
     random) and write them; the layout's and the source's dataset.json keys come back in ``task_keys``."""
     layout = find_layout(task.labels)
-    features, targets = layout.select(loaded.features, loaded.targets, loaded.target_names, spec)
-    strata, num_strata = layout.strata(targets, len(features), loaded.target_names)
+    keep = layout.select(loaded.targets, loaded.target_names, spec)
+    if keep is not None:
+        carried = None if loaded.carried is None else loaded.carried.filter(pa.array(keep))
+        loaded = loaded._replace(
+            features=loaded.features[keep], targets=loaded.targets[keep], carried=carried
+        )
+    strata, num_strata = layout.strata(loaded.targets, len(loaded.features), loaded.target_names)
     masks = split_masks(strata, num_strata, spec)
-    kept = loaded._replace(features=features, targets=targets)
-    rows = write_split(out_dir, kept, masks, layout, spec, row_group_rows)
+    rows = write_split(out_dir, loaded, masks, layout, spec, row_group_rows)
     label_names, keys = layout.names(loaded.target_names)
     keys = {**keys, **(loaded.dataset_keys or {})}
-    return Written(rows, loaded.feature_names, label_names, keys, input_of(features, loaded.kind))
+    return Written(rows, loaded.feature_names, label_names, keys, input_of(loaded.features, loaded.kind))
 
 
 def write_chunks(
