@@ -121,3 +121,52 @@ def test_more_classes_per_rank_than_the_spec_lists_is_refused_before_the_data_is
         ConfigError, match="partition_classes_per_rank 4 is more than the 3 classes of the data"
     ):
         load_experiment(config, environ={})
+
+
+def column_config(dataset: dict, **run) -> dict:
+    config = base_config({"r": {"partition": "column", "partition_column": "writer", **run}})
+    config["datasets"]["digits"] = dataset
+    return config
+
+
+@pytest.mark.parametrize(
+    ("dataset", "run", "message"),
+    [
+        ({"source": "digits"}, {},
+         "config error at runs[r].partition: partitioner column groups rows by column 'writer', which the "
+         "split files of dataset digits do not carry (they carry no column beyond inputs and targets); set "
+         "the dataset's writers: N and group by column writer"),
+        ({"source": "digits", "writers": 13}, {"partition_column": "site"},
+         "groups rows by column 'site', which the split files of dataset digits do not carry (they carry "
+         "writer)"),
+        ({"source": "csv", "path": "users.csv", "feature_columns": ["a"], "label_column": "y",
+          "keep_columns": ["user"]}, {"partition_column": "site"},
+         "do not carry (they carry user); add it to the dataset's keep_columns"),
+        ({"source": "diabetes"}, {},
+         "they carry no column beyond inputs and targets); a csv or parquet dataset carries its "
+         "keep_columns"),
+        ({"source": "digits", "writers": 3}, {"world_size": 4},
+         "config error at runs[r].partition: partitioner column: column 'writer' holds 3 groups, fewer than "
+         "the 4 ranks; use at most 3 ranks or another column"),
+    ],
+)  # fmt: skip
+def test_a_column_partition_over_a_column_the_splits_lack_or_too_few_groups_is_refused_before_any_job(
+    dataset, run, message
+):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_experiment(column_config(dataset, **run), environ={})
+
+
+def test_a_column_partition_over_carried_groups_loads_and_named_groups_need_no_group_per_rank():
+    dealt = load_experiment(column_config({"source": "digits", "writers": 13}, world_size=4), environ={})
+    assert shardset_name(dealt.runs["r"]).startswith("w4-seed0-column-")
+    named = column_config(
+        {"source": "digits", "writers": 3}, world_size=4, partition_groups=[[0], [1], [2], [0]]
+    )
+    with pytest.raises(ConfigError, match="partition_groups names 0 for two ranks"):
+        load_experiment(named, environ={})
+    named["runs"]["r"]["partition_groups"] = [[0], [1], [2], []]  # every rank needs a value
+    with pytest.raises(ConfigError, match="give every rank a non-empty list"):
+        load_experiment(named, environ={})
+    named = column_config({"source": "digits", "writers": 4}, world_size=2, partition_groups=[[0, 3], [1]])
+    assert load_experiment(named, environ={}).runs["r"]["partition_groups"] == [[0, 3], [1]]
