@@ -10,7 +10,9 @@ does, so the two cannot disagree (tests/contracts hold the schema's source enum 
 looked up at call time (:func:`find_source`), so a test that extends ``RECORDS`` reaches every stage.
 
 Adding a source: one class in a source module (or a module of its own), one record here, its name in
-the schema's ``source`` enum and its keys in config/README.md.
+the schema's ``source`` enum and its keys in config/README.md. A source whose rows can carry group
+columns (data beside the inputs, for ``partition: column``) puts them in its rows' ``carried`` table and
+names in its record the spec's lister of them (``carried``) and how a spec asks for one (``carry_fix``).
 """
 
 from __future__ import annotations
