@@ -15,6 +15,8 @@ from shardfuse.data.provenance import dataset_files
 from shardfuse.data.sources import registry
 from shardfuse.data.sources.describe import info_from_spec
 from shardfuse.data.sources.files import path_file
+from shardfuse.experiment.partition_check import check_partition
+from shardfuse.experiment.schema import ConfigError
 from shardfuse.models.task import CLASSES, VALUES
 from tests.support.extension import import_toy_module, stage_ok
 from tests.support.helpers import call_stage
@@ -48,6 +50,17 @@ class Columns(SourceBehaviour):
             values, codes = np.unique(last, return_inverse=True)
             return Loaded(features, codes.astype(np.int64), names, [f"{v:g}" for v in values])
         return Loaded(features, last.astype(np.float32).reshape(-1, 1), names, ["last"])
+
+
+class GroupedColumns(Columns):
+    """The same rows, with ``blocks: N`` a column ``block`` of N contiguous blocks carried as data."""
+
+    def load(self, spec, task):
+        import pyarrow as pa
+
+        loaded = super().load(spec, task)
+        blocks = np.arange(len(loaded.features)) * spec["blocks"] // len(loaded.features)
+        return loaded._replace(carried=pa.table({"block": blocks}))
 '''
 
 
@@ -114,3 +127,39 @@ def test_a_toy_sources_record_decides_its_keys_and_tasks(tmp_path, toy_source):
         lm.returncode != 0
         and "cannot do task 'causal_lm'; use task: classification or regression" in lm.stderr
     )
+
+
+def test_a_toy_source_that_carries_a_group_column_feeds_a_column_partition(tmp_path, toy_source, monkeypatch):
+    grouped = registry.Source(
+        "grouped",
+        (CLASSES,),
+        "toy_columns:GroupedColumns",
+        required=frozenset({"path", "num_features"}),
+        optional=frozenset({"blocks"}),
+        files=path_file,
+        carried=lambda spec: {"block": spec.get("blocks")},
+        carry_fix="set blocks: N",
+    )
+    monkeypatch.setattr(registry, "RECORDS", (*registry.RECORDS, grouped))
+    spec = {**toy_source, "source": "grouped", "blocks": 6}
+    stage_ok("prepare", "--name", "toy", "--spec-json", json.dumps(spec), "--out-dir", tmp_path / "data")
+    train = pq.read_table(tmp_path / "data" / "train.parquet")
+    assert train.column_names == ["x0", "x1", "x2", "label", "block"]
+    stage_ok(
+        "partition", "--input", tmp_path / "data" / "train.parquet", "--world-size", 3, "--seed", 0,
+        "--partitioner", "column", "--params-json", '{"column": "block", "min_rows": 1}',
+        "--out-dir", tmp_path / "shards",
+    )  # fmt: skip
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    blocks = [set(shard["value_counts"]["block"]) for shard in manifest["shards"]]
+    assert sorted(value for found in blocks for value in found) == [str(b) for b in range(6)]
+    for rank, found in enumerate(blocks):
+        shard = pq.read_table(tmp_path / "shards" / f"shard-{rank}.parquet")
+        assert {str(b) for b in shard["block"].to_pylist()} == found  # each block on one rank
+    # The config check asks the record which columns a spec carries, and how many groups.
+    run = {"dataset": "d", "world_size": 3, "partition": "column", "partition_column": "block"}
+    check_partition("r", run, {"d": spec})
+    with pytest.raises(ConfigError, match="holds 2 groups, fewer than the 3 ranks"):
+        check_partition("r", run, {"d": {**spec, "blocks": 2}})
+    with pytest.raises(ConfigError, match=r"do not carry \(they carry block\); set blocks: N"):
+        check_partition("r", {**run, "partition_column": "site"}, {"d": spec})
