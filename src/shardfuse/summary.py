@@ -24,6 +24,11 @@ Last come :data:`ENSEMBLE_COLUMNS`: ``test_<score>_ensemble`` for each task's sc
 ensemble of the ranks, see :mod:`shardfuse.evaluate`), then ``fusion_gap`` (eval.json's: how much better
 the ensemble scores than the merged model, positive when it is better). eval.json files from before the
 evaluate stage scored the ensemble leave both empty.
+
+Runs of non-iid shard sets add, last, their scores on each rank's local test distribution (eval.json's,
+:mod:`shardfuse.scoring.local`): :data:`LOCAL_COLUMNS` of their score (``local_accuracy_merged_mean``,
+``local_accuracy_merged_worst``, ``normalized_accuracy``). Only when a run has them: a summary of iid
+runs keeps its header; other runs leave those cells empty.
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ TRAINING_COLUMNS = ("mode", "effective_batch_size", "bytes_all_reduced_per_rank"
 SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
 # Appended after the training columns: the ensemble of the ranks, test_<score>_ensemble per task first.
 ENSEMBLE_COLUMNS = ("fusion_gap",)
+# Appended after the ensemble's, for the runs that have them: the merged model on each rank's local
+# test distribution (mean, worst) and against each rank's own model there (normalized).
+LOCAL_COLUMNS = ("local_{score}_merged_mean", "local_{score}_merged_worst", "normalized_{score}")
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
 ACCURACY = "accuracy"  # the score of the header every summary had before tasks (COLUMNS)
 
@@ -163,7 +171,14 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         "bytes_all_reduced_per_rank": _count(training.bytes_all_reduced_per_rank),
         f"test_{score}_ensemble": ensemble.get(score, ""),
         "fusion_gap": "" if gap is None else gap,
+        **local_cells(evaluation.local or {}, score),
     }
+
+
+def local_cells(local: dict[str, float], score: str) -> dict[str, float]:
+    """The run's :data:`LOCAL_COLUMNS` that its eval.json has (none for a run of an iid shard set)."""
+    names = (template.format(score=score) for template in LOCAL_COLUMNS)
+    return {name: local[name] for name in names if name in local}
 
 
 def write_summary(
@@ -171,6 +186,8 @@ def write_summary(
 ) -> list[dict[str, Any]]:
     rows = [summary_row(run, cfg, results_dir / run, trainings_dir) for run, cfg in runs.items()]
     columns = summary_columns(row["task"] for row in rows)
+    local = [key for row in rows for key in row if key.startswith(EvalRecord.LOCAL_PREFIXES)]
+    columns = (*columns, *dict.fromkeys(local))
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:
         # restval: a run leaves other tasks' columns empty; ignore: "task" when it is no column.
         writer = csv.DictWriter(fh, fieldnames=columns, restval="", extrasaction="ignore")
