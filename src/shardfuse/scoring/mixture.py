@@ -6,7 +6,7 @@ That is exact, not resampled, because every task's ``finish`` is a function of i
 rows (classification: loss and correct per row; regression: loss, squared and absolute errors per row,
 and r2 from the targets' first two moments, all per row; causal_lm: loss per token): scaling a cell's
 sums and its rows by one factor leaves its metrics as they were, and adding cells adds sums. A cell alone
-(weight 1) gives its own sums back unchanged, so its metrics are bitwise those of scoring its rows
+(weight 1) gives its own sums back unchanged, so its metrics are bitwise those of its rows' outputs
 alone. A task whose ``finish`` is not such a function (a median, a rank statistic) would need the rows.
 
 A set is one vector of weights over the cells. A cell with weight but no rows in the split (a class a
