@@ -294,7 +294,9 @@ def local_shards_of_run(wildcards):
 
 def local_set_args(wildcards):
     """evaluate's --set local=<shard set>/manifest.json, or nothing (iid runs keep their command)."""
-    return "".join(f" --set local={path}/manifest.json" for path in local_shards_of_run(wildcards))
+    return "".join(
+        f" --set local={path}/manifest.json" for path in local_shards_of_run(wildcards)
+    )
 
 
 def eval_batch_size_of_run(wildcards):

@@ -57,9 +57,9 @@ def local_partition(path: str | Path) -> tuple[dict[str, Any], registry.Partitio
     record = registry.find(name)
     if record.local is None:
         raise UserError(
-            f"shard set {path.parent} is partitioned {name}: each rank's local test distribution is the "
-            "global one, so there are no local scores; drop --set local=... (the workflow passes it for "
-            "other partitioners only)"
+            f"shard set {path.parent} is partitioned {name}, whose ranks have no local test distribution but "
+            "the global one, so there are no local scores; drop --set local=... (the workflow passes it "
+            "for the other partitioners only)"
         )
     params = registry.resolve_params(name, partition.get("params"), manifest["world_size"])
     return manifest, record, params

@@ -75,7 +75,7 @@ def test_continuous_cuts_the_test_rows_by_the_rule_that_cut_the_training_rows(da
 def test_an_iid_shard_set_has_no_local_distributions(dataset, tmp_path):
     shard_set(dataset, tmp_path / "shards", "iid", {})
     with pytest.raises(
-        UserError, match=r"is partitioned iid: each rank's local test distribution is the global"
+        UserError, match=r"is partitioned iid, whose ranks have no local test distribution but the global"
     ):
         local_cells(tmp_path / "shards" / "manifest.json", dataset / "test.parquet")
 
