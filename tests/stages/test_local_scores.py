@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 
-import matplotlib
+import matplotlib.image
 import pytest
 
 from shardfuse import summary
