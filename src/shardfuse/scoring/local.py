@@ -25,6 +25,7 @@ Torch-free at import (the set records import it); no command line.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +82,7 @@ def weigh(path: Path, headline: Path, gather: GatherRecord) -> Weighting:
             "trained_by": replica if replica in gathered else None,
             **{key: value for key, value in weighted.record.items() if key != "rows"},
         }
-        sets.append(type(weighted)(weighted.name, weighted.weights, record))
+        sets.append(replace(weighted, record=record))
     return Weighting(cells.of_row, len(cells.names), tuple(sets))
 
 

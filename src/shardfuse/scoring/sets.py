@@ -83,7 +83,7 @@ RECORDS: tuple[SetKind, ...] = (
         "each rank's local test distribution: a shard set's manifest "
         "(results/shards/<dataset>/<shard set>/manifest.json) of any partitioner but iid",
         local.check,
-        "raise the dataset's test_fraction",
+        local.EMPTY_FIX,
         local.SCORED,
         names=local.set_names,
         weighs=local.weigh,
