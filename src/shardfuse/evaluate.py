@@ -6,11 +6,21 @@ By hand::
         --gather results/trainings/<training>/gather.json --merged results/runs/ddp/merged.safetensors \
         --out results/runs/ddp/eval.json [--ddp-baseline results/runs/<ddp run>/eval.json]
 
-Evaluation sets: ``--set KIND=PATH`` names a set by its kind's record (shardfuse.scoring.sets; today
-``test``, the global test split) and ``--test PATH`` is ``--set test=PATH``. The test set is required: its
-scores are eval.json's top-level fields (and summary.csv's, MLflow's), as they always were; ``sets`` holds
-every set's, the test set's included, under its name. Scoring is shardfuse.scoring's, shared with greedy
-soup and recalibration.
+Evaluation sets: ``--set KIND=PATH`` names a set by its kind's record (shardfuse.scoring.sets: ``test``,
+the global test split; ``local``, a shard set's manifest) and ``--test PATH`` is ``--set test=PATH``. The
+test set is required: its scores are eval.json's top-level fields (and summary.csv's, MLflow's), as they
+always were; ``sets`` holds every set's, the test set's included, under its name. Scoring is
+shardfuse.scoring's, shared with greedy soup and recalibration.
+
+Each rank's local distribution (a non-iid shard set; the workflow passes ``--set
+local=results/shards/<dataset>/<shard set>/manifest.json``): the sets ``local_rank_<r>`` weigh the test
+split's rows as rank r's data was drawn (shardfuse.scoring.local), scored in the test split's pass, exact;
+eval.json also holds ``local_<score>_merged_rank_<r>``, ``local_<score>_rank_<r>``,
+``local_<score>_merged_mean``, ``local_<score>_merged_worst`` and ``normalized_<score>`` (1.0: the merged
+model is as good as each rank on its own data). By hand::
+
+    python -m shardfuse.evaluate --run dirichlet --test results/datasets/digits/test.parquet \
+        --set local=results/shards/digits/<shard set>/manifest.json --gather ... --merged ... --out ...
 
 Before anything is read: each set's file must be the one the workflow wrote (the test split: the rows and
 sha256 of the dataset.json beside it, shardfuse.data.verify.check_split). Before any model is built: every
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
 from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import EvalRecord
@@ -40,7 +51,9 @@ from shardfuse.models.registry import check_model_fits, normalized_spec
 from shardfuse.models.tasks import task_for
 from shardfuse.models.usercode import check_code_unchanged
 from shardfuse.scoring.evaluation import TrainingModels, load_sets, score_sets
-from shardfuse.scoring.sets import HEADLINE, SetKind, expand, parse_set, set_kind
+from shardfuse.scoring.local import local_scores
+from shardfuse.scoring.mixture import Weighting
+from shardfuse.scoring.sets import HEADLINE, EvalSet, SetKind, expand, parse_set, set_kind
 from shardfuse.strategies.registry import recorded_strategy
 
 
@@ -53,7 +66,8 @@ def evaluate(
     ddp_baseline: Path | None = None,
 ) -> EvalRecord:
     """Score the training's models on every set ``sets`` (kind, file) gives; the record eval.json holds."""
-    splits = load_sets(expand(sets))
+    named = expand(sets)
+    splits = load_sets(named)
     gather = read_gather(gather_path, base=True, need=("model",))
     spec = normalized_spec(gather.model)
     # Once for the training (its ranks, base and merged model share the code): hashing it per file
@@ -66,8 +80,9 @@ def evaluate(
     checkpoints += [(Path(gather.base), RERUN_TRAIN), (merged_path, RERUN_MERGE)]
     for path, rerun in checkpoints:
         check_model_fits(f"the header of {path}", *header_spec(path, rerun), rerun)
+    weighted = weighting(named, gather)
     models = TrainingModels(merged_path, [(r.rank, Path(r.path)) for r in gather.ranks], Path(gather.base))
-    scored = score_sets(splits, models, spec, batch_size)
+    scored = score_sets(splits, models, spec, batch_size, weighted)
     task = task_for(spec["task"])
     score = task.score
     test = scored[HEADLINE]
@@ -100,8 +115,24 @@ def evaluate(
         ensemble_score=ensemble[score],
         fusion_gap=task.gain(ensemble[score], merged[score]),
         ddp_baseline=baseline,
+        local=local_scores(scored, task) or None,
         sets=scored,
     )
+
+
+def weighting(named: list[tuple[SetKind, EvalSet]], gather: GatherRecord) -> tuple[SetKind, Weighting] | None:
+    """The requested kind whose sets weigh the test split's rows (each rank's local distribution) and its
+    weighting, checked against the test split and the training; None when none was asked for."""
+    kinds = {kind.name: (kind, evaluation_set.path) for kind, evaluation_set in named if kind.weighs}
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise UserError(
+            f"evaluation sets of kinds {', '.join(kinds)} all weigh the test split; pass one of them"
+        )
+    ((kind, path),) = kinds.values()
+    headline = next(evaluation_set.path for _, evaluation_set in named if evaluation_set.name == HEADLINE)
+    return kind, kind.weighs(path, headline, gather)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="KIND=PATH",
-        help="an evaluation set by its kind (shardfuse.scoring.sets: test); repeat for several",
+        help="an evaluation set by its kind (shardfuse.scoring.sets: test, local); repeat for several",
     )
     parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run")
     parser.add_argument("--merged", type=Path, required=True, help="merged.safetensors of the run")
@@ -134,9 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
     result = evaluate(args.run, sets, args.gather, args.merged, args.batch_size, baseline)
     write_json(args.out, result.to_json())
+    normalized = (result.local or {}).get(f"normalized_{result.score}")
     print(
         f"{result.run}: merged {result.score} {result.merged[result.score]:.4f}, best rank "
         f"{result.best_rank:.4f}, mean rank {result.mean_rank:.4f}, ensemble {result.ensemble_score:.4f}"
+        + ("" if normalized is None else f", normalized {result.score} {normalized:.4f}")
     )
 
 

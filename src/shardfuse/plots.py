@@ -11,7 +11,9 @@ By hand::
 The run plots read the training's ``metrics/rank-*.parquet`` (under TRAIN_DIR) and the run's
 ``eval.json``. ``fusion.png`` is a dot per model (merged, each rank, best and mean rank, the ranks'
 ensemble, the ddp baseline, the initial model) on an axis zoomed to them, not anchored at 0; an initial
-model far worse than the trained ones is an arrow at the axis's edge with its value. ``compare`` shows
+model far worse than the trained ones is an arrow at the axis's edge with its value. A run of a non-iid
+shard set adds a panel: on each rank's own test distribution, the merged model beside that rank's own,
+titled with the normalized score (:mod:`shardfuse.report.local_scores`). ``compare`` shows
 every run of ``summary.csv`` as a row, best merged score first, against its ranks, ensemble and ddp
 baseline; ``communication`` shows each run's merged score against the bytes its training all-reduced per
 rank (log scale; independent training at a ``0 B`` tick). With ``--manifest`` (the run's shard set),
@@ -51,6 +53,7 @@ from shardfuse.report.figures import (
     score_label,
     zoomed_limits,
 )
+from shardfuse.report.local_scores import local_panel, local_points
 from shardfuse.report.shards import plot_shard_set
 from shardfuse.track.series import read_step_metrics
 
@@ -188,7 +191,16 @@ def fusion_figure(evaluation: EvalRecord, title: str):
     merged model)."""
     task = evaluation_task(evaluation)
     bars = fusion_bars(evaluation)
-    fig, ax = pyplot().subplots(figsize=(max(5.0, 0.75 * len(bars) + 2), 4.2))
+    width = max(5.0, 0.75 * len(bars) + 2)
+    local = local_points(evaluation.local or {}, task.score)
+    if local is None:
+        fig, ax = pyplot().subplots(figsize=(width, 4.2))
+    else:  # a non-iid shard set: each rank's own ground beside
+        extra = max(3.0, 0.75 * len(local.ranks) + 1.5)
+        fig, (ax, side) = pyplot().subplots(
+            1, 2, figsize=(width + extra, 4.2), gridspec_kw={"width_ratios": [width, extra], "wspace": 0.3}
+        )
+        local_panel(side, task, local)
     dot_chart(ax, bars)
     gain = task.gain(bars[0][1], next(value for label, value, _ in bars if label == "best rank"))
     ax.set_ylabel(score_label(task))

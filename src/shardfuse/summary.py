@@ -30,6 +30,11 @@ When some run of the experiment is not iid, the workflow gives every run its sha
 Jensen-Shannon divergence of the ranks to the pooled labels (mean, max; empty without class labels) and
 the spread of the shards' rows (:mod:`shardfuse.data.heterogeneity`; an iid run's computed from its
 manifest). Without a manifest, no such column: an all-iid experiment keeps its bytes.
+
+Runs of non-iid shard sets then add their scores on each rank's local test distribution (eval.json's,
+:mod:`shardfuse.scoring.local`): :data:`LOCAL_COLUMNS` of their score (``local_accuracy_merged_mean``,
+``local_accuracy_merged_worst``, ``normalized_accuracy``). Only when a run has them: a summary of iid
+runs keeps its header; other runs leave those cells empty.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ TRAINING_COLUMNS = ("mode", "effective_batch_size", "bytes_all_reduced_per_rank"
 SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
 # Appended after the training columns: the ensemble of the ranks, test_<score>_ensemble per task first.
 ENSEMBLE_COLUMNS = ("fusion_gap",)
+# Appended after the ensemble's, for the runs that have them: the merged model on each rank's local
+# test distribution (mean, worst) and against each rank's own model there (normalized).
+LOCAL_COLUMNS = ("local_{score}_merged_mean", "local_{score}_merged_worst", "normalized_{score}")
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
 # Appended last where runs name their manifests (some run of the experiment is not iid).
 HETEROGENEITY_COLUMNS = ("shard_label_jsd_mean", "shard_label_jsd_max", "shard_rows_cv")
@@ -190,7 +198,14 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
         f"test_{score}_ensemble": ensemble.get(score, ""),
         "fusion_gap": "" if gap is None else gap,
         **heterogeneity_cells(cfg),
+        **local_cells(evaluation.local or {}, score),
     }
+
+
+def local_cells(local: dict[str, float], score: str) -> dict[str, float]:
+    """The run's :data:`LOCAL_COLUMNS` that its eval.json has (none for a run of an iid shard set)."""
+    names = (template.format(score=score) for template in LOCAL_COLUMNS)
+    return {name: local[name] for name in names if name in local}
 
 
 def write_summary(
@@ -200,6 +215,8 @@ def write_summary(
     columns = summary_columns(row["task"] for row in rows)
     if any("manifest" in cfg for cfg in runs.values()):
         columns = (*columns, *HETEROGENEITY_COLUMNS)
+    local = [key for row in rows for key in row if key.startswith(EvalRecord.LOCAL_PREFIXES)]
+    columns = (*columns, *dict.fromkeys(local))
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:
         # restval: a run leaves other tasks' columns empty; ignore: "task" when it is no column.
         writer = csv.DictWriter(fh, fieldnames=columns, restval="", extrasaction="ignore")

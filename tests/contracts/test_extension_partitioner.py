@@ -1,11 +1,13 @@
 """Adding a partitioner is one module and one record: a toy written to a temporary module, registered by
 extending the registry's RECORDS, runs through the real partition stage on a real prepared dataset, and
-the shards it writes are its rule's, not iid's."""
+the shards it writes are its rule's, not iid's; its local rule (each rank's local test distribution)
+reaches the real evaluate stage, and without one evaluate has no local sets to score."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 import textwrap
 
@@ -18,6 +20,7 @@ from shardfuse.data.partitioners import registry
 from shardfuse.experiment.keys import partition_args, shardset_name, training_name
 from shardfuse.experiment.load import load_experiment
 from tests.support.helpers import base_config
+from tests.support.local import evaluate_on_shard_set
 
 # The toy: rows sorted by label, dealt to the ranks in contiguous blocks of the sorted order (FedAvg's
 # sort-and-deal with one block per rank). Streamed as the contract asks: the counting pass gives each
@@ -25,6 +28,8 @@ from tests.support.helpers import base_config
 # already dealt.
 TOY_MODULE = """
 import numpy as np
+
+from shardfuse.data.partitioners.assignment import Cells
 
 
 def columns(params):
@@ -49,6 +54,19 @@ def assign(layout, counts, params):
         return ranks
 
     return deal
+
+
+def local(layout, shards, params):
+    # Each rank's local test distribution: the classes it was dealt, each weighing alike (not in its
+    # training proportions, as the built-in label partitions weigh them).
+    names = sorted({label for shard in shards for label in shard["label_counts"]}, key=int)
+    index = {name: cell for cell, name in enumerate(names)}
+    weights = [
+        tuple(1 / len(shard["label_counts"]) if name in shard["label_counts"] else 0.0 for name in names)
+        for shard in shards
+    ]
+    cell_of = lambda num_rows, shown: np.array([index.get(str(v), -1) for v in shown["label"].tolist()])
+    return Cells(tuple(names), tuple(weights), cell_of)
 """
 
 
@@ -62,7 +80,11 @@ def toy(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "toy_partitioner", module)
     spec.loader.exec_module(module)
     record = registry.Partitioner(
-        "sorted_blocks", module.assign, "sort by label, deal contiguous blocks", columns=module.columns
+        "sorted_blocks",
+        module.assign,
+        "sort by label, deal contiguous blocks",
+        columns=module.columns,
+        local=module.local,
     )
     monkeypatch.setattr(registry, "RECORDS", (*registry.RECORDS, record))
     return record
@@ -107,3 +129,30 @@ def test_a_toy_partitioner_names_its_shard_set_and_training_and_reaches_the_part
     assert training_name(toy_run) != training_name(run)
     assert toy.identity({}) == {"partition": "sorted_blocks"}
     assert dataclasses.replace(toy, named=False).identity({}) == {}
+
+
+def test_a_toy_partitioners_local_rule_gives_the_real_evaluate_stage_its_local_sets(
+    toy, digits_dataset, tmp_path, monkeypatch
+):
+    shards = tmp_path / "shards"
+    partition.main(
+        ["--input", str(digits_dataset / "train.parquet"), "--world-size", "2", "--seed", "0",
+         "--partitioner", "sorted_blocks", "--out-dir", str(shards)]
+    )  # fmt: skip
+    local = ("--set", f"local={shards}/manifest.json")
+    status, stderr, out = evaluate_on_shard_set(tmp_path, digits_dataset, shards, *local)
+    assert status == 0, stderr
+    evaluation = json.loads(out.read_text())
+    for rank, labels in enumerate(shard_labels(shards, 2)):
+        weights = evaluation["sets"][f"local_rank_{rank}"]["weights"]
+        assert weights == {str(label): pytest.approx(1 / len(labels)) for label in labels}  # the toy's mix
+        own = evaluation["sets"][f"local_rank_{rank}"]["ranks"][rank]["accuracy"]
+        assert evaluation[f"local_accuracy_rank_{rank}"] == own
+    assert "normalized_accuracy" in evaluation
+
+    # Without a local rule, the same shard set has no local sets (as iid's has none).
+    monkeypatch.setattr(registry, "RECORDS", (*registry.RECORDS[:-1], dataclasses.replace(toy, local=None)))
+    status, stderr, _ = evaluate_on_shard_set(tmp_path, digits_dataset, shards, *local)
+    assert (
+        status == 2 and "is partitioned sorted_blocks, whose ranks have no local test distribution" in stderr
+    )

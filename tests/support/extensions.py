@@ -19,16 +19,19 @@ from tests.support.extension import import_toy_module as write_module  # noqa: F
 from tests.support.helpers import call_stage
 
 
-def write_ranks(out: Path, dataset: Path, num_ranks: int, run: str = "t", **model_args) -> dict:
+def write_ranks(
+    out: Path, dataset: Path, num_ranks: int, run: str = "t", rows: list[int] | None = None, **model_args
+) -> dict:
     """A training directory as the train stage lays it out (base, rank files with their sidecars,
-    train.json) of the built-in mlp on ``dataset``, each rank its own seeded weights; the model spec."""
+    train.json) of the built-in mlp on ``dataset``, each rank its own seeded weights and its shard's
+    ``rows`` (default 100 + rank); the model spec."""
     info = json.loads((dataset / "dataset.json").read_text())
     spec = model_spec("mlp", {"hidden_sizes": [8], **model_args}, [], info)
     meta = {"run": run, "world_size": num_ranks, "strategy": "localsgd", "model": spec}
     for rank in (None, *range(num_ranks)):
         torch.manual_seed(1000 if rank is None else rank)
         name = "base" if rank is None else f"rank-{rank}"
-        counts = {} if rank is None else {"rows": 100 + rank, "num_steps": 3}
+        counts = {} if rank is None else {"rows": 100 + rank if rows is None else rows[rank], "num_steps": 3}
         save_weights(
             out / f"{name}.safetensors", build_model(spec).state_dict(), {**meta, "rank": rank, **counts}
         )

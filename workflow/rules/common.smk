@@ -35,6 +35,7 @@ from shardfuse.experiment.keys import (  # noqa: E402
     merge_params,
     partition_args,
     shardset_identity,
+    scores_locally,
     shardset_name,
     train_config,
 )
@@ -284,6 +285,19 @@ def merge_params_json(wildcards):
 
 def merge_align_of_run(wildcards):
     return merge_align_args(RUNS[wildcards.run])
+
+
+def local_shards_of_run(wildcards):
+    """The run's shard set, when evaluate scores each rank on its local test distribution (every
+    partitioner but iid: shardfuse.experiment.keys.scores_locally); none otherwise."""
+    return [shard_dir_of(wildcards)] if scores_locally(RUNS[wildcards.run]) else []
+
+
+def local_set_args(wildcards):
+    """evaluate's --set local=<shard set>/manifest.json, or nothing (iid runs keep their command)."""
+    return "".join(
+        f" --set local={path}/manifest.json" for path in local_shards_of_run(wildcards)
+    )
 
 
 def eval_batch_size_of_run(wildcards):

@@ -3,6 +3,8 @@ rule evaluate:
         test=test_split_of_run,
         gather=gather_of_run,
         merged=rules.merge.output.weights,
+        # non-iid shard sets: each rank scored on its local test distribution too
+        local=local_shards_of_run,
     output:
         record="results/runs/{run}/eval.json",
     log:
@@ -16,7 +18,8 @@ rule evaluate:
         group_slots=1,
     params:
         batch_size=eval_batch_size_of_run,
+        local=local_set_args,
     shell:
         "python -m shardfuse.evaluate --run {wildcards.run} --test {input.test} --gather {input.gather}"
-        " --merged {input.merged} --batch-size {params.batch_size}"
+        " --merged {input.merged}{params.local} --batch-size {params.batch_size}"
         " --out {output.record} > {log} 2>&1"

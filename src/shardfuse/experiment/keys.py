@@ -211,6 +211,12 @@ def partition_params(run_cfg: dict[str, Any], num_classes: int | None = None) ->
     return partitioners.resolve_params(name, given, run_cfg["world_size"], num_classes)
 
 
+def scores_locally(run_cfg: dict[str, Any]) -> bool:
+    """Whether evaluate scores the run's models on each rank's local test distribution too: its
+    partitioner has a local rule (every one but iid, whose runs keep the evaluate command they had)."""
+    return partitioners.find(partitioner_of(run_cfg)).local is not None
+
+
 def shardset_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
     """What the run's partitioner adds to its shard set's identity, and so to its training's: flat keys
     (partition, partition_<param>), none for iid (shard sets and trainings keep their names)."""

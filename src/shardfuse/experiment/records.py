@@ -254,7 +254,10 @@ class EvalRecord(_Record):
     {metric: value} of the task's metrics."""
 
     FILE, STAGE, WHAT = "eval.json", "evaluate", "evaluation"
-    OPTIONAL = frozenset({"sets"})  # absent from files of evaluate stages before named sets
+    # sets: absent from files of evaluate stages before named sets; local: from runs of iid shard sets
+    OPTIONAL = frozenset({"sets", "local"})
+    # The keys of ``local``: flat in the file (shardfuse.scoring.local names them), one mapping here.
+    LOCAL_PREFIXES = ("local_", "normalized_")
 
     run: str | None = None
     training: str | None = None
@@ -275,6 +278,10 @@ class EvalRecord(_Record):
     ensemble_score: float | None = None
     fusion_gap: float | None = None  # how much better the ensemble scores than the merged model
     ddp_baseline: dict[str, Any] | None = None  # {"run", **metrics} of the ddp run trained alike, if any
+    # The scores on each rank's local test distribution by their keys (local_<score>_merged_rank_<r>,
+    # local_<score>_rank_<r>, local_<score>_merged_mean, _worst, normalized_<score>; shardfuse.scoring.local),
+    # each a key of its own in the file; None for runs of iid shard sets, which have none.
+    local: dict[str, float] | None = None
     # Every evaluation set's scores by its name: {"kind", "path", "rows", "merged", "ranks", "ensemble",
     # "base"} (the models its kind scores; shardfuse.scoring.sets). The fields above are the "test" set's,
     # as evaluate always wrote them; files from before named sets have none (see scores_on).
@@ -291,6 +298,22 @@ class EvalRecord(_Record):
             else:
                 keys[name] = f"{prefix}_{score}"
         return keys
+
+    @classmethod
+    def from_json(cls, data: Any, source: str | os.PathLike | None = None) -> EvalRecord:
+        if isinstance(data, dict) and (flat := [key for key in data if key.startswith(cls.LOCAL_PREFIXES)]):
+            data = {key: value for key, value in data.items() if key not in flat} | {
+                "local": {key: data[key] for key in flat}
+            }
+        return super().from_json(data, source)
+
+    def to_json(self) -> dict[str, Any]:
+        """As every record writes itself, ``local``'s keys flat where the field stands."""
+        return {
+            name: value
+            for key, entry in super().to_json().items()
+            for name, value in (entry.items() if key == "local" else [(key, entry)])
+        }
 
     @classmethod
     def read_with_baseline(

@@ -11,7 +11,10 @@ Face head it needs, and which labels it trains on (``labels``): the layout of th
 dataset (:mod:`shardfuse.data.labels` writes and splits them; a source gives some of the layouts).
 
 Metrics are accumulated as float64 sums batch by batch, so a split of any size is scored in bounded
-memory and the result does not depend on the batch size beyond float rounding. Importing this module
+memory and the result does not depend on the batch size beyond float rounding. ``finish`` is a function
+of the sums per row (scaling every sum and ``rows`` by one factor leaves the metrics as they were): a
+weighted mixture of cells' sums is then the exact score of the mixture (each rank's local test
+distribution, :mod:`shardfuse.scoring.mixture`), so a task must keep it so. Importing this module
 imports no torch (tracking, plots, summary and the config checks read names and directions only).
 A library module, no command line.
 """
@@ -44,7 +47,8 @@ def functional():
 
 @dataclass
 class Totals:
-    """Running float64 sums of one scoring pass; ``rows`` counts samples (tokens for causal_lm)."""
+    """Running float64 sums of one scoring pass; ``rows`` counts samples (tokens for causal_lm), a float
+    in a mixture of cells' sums (shardfuse.scoring.mixture)."""
 
     rows: int = 0
     sums: dict[str, torch.Tensor | float] = field(default_factory=dict)
@@ -132,6 +136,13 @@ class Task:
         """How much better the merged model scores than ``reference``: positive means better, whatever
         the direction of the score."""
         return reference - merged if self.lower_is_better else merged - reference
+
+    def ratio(self, value: float, reference: float) -> float | None:
+        """How good ``value`` is relative to ``reference``: value / reference for a higher-is-better score,
+        reference / value for a lower-is-better one (1.0: as good, above: better); None where that
+        divides by 0."""
+        numerator, denominator = (reference, value) if self.lower_is_better else (value, reference)
+        return None if denominator == 0 else numerator / denominator
 
     def sort_key(self, value: float) -> float:
         """Ascending order of this key is best first."""

@@ -64,21 +64,67 @@ def score_models(
     model, each model's outputs are scored by its task, and (``ensemble``) their combination by the
     first model's task (the models of one training share the task and the target scale). Memory holds
     every model, but one batch of outputs. Each model's figures are those it gets scored alone."""
+    scored = score_in_cells(models, split, batch_size, ensemble=ensemble)
+    return scored.metrics, scored.ensemble
+
+
+class CellScores(NamedTuple):
+    """One pass's figures: each model's metrics on the whole split and its ensemble's (or None), and
+    (with cells) each model's running sums per cell and its ensemble's (the cells' mixtures:
+    shardfuse.scoring.mixture)."""
+
+    metrics: list[Metrics]
+    ensemble: Metrics | None
+    cells: list[list[Totals]]
+    ensemble_cells: list[Totals] | None
+
+
+@torch.no_grad()
+def score_in_cells(
+    models: Sequence[Model],
+    split: Split,
+    batch_size: int,
+    *,
+    ensemble: bool = False,
+    of_row: torch.Tensor | None = None,
+    num_cells: int = 0,
+) -> CellScores:
+    """:func:`score_models`'s pass, also summing each model's (and the ensemble's) scores per cell of
+    rows (``of_row``: each row's cell, -1 for none) from the same outputs: the whole split's figures are
+    those of a pass without cells, bit for bit."""
     if not models:
         raise ValueError("no models to score")
     task = models[0].task
     totals = [Totals() for _ in models]
     combined = Totals()
-    for inputs, targets in split.batches(task, batch_size):
+    cells = [[Totals() for _ in range(num_cells)] for _ in models]
+    combined_cells = [Totals() for _ in range(num_cells)]
+    for index, (inputs, targets) in enumerate(split.batches(task, batch_size)):
+        groups = []
+        if of_row is not None:
+            batch_cells = of_row[index * batch_size : index * batch_size + targets.shape[0]]
+            groups = [
+                (int(k), torch.nonzero(batch_cells == k).squeeze(1)) for k in batch_cells.unique() if k >= 0
+            ]
         outputs = []
-        for model, model_totals in zip(models, totals, strict=True):
+        for model, model_totals, model_cells in zip(models, totals, cells, strict=True):
             outputs.append(model.module(inputs))
             model.task.accumulate(model_totals, outputs[-1], targets)
+            for cell, rows in groups:
+                model.task.accumulate(model_cells[cell], outputs[-1][rows], targets[rows])
         if ensemble:
-            task.accumulate(combined, task.combine(outputs), targets)
+            together = task.combine(outputs)
+            task.accumulate(combined, together, targets)
+            for cell, rows in groups:
+                task.accumulate(combined_cells[cell], together[rows], targets[rows])
         del outputs
     metrics = [model.task.finish(model_totals) for model, model_totals in zip(models, totals, strict=True)]
-    return metrics, task.finish(combined) if ensemble else None
+    return CellScores(
+        metrics,
+        task.finish(combined) if ensemble else None,
+        cells,
+        combined_cells if ensemble else None,
+    )
 
 
 class Scorer:

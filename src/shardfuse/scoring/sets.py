@@ -1,11 +1,14 @@
 """Evaluation sets: the named sets evaluate scores a run's models on, one record per kind.
 
 A kind says how its file is proved to be the one the workflow wrote, which models are scored on it, and
-which named sets its file gives: today ``test`` (the dataset's global test split, as prepare wrote it:
-the headline of eval.json, summary.csv and MLflow). The next kinds (one set per rank's local
-distribution, one per domain) are one record each here, whose :meth:`SetKind.sets` names several sets
-from one input. The evaluate stage takes ``--set KIND=PATH`` (``--test PATH`` is ``--set test=PATH``),
-and eval.json's ``sets`` holds each set's scores under its name (shardfuse.experiment.records.EvalRecord).
+which named sets its file gives: ``test`` (the dataset's global test split, as prepare wrote it: the
+headline of eval.json, summary.csv and MLflow) and ``local`` (a shard set's manifest: one set per rank,
+``local_rank_<r>``, that rank's local test distribution, shardfuse.scoring.local). A kind whose
+:meth:`SetKind.sets` names several sets from one input is one record here (one set per domain next). A
+kind with ``weighs`` holds no rows of its own: its sets weigh the headline split's rows
+(shardfuse.scoring.mixture), scored in the headline's pass. The evaluate stage takes ``--set KIND=PATH``
+(``--test PATH`` is ``--set test=PATH``), and eval.json's ``sets`` holds each set's scores under its name
+(shardfuse.experiment.records.EvalRecord).
 
 Records are looked up when called (:func:`set_kind`, reading ``RECORDS``), so a test that extends
 ``RECORDS`` extends the stage. Torch-free. By hand::
@@ -18,9 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardfuse.data.verify import check_split
 from shardfuse.io import UserError, find_record
+from shardfuse.scoring import local
+
+if TYPE_CHECKING:
+    from shardfuse.checkpoints.gather_record import GatherRecord
+    from shardfuse.scoring.mixture import Weighting
 
 # What evaluate can score on a set: the merged model, each rank's own model, the ranks' ensemble (needs
 # the ranks), the initial model.
@@ -44,10 +53,18 @@ class SetKind:
     check: Callable[[Path], None]  # refuses a file that is not the one the workflow wrote for this kind
     empty_fix: str  # how to give the set rows, for the error when its file has none
     scores: tuple[str, ...] = MODELS  # which of MODELS are scored on its sets
+    names: Callable[[Path], list[str]] | None = (
+        None  # the sets its (checked) file gives; None: one, the kind's
+    )
+    # A kind whose sets weigh the headline split's rows instead of holding rows: (its file, the headline
+    # split's file, the training's gather record) -> the weighting, its sets in the order ``names`` gives
+    # them (it checks its file against both). None: its file holds its rows.
+    weighs: Callable[[Path, Path, GatherRecord], Weighting] | None = None
 
     def sets(self, path: Path) -> list[EvalSet]:
-        """The named sets this kind's file gives; one, named as the kind, unless a kind says otherwise."""
-        return [EvalSet(self.name, self.name, Path(path))]
+        """The named sets this kind's file gives; one, named as the kind, unless its ``names`` says."""
+        names = [self.name] if self.names is None else self.names(Path(path))
+        return [EvalSet(name, self.name, Path(path)) for name in names]
 
 
 def _test_split(path: Path) -> None:
@@ -60,6 +77,16 @@ RECORDS: tuple[SetKind, ...] = (
         "the dataset's global test split, as prepare wrote it (results/datasets/<dataset>/test.parquet)",
         _test_split,
         "raise the dataset's test_fraction",
+    ),
+    SetKind(
+        local.KIND,
+        "each rank's local test distribution: a shard set's manifest "
+        "(results/shards/<dataset>/<shard set>/manifest.json) of any partitioner but iid",
+        local.check,
+        local.EMPTY_FIX,
+        local.SCORED,
+        names=local.set_names,
+        weighs=local.weigh,
     ),
 )
 

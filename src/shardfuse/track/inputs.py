@@ -143,7 +143,9 @@ class RankInputs(NamedTuple):
     rank: int
     shard_rows: int
     history: dict[str, np.ndarray]  # columns of metrics/rank-{r}.parquet (:func:`read_step_metrics`)
-    test_metrics: dict[str, float]  # test_<metric> of the rank's own model, for every task metric
+    # test_<metric> of the rank's own model, for every task metric; local_<score>(_merged) on its local
+    # test distribution (non-iid shard sets)
+    test_metrics: dict[str, float]
     host: str | None  # None when neither train.json nor the rank's sidecar names it
     train_metrics: dict[str, float]  # published_step, best_val_score (:func:`rank_train_metrics`)
     series: dict[str, np.ndarray]  # grad_norm, val_<score>: finite points only (:func:`step_series`)
@@ -235,12 +237,15 @@ def load_inputs(
         manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system, adapter
     )
     task = evaluation_task(evaluation, eval_path)
+    # Under fsdp a child run is a replica, and the local sets are ranks': those stay the parent's.
+    local = {} if isinstance(train.fsdp, dict) else evaluation.local or {}
     test_metrics = {
         rank: {
             f"test_{k}": float(_field(eval_ranks[rank], k, eval_path))
             for k in score_first(task)
             if k == task.score or k in eval_ranks[rank]
         }
+        | local_rank_metrics(local, task.score, rank)
         for rank in range(world_size)
     }
     histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
@@ -268,6 +273,16 @@ def load_inputs(
     manifest_json = read_json(manifest, "manifest")
     headline.update(shard_metrics(manifest_json))  # how heterogeneous the shards are (iid's computed)
     return RunInputs(files, train, ranks, model_spec, headline, train_params(train), manifest_json, merge)
+
+
+def local_rank_metrics(local: dict[str, float], score: str, rank: int) -> dict[str, float]:
+    """A rank's child run's scores on its local test distribution (eval.json's ``local``; non-iid shard
+    sets only): ``local_<score>`` of its own model, ``local_<score>_merged`` of the merged model."""
+    keys = {
+        f"local_{score}": f"local_{score}_rank_{rank}",
+        f"local_{score}_merged": f"local_{score}_merged_rank_{rank}",
+    }
+    return {name: float(local[key]) for name, key in keys.items() if key in local}
 
 
 def adapter_metrics(record: Any, path: Path) -> dict[str, float]:
@@ -347,6 +362,8 @@ def headline_metrics(
         metrics["fusion_gap"] = float(gap)
     for rank in ranks:
         metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
+    # Each rank's local test distribution (runs of non-iid shard sets): eval.json's keys as they are.
+    metrics.update({key: float(value) for key, value in (evaluation.local or {}).items()})
     # Unknown (absent) in train.json of older train stages; 0 for independent training.
     if (communicated := _number(train.bytes_all_reduced_per_rank)) is not None:
         metrics["bytes_all_reduced_per_rank"] = communicated

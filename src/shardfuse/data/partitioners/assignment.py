@@ -15,11 +15,16 @@ or, where value counts are not enough (quantiles of a float column: ``continuous
 passes over the declared columns through ``layout.scan``. Its output may depend on the layout, the
 counts and the params, never on how rows were batched (the stage's --batch-size changes memory, not
 bytes).
+
+A partitioner with a local rule (``Partitioner.local``) also says what each rank's local test
+distribution is (each rank scored on its own ground, issue 48): :class:`Cells`, disjoint cells of the
+test split's rows, each rank's distribution a mixture of them. Evaluate scores every model once per cell
+and mixes the sums (:mod:`shardfuse.scoring.mixture`), so a local score is exact, never resampled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,3 +66,22 @@ class Param:
     describe: str
     accept: Callable[[Any], bool] = lambda value: True
     normalize: Callable[[Any], Any] = lambda value: value
+
+
+@dataclass(frozen=True)
+class Cells:
+    """Each rank's local test distribution: a mixture of disjoint cells of the test split's rows.
+
+    ``cell_of`` is called like a :data:`Deal` on the test rows in order, one batch at a time, with the
+    partitioner's declared columns, and returns each row's cell (0..len(names)-1; -1: in no cell).
+    ``weights[r][k]`` is cell k's share of rank r's distribution (the rows of a cell weighing alike); a
+    rank's weights sum to 1, and a cell it never saw weighs 0 for it."""
+
+    names: tuple[str, ...]  # each cell's name in eval.json (a class, a rank's groups, "all")
+    weights: tuple[tuple[float, ...], ...]  # one row per rank
+    cell_of: Deal
+
+
+# (the test split's layout: its rows, the shard set's world size and seed, a scan of the declared columns;
+# the manifest's shard entries, by rank; the resolved params) -> each rank's local test distribution.
+LocalRule = Callable[[Layout, Sequence[Mapping[str, Any]], dict[str, Any]], Cells]

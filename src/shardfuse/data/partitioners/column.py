@@ -14,12 +14,13 @@ to count a float column; ``continuous`` splits by one), never the label (``patho
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Layout, Param, ValueCounts
+from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Cells, Deal, Layout, Param, ValueCounts
+from shardfuse.data.partitioners.cells import cells_of_values, one_per_rank
 from shardfuse.data.partitioners.dealing import MIN_ROWS, SegmentPlan, require_min_rows, values_of
 from shardfuse.io import UserError
 
@@ -122,3 +123,15 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
         "column", plan.sizes(column_counts), params["min_rows"], "use fewer ranks or lower partition_min_rows"
     )
     return plan.deal()
+
+
+def local(layout: Layout, shards: Sequence[Mapping[str, Any]], params: dict[str, Any]) -> Cells:
+    """Rank r's local test distribution: the test rows whose group its shard holds (the manifest's
+    ``value_counts`` of the column); a group no shard holds (only in the test split) is in no cell."""
+    column = params["column"]
+    owner = {
+        value: rank
+        for rank, shard in enumerate(shards)
+        for value in (shard.get("value_counts") or {}).get(column, {})
+    }
+    return one_per_rank(layout.world_size, lambda num_rows, shown: cells_of_values(shown[column], owner))

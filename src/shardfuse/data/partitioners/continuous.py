@@ -17,12 +17,13 @@ the rows of a tied run may be cut differently).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from shardfuse.data.partitioners.assignment import Deal, Layout, Param, Scan, ValueCounts
+from shardfuse.data.partitioners.assignment import Cells, Deal, Layout, Param, Scan, ValueCounts
+from shardfuse.data.partitioners.cells import one_per_rank
 from shardfuse.data.partitioners.dealing import MIN_ROWS, array_split_sizes, is_number, require_min_rows
 from shardfuse.io import UserError
 
@@ -165,3 +166,10 @@ def assign(layout: Layout, counts: Mapping[str, ValueCounts], params: dict[str, 
     cuts = np.cumsum(sizes)[:-1].tolist()
     keys, below = select(scores, cuts)
     return _ContinuousDeal(scores, cuts, keys, below)
+
+
+def local(layout: Layout, shards: Sequence[Mapping[str, Any]], params: dict[str, Any]) -> Cells:
+    """Rank r's local test distribution: the test rows the same rule (params, seed) deals it, the test
+    split scored and cut as the training split was. partition_min_rows is a training shard's floor, not
+    part of the rule: a test split's runs need one row each."""
+    return one_per_rank(layout.world_size, assign(layout, {}, {**params, "min_rows": 1}))

@@ -1,5 +1,6 @@
 """Every partitioner, one record each: its deal, its parameters with their defaults, the columns it reads,
-its check, its reference, and what it adds to the identity of the shard sets it makes.
+its check, its reference, what it adds to the identity of the shard sets it makes, and each rank's local
+test distribution (its ``local`` rule, which evaluate scores the models on).
 
 The partition stage's ``--partitioner`` and ``--params-json``, the config's ``partition`` enum and
 ``partition_<param>`` keys, a shard set's directory name, its trainings' names and the partition rule's
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardfuse.data.partitioners import column, continuous, dirichlet, iid, pathological, shards, size
-from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Layout, Param, ValueCounts
+from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Layout, LocalRule, Param, ValueCounts
+from shardfuse.data.partitioners.cells import by_label, whole_split
 from shardfuse.io import UserError, find_record
 
 Assign = Callable[[Layout, Mapping[str, ValueCounts], dict[str, Any]], Deal]
@@ -56,6 +58,9 @@ class Partitioner:
     # false only for iid, whose shard sets, commands and trainings keep the names they had before
     # partitioners existed.
     named: bool = True
+    # Each rank's local test distribution (:class:`.assignment.Cells`), which evaluate scores every model
+    # on beside the global test split; None: none but the global one (iid), and no local scores at all.
+    local: LocalRule | None = None
 
     def identity(self, params: dict[str, Any]) -> dict[str, Any]:
         """What this partitioner adds to a shard set's identity (as flat run keys): its name and its
@@ -92,6 +97,7 @@ RECORDS: tuple[Partitioner, ...] = (
         "DirichletPartitioner)",
         dirichlet.PARAMS,
         columns=dirichlet.columns,
+        local=by_label,
     ),
     Partitioner(
         "pathological",
@@ -100,6 +106,7 @@ RECORDS: tuple[Partitioner, ...] = (
         pathological.PARAMS,
         columns=pathological.columns,
         check=pathological.check,
+        local=by_label,
     ),
     Partitioner(
         "shards",
@@ -108,6 +115,7 @@ RECORDS: tuple[Partitioner, ...] = (
         "ShardPartitioner)",
         shards.PARAMS,
         columns=shards.columns,
+        local=by_label,
     ),
     Partitioner(
         "column",
@@ -118,6 +126,7 @@ RECORDS: tuple[Partitioner, ...] = (
         columns=column.columns,
         check=column.check,
         check_groups=column.check_groups,
+        local=column.local,
     ),
     Partitioner(
         "size",
@@ -126,6 +135,7 @@ RECORDS: tuple[Partitioner, ...] = (
         "Linear/Square/ExponentialPartitioner)",
         size.PARAMS,
         check=size.check,
+        local=whole_split,
     ),
     Partitioner(
         "continuous",
@@ -135,6 +145,7 @@ RECORDS: tuple[Partitioner, ...] = (
         continuous.PARAMS,
         columns=continuous.columns,
         counted=continuous.counted,
+        local=continuous.local,
     ),
 )
 
