@@ -9,7 +9,7 @@ configfile: "config/config.yaml"
 
 # Run on the submit host, never as cluster jobs: track and track_comparison are the one MLflow
 # writer (compute nodes often cannot reach a tracking server, and SQLite locks under many writers);
-# summary, plots, compare_merge_methods and compare_communication are cheap (small CSV/Parquet/JSON files).
+# summary, plots and the compare_* figures are cheap (small CSV/Parquet/JSON files).
 localrules:
     track,
     track_comparison,
@@ -17,6 +17,7 @@ localrules:
     plots,
     compare_merge_methods,
     compare_communication,
+    compare_heterogeneity,
 
 
 # A SLURM job group's own pool (profiles/slurm: groups, resources: group_slots=N), not the workflow's.

@@ -7,6 +7,8 @@ By hand::
     python -m shardfuse.plots compare --summary results/summary.csv --out results/plots/merge_methods.png
     python -m shardfuse.plots communication --summary results/summary.csv \\
         --out results/plots/communication.png
+    python -m shardfuse.plots heterogeneity --summary results/summary.csv \\
+        --out results/plots/heterogeneity.png
 
 The run plots read the training's ``metrics/rank-*.parquet`` (under TRAIN_DIR) and the run's
 ``eval.json``. ``fusion.png`` is a dot per model (merged, each rank, best and mean rank, the ranks'
@@ -16,7 +18,9 @@ shard set adds a panel: on each rank's own test distribution, the merged model b
 titled with the normalized score (:mod:`shardfuse.report.local_scores`). ``compare`` shows
 every run of ``summary.csv`` as a row, best merged score first, against its ranks, ensemble and ddp
 baseline; ``communication`` shows each run's merged score against the bytes its training all-reduced per
-rank (log scale; independent training at a ``0 B`` tick). With ``--manifest`` (the run's shard set),
+rank (log scale; independent training at a ``0 B`` tick); ``heterogeneity`` (drawn when some run is not
+iid) each run's merged score against its shards' label skew, a line per training mode
+(:mod:`shardfuse.report.heterogeneity`). With ``--manifest`` (the run's shard set),
 ``shards.png``: each rank's rows by class, titled with the heterogeneity numbers. Those figures are drawn by
 :mod:`shardfuse.report.figures`. The score is the task's (accuracy, mse, loss: see
 :mod:`shardfuse.models.tasks`); every axis says which way is better. Matplotlib's Agg backend, no display
@@ -53,6 +57,7 @@ from shardfuse.report.figures import (
     score_label,
     zoomed_limits,
 )
+from shardfuse.report.heterogeneity import plot_heterogeneity
 from shardfuse.report.local_scores import local_panel, local_points
 from shardfuse.report.shards import plot_shard_set
 from shardfuse.track.series import read_step_metrics
@@ -64,6 +69,7 @@ INITIAL = "initial model"  # the model before training: never "base", which read
 SUMMARY_PLOTS = {
     "compare": ("Merge methods across runs.", "merge_methods.png", plot_merge_methods),
     "communication": ("Merged score vs bytes all-reduced per rank.", "communication.png", plot_communication),
+    "heterogeneity": ("Merged score vs label skew of the shards.", "heterogeneity.png", plot_heterogeneity),
 }
 
 

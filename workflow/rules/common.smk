@@ -418,6 +418,12 @@ def summary_shard_dirs(wildcards):
     return sorted({shard_dir_of(_run_wildcards(run)) for run in RUNS})
 
 
+def heterogeneity_plot(wildcards):
+    """The merged score against label skew (results/plots/heterogeneity.png) when some run is not iid;
+    nothing for an all-iid experiment, whose comparison keeps its command."""
+    return ["results/plots/heterogeneity.png"] if summary_shard_dirs(wildcards) else []
+
+
 def summary_runs_json(wildcards):
     keys = ("dataset", "world_size", "strategy", "sync_every")
     with_manifests = bool(summary_shard_dirs(wildcards))

@@ -73,3 +73,20 @@ rule compare_communication:
         "../../envs/tracking.yaml"
     shell:
         "python -m shardfuse.plots communication --summary {input.summary} --out {output.png} > {log} 2>&1"
+
+
+rule compare_heterogeneity:
+    input:
+        summary=rules.summary.output.csv,
+    output:
+        png=report(
+            "results/plots/heterogeneity.png",
+            caption="../report/heterogeneity.rst",
+            category="Summary",
+        ),
+    log:
+        "logs/plots/heterogeneity.log",
+    conda:
+        "../../envs/tracking.yaml"
+    shell:
+        "python -m shardfuse.plots heterogeneity --summary {input.summary} --out {output.png} > {log} 2>&1"

@@ -31,6 +31,7 @@ rule track_comparison:
     input:
         png=rules.compare_merge_methods.output.png,
         communication=rules.compare_communication.output.png,
+        heterogeneity=heterogeneity_plot,
         summary=rules.summary.output.csv,
         records=rules.track.output.records,
     output:
@@ -39,6 +40,10 @@ rule track_comparison:
         "logs/track/comparison.log",
     conda:
         "../../envs/tracking.yaml"
+    params:
+        heterogeneity=lambda wildcards, input: "".join(
+            f" {png}" for png in input.heterogeneity
+        ),
     shell:
-        "python -m shardfuse.comparison --png {input.png} {input.communication}"
+        "python -m shardfuse.comparison --png {input.png} {input.communication}{params.heterogeneity}"
         " --summary {input.summary} --records {input.records} --out {output.record} > {log} 2>&1"

@@ -144,6 +144,16 @@ def _save_pyfunc(path, mlflow_model, validate_serving_input: bool = True, **kwar
 _PYFUNC_FLAVOR = types.SimpleNamespace(__name__="pyfunc", save_model=_save_pyfunc)
 
 
+# MLflow refuses a logged model's name holding any of these; a run name may hold '.' (a0.5_ddp).
+MODEL_NAME_REFUSES = "/:.%\"'"
+
+
+def logged_model_name(run_name: str) -> str:
+    """The name the run's merged model is logged under: the run's, each character MLflow refuses in a
+    model name as '_' (a logged model is found by its run and weights digest, never by this name)."""
+    return "".join("_" if char in MODEL_NAME_REFUSES else char for char in run_name)
+
+
 def log_merged_model(
     tracking_uri: str,
     run_id: str,

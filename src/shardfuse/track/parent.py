@@ -81,7 +81,7 @@ def sync_parent_extras(
         with model_logging.unfinished_models_deleted(client, experiment_id, parent_id):
             model_id = model_logging.log_merged_model(
                 options.tracking_uri, parent_id, files.weights, weights_sha, inputs.model_spec,
-                name=options.run_name, hf_dir=options.hf_dir,
+                name=model_logging.logged_model_name(options.run_name), hf_dir=options.hf_dir,
             )  # fmt: skip
         # MLflow copies the run's params to the model it logs; add what the model page should also say.
         described = {"training": str(inputs.train.run or ""), **_model_params(inputs)}

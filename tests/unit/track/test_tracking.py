@@ -571,3 +571,14 @@ def test_old_metrics_files_read_without_the_new_columns(tmp_path):
     history = track_series.read_step_metrics(new_dir / "train" / "metrics" / "rank-1.parquet")
     assert np.isnan(history["grad_norm"][0]) and history["grad_norm"][1] == pytest.approx(2.11)
     assert np.isfinite(history["val_score"]).sum() == 2  # 7 steps: validated at 2 and 5
+
+
+def test_a_run_named_with_a_dot_logs_its_model_under_a_name_mlflow_accepts(track_store, tmp_path):
+    # A sweep names runs by their value (a0.5_ddp); MLflow refuses '.' in a logged model's name.
+    result, *_ = track_into(track_store, tmp_path, "a0.5_ddp")
+    parent = track_store["client"].get_run(result["parent_run_id"])
+    assert parent.info.run_name == "a0.5_ddp"
+    (model,) = track_store["client"].search_logged_models(
+        [track_store["experiment_id"]], f"source_run_id = '{parent.info.run_id}'"
+    )
+    assert model.name == "a0_5_ddp" and result["model_uri"] == f"models:/{model.model_id}"
