@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from shardfuse.models.tasks import Task, task_names
-from shardfuse.report.figures import OTHER_MODE_COLOR, cell, pyplot, read_summary, row_task, save_figure, score_label
+from shardfuse.report.figures import (
+    OTHER_MODE_COLOR,
+    cell,
+    pyplot,
+    read_summary,
+    row_task,
+    save_figure,
+    score_label,
+)
 from shardfuse.strategies.registry import mode_colors
 
 SKEW_COLUMN = "shard_label_jsd_mean"
