@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from shardfuse import tracking
 from shardfuse.console.errors import run_cli
@@ -89,26 +88,6 @@ def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store
             for ids in (written["child_run_ids"], other["child_run_ids"])
         ]
         assert histories[0] == histories[1] and len(histories[0]) == 7
-
-
-def test_two_concurrent_cli_tracks_into_one_fresh_sqlite_db_both_succeed(tmp_path):
-    uri = f"sqlite:///{tmp_path}/db/mlflow.db"  # parent dir missing: the stage creates it
-    procs = []
-    for run_name in ("left", "right"):
-        run_dir, manifest = make_run_dir(tmp_path, run_name)
-        args = track_cli_args(run_name, run_dir, manifest, uri, run_dir / "mlflow.json")
-        procs.append(
-            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=tracking_env(), cwd=tmp_path)
-        )  # fmt: skip
-    for proc in procs:
-        _, stderr = proc.communicate(timeout=240)
-        assert proc.returncode == 0, stderr
-    client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(TRACK_EXPERIMENT)
-    parents = client.search_runs([experiment.experiment_id], "tags.`shardfuse.complete` = 'true'")
-    assert sorted(p.info.run_name for p in parents) == ["left", "right"]
-    assert all(p.data.tags["shardfuse.complete"] == "true" for p in parents)
 
 
 def test_cli_track_never_imports_torch_and_reads_the_model_spec_from_the_header(track_store, tmp_path):
