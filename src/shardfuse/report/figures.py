@@ -351,26 +351,42 @@ def _communication_panel(ax, task: Task, points: list[CommunicationPoint], zero_
     ax.legend(title="mode", fontsize="small")
 
 
+def panels_by_score(
+    points: list, draw, *, width: float, title: str, empty: str, missing: str, left_out: list[str]
+):
+    """A figure of one panel per score (runs ranked by different scores share no axis), in the order the
+    tasks are listed: ``draw(ax, task, points of that score)`` fills each. Without points, ``empty`` in
+    place of a panel; the runs ``left_out`` named under it ("Not shown (``missing``): ...")."""
+    by_score: dict[str, list] = {}
+    for point in sorted(points, key=lambda p: task_names().index(p.task.name)):
+        by_score.setdefault(point.task.score, []).append(point)
+    panels = max(1, len(by_score))
+    fig, axes = pyplot().subplots(1, panels, figsize=(width * panels, 4.5), squeeze=False)
+    for ax, members in zip(axes.flat, by_score.values(), strict=False):
+        draw(ax, members[0].task, members)
+    if not points:
+        axes[0, 0].set_axis_off()
+        axes[0, 0].text(0.5, 0.5, empty, ha="center", va="center", transform=axes[0, 0].transAxes)
+    if left_out:
+        fig.text(0.01, -0.02, f"Not shown ({missing}): " + ", ".join(left_out), fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
 def communication_figure(rows: list[dict[str, str]]):
     """Merged score vs bytes all-reduced per rank, a panel per score (see the module docstring)."""
     points, left_out = communication_points(rows)
-    by_score: dict[str, list[CommunicationPoint]] = {}
-    for point in sorted(points, key=lambda p: task_names().index(p.task.name)):
-        by_score.setdefault(point.task.score, []).append(point)
-    fig, axes = pyplot().subplots(1, max(1, len(by_score)), figsize=(6.5 * max(1, len(by_score)), 4.5),
-                                  squeeze=False)  # fmt: skip
     zero_x = zero_bytes_position(points)
-    for ax, members in zip(axes.flat, by_score.values(), strict=False):
-        _communication_panel(ax, members[0].task, members, zero_x)
-    if not points:
-        axes[0, 0].set_axis_off()
-        axes[0, 0].text(0.5, 0.5, "No run has a byte count yet: its training predates the count, or the\n"
-                        "summary does (re-run the train or the summary stage).", ha="center", va="center",
-                        transform=axes[0, 0].transAxes)  # fmt: skip
-    if left_out:
-        fig.text(0.01, -0.02, "Not shown (no byte count): " + ", ".join(left_out), fontsize="small")
-    fig.suptitle("Merged model vs communication per rank")
-    return fig
+    return panels_by_score(
+        points,
+        lambda ax, task, members: _communication_panel(ax, task, members, zero_x),
+        width=6.5,
+        title="Merged model vs communication per rank",
+        empty="No run has a byte count yet: its training predates the count, or the\n"
+        "summary does (re-run the train or the summary stage).",
+        missing="no byte count",
+        left_out=left_out,
+    )
 
 
 def plot_communication(summary: Path, out: Path) -> Path:

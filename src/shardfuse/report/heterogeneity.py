@@ -17,11 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from shardfuse.models.tasks import Task, task_names
+from shardfuse.models.tasks import Task
 from shardfuse.report.figures import (
     OTHER_MODE_COLOR,
     cell,
-    pyplot,
+    panels_by_score,
     read_summary,
     row_task,
     save_figure,
@@ -80,22 +80,16 @@ def _panel(ax, task: Task, points: list[SkewPoint]) -> None:
 def heterogeneity_figure(rows: list[dict[str, str]]):
     """Merged score vs label skew, a panel per score (see the module docstring)."""
     points, left_out = skew_points(rows)
-    by_score: dict[str, list[SkewPoint]] = {}
-    for point in sorted(points, key=lambda p: task_names().index(p.task.name)):
-        by_score.setdefault(point.task.score, []).append(point)
-    panels = max(1, len(by_score))
-    fig, axes = pyplot().subplots(1, panels, figsize=(7.5 * panels, 4.8), squeeze=False)
-    for ax, members in zip(axes.flat, by_score.values(), strict=False):
-        _panel(ax, members[0].task, members)
-    if not points:
-        axes[0, 0].set_axis_off()
-        axes[0, 0].text(0.5, 0.5, f"No run has a label skew ({SKEW_COLUMN}): its shard sets are iid, or its\n"
-                        "dataset has no class labels.", ha="center", va="center",
-                        transform=axes[0, 0].transAxes)  # fmt: skip
-    if left_out:
-        fig.text(0.01, -0.02, "Not shown (no label skew): " + ", ".join(left_out), fontsize="small")
-    fig.suptitle("Merged model vs label skew of the shards")
-    return fig
+    return panels_by_score(
+        points,
+        _panel,
+        width=7.5,
+        title="Merged model vs label skew of the shards",
+        empty=f"No run has a label skew ({SKEW_COLUMN}): its shard sets are iid, or its\n"
+        "dataset has no class labels.",
+        missing="no label skew",
+        left_out=left_out,
+    )
 
 
 def plot_heterogeneity(summary: Path, out: Path) -> Path:
