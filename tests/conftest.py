@@ -53,29 +53,6 @@ class SharedTrainingScheduling(LoadFileScheduling):
         path = nodeid.split("::", 1)[0]
         return SHARED_TRAINING_MODULES.get(path, path)
 
-    def schedule(self) -> None:
-        """Longest first: the units that run Snakemake or torchrun (a few tests of many seconds each) go
-        out before the in-process unit tests (many tests of milliseconds), so that the run does not end
-        with one worker on a long module while the other idles. xdist's own order (most tests first)
-        does the opposite."""
-        if self.collection is None and self.collection_is_completed:
-            self.config.option.loadscopereorder = False
-            for node, collection in self.registered_collections.items():
-                self.registered_collections[node] = sorted(collection, key=expected_length)
-        super().schedule()
-
-
-# Test folders by how long their tests take, longest first (SharedTrainingScheduling.schedule).
-LONGEST_FIRST = ("tests/slow/", "tests/workflow/", "tests/stages/", "tests/contracts/", "tests/unit/")
-
-
-def expected_length(nodeid: str) -> int:
-    """A test's place in the longest-first order: a shared training first, then its folder's place."""
-    path = nodeid.split("::", 1)[0]
-    if path in SHARED_TRAINING_MODULES:
-        return -1
-    return next((i for i, folder in enumerate(LONGEST_FIRST) if path.startswith(folder)), len(LONGEST_FIRST))
-
 
 def pytest_xdist_make_scheduler(config, log):
     return SharedTrainingScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
