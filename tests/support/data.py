@@ -13,6 +13,15 @@ import pyarrow.parquet as pq
 from shardfuse.data.shard_format import SHAPE_KEY
 from tests.support.helpers import subprocess_env
 
+# The dataset.json of a small three-class table, as model specs read it (models and scoring tests).
+CLASSIFICATION_INFO = {
+    "task": "classification",
+    "num_features": 4,
+    "num_classes": 3,
+    "feature_names": ["a", "b", "c", "d"],
+    "label_names": ["cat", "dog", "eel"],
+}
+
 
 def write_rows(
     path: Path, num_rows: int, num_classes: int = 3, row_group_size: int | None = None

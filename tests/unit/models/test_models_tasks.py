@@ -19,15 +19,9 @@ from shardfuse.models.registry import build_model, check_output_shape
 from shardfuse.models.spec import DataDescription, model_spec
 from shardfuse.models.tasks import Totals, task_for
 from shardfuse.models.usercode import check_code_unchanged, code_fingerprint, load_factory
+from tests.support.data import CLASSIFICATION_INFO
 from tests.support.helpers import REPO
 
-CLASSIFICATION_INFO = {
-    "task": "classification",
-    "num_features": 4,
-    "num_classes": 3,
-    "feature_names": ["a", "b", "c", "d"],
-    "label_names": ["cat", "dog", "eel"],
-}
 REGRESSION_INFO = {
     "task": "regression",
     "num_features": 5,

@@ -18,14 +18,9 @@ from shardfuse.scoring.local import local_scores
 from shardfuse.scoring.mixture import mix, weighted_sets
 from shardfuse.scoring.scorer import model_of, score_in_cells, score_models
 from shardfuse.scoring.split import Split
+from tests.support.data import CLASSIFICATION_INFO
 
-INFO = {
-    "task": "classification",
-    "num_features": 4,
-    "num_classes": 3,
-    "feature_names": ["a", "b", "c", "d"],
-    "label_names": ["cat", "dog", "eel"],
-}
+INFO = CLASSIFICATION_INFO
 REGRESSION_INFO = {
     "task": "regression",
     "num_features": 4,
