@@ -1,9 +1,10 @@
 """Shared helpers of the benchmarks: measured child processes, medians, machine info, Markdown tables.
 
 Every timed command runs in its own child process, measured with ``os.wait4``: wall time from just
-before the fork to the exit, and the child's peak RSS (``ru_maxrss``, which also covers the
-grandchildren it waited for, e.g. torchrun's ranks). Baselines run interleaved with what they are
-compared to, so a busy machine slows both alike; results are medians of the repetitions.
+before the fork to the exit, the child's peak RSS (``ru_maxrss``) and its CPU time (``ru_utime +
+ru_stime``); both cover the grandchildren it waited for, e.g. torchrun's ranks. Baselines run
+interleaved with what they are compared to, so a busy machine slows both alike; results are medians of
+the repetitions.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Measured:
     peak_rss_mb: float
     stdout: str
     returncode: int = 0
+    cpu_seconds: float = 0.0  # user + system of the command and the descendants it waited for
 
 
 # A child's ru_maxrss starts at its parent's RSS when it forks (Linux keeps the pre-exec high-water
@@ -54,7 +56,8 @@ _, status, usage = os.wait4(proc.pid, 0)
 seconds = time.perf_counter() - started
 proc.returncode = os.waitstatus_to_exitcode(status)
 with open(sys.argv[1], "w") as fh:
-    json.dump({"seconds": seconds, "maxrss_kb": usage.ru_maxrss, "returncode": proc.returncode}, fh)
+    json.dump({"seconds": seconds, "maxrss_kb": usage.ru_maxrss, "returncode": proc.returncode,
+               "cpu_seconds": usage.ru_utime + usage.ru_stime}, fh)
 """
 
 
@@ -77,7 +80,9 @@ def measure(
     output = proc.stdout
     if check and result["returncode"] != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({result['returncode']}):\n{output[-3000:]}")
-    return Measured(result["seconds"], result["maxrss_kb"] / 1024, output, result["returncode"])
+    return Measured(
+        result["seconds"], result["maxrss_kb"] / 1024, output, result["returncode"], result["cpu_seconds"]
+    )
 
 
 READY = "ready"

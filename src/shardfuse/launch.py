@@ -43,6 +43,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from shardfuse.cluster.agent import rank_start
 from shardfuse.cluster.deadline import DeadlineWatcher, requeue
 from shardfuse.cluster.ownership import (
     keep_published,
@@ -138,6 +139,7 @@ def launch(
             f"{geometry.nproc_per_node} = {geometry.world_size}; make world_size and the "
             "geometry agree"
         )
+    rank_start(environ)  # a bad SHARDFUSE_RANK_START fails here, before any file or rank
     staging = staging_dir(out_dir)
     cmd = launch_command(
         geometry, [*train_args, "--out-dir", str(staging)], environ, max_restarts=max_restarts

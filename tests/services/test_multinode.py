@@ -207,7 +207,7 @@ def test_two_node_train_log_shows_srun_and_one_torchrun_agent_per_node(
     launches = [line for line in log.splitlines() if line.startswith("launch: ")]
     srun = " srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "
     assert any(srun in f"{line} " for line in launches), log[-3000:]
-    agents = [line for line in launches if "torch.distributed.run" in line and "--rdzv-backend=c10d" in line]
+    agents = [line for line in launches if "shardfuse.agent" in line and "--rdzv-backend=c10d" in line]
     assert sorted(a.split("--node-rank=")[1].split()[0] for a in agents) == ["0", "1"], log[-3000:]
     assert all("--rdzv-endpoint=node1:" in a and f"--nproc-per-node={per_node} " in a for a in agents)
 

@@ -62,7 +62,7 @@ def test_a_published_training_deleted_by_snakemake_is_restored_not_retrained(tmp
     assert rerun.returncode == 0, snakemake_failure(tmp_path, rerun)
     log = next(p for p in (tmp_path / "logs" / "train").glob("*.log") if ".attempt-" not in p.name)
     assert "restored from its published copy" in log.read_text()
-    assert "torch.distributed.run" not in log.read_text()  # no rank started
+    assert "shardfuse.agent" not in log.read_text()  # no rank started
     assert {p.name: p.read_bytes() for p in ranks.iterdir() if p.is_file()} == before
 
 

@@ -56,7 +56,7 @@ def test_failed_job_errors_name_the_rule_the_log_and_the_one_line_error(tmp_path
     job_log = tmp_path / "logs" / "train" / "t.log"
     job_log.parent.mkdir(parents=True)
     job_log.write_text(
-        "launch: python -m torch.distributed.run ...\n"
+        "launch: python -m shardfuse.agent ...\n"
         "[rank1]: shardfuse.train: error: warmup_steps 9 is longer than the run's 4 optimiser steps\n"
         "shardfuse.train: error: warmup_steps 9 is longer than the run's 4 optimiser steps\n"
         "Traceback (most recent call last):\n"

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from shardfuse.io import UserError
 
 TRAIN_MODULE = "shardfuse.train"
+# torchrun's command line and launcher, the ranks forked from its agent (shardfuse/cluster/agent.py).
+AGENT_MODULE = "shardfuse.agent"
 
 
 RDZV_PORT_ENV = "SHARDFUSE_RDZV_PORT"
@@ -58,11 +60,12 @@ def job_resources(geometry: Geometry) -> dict[str, int | str]:
 def standalone_command(
     geometry: Geometry, train_args: list[str], python: str = sys.executable, max_restarts: int = 0
 ) -> list[str]:
-    """One node: torchrun with its own local rendezvous (``python -m torch.distributed.run`` is torchrun)."""
+    """One node: torchrun with its own local rendezvous (:mod:`shardfuse.agent` is torchrun's
+    launcher with the ranks forked from its agent)."""
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={geometry.nproc_per_node}",
@@ -109,7 +112,7 @@ def node_command(
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         f"--nnodes={geometry.nnodes}",
         f"--node-rank={node_rank}",
         f"--nproc-per-node={geometry.nproc_per_node}",

@@ -30,9 +30,18 @@ class ConfigError(UserError):
     """The configuration is invalid; the message names the key and the fix."""
 
 
+_PARSED_SCHEMAS: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+
 def load_schema(path: str | os.PathLike = SCHEMA_PATH) -> dict[str, Any]:
-    with open(path) as fh:
-        return yaml.safe_load(fh)
+    """The schema, parsed once per version of its file (YAML parsing is most of a config check's time)
+    and handed out as a copy: a caller that edits it edits its own."""
+    stat = os.stat(path)
+    key = (os.fspath(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _PARSED_SCHEMAS:
+        with open(path) as fh:  # libyaml's parser where PyYAML has it: the same safe loader, in C
+            _PARSED_SCHEMAS[key] = yaml.load(fh, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return copy.deepcopy(_PARSED_SCHEMAS[key])
 
 
 def _where(error: jsonschema.ValidationError) -> str:

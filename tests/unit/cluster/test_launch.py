@@ -25,7 +25,7 @@ def test_local_run_is_standalone_torchrun():
     assert cmd == [
         "py",
         "-m",
-        "torch.distributed.run",
+        "shardfuse.agent",
         "--standalone",
         "--nnodes=1",
         "--nproc-per-node=2",
@@ -37,7 +37,7 @@ def test_local_run_is_standalone_torchrun():
 
 def test_one_slurm_node_runs_standalone_torchrun_inside_the_job():
     cmd = launch_command(Geometry(1, 8), TRAIN, environ={"SLURM_JOB_ID": "77"}, python="py")
-    assert cmd[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
+    assert cmd[:4] == ["py", "-m", "shardfuse.agent", "--standalone"]
     assert "--nproc-per-node=8" in cmd and not any(arg.startswith("--rdzv") for arg in cmd)
 
 
@@ -73,7 +73,7 @@ def test_each_node_step_runs_torchrun_with_its_node_rank_and_the_first_host_rend
     assert cmd == [
         "py",
         "-m",
-        "torch.distributed.run",
+        "shardfuse.agent",
         "--nnodes=4",
         "--node-rank=2",
         "--nproc-per-node=8",

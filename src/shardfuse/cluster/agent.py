@@ -1,0 +1,147 @@
+"""torchrun's agent with the ranks forked from it (the stage :mod:`shardfuse.agent` runs it).
+
+torchrun's own launcher (``torch.distributed.run``'s parser and config, ``elastic_launch``: the same
+rendezvous, environment, monitoring and restarts), with one difference: the agent imports the training
+code once and each rank is a fork of it (``start_method="fork"``) instead of a fresh interpreter that
+imports torch again. A rank's start then costs no import: a 4-rank training on digits spends about a
+third less CPU (bench/rank_start.py, bench/RESULTS.md), and on a cluster the ranks of a node stop
+reading the Python packages from a shared filesystem at once.
+
+A forked rank is made to look like a fresh one: the signal handlers the agent installs are reset to
+Python's defaults, its thread pools take the sizes its environment names (``OMP_NUM_THREADS``: the
+order of float sums, so the bytes, do not change), an interrupt ends it by SIGINT as it ends a fresh
+interpreter, and its process name (``/proc/<pid>/comm``, what ``ps -o comm`` and ``top`` show) is
+``rank-<RANK>``. The agent never runs a torch operation or touches a GPU before forking. A rank killed
+by a signal (``kill -9``, the kernel's out-of-memory killer) is named in one line of the log: torch's
+failure summary names the first failure it sees, which for forked ranks is usually the peer that lost
+its connection.
+
+``SHARDFUSE_RANK_START=spawn`` starts every rank as a fresh interpreter instead, exactly as
+``torchrun`` does (for a user model whose libraries cannot be forked once imported).
+
+Torch is imported only inside the functions: the launcher imports :func:`rank_start`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import uuid
+import warnings
+from pathlib import Path
+
+RANK_START_ENV = "SHARDFUSE_RANK_START"
+RANK_STARTS = ("fork", "spawn")
+_PR_SET_NAME = 15
+# The signals torch's agent catches (its handler raises in whichever process receives them).
+# SIGCHLD: the agent's note of a rank killed by a signal (:func:`_note_killed_ranks`).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD")
+
+
+def rank_start(environ) -> str:
+    value = environ.get(RANK_START_ENV, "fork") or "fork"
+    if value not in RANK_STARTS:
+        from shardfuse.io import UserError
+
+        raise UserError(
+            f"{RANK_START_ENV}={value!r} is not one of {', '.join(RANK_STARTS)}; unset it or pick one"
+        )
+    return value
+
+
+def _name_process(name: str) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the name is cosmetic
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def _as_fresh_rank() -> None:
+    """What a fresh interpreter would have: default signal handlers, the environment's thread counts."""
+    for name in _AGENT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    _name_process(f"rank-{os.environ.get('RANK', '')}")
+
+
+def _run_rank(module_name: str, *argv: str) -> None:
+    """One rank, in a fork of the agent: the module's ``main`` under :func:`run_cli` (one-line errors,
+    exit status 2), as ``python -m <module>`` runs it."""
+    _as_fresh_rank()
+    from shardfuse.console.errors import run_cli
+
+    module = importlib.import_module(module_name)
+    try:
+        run_cli(module.main, list(argv))
+    except KeyboardInterrupt:
+        # A fresh interpreter dies of the SIGINT it did not handle; so does this rank (exit status -2),
+        # rather than torch's fork wrapper taking the interrupt for a clean exit.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _note_killed_ranks() -> None:
+    """On SIGCHLD, look at the exited child without reaping it (torch's agent reaps it) and, if a
+    signal killed it, say which rank in one line."""
+    noted: set[int] = set()
+
+    def on_child(_signum, _frame) -> None:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid in noted or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
+            return
+        noted.add(info.si_pid)
+        try:
+            name = Path(f"/proc/{info.si_pid}/comm").read_text().strip()
+        except OSError:
+            name = "a rank"
+        reason = signal.Signals(info.si_status).name if info.si_status in signal.valid_signals() else ""
+        hint = "; the kernel's out-of-memory killer sends it too" if info.si_status == signal.SIGKILL else ""
+        print(
+            f"shardfuse.agent: {name.replace('-', ' ')} (pid {info.si_pid}) was killed by signal "
+            f"{info.si_status} ({reason}{hint})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    signal.signal(signal.SIGCHLD, on_child)
+
+
+def run_agent(argv: list[str] | None = None) -> None:
+    """torchrun's command line (``--standalone`` or ``--nnodes/--node-rank/--rdzv-*``,
+    ``--nproc-per-node``, ``--max-restarts``, ``-m <module>`` and its arguments)."""
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    if rank_start(os.environ) == "spawn" or not args.module:
+        run(args)  # torchrun itself
+        return
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if args.standalone:  # as torch.distributed.run.run does
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    args.start_method = "fork"
+    # Python 3.12+ warns of any fork in a process with threads (torch's agent has its store's); the
+    # ranks touch none of the agent's threads' state.
+    warnings.filterwarnings(
+        "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
+    )
+    importlib.import_module(args.training_script)  # once, here: every rank inherits it
+    config, _, _ = config_from_args(args)
+    _note_killed_ranks()
+    elastic_launch(config=config, entrypoint=_run_rank)(args.training_script, *args.training_script_args)
