@@ -30,6 +30,7 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 import uuid
 import warnings
 from pathlib import Path
@@ -74,13 +75,20 @@ def _as_fresh_rank() -> None:
 
 def _run_rank(module_name: str, *argv: str) -> None:
     """One rank, in a fork of the agent: the module's ``main`` under :func:`run_cli` (one-line errors,
-    exit status 2), as ``python -m <module>`` runs it."""
+    exit status 2; any other exception's traceback on stderr, exit status 1), as ``python -m <module>``
+    runs it."""
     _as_fresh_rank()
     from shardfuse.console.errors import run_cli
 
     module = importlib.import_module(module_name)
     try:
         run_cli(module.main, list(argv))
+    except Exception:
+        # A fresh interpreter prints an uncaught exception's traceback and exits with status 1; torch's
+        # fork wrapper would only pickle it for the agent's summary instead.
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         # A fresh interpreter dies of the SIGINT it did not handle; so does this rank (exit status -2),
         # rather than torch's fork wrapper taking the interrupt for a clean exit.
