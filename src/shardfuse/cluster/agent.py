@@ -127,6 +127,30 @@ def _note_killed_ranks() -> None:
     signal.signal(signal.SIGCHLD, on_child)
 
 
+def _release_returned_ranks_on_close() -> None:
+    """In torch's fork context a rank whose function returned waits for the agent to read its return
+    value before it exits. An agent that shuts down (a SIGTERM or Ctrl-C, which it also sends on to the
+    ranks) reads none: a rank that finishes its checkpoint after the signal, as ours do, would wait out
+    the agent's 30 s grace and be killed. Closing the context first lets such ranks go, as a fresh
+    interpreter exits when its main returns. (torch's own close, wrapped; skipped where a torch version
+    lacks either name.)"""
+    from torch.distributed.elastic.multiprocessing import api
+
+    context = getattr(api, "MultiprocessContext", None)
+    close = getattr(context, "_close", None)
+    if close is None or getattr(close, "releases_returned_ranks", False):
+        return
+
+    def release_then_close(self, death_sig, timeout: int = 30) -> None:
+        finished = getattr(self, "_worker_finished_event", None)
+        if finished is not None:
+            finished.set()
+        close(self, death_sig, timeout)
+
+    release_then_close.releases_returned_ranks = True
+    context._close = release_then_close
+
+
 def run_agent(argv: list[str] | None = None) -> None:
     """torchrun's command line (``--standalone`` or ``--nnodes/--node-rank/--rdzv-*``,
     ``--nproc-per-node``, ``--max-restarts``, ``-m <module>`` and its arguments)."""
@@ -152,4 +176,5 @@ def run_agent(argv: list[str] | None = None) -> None:
     importlib.import_module(args.training_script)  # once, here: every rank inherits it
     config, _, _ = config_from_args(args)
     _note_killed_ranks()
+    _release_returned_ranks_on_close()
     elastic_launch(config=config, entrypoint=_run_rank)(args.training_script, *args.training_script_args)
