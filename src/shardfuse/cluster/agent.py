@@ -30,6 +30,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 import traceback
 import uuid
 import warnings
@@ -38,6 +39,8 @@ from pathlib import Path
 RANK_START_ENV = "SHARDFUSE_RANK_START"
 RANK_STARTS = ("fork", "spawn")
 _PR_SET_NAME = 15
+# How long a closing agent waits for its ranks to end by themselves before it signals them (seconds).
+CLOSE_GRACE_SECONDS = 5.0
 # The signals torch's agent catches (its handler raises in whichever process receives them).
 # SIGCHLD: the agent's note of a rank killed by a signal (:func:`_note_killed_ranks`).
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD")
@@ -132,8 +135,9 @@ def _release_returned_ranks_on_close() -> None:
     value before it exits. An agent that shuts down (a SIGTERM or Ctrl-C, which it also sends on to the
     ranks) reads none: a rank that finishes its checkpoint after the signal, as ours do, would wait out
     the agent's 30 s grace and be killed. Closing the context first lets such ranks go, as a fresh
-    interpreter exits when its main returns. (torch's own close, wrapped; skipped where a torch version
-    lacks either name.)"""
+    interpreter exits when its main returns, and waits up to CLOSE_GRACE_SECONDS for the ranks to end
+    by themselves before torch's close signals them. (torch's own close, wrapped; skipped where a torch
+    version lacks either name.)"""
     from torch.distributed.elastic.multiprocessing import api
 
     context = getattr(api, "MultiprocessContext", None)
@@ -145,6 +149,12 @@ def _release_returned_ranks_on_close() -> None:
         finished = getattr(self, "_worker_finished_event", None)
         if finished is not None:
             finished.set()
+        # A forked rank that fails exits at once (no interpreter teardown); give its peers, failing on
+        # the broken connection in turn, the moment a fresh interpreter's teardown gave them to print
+        # their own traceback before the agent's signal ends them.
+        deadline = time.monotonic() + CLOSE_GRACE_SECONDS
+        for proc in getattr(getattr(self, "_pc", None), "processes", ()):
+            proc.join(max(0.0, deadline - time.monotonic()))
         close(self, death_sig, timeout)
 
     release_then_close.releases_returned_ranks = True
@@ -173,8 +183,10 @@ def run_agent(argv: list[str] | None = None) -> None:
     warnings.filterwarnings(
         "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
     )
-    importlib.import_module(args.training_script)  # once, here: every rank inherits it
+    # torchrun's config first: it sets OMP_NUM_THREADS=1 for several ranks when unset, which the
+    # libraries read as they load.
     config, _, _ = config_from_args(args)
+    importlib.import_module(args.training_script)  # once, here: every rank inherits it
     _note_killed_ranks()
     _release_returned_ranks_on_close()
     elastic_launch(config=config, entrypoint=_run_rank)(args.training_script, *args.training_script_args)
