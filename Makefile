@@ -63,7 +63,7 @@ test-services: $(STAMP)
 # Everything (CI): the fast tier, the slow tier, then the service tier; then the table of tier times.
 test-all:
 	@rm -rf $(REPORTS)
-	@$(MAKE) --no-print-directory test test-slow test-services; status=$$?; \
+	@$(MAKE) --no-print-directory -k test test-slow test-services; status=$$?; \
 		python3 scripts/test-report.py; exit $$status
 
 lint: $(STAMP)
