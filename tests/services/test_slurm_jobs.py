@@ -127,8 +127,12 @@ def test_kill_9_of_snakemake_with_the_job_running_then_an_immediate_rerun_takes_
         )
         with (
             (tmp_path / "rerun.stderr").open("w") as stderr,
+            # A time limit inside the frozen job's: the test workers share this 4-CPU cluster, and a
+            # job of another test that needs all 4 CPUs waits for the frozen job first; SLURM's backfill
+            # starts the rerun's job beside the frozen one only if it ends before the frozen job's limit
+            # (with the rule's own 120 min it would wait behind that job, and the rerun never start).
             subprocess.Popen(
-                snakemake_cmd(workdir, "--until", "train"),
+                snakemake_cmd(workdir, "--until", "train", "--set-resources", "train:runtime=30"),
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 env={**subprocess_env(), "SHARDFUSE_OWNER_WAIT": "600"},
