@@ -15,6 +15,7 @@ from shardfuse.models.spec import model_spec
 from shardfuse.scoring import sets
 from shardfuse.scoring.scorer import Scorer, model_of, score_models
 from shardfuse.scoring.split import Split
+from tests.support.data import CLASSIFICATION_INFO
 
 REGRESSION_INFO = {
     "task": "regression",
@@ -23,13 +24,6 @@ REGRESSION_INFO = {
     "feature_names": [f"x{i}" for i in range(5)],
     "label_names": [],
     "target_names": ["y_a", "y_b"],
-}
-CLASSIFICATION_INFO = {
-    "task": "classification",
-    "num_features": 4,
-    "num_classes": 3,
-    "feature_names": ["a", "b", "c", "d"],
-    "label_names": ["cat", "dog", "eel"],
 }
 
 
