@@ -20,9 +20,9 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from shardfuse.console.errors import run_cli
+from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.io import StageParser, UserError, read_json, write_json
-from shardfuse.track.client import exit_now, tracking_client, tracking_errors, writer_lock
+from shardfuse.track.client import tracking_client, tracking_errors, writer_lock
 
 ARTIFACT_PATH = "comparison"
 TABLE_FILE = "comparison_table.json"

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
-from shardfuse.console.errors import run_cli
+from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.experiment.records import EvalRecord
 from shardfuse.io import StageParser, UserError, write_json
 from shardfuse.models.registry import check_model_fits, normalized_spec
@@ -181,3 +181,4 @@ def requested_sets(args: argparse.Namespace) -> list[tuple[SetKind, Path]]:
 
 if __name__ == "__main__":
     run_cli(main)
+    exit_now()  # every file written: skip the interpreter's teardown of torch / matplotlib

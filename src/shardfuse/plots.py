@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shardfuse.console.errors import run_cli
+from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.data.manifest import read_manifest
 from shardfuse.experiment.records import EvalRecord
 from shardfuse.io import StageParser, UserError
@@ -285,3 +285,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     run_cli(main)
+    exit_now()  # every file written: skip the interpreter's teardown of torch / matplotlib

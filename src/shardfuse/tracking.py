@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardfuse.console.errors import error_line, run_cli, user_error_message, write_line
+from shardfuse.console.errors import error_line, exit_now, run_cli, user_error_message, write_line
 from shardfuse.io import StageParser, UserError, parse_json_arg, read_json, write_json
-from shardfuse.track.client import exit_now
 from shardfuse.track.sync import track_run
 
 # The per-run options of --runs-json (each entry): the single-run flags without their dashes.

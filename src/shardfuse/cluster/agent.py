@@ -173,6 +173,8 @@ def run_agent(argv: list[str] | None = None) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
+    from shardfuse.console.errors import exit_now
+
     if args.standalone:  # as torch.distributed.run.run does
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
@@ -186,7 +188,13 @@ def run_agent(argv: list[str] | None = None) -> None:
     # torchrun's config first: it sets OMP_NUM_THREADS=1 for several ranks when unset, which the
     # libraries read as they load.
     config, _, _ = config_from_args(args)
-    importlib.import_module(args.training_script)  # once, here: every rank inherits it
+    module = importlib.import_module(args.training_script)  # once, here: every rank inherits it
+    for name in getattr(module, "FORK_PRELOAD", ()):  # and the libraries its ranks import lazily
+        importlib.import_module(name)
     _note_killed_ranks()
     _release_returned_ranks_on_close()
     elastic_launch(config=config, entrypoint=_run_rank)(args.training_script, *args.training_script_args)
+    # Every rank has ended and written its files: the agent ends as each forked rank does, without the
+    # interpreter's teardown of torch, dynamo, sympy and pandas (0.7 s of a 4-rank digits training's
+    # 4.2 s). Only after success: a failure keeps torch's error path.
+    exit_now()

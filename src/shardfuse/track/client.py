@@ -17,10 +17,8 @@ import fcntl
 import functools
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 from shardfuse.io import NO_SPACE, NOT_WRITABLE, UserError, destination, error_reason
 
@@ -161,17 +159,3 @@ def _file_fix(exc: OSError) -> str:
             f"mlflow.tracking_uri at a writable store, {rerun}"
         )
     return f"fix the store or mlflow.tracking_uri, {rerun}"
-
-
-def exit_now() -> NoReturn:
-    """End a stage that has finished its work (tracking, comparison, a training rank), skipping the
-    interpreter's teardown.
-
-    Tearing down the thousands of modules MLflow, SQLAlchemy and pandas load costs a large share of a
-    track job's wall time (bench/tracking.py, bench/RESULTS.md); a training rank's teardown runs torch's
-    C++ destructors, which can abort a finished rank. By now every write is committed, the temporary
-    files are gone and the locks are released; only output buffers are left to flush.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
