@@ -3,9 +3,11 @@
 torchrun's own launcher (``torch.distributed.run``'s parser and config, ``elastic_launch``: the same
 rendezvous, environment, monitoring and restarts), with one difference: the agent imports the training
 code once and each rank is a fork of it (``start_method="fork"``) instead of a fresh interpreter that
-imports torch again. A rank's start then costs no import: a 4-rank training on digits spends about a
-third less CPU (bench/rank_start.py, bench/RESULTS.md), and on a cluster the ranks of a node stop
-reading the Python packages from a shared filesystem at once.
+imports torch again; before forking it also imports what the training module lists in
+``FORK_PRELOAD`` (the libraries its ranks would import lazily, each on its own), and after success it
+ends without the interpreter's teardown. A rank's start then costs no import: a 4-rank training on
+digits takes half the wall time and a third of the CPU (bench/rank_start.py, bench/RESULTS.md), and on
+a cluster the ranks of a node stop reading the Python packages from a shared filesystem at once.
 
 A forked rank is made to look like a fresh one: the signal handlers the agent installs are reset to
 Python's defaults, its thread pools take the sizes its environment names (``OMP_NUM_THREADS``: the
