@@ -8,7 +8,8 @@ of it takes (``classes``).
   ``label_names``; splits stratified by class; the spec's ``classes`` keeps some classes (the label space
   stays the whole data's).
 - values: float32 columns y0..y{K-1}, their names in dataset.json's ``target_names``; a random split.
-- tokens: no target column (the targets are the token block shifted by one); a random split.
+- tokens: no target column (the targets are the token block shifted by one), or, for supervised
+  fine-tuning, a ``loss_mask`` column (uint8 [block_size]: 1 where the next token counts); a random split.
 
 A task picks its layout; the sources that give a layout serve every task of it. A library module (numpy;
 pyarrow only where columns are built), no command line::
@@ -163,8 +164,23 @@ class NextTokens(Layout):
     name = TOKENS
     info_fields = ("vocab_size", "block_size")
 
+    def fields(self, targets: np.ndarray | None) -> tuple[list[pa.Field], list[pa.Array]]:
+        """None, or a source's loss mask (rows x block_size, 1 where the next token counts)."""
+        if targets is None:
+            return [], []
+        import pyarrow as pa
+
+        from shardfuse.data.shard_format import LOSS_MASK_COLUMN
+
+        width = targets.shape[1]
+        flat = pa.array(np.ascontiguousarray(targets, dtype=np.uint8).reshape(-1))
+        return [pa.field(LOSS_MASK_COLUMN, pa.list_(pa.uint8(), width))], [
+            pa.FixedSizeListArray.from_arrays(flat, width)
+        ]
+
     def summary(self, info: dict[str, Any], inputs: str) -> str:
-        return f"{info['num_tokens']} tokens in blocks of {info['block_size']} + 1"
+        counted = f", {info['loss_tokens']} of them in the loss" if "loss_tokens" in info else ""
+        return f"{info['num_tokens']} tokens in blocks of {info['block_size']} + 1{counted}"
 
 
 RECORDS: tuple[Layout, ...] = (ClassLabels(), TargetValues(), NextTokens())

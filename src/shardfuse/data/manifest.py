@@ -33,8 +33,8 @@ SHARD_KEYS = ("rank", "path", "rows", "sha256", "bytes")
 # What a column holds (shardfuse.data.shard_format decides): one input value per column (numeric x0..), a
 # fixed-shape tensor per row (x), a token block per row (tokens), the class label, a regression target
 # (y0..), or "other": carried through partition, read by nobody (ids, notes).
-ColumnKind = Literal["numeric", "tensor", "tokens", "label", "target", "other"]
-COLUMN_KINDS: tuple[str, ...] = ("numeric", "tensor", "tokens", "label", "target", "other")
+ColumnKind = Literal["numeric", "tensor", "tokens", "label", "target", "mask", "other"]
+COLUMN_KINDS: tuple[str, ...] = ("numeric", "tensor", "tokens", "label", "target", "mask", "other")
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,12 @@ def _storage_dtype(layout: ShardLayout) -> np.dtype:
 
 def _empty_targets(layout: ShardLayout, num_rows: int) -> np.ndarray:
     """Targets by task: int64 [N] class indices, float32 [N, K] regression targets, float32 [N, 0] for
-    token blocks (the targets are the next tokens; the empty array keeps every batch a pair)."""
+    token blocks (the targets are the next tokens; the empty array keeps every batch a pair), uint8
+    [N, block_size] for token blocks with a loss mask (1: the next token counts)."""
     if layout.is_label:
         return np.empty(num_rows, dtype=np.int64)
+    if layout.is_mask:
+        return np.empty((num_rows, *layout.targets[0].shape), dtype=np.uint8)
     return np.empty((num_rows, len(layout.targets)), dtype=np.float32)
 
 
@@ -90,6 +93,9 @@ def _fill_rows(
             features[:, j] = checked_values(data.column(spec.name), spec.name, path)
     else:
         features[...] = list_values(data.column(layout.features[0].name), layout.features[0], path)
+    if layout.is_mask:
+        labels[...] = list_values(data.column(layout.targets[0].name), layout.targets[0], path)
+        return
     for j, spec in enumerate(layout.targets):
         values = checked_values(data.column(spec.name), spec.name, path)
         if layout.is_label:

@@ -10,7 +10,9 @@ A prepared split (and so a shard) comes in one of three input layouts, told apar
   C x H x W) as JSON in the field metadata ``shardfuse.shape``;
 * tokens: one column ``tokens`` of ``fixed_size_list<uint16 | int32>[block_size + 1]`` (causal LM).
 
-then the targets: ``label`` (int), ``y0..y{K-1}`` (numbers) or none. Other columns are carried along
+then the targets: ``label`` (int), ``y0..y{K-1}`` (numbers), ``loss_mask`` (token blocks of supervised
+fine-tuning: ``fixed_size_list<uint8>[block_size]``, 1 where the next token counts in the loss and the
+metrics, 0 where it is context only, such as a prompt) or none. Other columns are carried along
 and ignored. No command line; a library module, so the training-time reader does not import the
 partition stage, e.g.
 
@@ -41,6 +43,7 @@ from shardfuse.io import UserError, error_reason
 LABEL_COLUMN = "label"
 TENSOR_COLUMN = "x"
 TOKENS_COLUMN = "tokens"
+LOSS_MASK_COLUMN = "loss_mask"  # of token blocks: which next tokens count (supervised fine-tuning)
 SHAPE_KEY = b"shardfuse.shape"  # field metadata of a tensor column: its row shape as a JSON list
 FEATURE_COLUMN = re.compile(r"x(0|[1-9][0-9]*)")  # no leading zeros: x01 is not feature 1
 TARGET_COLUMN = re.compile(r"y(0|[1-9][0-9]*)")
@@ -174,9 +177,9 @@ def _list_spec(field: pa.Field, path: str | Path) -> ColumnSpec:
     """A fixed_size_list column: a token block (``tokens``) or a tensor of the shape its metadata names
     (a 1-D vector of the list size without that metadata), checked against the list size."""
     list_size, element = field.type.list_size, field.type.value_type
-    kind = "tokens" if field.name == TOKENS_COLUMN else "tensor"
-    if not (pa.types.is_integer(element) if kind == "tokens" else _is_number(element)):
-        expected = "integer token ids" if kind == "tokens" else "numbers"
+    kind = {TOKENS_COLUMN: "tokens", LOSS_MASK_COLUMN: "mask"}.get(field.name, "tensor")
+    if not (pa.types.is_integer(element) if kind in ("tokens", "mask") else _is_number(element)):
+        expected = {"tokens": "integer token ids", "mask": "0/1 integers"}.get(kind, "numbers")
         raise UserError(
             f"column {field.name!r} of {path} holds {element} values, expected {expected}; {REMAKE}"
         )
@@ -223,8 +226,8 @@ def describe_columns(schema: pa.Schema, path: str | Path) -> tuple[ColumnSpec, .
 @dataclass(frozen=True)
 class ShardLayout:
     """Which columns a reader turns into a row's input and target, in order. ``features``: the numeric
-    columns x0..x{F-1}, or the one tensor or tokens column; ``targets``: ``label``, y0..y{K-1} or none
-    (causal LM: the targets are the next tokens)."""
+    columns x0..x{F-1}, or the one tensor or tokens column; ``targets``: ``label``, y0..y{K-1},
+    ``loss_mask`` or none (causal LM: the targets are the next tokens, the mask says which count)."""
 
     kind: InputKind
     features: tuple[ColumnSpec, ...]
@@ -246,6 +249,10 @@ class ShardLayout:
     @property
     def is_label(self) -> bool:
         return [spec.kind for spec in self.targets] == ["label"]
+
+    @property
+    def is_mask(self) -> bool:
+        return [spec.kind for spec in self.targets] == ["mask"]
 
 
 def _numeric_features(schema: pa.Schema, path: str | Path) -> tuple[ColumnSpec, ...]:
@@ -274,6 +281,22 @@ def _scalar_spec(field: pa.Field, kind: str, path: str | Path) -> ColumnSpec:
     return ColumnSpec(field.name, kind, _dtype_name(field.type))
 
 
+def _mask_spec(field: pa.Field, tokens: ColumnSpec, path: str | Path) -> ColumnSpec:
+    """The ``loss_mask`` column of token blocks: one 0/1 per target, block_size = the block's length - 1."""
+    if not pa.types.is_fixed_size_list(field.type):
+        raise UserError(
+            f"column {field.name!r} of {path} has type {field.type}, expected a fixed_size_list (one "
+            f"mask per token block); {REMAKE}"
+        )
+    spec = _list_spec(field, path)
+    if spec.shape != (tokens.shape[0] - 1,):
+        raise UserError(
+            f"column {field.name!r} of {path} has {spec.shape[0]} values per row, expected "
+            f"{tokens.shape[0] - 1} (one per next token of a block of {tokens.shape[0]}); {REMAKE}"
+        )
+    return spec
+
+
 def recognise_layout(schema: pa.Schema, path: str | Path) -> ShardLayout:
     """The input layout of a prepared split or shard: a ``tokens`` column, else an ``x`` column, else
     x0..x{F-1}; then the targets. A schema that fits none, or a column of the wrong type, is a
@@ -292,6 +315,8 @@ def recognise_layout(schema: pa.Schema, path: str | Path) -> ShardLayout:
         kind, features = "numeric", _numeric_features(schema, path)
     if LABEL_COLUMN in schema.names:
         targets: tuple[ColumnSpec, ...] = (_scalar_spec(schema.field(LABEL_COLUMN), "label", path),)
+    elif kind == "tokens" and LOSS_MASK_COLUMN in schema.names:
+        targets = (_mask_spec(schema.field(LOSS_MASK_COLUMN), features[0], path),)
     else:
         indices = sorted(int(m.group(1)) for name in schema.names if (m := TARGET_COLUMN.fullmatch(name)))
         targets = tuple(_scalar_spec(schema.field(f"y{i}"), "target", path) for i in indices)

@@ -1,5 +1,7 @@
 """The causal_lm task: next-token cross-entropy on blocks of block_size + 1 tokens (inputs are the first
-block_size, targets the last block_size); metrics ``loss`` (nats per token), ``perplexity``,
+block_size, targets the last block_size; with a loss mask, as supervised fine-tuning's blocks carry, only
+the targets the mask marks count: the loss is their mean, the metrics their sums, and the others are
+context, such as a prompt); metrics ``loss`` (nats per token), ``perplexity``,
 ``bits_per_token`` and ``bits_per_byte`` (bits per token / the corpus's bytes per token: equal for
 byte-level tokens, comparable across tokenizers); ranked by loss, lower is better.
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 
 
 BATCH_ROWS = 1024  # rows per forward pass of the logged model: logits are [rows, T, vocab]
+IGNORED = -100  # a target that does not count (torch's cross_entropy ignores it by default)
 
 
 class CausalLM(Task):
@@ -51,17 +54,27 @@ class CausalLM(Task):
         return cls(bytes_per_token)
 
     def batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first block_size tokens, the next token of each); ``targets`` is empty, or the blocks'
+        loss mask (1 where the next token counts), whose 0s become IGNORED."""
         tokens = inputs.long()
-        return tokens[:, :-1], tokens[:, 1:]
+        following = tokens[:, 1:]
+        if targets.numel():
+            following = following.masked_fill(targets == 0, IGNORED)
+        return tokens[:, :-1], following
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         flat = outputs.reshape(-1, outputs.shape[-1]).float()
-        return functional().cross_entropy(flat, targets.reshape(-1))
+        return functional().cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORED)
 
     def accumulate(self, totals: Totals, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        totals.rows += int(targets.numel())
+        totals.rows += int((targets != IGNORED).sum())  # the counted tokens
         flat = outputs.reshape(-1, outputs.shape[-1]).float()
-        totals.add("loss", functional().cross_entropy(flat, targets.reshape(-1), reduction="sum").item())
+        totals.add(
+            "loss",
+            functional()
+            .cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORED, reduction="sum")
+            .item(),
+        )
 
     def finish(self, totals: Totals) -> dict[str, float]:
         loss = totals.sums["loss"] / totals.rows

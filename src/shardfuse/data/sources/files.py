@@ -85,6 +85,19 @@ def image_folder_files(spec: dict) -> list[str]:
     return [spec["path"], *image_files(spec["path"])]
 
 
+def hf_disk_files(spec: dict) -> list[str]:
+    """The datasets folder of the spec's split: its Arrow and JSON files (and the DatasetDict's own
+    dataset_dict.json); the tokenizer's file for token blocks. Missing ones are the source's error."""
+    root = Path(spec["path"])
+    folder = root / spec["split"] if (root / "dataset_dict.json").is_file() and spec.get("split") else root
+    found = [str(root / "dataset_dict.json")] if folder != root else []
+    if folder.is_dir():
+        found += sorted(
+            str(path) for path in folder.iterdir() if path.suffix in (".arrow", ".json") and path.is_file()
+        )
+    return [*found, *tokenizer_files(spec.get("tokenizer"))] or [spec["path"]]
+
+
 def text_files_of(spec: dict) -> list[str]:
     """The text files the globs match and the tokenizer's file."""
     return [*matching_text_files(spec), *tokenizer_files(spec.get("tokenizer"))]

@@ -32,7 +32,13 @@ from shardfuse.data.sources.carried import (
     kept_columns,
     no_columns,
 )
-from shardfuse.data.sources.files import image_folder_files, no_files, path_file, text_files_of
+from shardfuse.data.sources.files import (
+    hf_disk_files,
+    image_folder_files,
+    no_files,
+    path_file,
+    text_files_of,
+)
 from shardfuse.io import find_record
 from shardfuse.models.task import CLASSES, TOKENS, VALUES
 from shardfuse.models.tasks import task_record, tasks_with_labels
@@ -99,8 +105,9 @@ class Source:
     def foreign(self, task: str) -> dict[str, frozenset[str]]:
         """Layout -> the keys only that other layout of this source takes (keys that do not suit ``task``)."""
         own = task_record(task).labels
+        mine = self.keys_of(own).keys | find_layout(own).spec_keys
         return {
-            layout: self.keys_of(layout).keys | find_layout(layout).spec_keys
+            layout: (self.keys_of(layout).keys | find_layout(layout).spec_keys) - mine
             for layout in self.labels
             if layout != own
         }
@@ -132,6 +139,16 @@ DIGIT_WRITERS = {
     "carry_fix": f"set the dataset's {WRITERS}: N and group by column {WRITER_COLUMN}",
 }
 USER_FILE_KEEPS = {"carried": kept_columns, "carry_fix": f"add it to the dataset's {KEEP_COLUMNS}"}
+
+# The keys of records read into token blocks (the jsonl and hf_disk sources; shardfuse.data.sources.jsonl).
+TOKEN_KEYS = _keys("max_tokens", "tokenizer", "vocab_size", "text_field", "prompt_field", "completion_field")
+TOKEN_DEFAULTS = {
+    "max_tokens": None,
+    "tokenizer": None,
+    "text_field": None,
+    "prompt_field": None,
+    "completion_field": None,
+}
 
 RECORDS: tuple[Source, ...] = (
     Source("digits", (CLASSES,), f"{MODULE}.tables:Digits", **DIGIT_WRITERS),
@@ -196,6 +213,32 @@ RECORDS: tuple[Source, ...] = (
         optional=_keys("exclude", "max_tokens", "tokenizer", "vocab_size"),
         defaults=MappingProxyType({"exclude": (), "max_tokens": None, "tokenizer": None}),
         files=text_files_of,
+    ),
+    Source(
+        "jsonl",
+        (TOKENS,),
+        f"{MODULE}.jsonl:Jsonl",
+        required=_keys("paths", "block_size"),
+        optional=_keys("exclude", *TOKEN_KEYS),
+        defaults=MappingProxyType({"exclude": (), **TOKEN_DEFAULTS}),
+        files=text_files_of,
+    ),
+    Source(
+        "hf_disk",
+        (CLASSES, VALUES, TOKENS),
+        f"{MODULE}.hf_disk:HfDisk",
+        required=_keys("path"),
+        optional=_keys("split"),
+        label_keys=MappingProxyType(
+            {
+                CLASSES: LabelKeys(_keys("feature_columns", "label_column"), _keys(KEEP_COLUMNS)),
+                VALUES: LabelKeys(_keys("feature_columns", "label_columns"), _keys(KEEP_COLUMNS)),
+                TOKENS: LabelKeys(_keys("block_size"), TOKEN_KEYS),
+            }
+        ),
+        defaults=MappingProxyType({"split": None, **TOKEN_DEFAULTS}),
+        files=hf_disk_files,
+        **USER_FILE_KEEPS,
     ),
 )
 

@@ -93,6 +93,21 @@ class Text(SourceBehaviour):
         return Loaded(blocks, None, [f"t{j}" for j in range(blocks.shape[1])], [], "tokens", keys)
 
 
+JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json")
+
+
+def refuse_json_files(files: list[str]) -> None:
+    """A JSON Lines or JSON file read as text would train on its raw syntax (quotes, keys, escapes)."""
+    found = [path for path in files if path.lower().endswith(JSON_SUFFIXES)]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise UserError(
+            f"{found[0]}{more} is JSON, which source: text would read as raw text (its quotes, keys and "
+            "escapes); use source: jsonl with text_field (or prompt_field and completion_field), or "
+            "exclude it"
+        )
+
+
 def text_files(spec: dict) -> list[str]:
     """The files a text spec reads (:func:`shardfuse.data.sources.files.matching_text_files`, which the
     workflow makes prepare's inputs); UserError when there are none."""
@@ -129,6 +144,16 @@ def _read_text(files: list[str], max_tokens: int | None) -> bytearray:
     return corpus
 
 
+def load_tokenizer(spec: dict) -> tuple[Any, int]:
+    """The spec's tokenizer (``hf:DIR`` or ``package.module:function``, bytes to token ids) and its
+    vocabulary size (an hf tokenizer's own, or the spec's vocab_size where that is larger)."""
+    ref = spec["tokenizer"]
+    if is_hf(ref):
+        tokenize, size = load_hf_tokenizer(ref)
+        return tokenize, max(size, int(spec.get("vocab_size") or 0))
+    return _load_tokenizer(ref), int(spec["vocab_size"])
+
+
 def _load_tokenizer(ref: str):
     if is_hf(ref):
         return load_hf_tokenizer(ref)[0]
@@ -140,7 +165,7 @@ def _load_tokenizer(ref: str):
         raise UserError(message.replace("returns an nn.Module", "maps bytes to token ids")) from None
 
 
-def _token_ids(tokenize, data: bytes, what: str, spec: dict) -> np.ndarray:
+def token_ids(tokenize, data: bytes, what: str, spec: dict) -> np.ndarray:
     """The user tokenizer's ids for ``data`` as an int64 array, checked against the vocabulary."""
     ref, vocab_size = spec["tokenizer"], spec["vocab_size"]
     try:
@@ -167,7 +192,7 @@ def _read_tokens(files: list[str], spec: dict) -> tuple[np.ndarray, float]:
     files), at most max_tokens of them: files are read whole, and no further once max_tokens is reached;
     and the bytes per token of what was read (for bits per byte)."""
     tokenize, max_tokens = _load_tokenizer(spec["tokenizer"]), spec["max_tokens"]
-    separator = _token_ids(tokenize, b"\n", "the file separator b'\\n'", spec)
+    separator = token_ids(tokenize, b"\n", "the file separator b'\\n'", spec)
     pieces: list[np.ndarray] = []
     num_tokens = num_bytes = 0
     for index, path in enumerate(files):
@@ -175,7 +200,7 @@ def _read_tokens(files: list[str], spec: dict) -> tuple[np.ndarray, float]:
             break
         data = _read_file(path)
         pieces += [separator] if index else []
-        pieces.append(_token_ids(tokenize, data, path, spec))
+        pieces.append(token_ids(tokenize, data, path, spec))
         num_tokens += len(pieces[-1]) + (len(separator) if index else 0)
         num_bytes += len(data) + (1 if index else 0)
     return np.concatenate(pieces)[:max_tokens], num_bytes / max(num_tokens, 1)
@@ -196,6 +221,7 @@ def read_text_blocks(spec: dict) -> TextBlocks:
     """The text spec's rows, a (num_blocks, block_size + 1) array of token ids (uint16, or int32 for a
     vocabulary over 65535; the tail that fills no block is dropped), with what dataset.json records."""
     files = text_files(spec)
+    refuse_json_files(files)
     bytes_per_token = None
     if is_hf(spec["tokenizer"]):
         size = load_hf_tokenizer(spec["tokenizer"])[1]
