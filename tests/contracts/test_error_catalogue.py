@@ -916,8 +916,8 @@ def case_unknown_partitioner(tmp):
         "partition",
         ["--input", tmp / "train.parquet", "--world-size", 2, "--seed", 0, "--partitioner", "nosuch",
          "--out-dir", tmp / "out"],
-        "unknown partitioner 'nosuch'; use one of iid, dirichlet, pathological, shards, column, size, "
-        "continuous; set the run key partition (or --partitioner) to one of them",
+        "unknown partitioner 'nosuch'; use one of iid, dirichlet, pathological, shards, column, domain, "
+        "size, continuous; set the run key partition (or --partitioner) to one of them",
         tmp / "out",
     )  # fmt: skip
 

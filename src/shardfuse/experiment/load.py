@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfuse.data.sources.registry import find_source
-from shardfuse.experiment.checks import check_dataset_task, check_run, check_training_loop
+from shardfuse.experiment.checks import check_dataset_task, check_run, check_training_loop, dataset_task
 from shardfuse.experiment.keys import (
     DEFAULT_TRACKING_URI,
     LONGEST_FILE_OF_NAME,
@@ -115,6 +115,7 @@ def load_experiment(
         name: _dataset_with_defaults(name, spec, schema["$defs"]["dataset"])
         for name, spec in config["datasets"].items()
     }
+    resolve_domains(datasets, config["datasets"])
     runs: dict[str, dict[str, Any]] = {}
     for name, row in rows.items():
         check_name("run", name)
@@ -191,6 +192,36 @@ def check_training_name(name: str, run: dict[str, Any]) -> None:
             f"{NAME_MAX} bytes and the workflow writes {LONGEST_FILE_OF_NAME}); shorten the dataset's "
             f"name to at most {limit} characters"
         )
+
+
+def resolve_domains(datasets: dict[str, dict[str, Any]], given: dict[str, Any]) -> None:
+    """A domains dataset's parts are other datasets of the config, none a domains dataset, all of one
+    task, which becomes the domains dataset's task (unless it says its own, which must be the same)."""
+    for name, spec in datasets.items():
+        parts = find_source(spec["source"]).parts(spec)
+        if not parts:
+            continue
+        where = f"config error at datasets.{name}.parts"
+        for part in parts:
+            if part not in datasets:
+                raise ConfigError(
+                    f"{where}: unknown dataset {part!r}; define it under `datasets:` (defined: "
+                    f"{', '.join(sorted(n for n in datasets if n != name))})"
+                )
+            if find_source(datasets[part]["source"]).parts(datasets[part]):
+                raise ConfigError(f"{where}: {part!r} is a domains dataset itself; name its parts instead")
+        tasks = {part: dataset_task(datasets[part]) for part in parts}
+        if len(set(tasks.values())) > 1:
+            shown = ", ".join(f"{part} {task}" for part, task in tasks.items())
+            raise ConfigError(f"{where}: the parts are of different tasks ({shown}); give them one task")
+        task = next(iter(tasks.values()))
+        if "task" in given[name] and given[name]["task"] != task:
+            raise ConfigError(
+                f"config error at datasets.{name}.task: {given[name]['task']} but its parts are {task} "
+                "datasets; drop task (it comes from the parts)"
+            )
+        spec.pop("task", None)
+        spec.update(spec_task_entry(task))
 
 
 def _dataset_with_defaults(name: str, spec: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

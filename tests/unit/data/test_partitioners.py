@@ -59,7 +59,7 @@ def test_iids_deal_hands_out_the_seeded_assignment_whatever_the_batch_sizes():
 
 
 def test_an_unknown_partitioner_is_one_line_listing_the_known_ones(parity):
-    known = "iid, dirichlet, pathological, shards, column, size, continuous, parity"
+    known = "iid, dirichlet, pathological, shards, column, domain, size, continuous, parity"
     with pytest.raises(UserError, match=f"unknown partitioner 'nosuch'; use one of {known}"):
         registry.find("nosuch")
 

@@ -243,8 +243,8 @@ BASE_CSV = "a,b,kind,y\n1,2,red,p\n3,4,blue,q\n5,6,red,p\n7,8,blue,q\n9,10,red,p
         (
             BASE_CSV,
             {"source": "hdf5"},
-            r"unknown dataset source 'hdf5'; use one of csv, diabetes, digits, digits_images, hf_disk, "
-            r"image_folder, jsonl, npz, parquet, synthetic, text",
+            r"unknown dataset source 'hdf5'; use one of csv, diabetes, digits, digits_images, domains, "
+            r"hf_disk, image_folder, jsonl, npz, parquet, synthetic, text",
         ),
         (BASE_CSV, {"colour": 1}, r"unknown key\(s\) 'colour' in the 'csv' dataset spec; valid keys are"),
         (BASE_CSV, {"test_fraction": 1.5}, r"'test_fraction' must be a number strictly between 0 and 1"),

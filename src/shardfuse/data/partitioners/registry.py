@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardfuse.data.partitioners import column, continuous, dirichlet, iid, pathological, shards, size
+from shardfuse.data.partitioners import column, continuous, dirichlet, domain, iid, pathological, shards, size
 from shardfuse.data.partitioners.assignment import LABEL_COLUMN, Deal, Layout, LocalRule, Param, ValueCounts
 from shardfuse.data.partitioners.cells import by_label, whole_split
 from shardfuse.io import UserError, find_record
@@ -127,6 +127,17 @@ RECORDS: tuple[Partitioner, ...] = (
         check=column.check,
         check_groups=column.check_groups,
         local=column.local,
+    ),
+    Partitioner(
+        "domain",
+        domain.assign,
+        "one part of a domains dataset per rank (or as partition_groups maps them): the column partitioner "
+        "over the parts",
+        domain.PARAMS,
+        columns=domain.columns,
+        check=domain.check,
+        check_groups=domain.check_groups,
+        local=domain.local,
     ),
     Partitioner(
         "size",

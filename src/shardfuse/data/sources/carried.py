@@ -27,6 +27,15 @@ def kept_columns(spec: dict) -> dict[str, int | None]:
     return dict.fromkeys(spec.get(KEEP_COLUMNS) or [])
 
 
+DOMAIN_COLUMN = "domain"  # domains: each row's part, 0..P-1 in the order of ``parts``
+
+
+def domain_parts(spec: dict) -> dict[str, int | None]:
+    """A domains dataset's column ``domain``: one group per part."""
+    parts = spec.get("parts")
+    return {DOMAIN_COLUMN: len(parts) if isinstance(parts, list) else None}
+
+
 def digit_writers(spec: dict) -> dict[str, int | None]:
     """``writers: N`` gives a column ``writer`` of N groups (0..N-1)."""
     writers = spec.get(WRITERS)

@@ -98,6 +98,14 @@ def hf_disk_files(spec: dict) -> list[str]:
     return [*found, *tokenizer_files(spec.get("tokenizer"))] or [spec["path"]]
 
 
+def domain_part_files(spec: dict) -> list[str]:
+    """The parts' prepared split files and dataset.json (their prepare jobs' outputs: the workflow
+    chains them before this dataset's)."""
+    parts = spec.get("parts") if isinstance(spec.get("parts"), list) else []
+    names = ("train.parquet", "val.parquet", "test.parquet", "dataset.json")
+    return [f"results/datasets/{part}/{name}" for part in parts for name in names]
+
+
 def text_files_of(spec: dict) -> list[str]:
     """The text files the globs match and the tokenizer's file."""
     return [*matching_text_files(spec), *tokenizer_files(spec.get("tokenizer"))]

@@ -29,10 +29,12 @@ from shardfuse.data.sources.carried import (
     WRITER_COLUMN,
     WRITERS,
     digit_writers,
+    domain_parts,
     kept_columns,
     no_columns,
 )
 from shardfuse.data.sources.files import (
+    domain_part_files,
     hf_disk_files,
     image_folder_files,
     no_files,
@@ -80,6 +82,9 @@ class Source:
     # groups by a column the splits lack).
     carried: Callable[[dict], dict[str, int | None]] = no_columns
     carry_fix: str | None = None
+    # The other datasets of the config a spec is made of (domains: its parts; the config checks them
+    # and gives the spec their task); none for a source of its own data.
+    parts: Callable[[dict], list[str]] = lambda spec: []
 
     def tasks(self) -> tuple[str, ...]:
         """The tasks it serves (those of its layouts), the default first."""
@@ -239,6 +244,16 @@ RECORDS: tuple[Source, ...] = (
         defaults=MappingProxyType({"split": None, **TOKEN_DEFAULTS}),
         files=hf_disk_files,
         **USER_FILE_KEEPS,
+    ),
+    Source(
+        "domains",
+        (CLASSES, VALUES, TOKENS),
+        f"{MODULE}.domains:Domains",
+        required=_keys("parts"),
+        files=domain_part_files,
+        carried=domain_parts,
+        parts=lambda spec: list(spec.get("parts") or []),
+        carry_fix="use partition: domain (a domains dataset's rows carry their part in column domain)",
     ),
 )
 
