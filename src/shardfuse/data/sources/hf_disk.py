@@ -26,7 +26,14 @@ import pyarrow as pa
 
 from shardfuse.data.sources.base import Described, Loaded
 from shardfuse.data.sources.checks import require_string
-from shardfuse.data.sources.jsonl import Record, check_fields, fields_of, pack_records, to_record
+from shardfuse.data.sources.jsonl import (
+    Record,
+    check_fields,
+    fields_of,
+    pack_records,
+    packed_rows,
+    to_record,
+)
 from shardfuse.data.sources.tables import UserFile
 from shardfuse.data.sources.text import Text
 from shardfuse.io import UserError, error_reason
@@ -143,20 +150,7 @@ class HfDisk(UserFile):
     def load(self, spec: dict[str, Any], task: Task) -> Loaded:
         if task.labels != TOKENS:
             return super().load(spec, task)
-        packed = pack_records(spec, _records(split_folder(spec), spec))
-        keys = {
-            "vocab_size": packed.vocab_size,
-            "block_size": spec["block_size"],
-            "num_tokens": packed.num_tokens,
-            "loss_tokens": packed.loss_tokens,
-            "records": packed.records,
-            "blocks_without_loss": packed.blocks_without_loss,
-            "tokenizer": spec["tokenizer"],
-        }
-        if packed.bytes_per_token is not None:
-            keys["bytes_per_token"] = packed.bytes_per_token
-        names = [f"t{j}" for j in range(packed.blocks.shape[1])]
-        return Loaded(packed.blocks, packed.mask, names, [], "tokens", keys)
+        return packed_rows(pack_records(spec, _records(split_folder(spec), spec)), spec)
 
     def read_table(self, spec: dict[str, Any], task: Task) -> pa.Table:
         folder = split_folder(spec)

@@ -109,20 +109,24 @@ class Jsonl(SourceBehaviour):
         return Text().describe(spec, task)
 
     def load(self, spec: dict[str, Any], task: Task) -> Loaded:
-        packed = pack_records(spec)
-        keys = {
-            "vocab_size": packed.vocab_size,
-            "block_size": spec["block_size"],
-            "num_tokens": packed.num_tokens,
-            "loss_tokens": packed.loss_tokens,
-            "records": packed.records,
-            "blocks_without_loss": packed.blocks_without_loss,
-            "tokenizer": spec["tokenizer"],
-        }
-        if packed.bytes_per_token is not None:
-            keys["bytes_per_token"] = packed.bytes_per_token
-        names = [f"t{j}" for j in range(packed.blocks.shape[1])]
-        return Loaded(packed.blocks, packed.mask, names, [], "tokens", keys)
+        return packed_rows(pack_records(spec), spec)
+
+
+def packed_rows(packed: Packed, spec: dict[str, Any]) -> Loaded:
+    """The rows of packed records for the writer, with what dataset.json records of them."""
+    keys = {
+        "vocab_size": packed.vocab_size,
+        "block_size": spec["block_size"],
+        "num_tokens": packed.num_tokens,
+        "loss_tokens": packed.loss_tokens,
+        "records": packed.records,
+        "blocks_without_loss": packed.blocks_without_loss,
+        "tokenizer": spec["tokenizer"],
+    }
+    if packed.bytes_per_token is not None:
+        keys["bytes_per_token"] = packed.bytes_per_token
+    names = [f"t{j}" for j in range(packed.blocks.shape[1])]
+    return Loaded(packed.blocks, packed.mask, names, [], "tokens", keys)
 
 
 def jsonl_files(spec: dict[str, Any]) -> list[str]:
