@@ -7,10 +7,10 @@ By hand::
         --out results/runs/ddp/eval.json [--ddp-baseline results/runs/<ddp run>/eval.json]
 
 Evaluation sets: ``--set KIND=PATH`` names a set by its kind's record (shardfuse.scoring.sets: ``test``,
-the global test split; ``local``, a shard set's manifest) and ``--test PATH`` is ``--set test=PATH``. The
-test set is required: its scores are eval.json's top-level fields (and summary.csv's, MLflow's), as they
-always were; ``sets`` holds every set's, the test set's included, under its name. Scoring is
-shardfuse.scoring's, shared with greedy soup and recalibration.
+the global test split; ``local``, a shard set's manifest; ``domain``, a domains dataset's record) and
+``--test PATH`` is ``--set test=PATH``. The test set is required: its scores are eval.json's top-level
+fields (and summary.csv's, MLflow's), as they always were; ``sets`` holds every set's, the test set's
+included, under its name. Scoring is shardfuse.scoring's, shared with greedy soup and recalibration.
 
 Each rank's local distribution (a non-iid shard set; the workflow passes ``--set
 local=results/shards/<dataset>/<shard set>/manifest.json``): the sets ``local_rank_<r>`` weigh the test
@@ -21,6 +21,12 @@ model is as good as each rank on its own data). By hand::
 
     python -m shardfuse.evaluate --run dirichlet --test results/datasets/digits/test.parquet \
         --set local=results/shards/digits/<shard set>/manifest.json --gather ... --merged ... --out ...
+
+Each part of a domains dataset (the workflow passes ``--set domain=results/datasets/<dataset>/dataset.json``
+for its runs of iid shards; a run partitioned by domain has them as its local sets): the sets
+``domain_<part>`` are the test rows of each part (shardfuse.scoring.domains), and eval.json holds
+``domain_<score>_merged_<part>``, ``domain_<score>_ensemble_<part>``, ``domain_<score>_merged_mean`` and
+``domain_<score>_merged_worst``.
 
 Before anything is read: each set's file must be the one the workflow wrote (the test split: the rows and
 sha256 of the dataset.json beside it, shardfuse.data.verify.check_split). Before any model is built: every
@@ -50,6 +56,7 @@ from shardfuse.io import StageParser, UserError, write_json
 from shardfuse.models.registry import check_model_fits, normalized_spec
 from shardfuse.models.tasks import task_for
 from shardfuse.models.usercode import check_code_unchanged
+from shardfuse.scoring.domains import domain_scores
 from shardfuse.scoring.evaluation import TrainingModels, load_sets, score_sets
 from shardfuse.scoring.local import local_scores
 from shardfuse.scoring.mixture import Weighting
@@ -115,7 +122,7 @@ def evaluate(
         ensemble_score=ensemble[score],
         fusion_gap=task.gain(ensemble[score], merged[score]),
         ddp_baseline=baseline,
-        local=local_scores(scored, task) or None,
+        local=(local_scores(scored, task) | domain_scores(scored, task)) or None,
         sets=scored,
     )
 

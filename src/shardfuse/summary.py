@@ -79,7 +79,13 @@ SCORE_COLUMNS = ("merged", "best_rank", "mean_rank", "base", "ddp_baseline")
 ENSEMBLE_COLUMNS = ("fusion_gap",)
 # Appended after the ensemble's, for the runs that have them: the merged model on each rank's local
 # test distribution (mean, worst) and against each rank's own model there (normalized).
-LOCAL_COLUMNS = ("local_{score}_merged_mean", "local_{score}_merged_worst", "normalized_{score}")
+LOCAL_COLUMNS = (
+    "local_{score}_merged_mean",
+    "local_{score}_merged_worst",
+    "normalized_{score}",
+    "domain_{score}_merged_mean",  # runs of a domains dataset: the merged model over its parts
+    "domain_{score}_merged_worst",
+)
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
 # Appended last where runs name their manifests (some run of the experiment is not iid).
 HETEROGENEITY_COLUMNS = ("shard_label_jsd_mean", "shard_label_jsd_max", "shard_rows_cv")

@@ -63,6 +63,21 @@ def test_each_rank_knows_its_own_domain_only_and_the_fusion_is_scored_per_domain
     )
     # One-shot fusion keeps much of both domains, far above either rank alone on the joint test set.
     assert found["merged"]["accuracy"] > 0.8 > 0.6 > max(rank["accuracy"] for rank in found["ranks"])
+    assert not [key for key in found if key.startswith("domain_")]  # its local sets are the parts
+
+
+def test_ddp_on_the_union_is_scored_per_domain_too(workdir):
+    found = evaluation(workdir, "union_ddp")
+    # The same test rows as the per-domain runs' local sets: part r's are rank r's there.
+    local = evaluation(workdir, "per_domain_ties")["sets"]
+    for domain, part in enumerate(("low", "high")):
+        assert found["sets"][f"domain_{part}"]["rows"] == local[f"local_rank_{domain}"]["rows"]
+    parts = {part: found[f"domain_accuracy_merged_{part}"] for part in ("low", "high")}
+    assert all(score > 0.9 for score in parts.values())
+    assert found["domain_accuracy_merged_worst"] == min(parts.values())
+    assert found["domain_accuracy_merged_mean"] == pytest.approx(sum(parts.values()) / 2)
+    rows = [found["sets"][f"domain_{part}"]["rows"] for part in ("low", "high")]
+    assert sum(rows) == found["test_rows"]
 
 
 def test_summary_and_mlflow_carry_the_per_domain_scores_and_ddp_on_the_union_leads(workdir):
@@ -78,5 +93,15 @@ def test_summary_and_mlflow_carry_the_per_domain_scores_and_ddp_on_the_union_lea
         )
         assert parent.data.metrics["normalized_accuracy"] == pytest.approx(found["normalized_accuracy"])
     assert rows["union_ddp"]["normalized_accuracy"] == ""  # iid shards: no rank owns a domain
+    union_found = evaluation(workdir, "union_ddp")
+    assert float(rows["union_ddp"]["domain_accuracy_merged_worst"]) == pytest.approx(
+        union_found["domain_accuracy_merged_worst"]
+    )
+    (union_parent,) = client.search_runs(
+        [experiment.experiment_id], "tags.mlflow.runName = 'union_ddp'", max_results=1
+    )
+    assert union_parent.data.metrics["domain_accuracy_merged_low"] == pytest.approx(
+        union_found["domain_accuracy_merged_low"]
+    )
     union = float(rows["union_ddp"]["test_accuracy_merged"])
     assert union > max(float(rows[run]["test_accuracy_merged"]) for run in PER_DOMAIN)

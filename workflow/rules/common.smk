@@ -30,6 +30,7 @@ from shardfuse.cluster.slurm import (  # noqa: E402
 )
 from shardfuse.cluster.torchrun import Geometry, job_resources  # noqa: E402
 from shardfuse.data.provenance import dataset_files, files_digest  # noqa: E402
+from shardfuse.data.sources.registry import find_source  # noqa: E402
 from shardfuse.experiment.keys import (  # noqa: E402
     merge_align_args,
     merge_params,
@@ -293,11 +294,25 @@ def local_shards_of_run(wildcards):
     return [shard_dir_of(wildcards)] if scores_locally(RUNS[wildcards.run]) else []
 
 
+def domain_record_of_run(wildcards):
+    """The run's dataset.json when its dataset is made of parts (a domains dataset) and its shards are
+    iid (evaluate then scores every model on each part); none otherwise: a run with local sets is scored
+    on its ranks' own data instead (partition: domain, part r on rank r: the local sets are the parts),
+    and evaluate takes one kind of set over the test split's rows."""
+    dataset = RUNS[wildcards.run]["dataset"]
+    spec = EXPERIMENT.datasets[dataset]
+    made_of_parts = find_source(spec["source"]).parts(spec)
+    if not made_of_parts or scores_locally(RUNS[wildcards.run]):
+        return []
+    return [f"results/datasets/{dataset}/dataset.json"]
+
+
 def local_set_args(wildcards):
-    """evaluate's --set local=<shard set>/manifest.json, or nothing (iid runs keep their command)."""
-    return "".join(
-        f" --set local={path}/manifest.json" for path in local_shards_of_run(wildcards)
-    )
+    """evaluate's --set local=<shard set>/manifest.json and --set domain=<dataset.json>, or nothing
+    (iid runs of other datasets keep their command)."""
+    paths = [f"local={path}/manifest.json" for path in local_shards_of_run(wildcards)]
+    paths += [f"domain={path}" for path in domain_record_of_run(wildcards)]
+    return "".join(f" --set {path}" for path in paths)
 
 
 def eval_batch_size_of_run(wildcards):

@@ -5,6 +5,8 @@ rule evaluate:
         merged=rules.merge.output.weights,
         # non-iid shard sets: each rank scored on its local test distribution too
         local=local_shards_of_run,
+        # a domains dataset: every model scored on each part too
+        domains=domain_record_of_run,
     output:
         record="results/runs/{run}/eval.json",
     log:

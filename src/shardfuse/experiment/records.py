@@ -257,7 +257,7 @@ class EvalRecord(_Record):
     # sets: absent from files of evaluate stages before named sets; local: from runs of iid shard sets
     OPTIONAL = frozenset({"sets", "local"})
     # The keys of ``local``: flat in the file (shardfuse.scoring.local names them), one mapping here.
-    LOCAL_PREFIXES = ("local_", "normalized_")
+    LOCAL_PREFIXES = ("local_", "normalized_", "domain_")
 
     run: str | None = None
     training: str | None = None

@@ -3,8 +3,9 @@
 A kind says how its file is proved to be the one the workflow wrote, which models are scored on it, and
 which named sets its file gives: ``test`` (the dataset's global test split, as prepare wrote it: the
 headline of eval.json, summary.csv and MLflow) and ``local`` (a shard set's manifest: one set per rank,
-``local_rank_<r>``, that rank's local test distribution, shardfuse.scoring.local). A kind whose
-:meth:`SetKind.sets` names several sets from one input is one record here (one set per domain next). A
+``local_rank_<r>``, that rank's local test distribution, shardfuse.scoring.local) and ``domain`` (a
+domains dataset's record: one set per part, ``domain_<part>``, shardfuse.scoring.domains). A kind whose
+:meth:`SetKind.sets` names several sets from one input is one record here. A
 kind with ``weighs`` holds no rows of its own: its sets weigh the headline split's rows
 (shardfuse.scoring.mixture), scored in the headline's pass. The evaluate stage takes ``--set KIND=PATH``
 (``--test PATH`` is ``--set test=PATH``), and eval.json's ``sets`` holds each set's scores under its name
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from shardfuse.data.verify import check_split
 from shardfuse.io import UserError, find_record
-from shardfuse.scoring import local
+from shardfuse.scoring import domains, local
 
 if TYPE_CHECKING:
     from shardfuse.checkpoints.gather_record import GatherRecord
@@ -87,6 +88,16 @@ RECORDS: tuple[SetKind, ...] = (
         local.SCORED,
         names=local.set_names,
         weighs=local.weigh,
+    ),
+    SetKind(
+        domains.KIND,
+        "each part of a domains dataset: its record (results/datasets/<dataset>/dataset.json) beside the "
+        "test split; the test rows of each part",
+        domains.check,
+        domains.EMPTY_FIX,
+        domains.SCORED,
+        names=domains.set_names,
+        weighs=domains.weigh,
     ),
 )
 

@@ -105,3 +105,25 @@ def test_a_world_size_the_parts_cannot_map_to_is_refused_before_any_job():
     grouped = {**run, "world_size": 2, "partition_groups": [[0], [2]]}
     with pytest.raises(ConfigError, match=re.escape("names part 2, but the dataset has parts 0..1")):
         check_partition("r", grouped, experiment.datasets)
+
+
+def test_the_domain_sets_are_each_parts_test_rows_and_refuse_another_datasets_record(tmp_path):
+    from shardfuse.scoring import domains
+
+    root = tmp_path / "datasets"
+    low, high = prepare("low", LOW, root / "low"), prepare("high", HIGH, root / "high")
+    prepare("mix", {"source": "domains", "parts": ["low", "high"]}, root / "mix")
+    record = root / "mix" / "dataset.json"
+    assert domains.set_names(record) == ["domain_low", "domain_high"]
+    weighting = domains.weigh(record, root / "mix" / "test.parquet", None)
+    assert [weighted.record["rows"] for weighted in weighting.sets] == [
+        low["rows"]["test"],
+        high["rows"]["test"],
+    ]
+    assert [weighted.weights for weighted in weighting.sets] == [(1.0, 0.0), (0.0, 1.0)]
+    with pytest.raises(UserError) as error:
+        domains.weigh(record, root / "low" / "test.parquet", None)
+    assert "is not the one beside the test split" in str(error.value)
+    with pytest.raises(UserError) as error:
+        domains.check(root / "low" / "dataset.json")
+    assert "is not the record of a domains dataset (it names no parts)" in str(error.value)

@@ -72,21 +72,22 @@ def test_a_split_without_rows_says_how_to_give_it_some():
 
 def test_an_evaluation_set_is_named_by_its_kind_and_the_test_split_is_required(tmp_path, monkeypatch):
     assert sets.parse_set("test=results/datasets/d/test.parquet")[0].name == "test"
-    with pytest.raises(UserError, match=r"^unknown evaluation set 'other'; use one of test, local; pass"):
+    unknown = r"^unknown evaluation set 'other'; use one of test, local, domain; pass"
+    with pytest.raises(UserError, match=unknown):
         sets.parse_set("other=x.parquet")
     with pytest.raises(UserError, match=r"is not KIND=PATH"):
         sets.parse_set("test")
     # A new kind is one record; the stage still wants the global test split first.
-    domain = sets.SetKind("domain", "a test record", lambda path: None, "give it rows", ("merged",))
-    monkeypatch.setattr(sets, "RECORDS", (*sets.RECORDS, domain))
+    toy = sets.SetKind("toy", "a test record", lambda path: None, "give it rows", ("merged",))
+    monkeypatch.setattr(sets, "RECORDS", (*sets.RECORDS, toy))
     first = r"^evaluate scores the run on the global test split first: pass --test PATH"
     with pytest.raises(UserError, match=first):
-        sets.expand([sets.parse_set(f"domain={tmp_path / 'a.parquet'}")])
+        sets.expand([sets.parse_set(f"toy={tmp_path / 'a.parquet'}")])
     checked = []
     test = sets.SetKind("test", "the test split, unchecked here", checked.append, "raise test_fraction")
-    monkeypatch.setattr(sets, "RECORDS", (test, domain))
-    found = sets.expand([(test, tmp_path / "t.parquet"), sets.parse_set(f"domain={tmp_path / 'a.parquet'}")])
-    assert [(kind.name, named.name) for kind, named in found] == [("test", "test"), ("domain", "domain")]
+    monkeypatch.setattr(sets, "RECORDS", (test, toy))
+    found = sets.expand([(test, tmp_path / "t.parquet"), sets.parse_set(f"toy={tmp_path / 'a.parquet'}")])
+    assert [(kind.name, named.name) for kind, named in found] == [("test", "test"), ("toy", "toy")]
     assert checked == [tmp_path / "t.parquet"]  # each kind checks its own file
     with pytest.raises(UserError, match=r"^evaluation set 'test' is given twice; pass each --set once"):
         sets.expand([(test, tmp_path / "t.parquet"), (test, tmp_path / "t.parquet")])
