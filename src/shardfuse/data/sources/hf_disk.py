@@ -18,7 +18,7 @@ No command line; a library module: :class:`HfDisk` is the source's behaviour, na
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,3 @@ class HfDisk(UserFile):
                 named = pa.DictionaryArray.from_arrays(codes.cast(pa.int32()), pa.array(labels))
                 table = table.set_column(table.schema.get_field_index(name), name, named)
         return table
-
-    def open(self, path: Path) -> tuple[list[str], Callable[[list[str]], pa.Table]]:
-        raise NotImplementedError  # read_table reads the split folder itself
