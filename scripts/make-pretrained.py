@@ -8,7 +8,10 @@ optionally pre-trained for a few steps on the same corpus, and saved with its to
     python scripts/make-pretrained.py pretrained/gpt2-stdlib --steps 40
 
 The folder is what `model: hf` with `model_args: {pretrained: DIR}` and a text dataset's
-`tokenizer: hf:DIR` read (config/examples/hf_finetune.yaml). Needs `pip install 'shardfuse[hf]'`.
+`tokenizer: hf:DIR` read (config/examples/hf_finetune.yaml). The tokenizer carries a chat template
+(Zephyr-style: `<|user|>`, `<|assistant|>` headers, each turn ended by the end-of-text token; or the Jinja
+file of `--chat-template`), so `messages_field` records can use the folder. Needs
+`pip install 'shardfuse[hf]'`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+
+# Each turn: a role header, the content, and the end-of-text token (one token, the model learns to stop).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 
 def corpus_files(patterns: list[str]) -> list[str]:
@@ -86,7 +97,14 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=128)
     parser.add_argument("--steps", type=int, default=0, help="pre-training steps (0: random init)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat-template", type=Path, help="a Jinja chat template file (default: a Zephyr-style one)"
+    )
     args = parser.parse_args()
+    try:
+        chat_template = args.chat_template.read_text() if args.chat_template else CHAT_TEMPLATE
+    except OSError as exc:
+        sys.exit(f"make-pretrained: error: cannot read --chat-template {args.chat_template} ({exc})")
     try:
         import torch
         import transformers
@@ -114,6 +132,7 @@ def main() -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
     )
+    fast.chat_template = chat_template  # saved as chat_template.jinja (or tokenizer_config.json's key)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{args.out.name}-", dir=args.out.parent) as work:
         staged = Path(work) / "model"

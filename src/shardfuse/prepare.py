@@ -36,6 +36,8 @@ split as 1x8x8 images) and image_folder (path/<class>/*.png|*.jpg|*.jpeg) give c
 diabetes regression; synthetic (streamed chunk by chunk), parquet, csv and npz either (classification
 unless ``task`` says); text (the files' bytes or a user tokenizer's ids; ``{stdlib}`` in paths is the
 Python standard library) causal_lm.
+A csv or parquet file's ``categorical_columns`` are one-hot encoded (``column=category`` features) with
+the train split's categories; dataset.json adds ``categories`` and ``unseen_categories``.
 Any classification source also takes ``classes``: keep only the rows whose label is one of these (e.g.
 [0, 1, 2] for digits). The label space stays the whole data's: num_classes, label_names and the label
 codes are unchanged, so a model trained on a subset has the full output layer.

@@ -375,7 +375,11 @@ def case_label_also_a_feature(tmp):
 
 
 def case_non_numeric_feature(tmp):
-    return user_file(tmp, {"a": ["x"] * 10, "b": [2.0] * 10, "y": [0, 1] * 5}, "numeric")
+    return user_file(
+        tmp,
+        {"a": ["x"] * 10, "b": [2.0] * 10, "y": [0, 1] * 5},
+        "not a number; list it in categorical_columns",
+    )
 
 
 def case_nan_in_features(tmp):

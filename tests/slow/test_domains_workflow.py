@@ -33,6 +33,13 @@ def workdir(tmp_path_factory) -> Path:
             "per_domain_uniform": {"strategy": "localsgd", "merge_method": "uniform", "partition": "domain"},
             "per_domain_ties": {"strategy": "localsgd", "merge_method": "ties", "partition": "domain"},
             "union_ddp": {"strategy": "ddp", "merge_method": "consolidate"},
+            "low_split": {  # part 0 split IID over ranks 0 and 1, part 1 on rank 2
+                "strategy": "localsgd",
+                "merge_method": "uniform",
+                "partition": "domain",
+                "world_size": 3,
+                "partition_groups": [[0], [0], [1]],
+            },
         },
         "run_defaults": {"dataset": "mix", "world_size": 2, "epochs": 10},
         "mlflow": {"tracking_uri": f"sqlite:///{path}/mlflow.db", "experiment": "domains"},
@@ -105,3 +112,21 @@ def test_summary_and_mlflow_carry_the_per_domain_scores_and_ddp_on_the_union_lea
     )
     union = float(rows["union_ddp"]["test_accuracy_merged"])
     assert union > max(float(rows[run]["test_accuracy_merged"]) for run in PER_DOMAIN)
+
+
+def test_a_part_split_over_two_ranks_is_each_ranks_own_ground(workdir):
+    found = evaluation(workdir, "low_split")
+    sets = [found["sets"][f"local_rank_{rank}"] for rank in range(3)]
+    # Ranks 0 and 1 hold halves of the digits 0-4: their local set is that part's test rows, the same
+    # rows as rank 0's set of the runs with one part a rank.
+    assert (
+        sets[0]["rows"]
+        == sets[1]["rows"]
+        == evaluation(workdir, "per_domain_ties")["sets"]["local_rank_0"]["rows"]
+    )
+    for rank in range(3):
+        accuracies = [model["accuracy"] for model in sets[rank]["ranks"]]
+        assert accuracies[rank] > 0.9 and accuracies[2 if rank < 2 else 0] < 0.1
+    assert found["local_accuracy_merged_worst"] == min(
+        found[f"local_accuracy_merged_rank_{r}"] for r in range(3)
+    )

@@ -24,6 +24,7 @@ from tests.support.helpers import (
     planned_jobs,
     readme_block,
     run_in,
+    run_readme_examples,
     snakemake_failure,
     subprocess_env,
     summary,
@@ -38,20 +39,7 @@ RUNS = ("hf_ddp", "hf_uniform", "hf_task_arithmetic", "hf_ties")
 def example(tmp_path_factory) -> Path:
     require_transformers()
     checkout = checkout_copy(tmp_path_factory.mktemp("checkout"))
-    for line in readme_block("examples-hf").splitlines():
-        command = shlex.split(line.split("#")[0])
-        if not command:
-            continue
-        if command[0] == "python":
-            proc = subprocess.run(
-                [sys.executable, *command[1:]], cwd=checkout, capture_output=True, text=True,
-                env=subprocess_env(), timeout=600,
-            )  # fmt: skip
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        else:
-            assert command[0] == "snakemake"
-            proc = run_in(checkout, command)
-            assert proc.returncode == 0, snakemake_failure(checkout, proc)
+    run_readme_examples(checkout, "examples-hf")
     return checkout
 
 

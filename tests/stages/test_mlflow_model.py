@@ -26,6 +26,7 @@ from shardfuse.checkpoints.weights import save_weights
 from shardfuse.io import UserError
 from shardfuse.models.registry import build_model, set_data_stats
 from shardfuse.models.spec import model_spec
+from shardfuse.prepare import prepare
 from shardfuse.track import model as mlflow_model
 from shardfuse.track import model_logging
 from tests.support.helpers import subprocess_env
@@ -171,6 +172,41 @@ def test_regressor_returns_one_column_per_named_target_in_the_target_units(store
     expected = _outputs(model, frame)
     assert np.abs(expected).mean() > 10  # the target scale is applied: not standardised outputs
     np.testing.assert_allclose(predicted.to_numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_csv_model_with_a_categorical_feature_takes_raw_text_rows_and_predicts_the_label_strings(
+    store, tmp_path, monkeypatch
+):
+    """A CSV with a text feature (categorical_columns) and a text label, prepared as the stage does: the
+    logged model takes the original text column, one-hot encodes it with dataset.json's vocabulary (a
+    category the train split lacks: all zeros) and names the labels as the file spelled them."""
+    rng = np.random.default_rng(3)
+    colours, labels = rng.choice(["red", "green", "blue"], 90), rng.choice(["cat", "dog", "eel"], 90)
+    lines = [
+        "size,colour,animal",
+        *(f"{rng.normal():.3f},{c},{a}" for c, a in zip(colours, labels, strict=True)),
+    ]
+    (tmp_path / "pets.csv").write_text("\n".join(lines) + "\n")
+    dataset = {"source": "csv", "path": str(tmp_path / "pets.csv"), "feature_columns": ["size", "colour"]}
+    dataset |= {"label_column": "animal", "categorical_columns": ["colour"]}
+    info = prepare("pets", dataset, tmp_path / "pets")
+    assert info["categories"] == {"colour": ["blue", "green", "red"]}
+    spec = model_spec("mlp", {"hidden_sizes": [8]}, [], info)
+    model, sha = _save(tmp_path / "merged.safetensors", spec)
+    uri = _log(store, tmp_path / "merged.safetensors", sha, spec)
+    raw = pd.DataFrame({"size": [0.5, -1.0, 2.0, 0.1], "colour": ["red", "blue", "mauve", "green"]})
+    predicted = _predict_here(store, uri, raw, monkeypatch)
+
+    one_hot = [[1.0 if c == v else 0.0 for v in ["blue", "green", "red"]] for c in raw["colour"]]
+    encoded = pd.DataFrame(np.column_stack([raw["size"], one_hot]), columns=info["feature_names"])
+    assert encoded.iloc[2, 1:].sum() == 0  # mauve: an unseen category
+    expected = torch.softmax(torch.from_numpy(_outputs(model, encoded)), dim=1).numpy()
+    assert info["label_names"] == ["cat", "dog", "eel"]
+    assert predicted["prediction"].tolist() == [info["label_names"][c] for c in expected.argmax(1)]
+    probability_columns = [f"probability_{label}" for label in info["label_names"]]
+    np.testing.assert_allclose(predicted[probability_columns].to_numpy(), expected, rtol=1e-6, atol=1e-6)
+    signature = mlflow.models.get_model_info(uri).signature
+    assert _typed_names(signature.inputs) == [("size", "double"), ("colour", "string")]
 
 
 def test_a_model_logged_before_the_package_layout_loads_in_a_process_that_imported_this_version(

@@ -267,11 +267,20 @@ def summary(checkout: Path) -> dict[str, dict[str, str]]:
 
 def run_readme_examples(checkout: Path, marker: str) -> dict[str, dict[str, dict[str, str]]]:
     """Each example command of the README block after ``<!-- marker -->``, one after the other in
-    ``checkout`` (as a user runs them): its summary rows by example name."""
+    ``checkout`` (as a user runs them): each snakemake command's summary rows by its config's name.
+    A ``python script ...`` line (making a local "pretrained" folder or data) runs with this
+    checkout's interpreter."""
     found = {}
     for line in readme_block(marker).splitlines():
         command = shlex.split(line.split("#")[0])
         if not command:
+            continue
+        if command[0] == "python":
+            proc = subprocess.run(
+                [sys.executable, *command[1:]], cwd=checkout, capture_output=True, text=True,
+                env=subprocess_env(), timeout=600,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stderr[-3000:]
             continue
         assert command[0] == "snakemake"
         proc = run_in(checkout, command)

@@ -46,7 +46,7 @@ DATASET_FIELDS = {
     "name": "str", "source": "str", "task": "str", "input": "dict", "num_features": "int",
     "num_classes": "int", "feature_names": "list", "label_names": "list", "rows": "dict",
     "sha256": "dict", "seed": "int", "test_fraction": "float", "target_names": "list",
-    "vocab_size": "int", "block_size": "int",
+    "vocab_size": "int", "block_size": "int", "categories": "dict",
 }  # fmt: skip
 
 

@@ -37,7 +37,7 @@ def dataset_task(dataset: dict[str, Any]) -> str:
 
 def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
     """Which keys a source needs for its task (the schema cannot say it clearly): the source's record
-    and the layout of the task's targets say."""
+    and the layout of the task's targets say; then the record's own check (``config_check``)."""
     where = f"config error at datasets.{name}"
     source = find_source(spec["source"])
     tasks = source.tasks()
@@ -64,6 +64,10 @@ def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
         raise ConfigError(
             f"{where}.{key}: only {owner} datasets use it but task is {task}; remove it or set task: {owner}"
         )
+    # The source's own check before any job (csv, parquet: categorical_columns and the feature columns'
+    # types in the file's header or first rows).
+    if problem := source.config_check(spec):
+        raise ConfigError(f"{where}.{problem[0]}: {problem[1]}")
 
 
 def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str) -> None:

@@ -16,7 +16,7 @@ registry (``{"type": "mlp", num_features, num_classes, ...}``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardfuse.io import UserError
@@ -56,6 +56,10 @@ class DataDescription:
     input_kind: str = "numeric"
     feature_shape: tuple[int, ...] = ()  # one row's input: (F,), (C, H, W), (block_size + 1,)
     bytes_per_token: float = 1.0  # causal_lm: the corpus's bytes per token (1 for byte-level tokens)
+    # Categorical feature columns' vocabularies ({column: [category, ...]}, dataset.json's categories):
+    # their one-hot blocks are among feature_names as column=category. None (and left out of the spec)
+    # for data without them, so the specs of other data read as before.
+    categories: dict[str, list[str]] | None = field(default=None, hash=False)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -73,13 +77,16 @@ class DataDescription:
             feature_names=tuple(info.get("feature_names", [])),
             bytes_per_token=float(info.get("bytes_per_token", 1.0)),
             input_kind=str(info.get("input", {}).get("kind", task.default_input)),
+            categories=info.get("categories") or None,
             feature_shape=tuple(int(n) for n in info.get("input", {}).get("shape", [info["num_features"]])),
             **task.outputs_of(info),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in asdict(self).items()
+            if not (key == "categories" and value is None)
         }
 
 

@@ -19,7 +19,11 @@ predicts):
   ``probability_0`` .. ``probability_{V-1}``, the distribution of the next token (no generation)
 
 Features are named as in the dataset (x0..x{F-1} when it names none). A checkpoint from before the
-model registry knows no names: it takes x0..x{F-1} and predicts the class index.
+model registry knows no names: it takes x0..x{F-1} and predicts the class index. A categorical feature
+column (a csv or parquet dataset's ``categorical_columns``) is one input column of strings, one-hot
+encoded here with the training split's vocabulary recorded in the spec: a value outside it (unseen in
+training, or missing) gives all zeros, as in prepare's val and test splits. Its cells are compared by
+their text, so integer and boolean categories are passed as "3", "True" (the signature says string).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from shardfuse.data.sources.columns import one_hot_matrix, one_hot_names
 from shardfuse.io import UserError
 from shardfuse.models.spec import description_of, normalized_spec
 from shardfuse.models.task import Outputs, numbered
@@ -57,6 +62,7 @@ class Interface:
     outputs: Outputs
     block_size: int | None  # token rows: the tokens a row sees (the last block_size count)
     tensor_shape: tuple[int, ...] | None = None  # tensor inputs (images): one row's shape, e.g. (1, 8, 8)
+    categories: dict[str, list[str]] | None = None  # categorical input columns: their vocabularies
 
 
 def interface(spec: dict[str, Any]) -> Interface:
@@ -76,7 +82,49 @@ def interface(spec: dict[str, Any]) -> Interface:
     tensor_shape = None
     if description.input_kind == "tensor":
         inputs, tensor_shape = (TENSOR,), tuple(int(n) for n in description.feature_shape)
-    return Interface(task, inputs, outputs, block_size, tensor_shape)
+    categories = description.categories or None
+    if categories:
+        inputs = _original_columns(inputs, categories)
+    return Interface(task, inputs, outputs, block_size, tensor_shape, categories)
+
+
+def _original_columns(feature_names: tuple[str, ...], categories: dict[str, list[str]]) -> tuple[str, ...]:
+    """The data's columns: each one-hot block (column=category...) read back as its column."""
+    column_of = {
+        name: column for column, values in categories.items() for name in one_hot_names(column, values)
+    }
+    return tuple(dict.fromkeys(column_of.get(name, name) for name in feature_names))
+
+
+def _category_text(cell: Any) -> str | None:
+    """A cell as its category's name (an integral float, as pandas holds integers beside a gap, as the
+    integer); None for a missing value."""
+    if cell is None or (isinstance(cell, float) and np.isnan(cell)):
+        return None
+    if isinstance(cell, (float, np.floating)) and float(cell).is_integer():
+        return str(int(cell))
+    return str(cell)
+
+
+def _one_hot_rows(cells: Any, vocabulary: list[str]) -> np.ndarray:
+    """rows x categories float32: a 1 at each cell's category, all zeros for a value outside the
+    vocabulary (unseen in training, or missing)."""
+    index = {value: j for j, value in enumerate(vocabulary)}
+    return one_hot_matrix([index.get(_category_text(cell), -1) for cell in cells], len(vocabulary))
+
+
+def _feature_rows(frame, shape: Interface) -> np.ndarray:
+    """float32 [N, F]: the numeric columns as they are, each categorical one as its one-hot block."""
+    columns = _columns(frame, shape.inputs)
+    if not shape.categories:
+        return columns.to_numpy(dtype=np.float32, copy=True)
+    blocks = [
+        _one_hot_rows(columns[name].tolist(), shape.categories[name])
+        if name in shape.categories
+        else columns[name].to_numpy(dtype=np.float32).reshape(-1, 1)
+        for name in shape.inputs
+    ]
+    return np.ascontiguousarray(np.concatenate(blocks, axis=1))
 
 
 def feature_names(spec: dict[str, Any]) -> list[str]:
@@ -178,7 +226,7 @@ class MergedModel:
         elif self.interface.tensor_shape is not None:
             rows = _tensor_rows(model_input, self.interface.tensor_shape)
         else:
-            rows = _columns(frame, self.interface.inputs).to_numpy(dtype=np.float32, copy=True)
+            rows = _feature_rows(frame, self.interface)
         return self.interface.task.predict(self.model, rows, outputs)
 
 
@@ -208,7 +256,10 @@ def model_signature(spec: dict[str, Any]):
         inputs = Schema([ColSpec(Array("long"), TOKENS)])
     else:
         # "double" inputs: MLflow rejects float64 columns for a float32 schema; predict casts to float32.
-        inputs = Schema([ColSpec("double", name) for name in shape.inputs])
+        categorical = shape.categories or {}
+        inputs = Schema(
+            [ColSpec("string" if name in categorical else "double", name) for name in shape.inputs]
+        )
     columns = zip(shape.outputs.types, shape.outputs.names, strict=True)
     outputs = [ColSpec(kind, name) for kind, name in columns]
     return ModelSignature(inputs=inputs, outputs=Schema(outputs))
@@ -223,4 +274,6 @@ def input_example(spec: dict[str, Any]):
         return np.zeros((1, *shape.tensor_shape), dtype=np.float32)
     if shape.outputs.token_rows:
         return pd.DataFrame({TOKENS: [[0] * int(shape.block_size or 1)]})
-    return pd.DataFrame([[0.0] * len(shape.inputs)], columns=list(shape.inputs))
+    categorical = shape.categories or {}
+    row = {name: [categorical[name][0]] if name in categorical else [0.0] for name in shape.inputs}
+    return pd.DataFrame(row, columns=list(shape.inputs))

@@ -1,7 +1,7 @@
 """The hf_disk source (shardfuse/data/sources/hf_disk.py) on folders written by the real `datasets`
-package's save_to_disk: the same records as a JSON Lines file give the same split files and shards,
-byte for byte; a DatasetDict's split is chosen by `split`; a ClassLabel column keeps its class names;
-a wrong folder, split or column is one line."""
+package's save_to_disk: the same records (prompt/completion, or chat) as a JSON Lines file give the same
+split files and shards, byte for byte; a DatasetDict's split is chosen by `split`; a ClassLabel column
+keeps its class names; a wrong folder, split or column is one line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from shardfuse.data.sources.dataset import prepare
 from shardfuse.data.sources.files import hf_disk_files
 from shardfuse.io import UserError
+from tests.support.chat import CONVERSATION, write_chat_tokenizer
 from tests.support.helpers import call_stage
 
 datasets = pytest.importorskip("datasets", reason="the dev extra installs datasets (make venv)")
@@ -27,15 +28,33 @@ def records(count: int = 80) -> list[dict]:
     ]
 
 
-def test_the_same_records_as_jsonl_and_as_a_datasets_folder_give_the_same_splits_and_shards(tmp_path):
-    rows = records()
+def conversations(count: int = 40) -> list[dict]:
+    """Chat records: CONVERSATION with numbered contents, every other one cut to a user and an assistant
+    turn."""
+    rows = []
+    for i in range(count):
+        messages = [{**message, "content": f"{message['content']} {i}"} for message in CONVERSATION]
+        rows.append({"messages": messages if i % 2 == 0 else messages[1:3], "id": i})
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["prompt_completion", "chat"])
+def test_the_same_records_as_jsonl_and_as_a_datasets_folder_give_the_same_splits_and_shards(tmp_path, kind):
+    rows, keys = records(), SFT
+    if kind == "chat":
+        rows = conversations()
+        keys = {
+            "messages_field": "messages",
+            "block_size": 16,
+            "tokenizer": write_chat_tokenizer(tmp_path / "tok"),
+        }
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "pairs_hf"))
     from_jsonl, from_hf = tmp_path / "a", tmp_path / "b"
-    prepare("pairs", {"source": "jsonl", "paths": [str(tmp_path / "pairs.jsonl")], **SFT}, from_jsonl)
+    prepare("pairs", {"source": "jsonl", "paths": [str(tmp_path / "pairs.jsonl")], **keys}, from_jsonl)
     prepare(
         "pairs",
-        {"source": "hf_disk", "path": str(tmp_path / "pairs_hf"), "task": "causal_lm", **SFT},
+        {"source": "hf_disk", "path": str(tmp_path / "pairs_hf"), "task": "causal_lm", **keys},
         from_hf,
     )
     for split in ("train", "val", "test"):

@@ -1,7 +1,8 @@
 """The jsonl source (shardfuse/data/sources/jsonl.py): records packed into token blocks with the loss
-mask of supervised fine-tuning, gzip read as plain, one-line errors naming the file and line; the text
-source's refusal of JSON files; and the causal_lm task's completion-only loss against a hand-computed
-masked loss."""
+mask of supervised fine-tuning, gzip read as plain, one-line errors naming the file and line; chat
+records (shardfuse/data/sources/chat.py) rendered with the tokenizer folder's template, the assistant
+turns alone counting, a folder without a template refused before any job; the text source's refusal of
+JSON files; and the causal_lm task's completion-only loss against a hand-computed masked loss."""
 
 from __future__ import annotations
 
@@ -16,13 +17,18 @@ import torch
 
 from shardfuse.data.reader import load_table
 from shardfuse.data.sources.dataset import prepare as prepare_dataset
+from shardfuse.data.sources.files import text_files_of
 from shardfuse.data.sources.jsonl import pack_records
 from shardfuse.data.sources.spec import validate_spec
+from shardfuse.experiment.load import load_experiment
+from shardfuse.experiment.schema import ConfigError
 from shardfuse.io import UserError
 from shardfuse.models.causal_lm import IGNORED, CausalLM
 from shardfuse.models.task import Totals
+from tests.support.chat import CHATML, CONVERSATION, write_chat_tokenizer
 
 SFT = {"prompt_field": "prompt", "completion_field": "completion"}
+CHAT = {"messages_field": "messages"}
 
 
 def write_jsonl(path, records) -> str:
@@ -105,12 +111,137 @@ def test_a_bad_line_is_one_error_naming_its_file_and_line(tmp_path, line, messag
             "'text_field' and 'prompt_field'/'completion_field' exclude each other",
         ),
         ({"prompt_field": "x", "completion_field": "x"}, "both name 'x'"),
+        ({**CHAT, "text_field": "text"}, "spec key 'messages_field' excludes 'text_field'"),
+        (CHAT, "spec key 'messages_field' needs tokenizer: hf:DIR"),
     ],
 )
 def test_field_keys_that_do_not_fit_are_refused(tmp_path, keys, message):
     path = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
     with pytest.raises(UserError, match=message):
         spec_of([path], **keys)
+
+
+def chat_spec(tmp_path, conversations, tokenizer=None, **keys) -> dict:
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages} for messages in conversations])
+    tokenizer = tokenizer or write_chat_tokenizer(tmp_path / "tokenizer")
+    return spec_of([path], **CHAT, tokenizer=tokenizer, **keys)
+
+
+# CHATML with TRL's {% generation %} marks around the assistant's content and turn end.
+MARKED_CHATML = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "in_config"),
+    [(CHATML, True), (CHATML, False), (MARKED_CHATML, True)],
+    ids=["tokenizer_config.json", "chat_template.jinja", "generation_marks"],
+)
+def test_a_chat_record_counts_its_assistant_turns_alone(tmp_path, template, in_config):
+    tokenizer = write_chat_tokenizer(tmp_path / "tok", template, in_config=in_config)
+    # One token a character, one each for <|im_start|> and <|im_end|>; the record is 70 tokens:
+    # <|im_start|>system\nbe brief<|im_end|>\n   1 + 7 + 8 + 1 + 1 = 18   context
+    # <|im_start|>user\nhi<|im_end|>\n            1 + 5 + 2 + 1 + 1 = 10   context
+    # <|im_start|>assistant\n                     1 + 10 = 11              context (the generation prompt)
+    # yo<|im_end|>\n                              2 + 1 + 1 = 4            counts
+    # <|im_start|>user\nwhy<|im_end|>\n           1 + 5 + 3 + 1 + 1 = 11   context
+    # <|im_start|>assistant\n                     11                       context
+    # no<|im_end|>\n and the record separator \n  2 + 1 + 1 + 1 = 5        counts
+    flags = [0] * 39 + [1] * 4 + [0] * 22 + [1] * 5
+    packed = pack_records(chat_spec(tmp_path, [CONVERSATION] * 3, tokenizer, block_size=69))
+    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION) + "\n"
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).encode(rendered).ids
+    assert len(ids) == len(flags) == 70
+    assert packed.blocks.tolist() == [ids] * 3
+    assert packed.mask.tolist() == [flags[1:]] * 3
+    assert (packed.records, packed.loss_tokens, packed.blocks_without_loss) == (3, 27, 0)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_before_any_job(tmp_path):
+    tokenizer = write_chat_tokenizer(tmp_path / "plain", template=None)
+    message = (
+        f"tokenizer '{tokenizer}' has no chat template (no {tmp_path / 'plain' / 'chat_template.jinja'}, "
+        f"no chat_template in {tmp_path / 'plain' / 'tokenizer_config.json'}); add a chat_template to"
+    )
+    with pytest.raises(UserError) as error:
+        chat_spec(tmp_path, [CONVERSATION] * 3, tokenizer)
+    assert str(error.value).startswith(message)
+    assert str(error.value).endswith("or use prompt_field and completion_field")
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 3)
+    dataset = {"source": "jsonl", "paths": [path], "block_size": 8, **CHAT, "tokenizer": tokenizer}
+    config = {"runs": {"r": {}}, "datasets": {"chat": dataset}, "run_defaults": {"dataset": "chat"}}
+    with pytest.raises(ConfigError) as error:  # the config check: before Snakemake starts any job
+        load_experiment(config, environ={})
+    assert str(error.value).startswith(f"config error at datasets.chat.tokenizer: {message}")
+
+
+def test_a_chat_datasets_template_files_are_prepare_inputs(tmp_path):
+    spec = chat_spec(tmp_path, [CONVERSATION])
+    listed = text_files_of(spec)
+    assert listed[-2:] == [
+        str(tmp_path / "tokenizer" / name) for name in ("tokenizer.json", "tokenizer_config.json")
+    ]
+    assert str(tmp_path / "tokenizer" / "tokenizer_config.json") not in text_files_of(
+        {**spec, "messages_field": None}
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ("hello", "line 2: field 'messages' is a JSON str, not a list of messages"),
+        ([{"role": "user"}], "line 2: message 1 of field 'messages' is not an object with a string 'role'"),
+        (
+            [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}],
+            "line 2: message 1 has role 'tool'; the roles are system, user, assistant: fix the record",
+        ),
+        (
+            CONVERSATION[:2],
+            "line 2: the conversation has no assistant message, so none of its tokens would count",
+        ),
+        (
+            [*CONVERSATION[:2], {"role": "assistant", "content": ""}],
+            "line 2: assistant message 3 is empty; an assistant turn needs content to learn from: fix or "
+            "drop the record",
+        ),
+    ],
+)
+def test_a_bad_conversation_is_one_error_naming_its_file_and_line(tmp_path, messages, message):
+    spec = chat_spec(tmp_path, [CONVERSATION])
+    path = tmp_path / "chat.jsonl"
+    path.write_text(path.read_text() + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(UserError) as error:
+        pack_records(spec)
+    assert str(error.value).startswith(f"{path} line 2") and message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (
+            "{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}{{ m.content }}{% endif %}"
+            "{% endfor %}",
+            "renders messages 1..1 differently once message 2 follows (it is not prefix-stable)",
+        ),
+        (
+            "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system, please') }}"
+            "{% endif %}{{ m.content }}{% endfor %}",
+            "fails on the conversation (TemplateError: no system, please); fix the record or the template",
+        ),
+    ],
+)
+def test_a_template_that_cannot_mark_the_turns_is_one_error_naming_the_record(tmp_path, template, message):
+    tokenizer = write_chat_tokenizer(tmp_path / "tok", template)
+    with pytest.raises(UserError) as error:
+        pack_records(chat_spec(tmp_path, [CONVERSATION], tokenizer))
+    assert str(error.value).startswith(f"{tmp_path / 'chat.jsonl'} line 1: the chat template of tokenizer")
+    assert message in str(error.value)
 
 
 def test_a_file_that_is_not_json_lines_is_refused_by_jsonl_and_a_json_file_by_text(tmp_path):

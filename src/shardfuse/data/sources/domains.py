@@ -6,7 +6,13 @@ parts' same splits one after the other, every row carrying its part's index (0..
 ``partition: domain`` deals part r to rank r (or as ``partition_groups`` says) and scores each rank's
 model and the fusion on each part's test rows (the column partitioner's local rule): the multi-task
 set-up of task arithmetic and TIES, one domain per rank, judged per domain. A ddp run on the same
-dataset (``partition: iid``) trains on the union, row-weighted.
+dataset (``partition: iid``) trains on the union, row-weighted, or as ``mix_weights`` say: one weight
+per part (torchtitan's ``DatasetMixConfig`` weights), the train split then holding part p's rows in
+proportion w_p / sum(w) of the union's train rows (their total unchanged): a part above its share repeats
+its rows (every row the same number of times, the remainder a seeded random subset), a part below it
+keeps a seeded random subset. Where we differ from torchtitan, which samples the mixture while training:
+the mixed train split is written once, so every run of the dataset (ddp on the union, or one part a rank)
+sees the same rows; validation and test splits are never reweighted.
 
 The parts are prepared by their own prepare jobs (the workflow makes their split files this dataset's
 inputs: editing one part's data re-prepares that part and the union, nothing else); the prepare stage
@@ -28,6 +34,7 @@ import pyarrow.parquet as pq
 from shardfuse.data.sources.base import SourceBehaviour, Written
 from shardfuse.data.sources.carried import DOMAIN_COLUMN
 from shardfuse.data.sources.checks import SPEC_FIX
+from shardfuse.data.sources.mix import MIX_WEIGHTS, mix_weights_problem
 from shardfuse.data.sources.write import SPLITS
 from shardfuse.io import UserError, atomic_path, error_reason
 from shardfuse.models.task import Task
@@ -37,6 +44,7 @@ SAME_KEYS = (
     "task",
     "input",
     "feature_names",
+    "categories",
     "label_names",
     "target_names",
     "vocab_size",
@@ -51,6 +59,7 @@ OWN_KEYS = (
     "test_fraction", "val_fraction", "seed", "sha256", "bytes_per_token",
 )  # fmt: skip
 COUNTS = ("num_tokens", "loss_tokens", "records", "blocks_without_loss", "skipped_images")
+SPLIT_COUNTS = ("unseen_categories",)  # {split: {column: rows}}: the parts' rows add up too
 
 
 def part_names(spec: dict[str, Any]) -> list[str]:
@@ -61,6 +70,34 @@ def part_names(spec: dict[str, Any]) -> list[str]:
         twice = next(part for part in parts if parts.count(part) > 1)
         raise UserError(f"spec key 'parts' names {twice!r} twice; name each part once; {SPEC_FIX}")
     return parts
+
+
+def mixed_counts(weights: list[float], rows: list[int]) -> list[int]:
+    """Each part's train rows in the mix: the union's total cut in proportion to the weights (largest
+    remainders get the leftover rows, ties to the earlier part); a part of 0 rows stays at 0."""
+    total = sum(rows)
+    shares = np.array([w if n else 0.0 for w, n in zip(weights, rows, strict=True)], dtype=np.float64)
+    if not shares.sum() > 0:
+        raise UserError(
+            f"{MIX_WEIGHTS} {weights} give weight only to parts without train rows; weigh a part with rows"
+        )
+    exact = shares / shares.sum() * total
+    counts = np.floor(exact).astype(np.int64)
+    leftover = total - int(counts.sum())
+    order = sorted(range(len(rows)), key=lambda p: (-(exact[p] - counts[p]), p))
+    for part in order[:leftover]:
+        counts[part] += 1
+    return counts.tolist()
+
+
+def mixed_rows(num_rows: int, wanted: int, seed: int, part: int) -> np.ndarray:
+    """The sorted row indices (with repeats) of a part's train rows in the mix: every row
+    ``wanted // num_rows`` times, plus a seeded random subset of ``wanted % num_rows`` rows."""
+    repeats, extra = divmod(wanted, num_rows)
+    chosen = np.random.default_rng([seed, 17, part]).choice(num_rows, size=extra, replace=False)
+    counts = np.full(num_rows, repeats, dtype=np.int64)
+    counts[chosen] += 1
+    return np.repeat(np.arange(num_rows, dtype=np.int64), counts)
 
 
 def _read_info(folder: Path, part: str) -> dict[str, Any]:
@@ -79,6 +116,8 @@ class Domains(SourceBehaviour):
 
     def check(self, spec: dict[str, Any], task: Task) -> None:
         part_names(spec)
+        if problem := mix_weights_problem(spec):
+            raise UserError(f"spec key {problem[0]!r}: {problem[1]}; {SPEC_FIX}")
 
     def prepare(self, spec: dict[str, Any], task: Task, out_dir: Path, row_group_rows: int) -> Written:
         parts = part_names(spec)
@@ -98,6 +137,15 @@ class Domains(SourceBehaviour):
                 f"the parts are {first['task']} datasets but this dataset's task is {task.name}; set task: "
                 f"{first['task']} (or leave task out)"
             )
+        mix = {}
+        if spec.get(MIX_WEIGHTS) is not None:
+            own = [info["rows"]["train"] for info in infos]
+            wanted = mixed_counts(spec[MIX_WEIGHTS], own)
+            mix = {
+                part: mixed_rows(n, w, spec["seed"], index)
+                for index, (part, n, w) in enumerate(zip(parts, own, wanted, strict=True))
+                if n
+            }
         out_dir.mkdir(parents=True, exist_ok=True)
         rows = {split: 0 for split in SPLITS}
         domain_rows: dict[str, dict[str, int]] = {part: {} for part in parts}
@@ -129,21 +177,36 @@ class Domains(SourceBehaviour):
                     if writer is None:
                         tmp = stack.enter_context(atomic_path(out_dir / f"{split}.parquet"))
                         writer = stack.enter_context(pq.ParquetWriter(tmp, schema))
-                    count = 0
+                    count, offset = 0, 0
+                    take = mix.get(part) if split == "train" else None
                     for batch in parquet.iter_batches(batch_size=row_group_rows):
+                        if take is not None:  # the mix's rows of this batch (sorted, with repeats)
+                            lo, hi = np.searchsorted(take, [offset, offset + batch.num_rows])
+                            offset += batch.num_rows
+                            batch = batch.take(pa.array(take[lo:hi] - (offset - batch.num_rows)))
                         tag = pa.array(np.full(batch.num_rows, index, dtype=np.int64))
                         table = pa.Table.from_batches([batch]).append_column(DOMAIN_COLUMN, tag)
                         writer.write_table(table.cast(schema), row_group_size=row_group_rows)
                         count += batch.num_rows
                     domain_rows[part][split] = count
                     rows[split] += count
-        keys = {key: first[key] for key in first if key not in OWN_KEYS and key not in COUNTS}
+        keys = {key: first[key] for key in first if key not in (*OWN_KEYS, *COUNTS, *SPLIT_COUNTS)}
         for key in COUNTS:  # a part's counts add up
             if all(key in info for info in infos):
                 keys[key] = sum(info[key] for info in infos)
+        for key in SPLIT_COUNTS:
+            if all(key in info for info in infos):
+                keys[key] = {
+                    split: {column: sum(info[key][split][column] for info in infos) for column in columns}
+                    for split, columns in first[key].items()
+                }
         if all("bytes_per_token" in info for info in infos):  # bits per byte: the union's bytes per token
             weight = "loss_tokens" if "loss_tokens" in keys else "num_tokens"
             total = sum(info["bytes_per_token"] * info[weight] for info in infos)
             keys["bytes_per_token"] = total / max(keys[weight], 1)
         keys = {**keys, "parts": parts, "domain_rows": domain_rows}
+        if spec.get(MIX_WEIGHTS) is not None:  # the train rows each part brought before the mix
+            keys[MIX_WEIGHTS] = spec[MIX_WEIGHTS]
+            unmixed = zip(parts, infos, strict=True)
+            keys["unmixed_train_rows"] = {part: info["rows"]["train"] for part, info in unmixed}
         return Written(rows, first["feature_names"], first["label_names"], keys, first["input"])

@@ -14,6 +14,7 @@ import os
 import sysconfig
 from pathlib import Path
 
+from shardfuse.data.sources.hf_tokenizer import CONFIG_FILE, TEMPLATE_FILE
 from shardfuse.data.sources.hf_tokenizer import PREFIX as HF_PREFIX
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")  # what the image_folder source reads (case-insensitive)
@@ -66,6 +67,16 @@ def tokenizer_files(ref: str | None) -> list[str]:
     return [str(path) for path in candidates if path.is_file()][:1]
 
 
+def chat_template_files(spec: dict) -> list[str]:
+    """A chat spec's (``messages_field``) template files: ``hf:DIR``'s chat_template.jinja and
+    tokenizer_config.json, those that exist (the template and its bos and eos tokens shape the tokens)."""
+    ref = spec.get("tokenizer")
+    if not spec.get("messages_field") or not (isinstance(ref, str) and ref.startswith(HF_PREFIX)):
+        return []
+    folder = Path(ref[len(HF_PREFIX) :])
+    return [str(folder / name) for name in (TEMPLATE_FILE, CONFIG_FILE) if (folder / name).is_file()]
+
+
 # ---------------------------------------------------------------- the listers the records name
 
 
@@ -95,7 +106,7 @@ def hf_disk_files(spec: dict) -> list[str]:
         found += sorted(
             str(path) for path in folder.iterdir() if path.suffix in (".arrow", ".json") and path.is_file()
         )
-    return [*found, *tokenizer_files(spec.get("tokenizer"))] or [spec["path"]]
+    return [*found, *tokenizer_files(spec.get("tokenizer")), *chat_template_files(spec)] or [spec["path"]]
 
 
 def domain_part_files(spec: dict) -> list[str]:
@@ -107,5 +118,5 @@ def domain_part_files(spec: dict) -> list[str]:
 
 
 def text_files_of(spec: dict) -> list[str]:
-    """The text files the globs match and the tokenizer's file."""
-    return [*matching_text_files(spec), *tokenizer_files(spec.get("tokenizer"))]
+    """The text files the globs match and the tokenizer's files."""
+    return [*matching_text_files(spec), *tokenizer_files(spec.get("tokenizer")), *chat_template_files(spec)]

@@ -4,7 +4,8 @@ and one such folder per split, chosen by ``split``). Read with pyarrow alone, re
 batch: the ``datasets`` package is not needed to read it (extra ``shardfuse[data]`` only to write one).
 
 - causal_lm: the same field keys as the jsonl source (``text_field``, or ``prompt_field`` and
-  ``completion_field`` with the completion-only loss), packed the same way: the same records as a
+  ``completion_field`` with the completion-only loss, or ``messages_field``, a list of role/content
+  structs rendered with the tokenizer's chat template), packed the same way: the same records as a
   JSON Lines file give the same blocks, byte for byte.
 - classification / regression: ``feature_columns`` and ``label_column`` / ``label_columns`` as for a
   Parquet file; a ``ClassLabel`` label column keeps its class names (``datasets`` stores the codes, its
@@ -120,17 +121,16 @@ def batches(folder: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
 
 
 def _records(folder: Path, spec: dict[str, Any]) -> Iterator[Record]:
-    text_field, prompt_field, completion_field = fields_of(spec)
-    columns = [text_field] if text_field else [prompt_field, completion_field]
     number = 0
-    for batch in batches(folder, columns):
+    for batch in batches(folder, fields_of(spec).columns):
         for row in batch.to_pylist():
             number += 1
             yield to_record(row, f"{folder} row {number}", spec)
 
 
 class HfDisk(UserFile):
-    """A datasets folder: token blocks from a text field (or a prompt and a completion), or a table."""
+    """A datasets folder: token blocks from a text field (or a prompt and a completion, or a chat), or a
+    table."""
 
     def check(self, spec: dict[str, Any], task: Task) -> None:
         require_string(spec, "path")

@@ -7,6 +7,12 @@ block_size + 1 token ids for causal_lm, as the text source packs files:
   tokenized apart and joined (as TRL's prompt-completion records are), and only the completion's tokens
   and the separator after it count in the loss and the metrics (loss, perplexity, bits per token and
   per byte): the prompt is context. The blocks carry the mask (``loss_mask``, one 0/1 per next token).
+- ``messages_field``: chat. Each record's field is a conversation, a list of ``{"role", "content"}``
+  messages (system, user, assistant: TRL's conversational format), rendered with the chat template of
+  ``tokenizer: hf:DIR`` (:mod:`shardfuse.data.sources.chat`); only the assistant turns (their content and
+  turn end, not the header the generation prompt adds) and the separator after the last count. The
+  messages' spans are tokenized apart and joined, as a prompt and its completion are: a BPE may split
+  a boundary differently than in the whole rendered text.
 
 Records are joined by the tokens of ``b"\\n"`` (the text source's file separator) and packed back to
 back: a block may end inside one record and the next block go on with it, and a block may hold the end
@@ -21,7 +27,7 @@ No command line; a library module: :class:`Jsonl` is the source's behaviour, nam
 
     python -c "from shardfuse.data.sources.jsonl import read_records
     spec = {'paths': ['data/*.jsonl'], 'exclude': [], 'text_field': 'text', 'prompt_field': None,
-            'completion_field': None}
+            'completion_field': None, 'messages_field': None}
     print(next(read_records(spec)))"
 """
 
@@ -35,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardfuse.data.sources.base import Described, Loaded, SourceBehaviour
+from shardfuse.data.sources.chat import chat_parts, chat_template, check_chat
 from shardfuse.data.sources.checks import SPEC_FIX
 from shardfuse.data.sources.text import (
     VOCAB_SIZE,
@@ -49,7 +56,7 @@ from shardfuse.models.task import Task
 
 SUFFIXES = (".jsonl", ".jsonl.gz")
 DEFAULT_TEXT_FIELD = "text"
-FIELD_KEYS = ("text_field", "prompt_field", "completion_field")
+FIELD_KEYS = ("text_field", "prompt_field", "completion_field", "messages_field")
 
 
 class Record(NamedTuple):
@@ -57,24 +64,38 @@ class Record(NamedTuple):
     parts: tuple[tuple[str, bool], ...]  # (text, counts in the loss), in order
 
 
-def fields_of(spec: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
-    """(text field, prompt field, completion field): the text field (default ``text``) unless the spec
-    names a prompt and a completion field."""
-    text, prompt, completion = (spec.get(key) for key in FIELD_KEYS)
-    if prompt is None and completion is None:
-        return text or DEFAULT_TEXT_FIELD, None, None
-    return None, prompt, completion
+class Fields(NamedTuple):
+    """The record fields a spec reads (those of the other kinds None)."""
+
+    text: str | None
+    prompt: str | None
+    completion: str | None
+    messages: str | None
+
+    @property
+    def columns(self) -> list[str]:
+        return [name for name in self if name is not None]
+
+
+def fields_of(spec: dict[str, Any]) -> Fields:
+    """The text field (default ``text``) unless the spec names a prompt and a completion field, or a
+    messages field."""
+    text, prompt, completion, messages = (spec.get(key) for key in FIELD_KEYS)
+    if prompt is None and completion is None and messages is None:
+        return Fields(text or DEFAULT_TEXT_FIELD, None, None, None)
+    return Fields(None, prompt, completion, messages)
 
 
 def check_fields(spec: dict[str, Any]) -> None:
-    """The record field keys: names, and either a text field or a prompt and a completion field."""
+    """The record field keys: names, and one kind of record: a text field, a prompt and a completion
+    field, or a messages field (with a tokenizer that has a chat template)."""
     for key in FIELD_KEYS:
         value = spec.get(key)
         if value is not None and not (isinstance(value, str) and value):
             raise UserError(
                 f"spec key {key!r} must be a field name (a non-empty string), got {value!r}; {SPEC_FIX}"
             )
-    text, prompt, completion = (spec.get(key) for key in FIELD_KEYS)
+    text, prompt, completion, messages = (spec.get(key) for key in FIELD_KEYS)
     if (prompt is None) != (completion is None):
         given, missing = (
             ("prompt_field", "completion_field")
@@ -96,6 +117,13 @@ def check_fields(spec: dict[str, Any]) -> None:
             f"spec keys 'prompt_field' and 'completion_field' both name {prompt!r}; name two "
             f"fields; {SPEC_FIX}"
         )
+    if messages is not None:
+        if text is not None or prompt is not None:
+            raise UserError(
+                "spec key 'messages_field' excludes 'text_field', 'prompt_field' and 'completion_field': a "
+                f"record is a conversation, plain text or a prompt with its completion; drop one; {SPEC_FIX}"
+            )
+        check_chat(spec)
 
 
 class Jsonl(SourceBehaviour):
@@ -171,21 +199,26 @@ def read_records(spec: dict[str, Any]) -> Iterator[Record]:
 
 
 def to_record(record: dict[str, Any], where: str, spec: dict[str, Any]) -> Record:
-    """One record's parts: its text (counted), or its prompt (context) and its completion (counted)."""
-    text_field, prompt_field, completion_field = fields_of(spec)
-    values = []
-    for name in [text_field] if text_field else [prompt_field, completion_field]:
+    """One record's parts: its text (counted), or its prompt (context) and its completion (counted), or
+    its conversation's spans (the assistant's counted)."""
+    fields = fields_of(spec)
+    for name in fields.columns:
         if name not in record:
             found = ", ".join(sorted(map(str, record))[:10]) or "none"
             raise UserError(
                 f"{where} has no field {name!r} (its fields: {found}); fix the record, or name the "
-                "field with text_field, or prompt_field and completion_field"
+                "field with text_field, prompt_field and completion_field, or messages_field"
             )
+    if fields.messages:
+        template = chat_template(spec["tokenizer"])
+        return Record(where, chat_parts(record[fields.messages], where, fields.messages, template))
+    values = []
+    for name in fields.columns:
         if not isinstance(record[name], str):
             kind = "null" if record[name] is None else type(record[name]).__name__
             raise UserError(f"{where}: field {name!r} is a JSON {kind}, not a string; fix the record")
         values.append(record[name])
-    if text_field:
+    if fields.text:
         return Record(where, ((values[0], True),))
     return Record(where, ((values[0], False), (values[1], True)))
 

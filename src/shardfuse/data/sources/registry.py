@@ -13,6 +13,8 @@ Adding a source: one class in a source module (or a module of its own), one reco
 the schema's ``source`` enum and its keys in config/README.md. A source whose rows can carry group
 columns (data beside the inputs, for ``partition: column``) puts them in its rows' ``carried`` table and
 names in its record the spec's lister of them (``carried``) and how a spec asks for one (``carry_fix``).
+A source whose files can be judged cheaply before any job names its check (``config_check``: csv and
+parquet probe their feature columns' types, :mod:`shardfuse.data.sources.columns`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from shardfuse.data.sources.carried import (
     kept_columns,
     no_columns,
 )
+from shardfuse.data.sources.columns import CATEGORICAL_COLUMNS, csv_problem, parquet_problem
 from shardfuse.data.sources.files import (
     domain_part_files,
     hf_disk_files,
@@ -41,6 +44,8 @@ from shardfuse.data.sources.files import (
     path_file,
     text_files_of,
 )
+from shardfuse.data.sources.hf_tokenizer import chat_problem
+from shardfuse.data.sources.mix import MIX_WEIGHTS, mix_weights_problem
 from shardfuse.io import find_record
 from shardfuse.models.task import CLASSES, TOKENS, VALUES
 from shardfuse.models.tasks import task_record, tasks_with_labels
@@ -85,6 +90,9 @@ class Source:
     # The other datasets of the config a spec is made of (domains: its parts; the config checks them
     # and gives the spec their task); none for a source of its own data.
     parts: Callable[[dict], list[str]] = lambda spec: []
+    # What the config check refuses before any job beyond the schema and the keys of the task: (key,
+    # what is wrong and the fix) or None; it may read a file's header (csv, parquet), never its data.
+    config_check: Callable[[dict], tuple[str, str] | None] = lambda spec: None
 
     def tasks(self) -> tuple[str, ...]:
         """The tasks it serves (those of its layouts), the default first."""
@@ -145,14 +153,24 @@ DIGIT_WRITERS = {
 }
 USER_FILE_KEEPS = {"carried": kept_columns, "carry_fix": f"add it to the dataset's {KEEP_COLUMNS}"}
 
-# The keys of records read into token blocks (the jsonl and hf_disk sources; shardfuse.data.sources.jsonl).
-TOKEN_KEYS = _keys("max_tokens", "tokenizer", "vocab_size", "text_field", "prompt_field", "completion_field")
+# The keys of records read into token blocks (the jsonl and hf_disk sources; shardfuse.data.sources.jsonl;
+# a chat's tokenizer and template are checked before any job: chat_problem).
+TOKEN_KEYS = _keys(
+    "max_tokens",
+    "tokenizer",
+    "vocab_size",
+    "text_field",
+    "prompt_field",
+    "completion_field",
+    "messages_field",
+)
 TOKEN_DEFAULTS = {
     "max_tokens": None,
     "tokenizer": None,
     "text_field": None,
     "prompt_field": None,
     "completion_field": None,
+    "messages_field": None,
 }
 
 RECORDS: tuple[Source, ...] = (
@@ -177,8 +195,9 @@ RECORDS: tuple[Source, ...] = (
         BOTH,
         f"{MODULE}.images:Parquet",
         required=_keys("path", "feature_columns"),
-        optional=_keys("feature_shape", KEEP_COLUMNS),
+        optional=_keys("feature_shape", KEEP_COLUMNS, CATEGORICAL_COLUMNS),
         label_keys=USER_FILE_LABELS,
+        config_check=parquet_problem,
         files=path_file,
         **USER_FILE_KEEPS,
     ),
@@ -187,8 +206,9 @@ RECORDS: tuple[Source, ...] = (
         BOTH,
         f"{MODULE}.tables:Csv",
         required=_keys("path", "feature_columns"),
-        optional=_keys(KEEP_COLUMNS),
+        optional=_keys(KEEP_COLUMNS, CATEGORICAL_COLUMNS),
         label_keys=USER_FILE_LABELS,
+        config_check=csv_problem,
         files=path_file,
         **USER_FILE_KEEPS,
     ),
@@ -227,6 +247,7 @@ RECORDS: tuple[Source, ...] = (
         optional=_keys("exclude", *TOKEN_KEYS),
         defaults=MappingProxyType({"exclude": (), **TOKEN_DEFAULTS}),
         files=text_files_of,
+        config_check=chat_problem,
     ),
     Source(
         "hf_disk",
@@ -243,6 +264,7 @@ RECORDS: tuple[Source, ...] = (
         ),
         defaults=MappingProxyType({"split": None, **TOKEN_DEFAULTS}),
         files=hf_disk_files,
+        config_check=chat_problem,
         **USER_FILE_KEEPS,
     ),
     Source(
@@ -250,6 +272,8 @@ RECORDS: tuple[Source, ...] = (
         (CLASSES, VALUES, TOKENS),
         f"{MODULE}.domains:Domains",
         required=_keys("parts"),
+        optional=_keys(MIX_WEIGHTS),
+        config_check=mix_weights_problem,
         files=domain_part_files,
         carried=domain_parts,
         parts=lambda spec: list(spec.get("parts") or []),

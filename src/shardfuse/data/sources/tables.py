@@ -13,7 +13,9 @@ then splits and writes them. By hand::
 Labels of a classification source are coded in sorted order of their distinct values; the spec's
 ``classes`` names labels by value (:func:`shardfuse.data.labels.kept_class_codes`), and the label space
 stays the whole data's. Columns carried as data, never inputs (:mod:`shardfuse.data.sources.carried`):
-a user file's ``keep_columns`` as they are, digits' ``writers: N`` as a column ``writer``.
+a user file's ``keep_columns`` as they are, digits' ``writers: N`` as a column ``writer``. A user file's
+``categorical_columns`` travel as they are until the split is drawn, then are one-hot encoded with the
+train split's categories (:mod:`shardfuse.data.sources.categorical`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from shardfuse.data.shard_format import (
 )
 from shardfuse.data.sources.base import Described, Loaded, SourceBehaviour
 from shardfuse.data.sources.carried import KEEP_COLUMNS, WRITER_COLUMN, WRITERS
+from shardfuse.data.sources.categorical import Categorical, categorical_column
 from shardfuse.data.sources.checks import SPEC_FIX, require_int, require_names, require_shape, require_string
+from shardfuse.data.sources.columns import CATEGORICAL_COLUMNS, CATEGORICAL_FIX, categorical_problem
+from shardfuse.data.sources.registry import find_source
 from shardfuse.io import UserError, error_reason
 from shardfuse.models.task import CLASSES, VALUES, Task
 
@@ -104,8 +109,8 @@ class Diabetes(SourceBehaviour):
 
 
 class UserFile(SourceBehaviour):
-    """A user's table: the feature columns as numbers, and the label column (classes, coded 0..C-1) or
-    the target columns (values). Subclasses open the file (:meth:`open`)."""
+    """A user's table: the feature columns as numbers (or categories, one-hot encoded), and the label
+    column (classes, coded 0..C-1) or the target columns (values). Subclasses open the file (:meth:`open`)."""
 
     def open(self, path: Path) -> tuple[list[str], Callable[[list[str]], pa.Table]]:
         """The file's column names, and a reader of some of its columns."""
@@ -133,6 +138,8 @@ class UserFile(SourceBehaviour):
             require_shape(spec, "feature_shape")
         if KEEP_COLUMNS in spec:
             _check_keep_columns(spec, task)
+        if problem := categorical_problem(spec):
+            raise UserError(f"spec key {problem[0]!r} {problem[1]} ({SPEC_FIX})")
 
     def _read_columns(self, path: Path, source: str, wanted: list[str]) -> pa.Table:
         """The user file's columns ``wanted`` (each named once in its header; a Parquet file's other
@@ -177,11 +184,9 @@ class UserFile(SourceBehaviour):
     ) -> Loaded:
         """The rows of ``table``: the feature columns as numbers, or ``tensor`` (rows x *shape, read from
         ``table`` by :class:`shardfuse.data.sources.images.Parquet`) in their place."""
-        path, features_wanted = spec["path"], spec["feature_columns"]
+        path = spec["path"]
         if tensor is None:
-            loaded = Loaded(
-                numeric_matrix(table, features_wanted, path), np.zeros(0), list(features_wanted), []
-            )
+            loaded = _feature_rows(spec, table)
         else:
             loaded = Loaded(tensor, np.zeros(0), [], [], "tensor")
         if KEEP_COLUMNS in spec:
@@ -202,6 +207,20 @@ class UserFile(SourceBehaviour):
         return loaded._replace(targets=labels, target_names=label_names)
 
 
+def _feature_rows(spec: dict[str, Any], table: pa.Table) -> Loaded:
+    """The numeric feature columns as numbers, the categorical ones (``categorical_columns``) as they are
+    until the split is drawn (:mod:`shardfuse.data.sources.categorical`)."""
+    path, names, categorical = spec["path"], spec["feature_columns"], spec.get(CATEGORICAL_COLUMNS) or []
+    numeric = [name for name in names if name not in categorical]
+    # The fix a text column's error names: categorical_columns where the source takes it.
+    fix = FEATURE_TYPE_FIX if CATEGORICAL_COLUMNS in find_source(spec["source"]).allowed() else NUMERIC_FIX
+    loaded = Loaded(numeric_matrix(table, numeric, path, type_fix=fix), np.zeros(0), numeric, [])
+    if not categorical:
+        return loaded
+    columns = pa.table({name: categorical_column(table, name, path) for name in categorical})
+    return loaded._replace(categorical=Categorical(columns, list(names), path))
+
+
 class Csv(UserFile):
     """The user's CSV file (every column is read to find the header's names)."""
 
@@ -211,8 +230,8 @@ class Csv(UserFile):
         return table.column_names, lambda columns: table
 
     def describe(self, spec: dict[str, Any], task: Task) -> Described | None:
-        """Target columns are named in the spec; classes only the file can tell."""
-        if task.labels != VALUES:
+        """Target columns are named in the spec; classes (and categories) only the file can tell."""
+        if task.labels != VALUES or spec.get(CATEGORICAL_COLUMNS):
             return None
         columns = list(spec["feature_columns"])
         return Described("numeric", [len(columns)], columns, list(spec["label_columns"]))
@@ -286,7 +305,8 @@ def require_file(path: Path, what: str = "dataset file") -> None:
     raise UserError(f"{what} {path} {problem}; fix 'path' in the dataset's spec")
 
 
-FEATURE_TYPE_FIX = ", not a number; encode it numerically or drop it from feature_columns"
+FEATURE_TYPE_FIX = f", not a number; {CATEGORICAL_FIX}"
+NUMERIC_FIX = ", not a number; encode it numerically or drop it from feature_columns"
 TARGET_TYPE_FIX = "; regression needs numeric targets — use task: classification or pick numeric columns"
 
 
@@ -300,7 +320,7 @@ def check_finite(values: np.ndarray, what: str) -> None:
 
 
 def numeric_matrix(
-    table: pa.Table, names: list[str], path: str, role: str = "feature", type_fix: str = FEATURE_TYPE_FIX
+    table: pa.Table, names: list[str], path: str, role: str = "feature", type_fix: str = NUMERIC_FIX
 ) -> np.ndarray:
     """The columns ``names`` as a float32 (rows, len(names)) matrix; ``role`` names them in errors."""
     matrix = np.empty((table.num_rows, len(names)), dtype=np.float32)

@@ -2,7 +2,8 @@
 tokens: :mod:`shardfuse.data.shard_format`), then the target columns of the task's layout
 (:mod:`shardfuse.data.labels`), then the columns the spec asked to carry as data (group ids:
 :mod:`shardfuse.data.sources.carried`; none unless asked), each split in a seeded random order, one row
-group at a time.
+group at a time. A user table's categorical feature columns are one-hot encoded here, once the split is
+drawn, with the train split's categories (:mod:`shardfuse.data.sources.categorical`).
 
 A source held in memory (:class:`Loaded`) is split here (stratified by class, or at random, as its layout
 says); a streamed source (synthetic) hands over chunks that carry their own split masks. The same rows
@@ -17,7 +18,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,9 @@ from shardfuse.data.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN,
 from shardfuse.data.splits import split_masks
 from shardfuse.io import atomic_path
 from shardfuse.models.task import Task
+
+if TYPE_CHECKING:
+    from shardfuse.data.sources.categorical import Categorical
 
 SPLITS = ("train", "val", "test")
 # One streamed chunk: features, targets (class codes, or rows x K floats), the chunk's split masks.
@@ -45,6 +49,9 @@ class Loaded(NamedTuple):
     kind: InputKind = "numeric"
     dataset_keys: dict[str, Any] | None = None  # the source's own dataset.json keys (skipped_images, ...)
     carried: pa.Table | None = None  # columns carried as data, one row per row (None: none asked for)
+    # Categorical feature columns, one-hot encoded once the split is drawn (their vocabularies are the
+    # train split's): features and feature_names hold the numeric columns until then.
+    categorical: Categorical | None = None
 
 
 class Written(NamedTuple):
@@ -138,11 +145,19 @@ def write_loaded(loaded: Loaded, spec: dict, task: Task, out_dir: Path, row_grou
     keep = layout.select(loaded.targets, loaded.target_names, spec)
     if keep is not None:
         carried = None if loaded.carried is None else loaded.carried.filter(pa.array(keep))
+        categorical = None if loaded.categorical is None else loaded.categorical.filter(keep)
         loaded = loaded._replace(
-            features=loaded.features[keep], targets=loaded.targets[keep], carried=carried
+            features=loaded.features[keep],
+            targets=loaded.targets[keep],
+            carried=carried,
+            categorical=categorical,
         )
     strata, num_strata = layout.strata(loaded.targets, len(loaded.features), loaded.target_names)
     masks = split_masks(strata, num_strata, spec)
+    if loaded.categorical is not None:
+        features, names, keys = loaded.categorical.encoded(loaded.features, loaded.feature_names, masks)
+        dataset_keys = {**(loaded.dataset_keys or {}), **keys}
+        loaded = loaded._replace(features=features, feature_names=names, dataset_keys=dataset_keys)
     rows = write_split(out_dir, loaded, masks, layout, spec, row_group_rows)
     label_names, keys = layout.names(loaded.target_names)
     keys = {**keys, **(loaded.dataset_keys or {})}
