@@ -13,6 +13,8 @@ import inspect
 import json
 from pathlib import Path
 
+import mlflow
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -28,8 +30,10 @@ MODULES = (
 
 
 def write_pairs(path: Path) -> int:
+    """Prompt/completion pairs in ``path``; the same completions labelled by their module (text
+    classification: which module's docstring is this?) beside it in kinds.jsonl."""
     count = 0
-    with open(path, "w") as file:
+    with open(path, "w") as file, open(path.with_name("kinds.jsonl"), "w") as kinds:
         for name in MODULES:
             module = importlib.import_module(name)
             for function_name, function in inspect.getmembers(module, inspect.isfunction):
@@ -42,6 +46,7 @@ def write_pairs(path: Path) -> int:
                 prompt = f"def {name}.{function_name}{signature}:\n"
                 completion = inspect.cleandoc(function.__doc__).split("\n\n")[0]
                 file.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+                kinds.write(json.dumps({"text": completion, "module": name}) + "\n")
                 count += 1
     return count
 
@@ -58,11 +63,25 @@ def workdir(tmp_path_factory) -> Path:
                 "prompt_field": "prompt",
                 "completion_field": "completion",
                 "block_size": 32,
-            }
+            },
+            "kinds": {
+                "source": "jsonl",
+                "task": "classification",
+                "paths": ["kinds.jsonl"],
+                "label_field": "module",
+                "block_size": 48,
+            },
         },
         "runs": {
             "sft_ddp": {"strategy": "ddp", "merge_method": "consolidate"},
             "sft_indep": {"strategy": "localsgd", "sync_every": 0, "merge_method": "uniform"},
+            "kinds_uniform": {
+                "dataset": "kinds",
+                "strategy": "localsgd",
+                "sync_every": 0,
+                "merge_method": "uniform",
+                "epochs": 5,
+            },
         },
         "run_defaults": {
             "dataset": "pairs",
@@ -114,6 +133,30 @@ def test_the_merged_test_loss_is_the_mean_over_completion_tokens_only(workdir, r
 def test_summary_carries_both_runs_with_bits_per_byte(workdir):
     with open(workdir / "results" / "summary.csv") as file:
         rows = {row["run"]: row for row in csv.DictReader(file)}
-    assert set(rows) == {"sft_ddp", "sft_indep"}
-    for row in rows.values():
-        assert float(row["test_bits_per_byte_merged"]) > 0
+    assert set(rows) == {"sft_ddp", "sft_indep", "kinds_uniform"}
+    for run in ("sft_ddp", "sft_indep"):
+        assert float(rows[run]["test_bits_per_byte_merged"]) > 0
+    assert float(rows["kinds_uniform"]["test_accuracy_merged"]) > 0
+
+
+def test_a_text_classifier_trains_merges_and_is_scored_on_its_token_rows(workdir, monkeypatch):
+    """The same completions labelled by module (jsonl, task classification): the merged built-in
+    transformer's test accuracy in eval.json recomputed by hand from merged.safetensors and the test
+    split's padded token rows; the logged MLflow model names the modules."""
+    info = json.loads((workdir / "results" / "datasets" / "kinds" / "dataset.json").read_text())
+    assert info["pad_id"] == 256 and info["label_names"] == sorted(MODULES)
+    evaluation = json.loads((workdir / "results" / "runs" / "kinds_uniform" / "eval.json").read_text())
+    model = model_from_file(workdir / "results" / "runs" / "kinds_uniform" / "merged.safetensors").module
+    table = pq.read_table(workdir / "results" / "datasets" / "kinds" / "test.parquet")
+    tokens = torch.tensor(table.column("tokens").to_pylist(), dtype=torch.long)
+    labels = torch.tensor(table.column("label").to_pylist())
+    with torch.no_grad():
+        accuracy = (model(tokens).argmax(dim=1) == labels).double().mean().item()
+    assert evaluation["merged"]["accuracy"] == pytest.approx(accuracy)
+    counts = torch.bincount(labels)
+    assert evaluation["merged"]["accuracy"] > counts.max().item() / len(labels)  # above the majority class
+    record = json.loads((workdir / "results" / "runs" / "kinds_uniform" / "mlflow.json").read_text())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workdir}/mlflow.db")
+    logged = mlflow.pyfunc.load_model(f"runs:/{record['parent_run_id']}/kinds_uniform")
+    predicted = logged.predict(pd.DataFrame({"tokens": [list(b"Return the arguments as a list.")]}))
+    assert predicted["prediction"][0] in MODULES

@@ -418,3 +418,40 @@ def test_a_factory_module_outside_the_code_paths_is_copied_or_if_installed_pinne
     staged = model_logging._code_paths({"model": "yaml:safe_load", "code": no_code}, tmp_path / "b")
     assert [Path(path).name for path in staged[0]] == ["shardfuse"] and staged[1] == ["PyYAML"]
     assert "PyYAML==" in " ".join(model_logging._requirements(staged[1]))
+
+
+def test_a_text_classifier_takes_token_rows_pads_them_as_prepare_did_and_predicts_the_label_strings(
+    store, tmp_path, monkeypatch
+):
+    """A JSON Lines text classification dataset (jsonl, task classification) and the built-in
+    transformer over it: the logged model takes token id rows of any length, keeps the first block_size
+    of each and pads the rest with dataset.json's pad id (as prepare made its rows), and returns the
+    labels as the records spelled them."""
+    lines = [
+        json.dumps({"text": f"{word} number {i}", "kind": word}) for i in range(30) for word in ("cat", "dog")
+    ]
+    (tmp_path / "pets.jsonl").write_text("\n".join(lines) + "\n")
+    dataset = {"source": "jsonl", "task": "classification", "paths": [str(tmp_path / "pets.jsonl")]}
+    info = prepare("pets", {**dataset, "label_field": "kind", "block_size": 8}, tmp_path / "pets")
+    spec = model_spec("transformer", {"width": 16, "layers": 1, "heads": 2}, [], info)
+    torch.manual_seed(0)
+    model = build_model(spec).eval()
+    sha = save_weights(tmp_path / "merged.safetensors", model.state_dict(), {"model": spec})
+    uri = _log(store, tmp_path / "merged.safetensors", sha, spec)
+    texts = [b"cat", b"dog number 12345", b"x"]
+    predicted = _predict_here(store, uri, pd.DataFrame({"tokens": [list(t) for t in texts]}), monkeypatch)
+
+    rows = torch.full((3, 8), info["pad_id"], dtype=torch.long)  # by hand: the head, then padding
+    for index, text in enumerate(texts):
+        rows[index, : min(len(text), 8)] = torch.tensor(list(text[:8]))
+    with torch.no_grad():
+        expected = torch.softmax(model(rows), dim=1).numpy()
+    assert info["label_names"] == ["cat", "dog"]
+    assert predicted["prediction"].tolist() == [info["label_names"][c] for c in expected.argmax(1)]
+    np.testing.assert_allclose(
+        predicted[["probability_cat", "probability_dog"]].to_numpy(), expected, rtol=1e-6
+    )
+    signature = mlflow.models.get_model_info(uri).signature
+    assert signature.inputs.to_dict()[0]["name"] == "tokens"
+    with pytest.raises(UserError, match=r"outside the vocabulary 0\.\.256"):
+        _predict_here(store, uri, pd.DataFrame({"tokens": [[300]]}), monkeypatch)

@@ -53,12 +53,16 @@ def check_dataset_task(name: str, spec: dict[str, Any], task: str) -> None:
     if problem := layout.config_problem(spec):
         raise ConfigError(f"{where}.{problem[0]}: {problem[1]}")
     # A key of another layout of targets (its required keys here, then the layouts' own keys) names the
-    # task it belongs to.
+    # task it belongs to; not one this task takes too (hf_disk's feature_columns).
     others = [find_layout(other) for other in source.labels if other != layout.name]
-    stray = [(key, other) for other in others for key in sorted(source.keys_of(other.name).required)]
+    own = source.keys_of(layout.name).keys
+    stray = [(key, other) for other in others for key in sorted(source.keys_of(other.name).required - own)]
     stray += [
         (key, other) for other in labels.RECORDS if other is not layout for key in sorted(other.spec_keys)
     ]
+    # The optional keys only another layout of this source takes (jsonl's prompt_field, a classification
+    # dataset's label_field) too.
+    stray += [(key, find_layout(name)) for name, keys in source.foreign(task).items() for key in sorted(keys)]
     if found := next(((key, other) for key, other in stray if key in spec), None):
         key, owner = found[0], found[1].task_name()
         raise ConfigError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -209,7 +210,8 @@ class Transformer(nn.Module):
             for projection in (block.attention.proj, block.mlp[2]):
                 nn.init.normal_(projection.weight, std=INIT_STD / math.sqrt(2 * layers))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final normalised hidden states ``[N, T, width]``."""
         length = tokens.shape[1]
         if length > self.max_positions:
             raise ValueError(f"{length} tokens per row exceed the model's max_positions {self.max_positions}")
@@ -217,10 +219,34 @@ class Transformer(nn.Module):
         hidden = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         for block in self.blocks:
             hidden = block(hidden)
-        hidden = self.final_norm(hidden)
+        return self.final_norm(hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden_states(tokens)
         if self.head is None:
             return hidden @ self.token_embedding.weight.T
         return self.head(hidden)
+
+
+class SequenceClassifier(Transformer):
+    """The same decoder over token rows padded after their last token with ``pad_id``, classifying each
+    row from the hidden state at its last token before the padding (as transformers'
+    GPT2ForSequenceClassification does; causal attention: that state has seen the whole row): tokens
+    ``[N, T]`` to class logits ``[N, classes]``. No language-model head."""
+
+    def __init__(self, num_classes: int, pad_id: int, **sizes: Any) -> None:
+        super().__init__(**sizes, tie_embeddings=True)
+        self.pad_id = pad_id
+        self.classifier = nn.Linear(sizes["width"], num_classes)
+        nn.init.normal_(self.classifier.weight, std=INIT_STD)
+        nn.init.zeros_(self.classifier.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.hidden_states(tokens)
+        # Each row's last token before the padding (a row of padding only: its first position).
+        content = (tokens != self.pad_id).long()
+        last = (content * torch.arange(1, tokens.shape[1] + 1, device=tokens.device)).argmax(dim=1)
+        return self.classifier(hidden[torch.arange(tokens.shape[0], device=tokens.device), last])
 
 
 def transformer(
@@ -233,11 +259,15 @@ def transformer(
     tie_embeddings: bool = True,
     max_positions: int | None = None,
 ) -> nn.Module:
-    """The built-in ``transformer``: a pre-LayerNorm decoder-only causal LM with learned positions."""
-    if not task_for(description.task).next_token or not description.vocab_size:
+    """The built-in ``transformer``: a pre-LayerNorm decoder-only causal LM with learned positions, or
+    over token rows with class labels (sequence classification) the same decoder with a class head on
+    each row's last token (:class:`SequenceClassifier`)."""
+    classifies = description.input_kind == "tokens" and getattr(description, "pad_id", None) is not None
+    if not (task_for(description.task).next_token or classifies) or not description.vocab_size:
         raise UserError(
-            f"the built-in transformer is a causal language model but the dataset's task is "
-            f"{description.task}; use it with task causal_lm, or cnn / mlp for this task"
+            f"the built-in transformer reads token rows but the dataset's task is {description.task} on "
+            f"{description.input_kind} inputs; use it with task causal_lm or a text classification dataset "
+            "(jsonl with label_field), or cnn / mlp for this data"
         )
     block_size = int(description.block_size or 0)
     if max_positions is None:
@@ -256,6 +286,15 @@ def transformer(
         raise UserError(f"model transformer: width {width} is not divisible by heads {heads}; fix model_args")
     if not isinstance(tie_embeddings, bool):
         raise UserError(f"model transformer: tie_embeddings must be true or false, got {tie_embeddings!r}")
+    if classifies:
+        return SequenceClassifier(
+            int(description.num_outputs),
+            int(description.pad_id),
+            vocab_size=int(description.vocab_size),
+            max_positions=positions,
+            dropout=_dropout("transformer", dropout),
+            **sizes,
+        )
     return Transformer(
         int(description.vocab_size),
         positions,

@@ -2,7 +2,10 @@
 prepare, their names kept in dataset.json); metrics ``loss`` and ``accuracy``; ranked by accuracy. An
 ensemble averages the models' softmax probabilities and returns the log of that mean (so its loss is the
 NLL of the mean probability and its accuracy the argmax of it). The logged model returns ``prediction``
-(the label as the data spelled it) and ``probability_<label>`` per class.
+(the label as the data spelled it) and ``probability_<label>`` per class. Over token rows (text
+classification: :mod:`shardfuse.data.sources.text_labels`) the logged model takes ``tokens``, one token
+id sequence per row (its first block_size count, padded as prepare padded them), and a transformers
+model is told the pad id and the class names (``pad_token_id``, ``id2label``).
 
 A library module (its record is the class, in :data:`shardfuse.models.tasks.RECORDS`)::
 
@@ -54,17 +57,29 @@ class Classification(Task):
     def outputs_of(self, info: dict[str, Any]) -> dict[str, Any]:
         num_classes = int(info["num_classes"])
         labels = tuple(str(name) for name in info.get("label_names", []))
-        return {"num_outputs": num_classes, "label_names": labels, "num_classes": num_classes}
+        outputs = {"num_outputs": num_classes, "label_names": labels, "num_classes": num_classes}
+        if "vocab_size" in info:  # token rows (sequence classification): what an embedding is built for
+            outputs |= {"vocab_size": int(info["vocab_size"]), "block_size": int(info["block_size"])}
+        return outputs
 
     def hf_labels(self, description: Description) -> dict[str, Any]:
-        return {"num_labels": description.num_outputs}
+        """A new head for the labels; token rows padded after their last token name the pad id, which
+        a transformers sequence classifier needs to find each row's last token."""
+        labels: dict[str, Any] = {"num_labels": description.num_outputs}
+        names = [str(name) for name in description.label_names]
+        if len(names) == description.num_outputs:  # the export's config names its classes
+            labels |= {"id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}
+        if getattr(description, "pad_id", None) is not None:
+            labels["pad_token_id"] = description.pad_id
+        return labels
 
     def logged_outputs(self, description: Description) -> Outputs:
         count = int(description.num_outputs)
         names = description.label_names
         labels = tuple(str(name) for name in names) if len(names) == count else None
         columns = ("prediction", *(f"probability_{name}" for name in labels or range(count)))
-        return Outputs(columns, ("string" if labels else "long", *("float",) * count), labels)
+        token_rows = description.input_kind == "tokens"  # a sequence classifier takes token id rows
+        return Outputs(columns, ("string" if labels else "long", *("float",) * count), labels, token_rows)
 
     def frame(self, values: torch.Tensor, outputs: Outputs) -> pandas.DataFrame:
         import numpy as np

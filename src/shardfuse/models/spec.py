@@ -60,6 +60,9 @@ class DataDescription:
     # their one-hot blocks are among feature_names as column=category. None (and left out of the spec)
     # for data without them, so the specs of other data read as before.
     categories: dict[str, list[str]] | None = field(default=None, hash=False)
+    # Sequence classification (token rows with a class label): the id the rows are padded with after their
+    # last token (dataset.json's pad_id). None (and left out of the spec) for every other data.
+    pad_id: int | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -78,6 +81,7 @@ class DataDescription:
             bytes_per_token=float(info.get("bytes_per_token", 1.0)),
             input_kind=str(info.get("input", {}).get("kind", task.default_input)),
             categories=info.get("categories") or None,
+            pad_id=int(info["pad_id"]) if info.get("pad_id") is not None else None,
             feature_shape=tuple(int(n) for n in info.get("input", {}).get("shape", [info["num_features"]])),
             **task.outputs_of(info),
         )
@@ -86,7 +90,7 @@ class DataDescription:
         return {
             key: list(value) if isinstance(value, tuple) else value
             for key, value in asdict(self).items()
-            if not (key == "categories" and value is None)
+            if not (key in ("categories", "pad_id") and value is None)
         }
 
 

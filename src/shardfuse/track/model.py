@@ -63,6 +63,10 @@ class Interface:
     block_size: int | None  # token rows: the tokens a row sees (the last block_size count)
     tensor_shape: tuple[int, ...] | None = None  # tensor inputs (images): one row's shape, e.g. (1, 8, 8)
     categories: dict[str, list[str]] | None = None  # categorical input columns: their vocabularies
+    vocab_size: int | None = None  # token rows: the ids a row may hold (0..vocab_size-1)
+    # Token rows of a sequence classifier: the id a row is padded with after its first block_size tokens
+    # (as prepare made its rows); None: a language model's rows, whose last block_size tokens count.
+    pad_id: int | None = None
 
 
 def interface(spec: dict[str, Any]) -> Interface:
@@ -76,16 +80,18 @@ def interface(spec: dict[str, Any]) -> Interface:
         ) from None
     outputs = task.logged_outputs(description)
     inputs = numbered(description.feature_names, int(description.num_features), "x")
-    block_size = None
+    block_size = vocab_size = None
     if outputs.token_rows:  # num_features holds the same as block_size for a token block
         inputs, block_size = (TOKENS,), int(description.block_size or description.num_features)
+        vocab_size = int(description.vocab_size or description.num_outputs)
     tensor_shape = None
     if description.input_kind == "tensor":
         inputs, tensor_shape = (TENSOR,), tuple(int(n) for n in description.feature_shape)
     categories = description.categories or None
     if categories:
         inputs = _original_columns(inputs, categories)
-    return Interface(task, inputs, outputs, block_size, tensor_shape, categories)
+    pad_id = getattr(description, "pad_id", None)
+    return Interface(task, inputs, outputs, block_size, tensor_shape, categories, vocab_size, pad_id)
 
 
 def _original_columns(feature_names: tuple[str, ...], categories: dict[str, list[str]]) -> tuple[str, ...]:
@@ -169,6 +175,17 @@ def _token_ids(cell: Any, row: int, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int64)
 
 
+def _padded(ids: list[np.ndarray], block_size: int, pad_id: int | None) -> Any:
+    """A language model's rows: each one's last block_size tokens. A sequence classifier's: an int64
+    array [N, block_size] of each row's first block_size tokens, padded with ``pad_id`` after them."""
+    if pad_id is None:
+        return [row[-block_size:] for row in ids]
+    rows = np.full((len(ids), block_size), pad_id, dtype=np.int64)
+    for index, row in enumerate(ids):
+        rows[index, : min(len(row), block_size)] = row[:block_size]
+    return rows
+
+
 @contextlib.contextmanager
 def _working_directory(path: Path | None) -> Iterator[None]:
     """Build the model with relative model_files resolving into the logged copy (code paths are made
@@ -221,8 +238,9 @@ class MergedModel:
         outputs = self.interface.outputs
         if outputs.token_rows:
             cells = _columns(frame, (TOKENS,))[TOKENS]
-            block_size, vocab_size = self.interface.block_size, len(outputs.names)
-            rows = [_token_ids(cell, row, vocab_size)[-block_size:] for row, cell in enumerate(cells)]
+            shape = self.interface
+            ids = [_token_ids(cell, row, int(shape.vocab_size)) for row, cell in enumerate(cells)]
+            rows = _padded(ids, int(shape.block_size), shape.pad_id)
         elif self.interface.tensor_shape is not None:
             rows = _tensor_rows(model_input, self.interface.tensor_shape)
         else:

@@ -154,7 +154,11 @@ def test_block_size_beyond_max_positions_is_a_one_line_error():
 @pytest.mark.parametrize(
     ("info", "args", "fragment"),
     [
-        (IMAGE_INFO, {}, "the built-in transformer is a causal language model but the dataset's task is "),
+        (
+            IMAGE_INFO,
+            {},
+            "the built-in transformer reads token rows but the dataset's task is classification on tensor",
+        ),
         (LM_INFO, {"width": 30, "heads": 4}, "width 30 is not divisible by heads 4"),
         (LM_INFO, {"layers": 0}, "layers must be a positive integer, got 0"),
         (LM_INFO, {"dropout": 1.5}, "dropout must be a number in [0, 1)"),
@@ -164,3 +168,33 @@ def test_transformer_refuses_other_tasks_and_bad_args_in_one_line(info, args, fr
     with pytest.raises(UserError) as error:
         built(info, "transformer", **args)
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+TEXT_CLASSES_INFO = {
+    "task": "classification", "num_features": 16, "num_classes": 3, "label_names": ["a", "b", "c"],
+    "vocab_size": 51, "block_size": 16, "pad_id": 50, "input": {"kind": "tokens", "shape": [16]},
+}  # fmt: skip
+
+
+def test_the_transformer_classifies_token_rows_from_each_rows_last_token_before_the_padding():
+    model, spec = built(TEXT_CLASSES_INFO, "transformer", **SMALL_LM)
+    assert (
+        spec["description"]["pad_id"] == 50
+        and "pad_id" not in built(LM_INFO, "transformer", **SMALL_LM)[1]["description"]
+    )  # other data's specs read as before
+    assert "classifier.weight" in model.state_dict() and "head.weight" not in model.state_dict()
+    model.eval()
+    content = tokens(rows=3, length=9)
+    rows = torch.full((3, 16), 50, dtype=torch.long)
+    rows[:, :9] = content
+    rows[1, 5:] = 50  # row 1: 5 tokens, then padding
+    with torch.no_grad():
+        logits = model(rows)
+        assert logits.shape == (3, 3)
+        # Causal attention: the state at a row's last token never sees the padding after it, so the row
+        # alone, unpadded, gives the same logits (to rounding: another length, another kernel order).
+        torch.testing.assert_close(logits[1], model(rows[1:2, :5])[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits[0], model(rows[:1, :9])[0], rtol=1e-5, atol=1e-6)
+        longer = rows[1:2, :6].clone()
+        longer[0, 5] = 7  # a sixth token instead of padding: its state is read instead
+        assert (logits[1] - model(longer)[0]).abs().max() > 1e-3

@@ -5,6 +5,11 @@ its types inferred by pyarrow as prepare infers them). A feature column that is 
 categorical is refused here, naming the column and the fix. A CSV column whose first rows are numbers
 and later rows are not is still caught at prepare (pyarrow then reads the whole column as text).
 
+An hf_disk table's feature columns are judged from its dataset_info.json features: an ``Image`` feature
+column must be the only feature column and needs ``image_size``; the image keys (``IMAGE_KEYS``) need
+such a column (:func:`hf_disk_problem`; prepare judges the same from the Arrow schema when the folder
+has no such file).
+
 Standard library only at import (the Snakefile imports the source records, which name
 :func:`csv_problem` and :func:`parquet_problem`); pyarrow is imported when a file is probed. A library
 module. By hand::
@@ -20,10 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardfuse.data.sources.hf_tokenizer import chat_problem
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
 CATEGORICAL_COLUMNS = "categorical_columns"
+IMAGE_KEYS = ("image_size", "mode", "on_bad_image")  # image_folder's keys, hf_disk's for an Image column
 CSV_PROBE_BYTES = 1 << 20  # the CSV bytes whose types the config check infers (pyarrow's first block)
 CATEGORICAL_FIX = "list it in categorical_columns (one-hot encoded) or drop it from feature_columns"
 
@@ -172,3 +180,72 @@ def parquet_problem(spec: dict[str, Any]) -> tuple[str, str] | None:
 def csv_problem(spec: dict[str, Any]) -> tuple[str, str] | None:
     """The config check of a csv spec (its record names it): the first MiB's types."""
     return _table_problem(spec, csv_schema)
+
+
+def is_image_type(kind: pa.DataType) -> bool:
+    """The Arrow type ``datasets`` stores an Image feature as: a struct with a binary ``bytes`` field."""
+    import pyarrow as pa
+
+    if not pa.types.is_struct(kind) or kind.get_field_index("bytes") < 0:
+        return False
+    data = kind.field("bytes").type
+    return pa.types.is_binary(data) or pa.types.is_large_binary(data)
+
+
+def image_problem(spec: dict[str, Any], kinds: dict[str, str], folder: str) -> tuple[str, str] | None:
+    """(key, what is wrong and the fix) of an hf_disk table, its columns' feature types ``kinds``
+    (column -> ``Image``, ``Value``, ...): an image column must be the only feature column and needs
+    image_size; the image keys need an image column (judged once every feature column is known: a missing
+    one is prepare's error). None if fine."""
+    names = spec.get("feature_columns")
+    if not isinstance(names, list):
+        return None
+    images = [name for name in names if kinds.get(name) == "Image"]
+    if images and len(names) > 1:
+        return "feature_columns", (
+            f"column {images[0]!r} of {folder} holds images (an Image feature), which are a dataset's only "
+            f"input; set feature_columns: [{images[0]}] (one image column, nothing beside it)"
+        )
+    if images and "image_size" not in spec:
+        return "image_size", (
+            f"column {images[0]!r} of {folder} holds images (an Image feature), which are resized to "
+            "image_size; add image_size: [height, width]"
+        )
+    stray = [key for key in IMAGE_KEYS if key in spec]
+    if not images and stray and all(name in kinds for name in names):
+        return stray[0], (
+            f"spec key {stray[0]!r} is for an image column (an Image feature), and feature_columns of "
+            f"{folder} name none; drop {stray[0]}"
+        )
+    return None
+
+
+def hf_feature_types(spec: dict[str, Any]) -> dict[str, str] | None:
+    """Column -> feature type (``Image``, ``Value``, ``ClassLabel``...) of an hf_disk spec's split folder,
+    from its dataset_info.json; None when that file cannot tell now (prepare reads the Arrow schema)."""
+    import json
+
+    root = Path(spec["path"]) if isinstance(spec.get("path"), str) else None
+    if root is None:
+        return None
+    split = spec.get("split")
+    folder = root / split if (root / "dataset_dict.json").is_file() and isinstance(split, str) else root
+    try:
+        features = json.loads((folder / "dataset_info.json").read_text()).get("features")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(features, dict):
+        return None
+    return {
+        name: str(feature.get("_type")) if isinstance(feature, dict) else ""
+        for name, feature in features.items()
+    }
+
+
+def hf_disk_problem(spec: dict[str, Any]) -> tuple[str, str] | None:
+    """The config check of an hf_disk spec (its record names it): a chat's tokenizer, then an image
+    column's keys as dataset_info.json tells them."""
+    if problem := chat_problem(spec):
+        return problem
+    kinds = hf_feature_types(spec)
+    return None if kinds is None else image_problem(spec, kinds, spec["path"])

@@ -15,14 +15,16 @@ sources' (:mod:`shardfuse.data.sources.write`). By hand::
 
 Images are decoded one at a time with Pillow (a per-file loop: each file is its own decode), converted
 to ``mode`` (L: 1 channel, RGB: 3), resized to ``image_size`` [H, W] with bilinear filtering and
-scaled to [0, 1]; the whole folder is held in memory (rows x C x H x W float32).
+scaled to [0, 1] (:func:`decode_images`, which the hf_disk source shares for an Image column); the whole
+folder is held in memory (rows x C x H x W float32).
 """
 
 from __future__ import annotations
 
+import io
 import math
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,41 +116,63 @@ class ImageFolder(SourceBehaviour):
 
     def check(self, spec: dict[str, Any], task: Task) -> None:
         require_string(spec, "path")
-        require_shape(spec, "image_size", 2)
-        for key, choices in (("mode", tuple(IMAGE_MODES)), ("on_bad_image", BAD_IMAGE_CHOICES)):
-            if spec[key] not in choices:
-                raise UserError(
-                    f"spec key {key!r} must be one of {', '.join(choices)}, got {spec[key]!r}; {SPEC_FIX}"
-                )
+        check_image_keys(spec)
 
     def load(self, spec: dict[str, Any], task: Task) -> Loaded:
         return _load_image_folder(spec)
 
 
-def _load_image_folder(spec: dict) -> Loaded:
+def check_image_keys(spec: dict[str, Any]) -> None:
+    """The image keys the spec holds (image_folder's, and hf_disk's for an Image column): image_size a
+    [height, width], mode and on_bad_image among their choices."""
+    if "image_size" in spec:
+        require_shape(spec, "image_size", 2)
+    for key, choices in (("mode", tuple(IMAGE_MODES)), ("on_bad_image", BAD_IMAGE_CHOICES)):
+        if key in spec and spec[key] not in choices:
+            raise UserError(
+                f"spec key {key!r} must be one of {', '.join(choices)}, got {spec[key]!r}; {SPEC_FIX}"
+            )
+
+
+def decode_images(
+    sources: Sequence[Path | bytes], spec: dict[str, Any], out: np.ndarray, where: Callable[[int], str]
+) -> np.ndarray:
+    """Decode image files (or their encoded bytes) into ``out`` (one C x H x W row each, a view of the
+    caller's preallocated array): converted to the spec's mode, resized to image_size with bilinear
+    filtering, scaled to [0, 1]. Returns which were readable; one Pillow cannot read is an error naming
+    ``where(index)``, or with on_bad_image: skip is left unwritten."""
     try:
-        from PIL import Image  # deferred: only this source decodes images
+        from PIL import Image  # deferred: only the image sources decode images
     except ImportError:
-        raise UserError("the image_folder source needs Pillow; install it (pip install pillow)") from None
-    files, labels, class_names = _image_files(Path(spec["path"]))
+        name = spec["source"]
+        raise UserError(f"the {name} source needs Pillow; install it (pip install pillow)") from None
     height, width = spec["image_size"]
     channels = IMAGE_MODES[spec["mode"]]
-    images = np.empty((len(files), channels, height, width), dtype=np.float32)
-    readable = np.ones(len(files), dtype=bool)
+    readable = np.ones(len(sources), dtype=bool)
     unreadable = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
-    for index, path in enumerate(files):
+    for index, source in enumerate(sources):
+        stream = io.BytesIO(source) if isinstance(source, bytes) else source
         try:
-            with Image.open(path) as image:
+            with Image.open(stream) as image:
                 pixels = image.convert(spec["mode"]).resize((width, height), Image.Resampling.BILINEAR)
         except unreadable as exc:
             if spec["on_bad_image"] == "skip":
                 readable[index] = False
                 continue
+            reason = error_reason(exc).replace(f" {stream!r}", "")  # Pillow names bytes by their repr
             raise UserError(
-                f"cannot read image {path} ({error_reason(exc)}); fix or remove it, or set on_bad_image: skip"
+                f"cannot read image {where(index)} ({reason}); fix or remove it, or set on_bad_image: skip"
             ) from None
         values = np.asarray(pixels, dtype=np.float32).reshape(height, width, channels)
-        images[index] = values.transpose(2, 0, 1) / np.float32(255)
+        out[index] = values.transpose(2, 0, 1) / np.float32(255)
+    return readable
+
+
+def _load_image_folder(spec: dict) -> Loaded:
+    files, labels, class_names = _image_files(Path(spec["path"]))
+    height, width = spec["image_size"]
+    images = np.empty((len(files), IMAGE_MODES[spec["mode"]], height, width), dtype=np.float32)
+    readable = decode_images(files, spec, images, lambda index: str(files[index]))
     if not readable.all():  # (a copy, so only when needed)
         images, labels = images[readable], labels[readable]
     empty = [class_names[c] for c in np.flatnonzero(np.bincount(labels, minlength=len(class_names)) == 0)]

@@ -14,6 +14,9 @@ block_size + 1 token ids for causal_lm, as the text source packs files:
   messages' spans are tokenized apart and joined, as a prompt and its completion are: a BPE may split
   a boundary differently than in the whole rendered text.
 
+With ``task: classification``, ``text_field`` and ``label_field`` make one token row per record with its
+label instead (sequence classification: :mod:`shardfuse.data.sources.text_labels`).
+
 Records are joined by the tokens of ``b"\\n"`` (the text source's file separator) and packed back to
 back: a block may end inside one record and the next block go on with it, and a block may hold the end
 of one record and the start of the next (its tokens attend to the earlier record's, as in the packing of
@@ -51,8 +54,9 @@ from shardfuse.data.sources.text import (
     token_dtype,
     token_ids,
 )
+from shardfuse.data.sources.text_labels import check_label_fields, labelled_rows
 from shardfuse.io import UserError, error_reason
-from shardfuse.models.task import Task
+from shardfuse.models.task import CLASSES, Task
 
 SUFFIXES = (".jsonl", ".jsonl.gz")
 DEFAULT_TEXT_FIELD = "text"
@@ -127,16 +131,25 @@ def check_fields(spec: dict[str, Any]) -> None:
 
 
 class Jsonl(SourceBehaviour):
-    """Token blocks of JSON Lines records, with a loss mask for prompt/completion records."""
+    """Token blocks of JSON Lines records, with a loss mask for prompt/completion records; or, for
+    classification, one token row per record with its label (:mod:`shardfuse.data.sources.text_labels`)."""
 
     def check(self, spec: dict[str, Any], task: Task) -> None:
-        Text().check({**spec, "exclude": spec.get("exclude", [])}, task)
+        text_spec = {**spec, "exclude": spec.get("exclude", []), "max_tokens": spec.get("max_tokens")}
+        Text().check(text_spec, task)
+        if task.labels == CLASSES:
+            check_label_fields(spec)
+            return
         check_fields(spec)
 
-    def describe(self, spec: dict[str, Any], task: Task) -> Described:
+    def describe(self, spec: dict[str, Any], task: Task) -> Described | None:
+        if task.labels == CLASSES:  # the classes only the records can tell
+            return None
         return Text().describe(spec, task)
 
     def load(self, spec: dict[str, Any], task: Task) -> Loaded:
+        if task.labels == CLASSES:
+            return labelled_rows(spec, read_objects(spec))
         return packed_rows(pack_records(spec), spec)
 
 
@@ -180,6 +193,12 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
 
 def read_records(spec: dict[str, Any]) -> Iterator[Record]:
     """Every record of the spec's files, in order, as the parts that go into the token stream."""
+    for where, record in read_objects(spec):
+        yield to_record(record, where, spec)
+
+
+def read_objects(spec: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, the JSON object) of every record of the spec's files, in order."""
     for path in jsonl_files(spec):
         for number, line in _lines(path):
             if not line.strip():
@@ -195,7 +214,7 @@ def read_records(spec: dict[str, Any]) -> Iterator[Record]:
                 raise UserError(
                     f"{where} is a JSON {type(record).__name__}, not an object; one object per line"
                 )
-            yield to_record(record, where, spec)
+            yield where, record
 
 
 def to_record(record: dict[str, Any], where: str, spec: dict[str, Any]) -> Record:

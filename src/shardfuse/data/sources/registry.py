@@ -35,7 +35,13 @@ from shardfuse.data.sources.carried import (
     kept_columns,
     no_columns,
 )
-from shardfuse.data.sources.columns import CATEGORICAL_COLUMNS, csv_problem, parquet_problem
+from shardfuse.data.sources.columns import (
+    CATEGORICAL_COLUMNS,
+    IMAGE_KEYS,
+    csv_problem,
+    hf_disk_problem,
+    parquet_problem,
+)
 from shardfuse.data.sources.files import (
     domain_part_files,
     hf_disk_files,
@@ -173,6 +179,10 @@ TOKEN_DEFAULTS = {
     "messages_field": None,
 }
 
+# An hf_disk table's optional keys: an Image feature column takes image_folder's keys (and, at prepare,
+# its defaults: shardfuse.data.sources.hf_disk).
+HF_TABLE_KEYS = _keys(KEEP_COLUMNS, *IMAGE_KEYS)
+
 RECORDS: tuple[Source, ...] = (
     Source("digits", (CLASSES,), f"{MODULE}.tables:Digits", **DIGIT_WRITERS),
     Source("digits_images", (CLASSES,), f"{MODULE}.images:DigitsImages", **DIGIT_WRITERS),
@@ -241,10 +251,16 @@ RECORDS: tuple[Source, ...] = (
     ),
     Source(
         "jsonl",
-        (TOKENS,),
+        (TOKENS, CLASSES),
         f"{MODULE}.jsonl:Jsonl",
         required=_keys("paths", "block_size"),
-        optional=_keys("exclude", *TOKEN_KEYS),
+        optional=_keys("exclude", "tokenizer", "vocab_size", "text_field"),
+        label_keys=MappingProxyType(
+            {
+                TOKENS: LabelKeys(frozenset(), TOKEN_KEYS - {"tokenizer", "vocab_size", "text_field"}),
+                CLASSES: LabelKeys(_keys("label_field")),
+            }
+        ),
         defaults=MappingProxyType({"exclude": (), **TOKEN_DEFAULTS}),
         files=text_files_of,
         config_check=chat_problem,
@@ -257,14 +273,14 @@ RECORDS: tuple[Source, ...] = (
         optional=_keys("split"),
         label_keys=MappingProxyType(
             {
-                CLASSES: LabelKeys(_keys("feature_columns", "label_column"), _keys(KEEP_COLUMNS)),
-                VALUES: LabelKeys(_keys("feature_columns", "label_columns"), _keys(KEEP_COLUMNS)),
+                CLASSES: LabelKeys(_keys("feature_columns", "label_column"), HF_TABLE_KEYS),
+                VALUES: LabelKeys(_keys("feature_columns", "label_columns"), HF_TABLE_KEYS),
                 TOKENS: LabelKeys(_keys("block_size"), TOKEN_KEYS),
             }
         ),
         defaults=MappingProxyType({"split": None, **TOKEN_DEFAULTS}),
         files=hf_disk_files,
-        config_check=chat_problem,
+        config_check=hf_disk_problem,
         **USER_FILE_KEEPS,
     ),
     Source(

@@ -198,7 +198,7 @@ class UserFile(SourceBehaviour):
             targets = numeric_matrix(table, targets_wanted, path, "regression target", TARGET_TYPE_FIX)
             return loaded._replace(targets=targets, target_names=list(targets_wanted))
         label_name = spec["label_column"]
-        labels, label_names = _label_codes(table.column(label_name), label_name, path)
+        labels, label_names = label_codes(table.column(label_name), label_name, path)
         if len(label_names) < 2:
             raise UserError(
                 f"label column {label_name!r} in {path} has a single value {label_names[0]!r}; a "
@@ -338,7 +338,7 @@ def numeric_matrix(
     return matrix
 
 
-def _label_codes(column: pa.ChunkedArray, name: str, path: str) -> tuple[np.ndarray, list[str]]:
+def label_codes(column: pa.ChunkedArray, name: str, path: str) -> tuple[np.ndarray, list[str]]:
     """Map labels of any sortable type to 0..C-1 in sorted order of their distinct values."""
     if pa.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
