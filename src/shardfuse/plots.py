@@ -38,7 +38,7 @@ import numpy as np
 
 from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.data.manifest import read_manifest
-from shardfuse.experiment.records import EvalRecord
+from shardfuse.experiment.records import COLLECTED_MODE, EvalRecord, TrainRecord
 from shardfuse.io import StageParser, UserError
 from shardfuse.models.tasks import evaluation_task
 from shardfuse.report.figures import (
@@ -221,6 +221,31 @@ def plot_fusion(evaluation: EvalRecord, title: str, out: Path) -> Path:
     return save_figure(fusion_figure(evaluation, title), out)
 
 
+NOT_TRAINED = (
+    ("loss per rank", "loss.png"),
+    ("throughput per rank", "throughput.png"),
+    ("shards", SHARD_PLOT),
+)
+
+
+def collected_sources(train_dir: Path) -> list[str] | None:
+    """A collection's checkpoints in rank order (shardfuse.collect's train.json); None for a training."""
+    path = train_dir / "train.json"
+    record = TrainRecord.read(path) if path.is_file() else None
+    if record is None or record.mode != COLLECTED_MODE:
+        return None
+    return [str(entry.get("source")) for entry in record.ranks or []]
+
+
+def plot_note(title: str, note: str, out: Path) -> Path:
+    """A figure that says why there is nothing to draw."""
+    fig, ax = pyplot().subplots(figsize=(6, 2.5))
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.5, note, ha="center", va="center", fontsize="small", transform=ax.transAxes)
+    return save_figure(fig, out)
+
+
 def plot_run(
     run_dir: Path,
     out_dir: Path,
@@ -228,11 +253,22 @@ def plot_run(
     ddp_baseline: Path | None = None,
     manifest: Path | None = None,
 ) -> list[Path]:
-    """The run's plots; with its shard set's ``manifest``, ``shards.png`` too (report/shards.py)."""
-    metrics = rank_metrics(train_dir)
+    """The run's plots; with its shard set's ``manifest``, ``shards.png`` too (report/shards.py). A run
+    over checkpoints (train.json's mode ``checkpoints``) was not trained: its loss, throughput and shard
+    figures say so and list the checkpoints."""
     evaluation = EvalRecord.read_with_baseline(run_dir / "eval.json", ddp_baseline)
     name = run_dir.name
     out_dir.mkdir(parents=True, exist_ok=True)
+    sources = collected_sources(train_dir)
+    if sources is not None:
+        note = "not trained: a run over existing checkpoints\n" + "\n".join(
+            f"rank {rank}: {source}" for rank, source in enumerate(sources)
+        )
+        return [
+            *(plot_note(f"{name}: {what}", note, out_dir / file) for what, file in NOT_TRAINED),
+            plot_fusion(evaluation, name, out_dir / "fusion.png"),
+        ]
+    metrics = rank_metrics(train_dir)
     shards = (
         []
         if manifest is None

@@ -121,6 +121,7 @@ COLLISIONS = {
         "src/shardfuse/models/lora.py": {"ties"},
         "src/shardfuse/rank/setup.py": {"ties"},
         "src/shardfuse/rank/start.py": {"ties"},
+        "src/shardfuse/collect.py": {"ties"},
     }
 }
 

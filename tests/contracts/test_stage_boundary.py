@@ -340,6 +340,15 @@ def case_export_adapter_gather_not_utf8(tmp):
     return Case("export_adapter", args, f"{record} is not UTF-8 text (byte 0xe9 at line 1, column 11)", out)
 
 
+def case_collect_checkpoint_not_safetensors(tmp):
+    broken = tmp / "a.safetensors"
+    broken.write_bytes(b"\x00" * 7)  # shorter than a safetensors header
+    out = tmp / "ranks"
+    args = ["--run-name", "c", "--shard-dir", tmp / "w1", "--dataset-dir", tmp / "d", "--config-json", "{}"]
+    fragment = f"checkpoint {broken} is not a readable safetensors file"
+    return Case("collect", [*args, "--checkpoint", broken, "--out-dir", out], fragment, out)
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 SUBPROCESS_CASES = {"record_not_utf8", "training_record_not_utf8"}
 

@@ -7,12 +7,14 @@ summary.csv and the MLflow store."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.support.helpers import checkout_copy, run_readme_examples
+from tests.support.helpers import checkout_copy, planned_jobs, run_in, run_readme_examples, snakemake_failure
 from tests.support.hf import require_transformers
 
 pytestmark = pytest.mark.timeout(900)
@@ -81,3 +83,44 @@ def test_summary_and_mlflow_carry_the_per_package_scores_and_ddp_leads(example):
     assert parent.data.metrics["domain_loss_merged_asyncio_docs"] == pytest.approx(parts[0])
     # Training on the union (3x the batch) beats every one-shot fusion on every package's mean.
     assert ddp["domain_loss_merged_mean"] < min(float(rows[run]["local_loss_merged_mean"]) for run in FUSED)
+
+
+def test_the_exported_folders_come_back_as_a_run_over_checkpoints_and_a_changed_file_re_merges_it(
+    example,
+):
+    """What a user who already has fine-tuned folders does: the example's exported transformers folders,
+    copied elsewhere, named as `checkpoints` of new runs (no training): each is scored as it was when
+    trained, their task arithmetic too, and editing one folder's weights re-collects and re-merges only
+    the runs that read it."""
+    from safetensors.numpy import load_file, save_file
+
+    checkout = example["checkout"]
+    for run in ("domains_uniform", "domains_ties"):
+        shutil.copytree(checkout / "results" / "runs" / run / "hf", checkout / "mine" / run)
+    config = yaml.safe_load((checkout / "config" / "examples" / "domains.yaml").read_text())
+    config["runs"] = {
+        "folders_ta": {
+            "checkpoints": ["mine/domains_uniform", "mine/domains_ties"],
+            "merge_method": "task_arithmetic",
+        },
+        "ties_alone": {"checkpoints": ["mine/domains_ties"], "merge_method": "uniform"},
+    }
+    config["run_defaults"]["dataset"] = "asyncio_docs"
+    config["mlflow"]["experiment"] = "shardfuse-folders"
+    (checkout / "folders.yaml").write_text(yaml.safe_dump(config))
+    proc = run_in(checkout, ["snakemake", "--cores", "all", "--configfile", "folders.yaml"])
+    assert proc.returncode == 0, snakemake_failure(checkout, proc)
+    alone = evaluation(checkout, "ties_alone")
+    trained = evaluation(checkout, "domains_ties")["sets"]["local_rank_0"]  # asyncio's test rows
+    assert alone["merged"]["loss"] == pytest.approx(trained["merged"]["loss"], rel=1e-6)
+    assert alone["ranks"][0]["loss"] == alone["merged"]["loss"]
+    assert len(evaluation(checkout, "folders_ta")["ranks"]) == 2
+    dry = run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"])
+    assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stderr[-2000:]
+    weights = checkout / "mine" / "domains_uniform" / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(iter(tensors))
+    save_file({**tensors, name: tensors[name] + 1}, str(weights), metadata={"format": "pt"})
+    dry = run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"])
+    planned = planned_jobs(dry.stdout)
+    assert planned.get("collect") == 1 and planned.get("merge") == 1 and "train" not in planned

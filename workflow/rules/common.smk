@@ -37,6 +37,8 @@ from shardfuse.experiment.keys import (  # noqa: E402
     partition_args,
     shardset_identity,
     scores_locally,
+    is_checkpoint_run,
+    shard_config,
     shardset_name,
     train_config,
 )
@@ -66,9 +68,14 @@ RUNS = EXPERIMENT.runs
 TRAININGS = EXPERIMENT.trainings
 # Every shard set a run uses ("dataset/name") -> the partition command's options.
 SHARDSETS = {
-    f"{cfg['dataset']}/{shardset_name(cfg)}": partition_args(cfg)
+    f"{cfg['dataset']}/{shardset_name(shard_config(cfg))}": partition_args(
+        shard_config(cfg)
+    )
     for cfg in RUNS.values()
 }
+# Trainings made by the train rule, and the runs over checkpoints' collections (the collect rule).
+COLLECTED = [name for name, cfg in TRAININGS.items() if is_checkpoint_run(cfg)]
+TRAINED = [name for name in TRAININGS if name not in COLLECTED]
 
 
 wildcard_constraints:
@@ -186,8 +193,50 @@ def partition_args_of(wildcards):
 
 # train, gather (wildcard: training)
 def shard_dir_of(wildcards):
-    cfg = _cfg(wildcards)
+    cfg = shard_config(_cfg(wildcards))
     return f"results/shards/{cfg['dataset']}/{shardset_name(cfg)}"
+
+
+# collect (wildcard: training; a run over checkpoints)
+def _checkpoint_paths(source):
+    """The files of one checkpoint entry the collect rule reads (another run's merged model or its
+    training's ranks: a DAG edge)."""
+    if "rank" in source:
+        return [f"results/trainings/{EXPERIMENT.training(source['run'])}/gather.json"]
+    if "run" in source:
+        return [f"results/runs/{source['run']}/merged.safetensors"]
+    if "folder" in source:
+        return [str(file) for file in weight_files(source["folder"]).paths]
+    return [source["file"]]
+
+
+def checkpoint_files_of(wildcards):
+    """Every file the run's checkpoints and base are read from: editing one re-collects this run."""
+    cfg = _cfg(wildcards)
+    sources = [
+        *cfg["checkpoint_sources"],
+        *([cfg["base_source"]] if cfg["base_source"] else []),
+    ]
+    return [path for source in sources for path in _checkpoint_paths(source)]
+
+
+def _source_arg(source):
+    if "rank" in source:
+        training = EXPERIMENT.training(source["run"])
+        return f"results/trainings/{training}/ranks/rank-{source['rank']}.safetensors"
+    if "run" in source:
+        return f"results/runs/{source['run']}/merged.safetensors"
+    return source.get("file") or source["folder"]
+
+
+def collect_sources_args(wildcards):
+    cfg = _cfg(wildcards)
+    args = [
+        f"--checkpoint {shlex.quote(_source_arg(s))}" for s in cfg["checkpoint_sources"]
+    ]
+    if cfg["base_source"]:
+        args.append(f"--base {shlex.quote(_source_arg(cfg['base_source']))}")
+    return " ".join(args)
 
 
 def dataset_dir_of(wildcards):

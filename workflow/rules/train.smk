@@ -9,6 +9,8 @@ rule train:
         "logs/train/{training}.log",
     benchmark:
         "benchmarks/train/{training}.tsv"
+    wildcard_constraints:
+        training="|".join(re.escape(name) for name in TRAINED) or "(?!)",
     conda:
         "../../envs/train.yaml"
     threads: nproc_per_node_of
@@ -36,3 +38,28 @@ rule train:
         " --max-restarts {params.max_restarts} --out-dir {output.ranks} --log {log} --"
         " --run-name {wildcards.training} --shard-dir {input.shards}"
         " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.init} {params.live}"
+
+
+rule collect:
+    input:
+        checkpoints=checkpoint_files_of,
+        info=dataset_info_of,
+        shards=shard_dir_of,
+    output:
+        ranks=directory("results/trainings/{training}/ranks"),
+    log:
+        "logs/collect/{training}.log",
+    benchmark:
+        "benchmarks/collect/{training}.tsv"
+    wildcard_constraints:
+        training="|".join(re.escape(name) for name in COLLECTED) or "(?!)",
+    conda:
+        "../../envs/train.yaml"
+    params:
+        dataset_dir=dataset_dir_of,
+        config=train_config_json,
+        sources=collect_sources_args,
+    shell:
+        "python -m shardfuse.collect --run-name {wildcards.training} --shard-dir {input.shards}"
+        " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.sources}"
+        " --out-dir {output.ranks} > {log} 2>&1"

@@ -185,8 +185,28 @@ def training_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# A run over checkpoints (``checkpoints``): what its "training" (the collected inputs) is made of: the
+# sources as written, the base, and the keys its model is built from. The files' contents are the DAG's
+# (an edited file re-collects); the name follows what the config says.
+CHECKPOINT_IDENTITY_KEYS = (
+    "dataset", "checkpoints", "base", "model", "model_args", "hidden_sizes", "activation", "dropout",
+    "code_paths", "model_files", "model_output", "init_from_prefix", "seed", "code_digest",
+)  # fmt: skip
+CHECKPOINTS_SUFFIX = "checkpoints"  # a collection's name: <dataset>-c<N>-checkpoints-<digest>
+
+
+def is_checkpoint_run(run_cfg: dict[str, Any]) -> bool:
+    return bool(run_cfg.get("checkpoints"))
+
+
 def training_name(run_cfg: dict[str, Any]) -> str:
-    """A readable, content-addressed name: results/trainings/<name>/ holds the trained ranks."""
+    """A readable, content-addressed name: results/trainings/<name>/ holds the trained ranks (a run over
+    checkpoints: the collected ones, ``<dataset>-c<N>-checkpoints-<digest>``)."""
+    if is_checkpoint_run(run_cfg):
+        identity = {key: run_cfg.get(key) for key in CHECKPOINT_IDENTITY_KEYS}
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+        count = len(run_cfg["checkpoints"])
+        return f"{run_cfg['dataset']}-c{count}-{CHECKPOINTS_SUFFIX}-{digest}"
     identity = json.dumps(training_identity(run_cfg), sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
     return f"{run_cfg['dataset']}-w{run_cfg['world_size']}-{run_cfg['strategy']}-{digest}"
@@ -221,6 +241,14 @@ def shardset_identity(run_cfg: dict[str, Any]) -> dict[str, Any]:
     """What the run's partitioner adds to its shard set's identity, and so to its training's: flat keys
     (partition, partition_<param>), none for iid (shard sets and trainings keep their names)."""
     return partitioners.shardset_identity(partitioner_of(run_cfg), partition_params(run_cfg))
+
+
+def shard_config(run_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The keys of the shard set a run reads: its own, or for a run over checkpoints (no partition) the
+    dataset's one-shard iid set, whose moments give a numeric model's data statistics."""
+    if not is_checkpoint_run(run_cfg):
+        return run_cfg
+    return {**run_cfg, "world_size": 1, "drop_remainder": False, "partition": "iid"}
 
 
 def shardset_name(run_cfg: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfuse.data.sources.registry import find_source
+from shardfuse.experiment.checkpoint_runs import check_checkpoints, resolve_checkpoint_runs
 from shardfuse.experiment.checks import check_dataset_task, check_run, check_training_loop, dataset_task
 from shardfuse.experiment.keys import (
     DEFAULT_TRACKING_URI,
@@ -124,6 +125,7 @@ def load_experiment(
         resolved = {**defaults, **row}
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
+        check_checkpoints(name, resolved)
         check_run(name, resolved, datasets, fix)
         check_partition(name, resolved, datasets)
         check_model(name, resolved, datasets)
@@ -133,6 +135,7 @@ def load_experiment(
         check_training_name(name, resolved)
         runs[name] = resolved
     resolve_init_sources(runs)
+    resolve_checkpoint_runs(runs)
 
     mlflow_cfg = with_defaults(config["mlflow"], schema["properties"]["mlflow"])
     tracking_uri = mlflow_cfg["tracking_uri"] or environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI

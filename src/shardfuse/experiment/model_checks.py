@@ -189,6 +189,11 @@ def check_adapter(name: str, run: dict[str, Any], datasets: dict[str, Any] | Non
             f"{where}.merge_adapter: cat is exact only for the methods linear in the updates "
             f"({', '.join(linear)}), not {method}; use merge_adapter svd"
         )
+    if run.get("merge_adapter") == "cat":
+        try:
+            merge_methods.refuse_per_tensor_cat(method, merge_params(run))
+        except UserError as exc:
+            raise ConfigError(f"{where}.merge_adapter: {exc}") from None
     if datasets is not None:  # its targets and r against the model, built on the meta device
         check_model_adapter(where, run, datasets[run["dataset"]])
 

@@ -115,6 +115,10 @@ class MissingField(UserError, KeyError):
         return self.message
 
 
+# train.json's mode for a run over checkpoints (shardfuse.collect): models collected, not trained.
+COLLECTED_MODE = "checkpoints"
+
+
 @dataclass(frozen=True)
 class TrainRecord(_Record):
     """train.json, field by field in the order the train stage writes them."""

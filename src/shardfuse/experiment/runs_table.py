@@ -22,7 +22,12 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
     if isinstance(kind, list):  # e.g. [integer, "null"]: a key that may also be null
         if "null" in kind and text.lower() in {"null", "none"}:
             return None
-        kind = next((k for k in kind if k != "null"), None)
+        # [number, array]: a merge parameter given as a gradient or filter list, a JSON cell
+        kind = (
+            "array"
+            if "array" in kind and text.startswith("[")
+            else next((k for k in kind if k != "null"), None)
+        )
     try:
         if kind == "integer":
             return int(text)
@@ -43,7 +48,9 @@ def _coerce_cell(value: str, key: str, prop: dict[str, Any], where: str) -> Any:
         if kind == "array":
             if text.startswith("["):
                 return json.loads(text)
-            item = {"integer": int, "string": str}.get(prop.get("items", {}).get("type"), float)
+            item_kind = prop.get("items", {}).get("type")  # [number, array, object]: a number per rank
+            item_kind = item_kind[0] if isinstance(item_kind, list) else item_kind
+            item = {"integer": int, "string": str}.get(item_kind, float)
             return [item(part) for part in re.split(r"[,\s]+", text) if part]
     except (ValueError, json.JSONDecodeError):
         _refuse_decimal(text, key, kind, prop, where)

@@ -17,6 +17,12 @@ with rank 0's and rank 0's are written, so an unequal counter stops the merge na
 float tensor named ``*.running_mean``/``*.running_var`` (BatchNorm's running statistics, recognised by
 name: the engine sees a state dict, never a model) gets the plain (weighted, for weighted) mean's plan
 from ``make_plan`` whatever the method, except consolidate, which keeps rank 0's after its check.
+
+Parameters given per layer or per tensor (a gradient or a filter list: ``fusion.methods.settings``) are
+resolved for every float tensor from the names in rank 0's header when the engine is made, before any
+tensor is read; each tensor's plan gets its own values (and, where merge_weights vary, its own
+normalised rank weights), and its statistics say which (``layer``, ``params``). Where every parameter is
+one value the plans get ``params`` and ``weights`` as given, as they always did.
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ from shardfuse.checkpoints.stream import (
     to_torch,
 )
 from shardfuse.fusion.methods.plan import Plan, TensorJob
-from shardfuse.fusion.methods.registry import default_weights, make_plan, uses_base
+from shardfuse.fusion.methods.registry import (
+    default_weights,
+    make_plan,
+    tensor_params,
+    tensor_weights,
+    uses_base,
+)
 from shardfuse.io import UserError
 
 BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
@@ -103,6 +115,19 @@ class Engine:
         self.method, self.params, self.weights = method, params, weights
         self.rank_numbers = rank_numbers
         self.block_elems = max(1, block_bytes // (8 * len(self.inputs)))
+        # Parameters given per layer or per tensor, resolved for every float tensor from the names in
+        # rank 0's header, before any tensor is read; None where each parameter is one value.
+        floats = [name for name, info in readers[0].tensors.items() if info.dtype.is_float]
+        self.table = tensor_params(method, params, floats, self.num_ranks)
+
+    def tensor_params(self, name: str) -> tuple[dict[str, Any], list[float] | None]:
+        """The parameters and rank weights of tensor ``name``'s plan."""
+        if self.table is None:
+            return self.params, self.weights
+        values = self.table.by_tensor[name]
+        if "weights" not in self.table.varying:
+            return values, self.weights
+        return values, tensor_weights(self.method, values, self.weights)
 
     def _blocks(self, numel: int) -> Iterator[tuple[int, int, bool]]:
         if numel == 0:
@@ -120,8 +145,8 @@ class Engine:
                 for start, count, last in self._blocks(info.numel):
                     yield Job("copy", name, None, start, count, ranks, end_tensor=last)
                 continue
-            job = TensorJob(name, info.numel, self.rank_numbers, self.weights)
-            plan = make_plan(self.method, self.params, job)
+            params, weights = self.tensor_params(name)
+            plan = make_plan(self.method, params, TensorJob(name, info.numel, self.rank_numbers, weights))
             if plan.scan_order == "blocks":
                 for start, count, last in self._blocks(info.numel):
                     yield Job("scan", name, plan, start, count, with_base, end_scan=last)
@@ -226,6 +251,8 @@ class Engine:
                     plan.end_scan()
                 if job.end_tensor:
                     stats[job.name] = tensor_stats(plan)
+                    if self.table is not None:
+                        stats[job.name].update(self.table.recorded(job.name))
         return stats
 
     def _compute(

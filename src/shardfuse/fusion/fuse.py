@@ -33,7 +33,7 @@ from shardfuse.checkpoints.trust import (
 )
 from shardfuse.data.verify import check_split
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
-from shardfuse.fusion.methods.registry import Method, consolidating_names
+from shardfuse.fusion.methods.registry import Method, consolidating_names, tensor_params
 from shardfuse.fusion.soup import Selection
 from shardfuse.io import UserError, atomic_path, read_json
 
@@ -260,6 +260,8 @@ def merge_rank_files(
             weights,
             block_bytes,
         )
+        if engine.table is not None:  # parameters given per layer or per tensor
+            inputs["per_tensor_params"] = engine.table.summary()
         entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
 
         def fill(writer: SafetensorsWriter) -> dict:
@@ -295,6 +297,10 @@ def merge_adapter_files(
 
     adapter = gather.adapter
     factors = lora.read_rank_factors(gather)  # each file's size, header and digest checked
+    # The merge engine resolves parameters given per layer or per tensor (and warns); this is merge.json's
+    # summary of them.
+    names = list(lora.update_tensors(factors))
+    table = tensor_params(method, params, names, len(factors), warn=False)
     with contextlib.ExitStack() as stack:
         base = _open_base(stack, gather, gather.base_tensors)
         base_meta = json.loads(base.metadata[METADATA_KEY])
@@ -323,6 +329,8 @@ def merge_adapter_files(
         "ingredients": _ingredients(gather.ranks),
         "adapter": {k: adapter[k] for k in ("type", "r", "alpha", "init") if k in adapter},
     }
+    if table is not None:
+        inputs["per_tensor_params"] = table.summary()
     return Fused(digest, stats, inputs)
 
 

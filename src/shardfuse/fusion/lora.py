@@ -320,6 +320,7 @@ def linear_coefficients(
             f"merge_adapter cat is exact only for the methods linear in the updates "
             f"({', '.join(registry.linear_names())}), not {method}; use merge_adapter svd"
         )
+    registry.refuse_per_tensor_cat(method, params)
     return coefficients(params, num_ranks, weights)
 
 

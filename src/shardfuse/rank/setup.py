@@ -139,7 +139,7 @@ class RankSetup:
         return identity
 
 
-def _data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) -> tuple[Any, Any]:
+def data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) -> tuple[Any, Any]:
     """(mean, std) of the inputs (not for token blocks) and of regression targets over the whole
     training split, from the moments partition recorded: the same on every rank, with no pass over
     the data before the first step."""
@@ -212,7 +212,7 @@ def set_up(
             f"the model code in {', '.join(spec['code']['paths']) or spec['model']} changed after the "
             "workflow started; run snakemake again (the training name follows the code)"
         )
-    input_stats, target_stats = _data_stats(manifest, info, shard_dir)
+    input_stats, target_stats = data_stats(manifest, info, shard_dir)
     epochs = epoch_plan(manifest, cfg)
     # The shortest schedule: every rank's, but with epoch_steps own each rank has its own.
     shortest = min(optimizer_steps(shard.num_batches, cfg.loop.grad_accum_steps) for shard in epochs.shards)

@@ -31,12 +31,13 @@ import numpy as np
 from shardfuse.checkpoints.trust import RERUN_MERGE, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
 from shardfuse.data.heterogeneity import shard_metrics
-from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
+from shardfuse.experiment.records import COLLECTED_MODE, EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import UserError, read_json
 from shardfuse.metrics.system import system_metrics_path
 from shardfuse.models.bounds import check_spec_bounds
 from shardfuse.models.tasks import evaluation_task, score_first
 from shardfuse.track.series import (
+    no_step_metrics,
     node_peaks,
     read_rank_system,
     read_step_metrics,
@@ -220,7 +221,8 @@ def load_inputs(
                 f"rank {rank} of world size {world_size} is missing from {train_path} "
                 f"or {eval_path}; re-run the train and evaluate stages"
             )
-        metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
+        if train.mode != COLLECTED_MODE:  # a run over checkpoints took no steps: no step metrics
+            metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
     system = {
         rank: path
@@ -248,7 +250,10 @@ def load_inputs(
         | local_rank_metrics(local, task.score, rank)
         for rank in range(world_size)
     }
-    histories = {rank: read_step_metrics(metrics[rank]) for rank in range(world_size)}
+    histories = {
+        rank: read_step_metrics(metrics[rank]) if rank in metrics else no_step_metrics()
+        for rank in range(world_size)
+    }
     model_spec = _field(read_metadata(weights), "model", weights)
     check_spec_bounds(f"the header of {weights}", *header_spec(weights, RERUN_MERGE), RERUN_MERGE)
     hosts = _rank_hosts(train_dir, train, world_size)

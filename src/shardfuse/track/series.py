@@ -20,6 +20,11 @@ PARQUET_COLUMNS = ("step", *STEP_METRICS, "timestamp_ms")
 OPTIONAL_COLUMNS = SOME_STEP_METRICS  # NaN on the steps without a value: pushed where finite, as series
 
 
+def no_step_metrics() -> dict[str, np.ndarray]:
+    """The columns of a rank that took no step (a run over checkpoints): each empty."""
+    return {column: np.zeros(0) for column in PARQUET_COLUMNS}
+
+
 def read_step_metrics(path: Path) -> dict[str, np.ndarray]:
     """Columns step, loss, samples_per_second, lr, timestamp_ms of one rank's metrics file, and those
     of :data:`OPTIONAL_COLUMNS` that it has."""

@@ -10,6 +10,9 @@ Every lookup reads ``RECORDS`` when it is called (:func:`method_record`, :func:`
 frozen at import, so a test that extends ``RECORDS`` extends every stage
 (tests/contracts/test_extension_merge_method.py).
 Adding a method is its plan in a family module (linear, sparse, spherical) and one record here.
+Any parameter may also be given per layer or per tensor, as mergekit's gradients and filter lists
+(:mod:`shardfuse.fusion.methods.settings`): :func:`resolve_params` checks them value by value and
+:func:`tensor_params` resolves them for each tensor name before the merge reads a tensor.
 No command line; by hand::
 
     python -c "import numpy as np; from shardfuse.fusion.methods import registry; \\
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardfuse.fusion.methods import settings
 from shardfuse.fusion.methods.linear import (
     ConsolidatePlan,
     ModelStockPlan,
@@ -291,8 +295,16 @@ def _valid_type(param: Param, value: Any, num_ranks: int) -> bool:
     )
 
 
+def _kinds(method: str) -> dict[str, str]:
+    return {name: param.kind for name, param in method_record(method).params.items()}
+
+
 def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
-    """Check ``params`` of ``method`` for a run whose ranks have ``rows`` rows; fill in defaults."""
+    """Check ``params`` of ``method`` for a run whose ranks have ``rows`` rows; fill in defaults.
+
+    A parameter given as a gradient or a filter list (:mod:`shardfuse.fusion.methods.settings`) is
+    checked value by value and kept as given; the method's own check then runs on the values of a tensor
+    outside the layers that no filter names (each tensor's are checked when the merge resolves them)."""
     record = method_record(method)
     if params is None:
         params = {}
@@ -312,6 +324,14 @@ def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
     resolved = {}
     for name, param in record.params.items():
         value = params.get(name, param.default)
+        if settings.per_tensor(param.kind, value):
+            what = f"merge method {method}: parameter {name!r}"
+            fix = f"fix it in --params-json (run key merge_{name})"
+            if param.kind == "weights":
+                resolved[name] = settings.checked_weights(value, num_ranks, param.describe, what, fix)
+            else:
+                resolved[name] = settings.checked(value, param, what, fix)
+            continue
         if not (_valid_type(param, value, num_ranks) and (value is None or param.accept(value))):
             need = (
                 f"{param.describe} (the run has {num_ranks} ranks)"
@@ -323,9 +343,45 @@ def resolve_params(method: str, params: Any, rows: list[int]) -> dict[str, Any]:
                 f"fix it in --params-json (run key merge_{name})"
             )
         resolved[name] = float(value) if param.kind == "number" else value
-    if record.check is not None:
-        record.check(method, resolved, num_ranks)
+    changing = settings.varying(resolved, _kinds(method))
+    if not changing:
+        _check_values(method, resolved, num_ranks)
+        return resolved
+    outside = settings.resolve(resolved, _kinds(method), "", 0.0, changing)
+    try:
+        _check_values(method, outside, num_ranks)
+    except UserError as exc:
+        raise UserError(f"{exc} (at a tensor outside the layers that no filter names)") from None
     return resolved
+
+
+def _check_values(method: str, values: dict[str, Any], num_ranks: int) -> None:
+    """The checks across ``method``'s parameters (each one value): its record's, and weights that do not
+    all vanish."""
+    weights = values.get("weights")
+    if isinstance(weights, list) and not sum(weights) > 0:
+        raise UserError(
+            f"merge method {method}: merge_weights are all 0 here (no rank to merge); give some rank a "
+            "weight > 0 for every tensor"
+        )
+    check = method_record(method).check
+    if check is not None:
+        check(method, values, num_ranks)
+
+
+def tensor_params(
+    method: str, params: dict[str, Any], names: list[str], num_ranks: int, *, warn: bool = True
+) -> settings.TensorParams | None:
+    """Each of tensors ``names``'s values of ``params`` (from resolve_params), checked by the method,
+    or None where every parameter is one value (:func:`settings.resolve_tensors`)."""
+
+    def check(name: str, values: dict[str, Any]) -> None:
+        try:
+            _check_values(method, values, num_ranks)
+        except UserError as exc:
+            raise UserError(f"tensor {name!r}: {exc}") from None
+
+    return settings.resolve_tensors(params, _kinds(method), names, check, warn=warn)
 
 
 def rank_weights(method: str, params: dict[str, Any], rows: list[int]) -> list[float] | None:
@@ -336,11 +392,33 @@ def rank_weights(method: str, params: dict[str, Any], rows: list[int]) -> list[f
         return None
     if weighing == "equal":
         return [1.0 / len(rows)] * len(rows)
+    if "weights" in settings.varying(params, _kinds(method)):
+        return None  # each tensor's: tensor_weights
     raw = params["weights"] if params["weights"] is not None else rows
     total = float(sum(raw))
     if total <= 0:
         raise UserError(f"{method} merge needs ranks with rows > 0; use merge_method uniform")
     return [w / total for w in raw]
+
+
+def tensor_weights(method: str, values: dict[str, Any], weights: list[float] | None) -> list[float] | None:
+    """The rank weights ``method``'s plan reads for a tensor whose merge_weights vary per tensor (its
+    ``values``): those normalised where the method weighs by them, else ``weights``."""
+    if method_record(method).weighing != "rows":
+        return weights
+    total = float(sum(values["weights"]))
+    return [w / total for w in values["weights"]]
+
+
+def refuse_per_tensor_cat(method: str, params: dict[str, Any]) -> None:
+    """LoRA's merge_adapter cat scales each rank's factors once for every module: refuse parameters
+    that vary per tensor, in one line."""
+    changing = settings.varying(params, _kinds(method))
+    if changing:
+        raise UserError(
+            f"merge_adapter cat scales each rank's factors by one coefficient for every module, but "
+            f"merge_{changing[0]} varies per tensor; give it one value or use merge_adapter svd"
+        )
 
 
 def default_weights(method: str, num_ranks: int, weights: list[float] | None) -> list[float] | None:
