@@ -51,20 +51,11 @@ def collect(
     from shardfuse.data.manifest import read_manifest
     from shardfuse.models.adapter import storable_state, ties_of
     from shardfuse.models.registry import build_model, set_data_stats
-    from shardfuse.models.spec import model_spec
-    from shardfuse.rank.setup import data_stats, state_digest
+    from shardfuse.rank.setup import data_stats, spec_of, state_digest
 
     info = read_dataset_info(dataset_dir)
     manifest = read_manifest(shard_dir)
-    spec = model_spec(
-        cfg.model.model,
-        cfg.model.model_args,
-        cfg.model.code_paths,
-        info,
-        run_cfg=cfg.model.mlp_keys(),
-        output=cfg.model.model_output,
-        model_files=cfg.model.model_files,
-    )
+    spec = spec_of(cfg, info)
     torch.manual_seed(cfg.loop.seed)
     model = build_model(spec)
     set_data_stats(model, *data_stats(manifest, info, shard_dir))

@@ -158,6 +158,19 @@ def data_stats(manifest: dict[str, Any], info: dict[str, Any], shard_dir: Path) 
     return input_stats, target_stats
 
 
+def spec_of(cfg: TrainConfig, info: dict[str, Any]) -> dict[str, Any]:
+    """The model spec of a train config's model keys on a prepared dataset (its dataset.json)."""
+    return model_spec(
+        cfg.model.model,
+        cfg.model.model_args,
+        cfg.model.code_paths,
+        info,
+        run_cfg=cfg.model.mlp_keys(),
+        output=cfg.model.model_output,
+        model_files=cfg.model.model_files,
+    )
+
+
 def load_init_weights(
     model: torch.nn.Module, path: Path, prefix_map: dict[str, str | None] | None = None
 ) -> None:
@@ -198,15 +211,7 @@ def set_up(
     membership = Membership.full(ctx.world_size, layout.shards)
     info = read_dataset_info(dataset_dir)
     check_shard_set(shard_dir, manifest, dataset_dir, info, membership.shard_of(ctx.rank))
-    spec = model_spec(
-        cfg.model.model,
-        cfg.model.model_args,
-        cfg.model.code_paths,
-        info,
-        run_cfg=cfg.model.mlp_keys(),
-        output=cfg.model.model_output,
-        model_files=cfg.model.model_files,
-    )
+    spec = spec_of(cfg, info)
     if cfg.model.code_digest and spec["code"]["digest"] != cfg.model.code_digest:
         raise UserError(
             f"the model code in {', '.join(spec['code']['paths']) or spec['model']} changed after the "

@@ -14,7 +14,7 @@ NumPy only (the registry that names these is imported by the workflow).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,16 +51,24 @@ def by_label(layout: Layout, shards: Sequence[Mapping[str, Any]], params: dict[s
             "the partition stage (snakemake -R partition)"
         )
     # In label order (the manifest's keys are the class codes' text: "10" after "9").
-    names = sorted({label for found in counts for label in found}, key=_label_order)
+    return by_counts(counts, LABEL_COLUMN, _label_order)
+
+
+def by_counts(
+    counts: Sequence[Mapping[str, int]], column: str, order: Callable[[str], Any], prefix: str = ""
+) -> Cells:
+    """A cell per value of ``column`` the ranks' training counts hold (``order`` sorts their text),
+    each rank's weights its own counts' proportions; ``prefix`` names the cells (``domain 0``)."""
+    names = sorted({value for found in counts for value in found}, key=order)
     index = {name: cell for cell, name in enumerate(names)}
     weights = []
     for found in counts:
         total = sum(found.values())
         weights.append(tuple(found.get(name, 0) / total for name in names))
     return Cells(
-        tuple(names),
+        tuple(f"{prefix}{name}" for name in names),
         tuple(weights),
-        lambda num_rows, shown: cells_of_values(shown[LABEL_COLUMN], index),
+        lambda num_rows, shown: cells_of_values(shown[column], index),
     )
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from shardfuse.data.partitioners import column
 from shardfuse.data.partitioners.assignment import Cells, Deal, Layout, Param, ValueCounts
-from shardfuse.data.partitioners.cells import cells_of_values
+from shardfuse.data.partitioners.cells import by_counts
 from shardfuse.data.partitioners.dealing import MIN_ROWS, ValueIndex, require_min_rows, values_of
 from shardfuse.data.sources.carried import DOMAIN_COLUMN
 from shardfuse.io import UserError
@@ -154,14 +154,4 @@ def local(layout: Layout, shards: Sequence[Mapping[str, Any]], params: dict[str,
     if not _shared(params["groups"]):
         return column.local(layout, shards, _as_column(params, params["groups"]))
     held = [(shard.get("value_counts") or {}).get(DOMAIN_COLUMN, {}) for shard in shards]
-    names = sorted({part for found in held for part in found}, key=int)
-    index = {name: cell for cell, name in enumerate(names)}
-    weights = []
-    for found in held:
-        total = sum(found.values())
-        weights.append(tuple(found.get(name, 0) / total for name in names))
-    return Cells(
-        tuple(f"domain {name}" for name in names),
-        tuple(weights),
-        lambda num_rows, shown: cells_of_values(shown[DOMAIN_COLUMN], index),
-    )
+    return by_counts(held, DOMAIN_COLUMN, int, "domain ")
