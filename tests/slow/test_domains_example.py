@@ -98,15 +98,16 @@ def test_the_exported_folders_come_back_as_a_run_over_checkpoints_and_a_changed_
     for run in ("domains_uniform", "domains_ties"):
         shutil.copytree(checkout / "results" / "runs" / run / "hf", checkout / "mine" / run)
     config = yaml.safe_load((checkout / "config" / "examples" / "domains.yaml").read_text())
-    config["runs"] = {
+    config["runs"] |= {  # the example's own runs stay (done), beside runs over their checkpoints
+        "ties_rank_0": {"checkpoints": ["run:domains_ties/rank-0"], "merge_method": "uniform"},
         "folders_ta": {
             "checkpoints": ["mine/domains_uniform", "mine/domains_ties"],
             "merge_method": "task_arithmetic",
         },
         "ties_alone": {"checkpoints": ["mine/domains_ties"], "merge_method": "uniform"},
     }
-    config["run_defaults"]["dataset"] = "asyncio_docs"
-    config["mlflow"]["experiment"] = "shardfuse-folders"
+    for run in ("folders_ta", "ties_alone"):
+        config["runs"][run]["dataset"] = "asyncio_docs"
     (checkout / "folders.yaml").write_text(yaml.safe_dump(config))
     proc = run_in(checkout, ["snakemake", "--cores", "all", "--configfile", "folders.yaml"])
     assert proc.returncode == 0, snakemake_failure(checkout, proc)
@@ -115,6 +116,9 @@ def test_the_exported_folders_come_back_as_a_run_over_checkpoints_and_a_changed_
     assert alone["merged"]["loss"] == pytest.approx(trained["merged"]["loss"], rel=1e-6)
     assert alone["ranks"][0]["loss"] == alone["merged"]["loss"]
     assert len(evaluation(checkout, "folders_ta")["ranks"]) == 2
+    # run:NAME/rank-R: rank 0 of the ties run's training (the asyncio fine-tune), scored on the union.
+    rank_0 = evaluation(checkout, "ties_rank_0")
+    assert rank_0["merged"]["loss"] == pytest.approx(evaluation(checkout, "domains_ties")["ranks"][0]["loss"])
     dry = run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"])
     assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stderr[-2000:]
     weights = checkout / "mine" / "domains_uniform" / "model.safetensors"
@@ -123,4 +127,4 @@ def test_the_exported_folders_come_back_as_a_run_over_checkpoints_and_a_changed_
     save_file({**tensors, name: tensors[name] + 1}, str(weights), metadata={"format": "pt"})
     dry = run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"])
     planned = planned_jobs(dry.stdout)
-    assert planned.get("collect") == 1 and planned.get("merge") == 1 and "train" not in planned
+    assert planned.get("collect") == 1 and planned.get("merge") == 1 and "train" not in planned  # folders_ta
