@@ -73,6 +73,11 @@ def collect(
     }
     if ties:
         meta["ties"] = ties
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "train.json").is_file():
+        raise UserError(
+            f"--out-dir {out_dir} holds files collect did not write (no train.json); name an empty or new "
+            "folder (collect replaces only a training's or collection's folder)"
+        )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:

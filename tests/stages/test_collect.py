@@ -86,3 +86,12 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line_and_leaves_no_fold
     line = f"checkpoint 1: {wrong}" + ": tensor 'net.0.weight' is torch.float32 [3, 64]"
     assert line in proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".ranks-*"))
+
+
+def test_an_out_dir_of_files_collect_did_not_write_is_refused_and_kept(data, tmp_path):
+    root, out = data["root"], tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    proc = call_stage("collect", *collect_args(root, out, root / "a.safetensors"))
+    assert proc.returncode != 0 and "holds files collect did not write (no train.json)" in proc.stderr
+    assert (out / "notes.txt").read_text() == "keep me"

@@ -214,6 +214,7 @@ def test_mix_weights_make_the_union_train_on_each_part_in_proportion_and_leave_t
     assert mixed_counts([1, 1], [10, 30]) == [20, 20]
     assert mixed_counts([1, 2, 0], [5, 5, 5]) == [5, 10, 0]
     assert mixed_counts([1, 1, 1], [1, 1, 2]) == [2, 1, 1]  # 4/3 each: the leftover to the first
+    assert mixed_counts([1e308, 1e308], [10, 30]) == [20, 20]  # no overflow near the float maximum
     assert mixed_rows(4, 10, 0, 0).tolist().count(0) in (2, 3) and len(mixed_rows(4, 10, 0, 0)) == 10
     assert np.bincount(mixed_rows(4, 10, 0, 0), minlength=4).tolist().count(3) == 2  # 2 rows thrice
     assert len(set(mixed_rows(100, 30, 0, 0).tolist())) == 30  # below its share: no row twice

@@ -77,6 +77,8 @@ def mixed_counts(weights: list[float], rows: list[int]) -> list[int]:
     remainders get the leftover rows, ties to the earlier part); a part of 0 rows stays at 0."""
     total = sum(rows)
     shares = np.array([w if n else 0.0 for w, n in zip(weights, rows, strict=True)], dtype=np.float64)
+    if shares.max() > 0:  # by the largest first: weights near the float maximum sum without overflow
+        shares = shares / shares.max()
     if not shares.sum() > 0:
         raise UserError(
             f"{MIX_WEIGHTS} {weights} give weight only to parts without train rows; weigh a part with rows"
