@@ -129,7 +129,9 @@ COLLISIONS = {
 # Partitioners named by common words ("shards", "size", "column" are also keys of manifests, headers
 # and tables everywhere): compared only under their home, like every name, but a dict key or a lookup
 # with one is not counted as a decision (test_no_partition_name_is_compared_outside_its_package).
-COMMON_WORDS = {"partitioner": {"shards", "size", "column"}}
+# "none" the merge method (a run over one checkpoint, kept as it is) is also the off value of merge_align,
+# merge_adapter, lr_schedule and more: it is decided by its record (a check refusing more than one rank).
+COMMON_WORDS = {"partitioner": {"shards", "size", "column"}, "merge method": {"none"}}
 
 
 def _registries() -> list[tuple[str, frozenset[str], Path]]:

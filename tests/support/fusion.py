@@ -83,3 +83,15 @@ def train_dir(tmp_path, num_ranks):
 def expected_of(method, given, base, per_rank, name):
     p = resolve_params(method, given, [5] * len(per_rank))
     return merge_arrays(method, p, [r[name].numpy() for r in per_rank], base[name].numpy(), name)[0]
+
+
+def ranks_for(method: str, wanted: int = 2) -> int:
+    """``wanted`` ranks, or 1 for a method whose check keeps one model (none)."""
+    from shardfuse.fusion.methods.registry import resolve_params
+    from shardfuse.io import UserError
+
+    try:
+        resolve_params(method, {"tolerance": 100.0} if method == "consolidate" else {}, [1] * wanted)
+    except UserError:
+        return 1
+    return wanted

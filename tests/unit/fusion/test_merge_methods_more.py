@@ -249,6 +249,20 @@ def test_breadcrumbs_and_della_at_density_1_are_task_arithmetic_and_ties():
     assert np.array_equal(merged64("breadcrumbs", {"gamma": 0.5}, ranks, base)[0], arithmetic)
     assert np.array_equal(merged64("breadcrumbs_ties", {}, ranks, base)[0], ties)
     assert np.array_equal(merged64("della", {"epsilon": 0.4}, ranks, base)[0], ties)
+    # della_linear (mergekit's name): no sign election, the mean of the (here unpruned) task vectors
+    assert np.array_equal(merged64("della", {"sign_election": False}, ranks, base)[0], arithmetic)
+
+
+def test_della_without_sign_election_is_the_mean_of_the_same_pruned_task_vectors():
+    ranks, base = ranks_and_base(3, seed=2)
+    given = {"density": 0.5, "epsilon": 0.2, "seed": 3}
+    elected, stats = merged64("della", given, ranks, base)
+    linear, linear_stats = merged64("della", {**given, "sign_election": False}, ranks, base)
+    assert stats["kept_fraction"] == linear_stats["kept_fraction"]  # the same draws
+    assert not np.array_equal(elected, linear)
+    # with one rank the election keeps every kept entry: both are that rank's pruned task vector
+    one, _ = merged64("della", given, ranks[:1], base)
+    assert np.array_equal(one, merged64("della", {**given, "sign_election": False}, ranks[:1], base)[0])
 
 
 def test_two_rank_karcher_and_multislerp_agree_on_the_midpoint_direction():

@@ -142,6 +142,14 @@ SPHERICAL = (
     "not only with the updates; use weighted or task_arithmetic"
 )
 
+def _one_rank(method: str, params: dict[str, Any], num_ranks: int) -> None:
+    if num_ranks != 1:
+        raise UserError(
+            f"merge method {method} keeps one model as it is but the run has {num_ranks} ranks; use it on a "
+            "run over one checkpoint, or merge the ranks (e.g. uniform)"
+        )
+
+
 RECORDS: tuple[Method, ...] = (
     Method(
         "consolidate",
@@ -155,6 +163,13 @@ RECORDS: tuple[Method, ...] = (
         UniformPlan,
         "Wortsman et al. 2022, model soups (uniform)",
         update_coefficients=mean_coefficients,
+        weighing="equal",
+    ),
+    Method(
+        "none",
+        UniformPlan,
+        "no merge: a run over one checkpoint, evaluated as it is",
+        check=_one_rank,
         weighing="equal",
     ),
     Method(
@@ -218,6 +233,7 @@ RECORDS: tuple[Method, ...] = (
             "density": UNIT_DENSITY,
             "epsilon": Param(0.15, "number", "a number in [0, 0.5)", lambda v: 0 <= v < 0.5),
             "seed": SEED,
+            "sign_election": Param(True, "boolean", "true or false"),
             "scale": SCALE,
         },
         uses_base=True,

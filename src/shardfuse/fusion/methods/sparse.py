@@ -25,7 +25,8 @@ base.safetensors, saved before the first step), tau_i = theta_i - base its task 
                    order); keep probability p = density - epsilon + 2 epsilon r / (n - 1) (mergekit's
                    density +- epsilon; the paper's epsilon is the full width, 2 epsilon here), keep
                    where u < p with u from the (seed, rank, tensor) stream of dare, rescale kept by 1/p,
-                   then TIES election and disjoint mean; base + scale * that. n = 1: p = density.
+                   then TIES election and disjoint mean (sign_election: false, the mean: mergekit's
+                   della_linear); base + scale * that. n = 1: p = density.
   sce              Wan et al. (2025), FuseChat-2: select the floor(topk * #{var != 0}) entries of
                    largest variance across ranks (population variance; ties: flat order), zero the rest
                    in every tau_i; weight w_i = mean(tau_i^2) / sum_j mean(tau_j^2) (uniform if that sum
@@ -241,7 +242,7 @@ class DellaPlan(_RankedPlan):
             block /= self.probability(np.maximum(kept, 0))
             np.copyto(block, 0.0, where=~keep)
             self.num_kept += int(np.count_nonzero(keep))
-        return self.merged(blocks, base, ties=True)
+        return self.merged(blocks, base, ties=self.params["sign_election"])
 
 
 class ScePlan(Plan):
