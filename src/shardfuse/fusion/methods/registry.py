@@ -142,6 +142,7 @@ SPHERICAL = (
     "not only with the updates; use weighted or task_arithmetic"
 )
 
+
 def _one_rank(method: str, params: dict[str, Any], num_ranks: int) -> None:
     if num_ranks != 1:
         raise UserError(
