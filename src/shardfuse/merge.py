@@ -1,5 +1,9 @@
 """Fuse a run's per-rank models into one, streaming block by block through the tensors.
 
+By hand over folders you already have, from a mergekit YAML (:mod:`shardfuse.fusion.folders`)::
+
+    python -m shardfuse.merge --mergekit merge.yml --out merged/
+
 By hand (as the merge rule runs it)::
 
     python -m shardfuse.merge --run <run> --gather results/trainings/<training>/gather.json \\
@@ -149,8 +153,10 @@ def merge(
 
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.merge", description=__doc__.splitlines()[0])
-    parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run's training")
-    parser.add_argument("--method", required=True, choices=registry.names())
+    parser.add_argument("--mergekit", type=Path, help="a mergekit YAML: merge its models into --out")
+    parser.add_argument("--out", type=Path, help="--mergekit: the folder to write")
+    parser.add_argument("--gather", type=Path, help="gather.json of the run's training")
+    parser.add_argument("--method", choices=registry.names())
     parser.add_argument("--params-json", default="{}", help="the method's parameters as a JSON object")
     parser.add_argument("--val-split", type=Path, help="validation split Parquet (read by greedy_soup only)")
     parser.add_argument("--batch-size", type=int, default=4096, help="greedy_soup: rows per forward pass")
@@ -165,9 +171,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="re-estimate BatchNorm statistics on --val-split after merging",
     )
-    parser.add_argument("--out-weights", type=Path, required=True, help="merged.safetensors to write")
-    parser.add_argument("--out-json", type=Path, required=True, help="merge.json to write")
+    parser.add_argument("--out-weights", type=Path, help="merged.safetensors to write")
+    parser.add_argument("--out-json", type=Path, help="merge.json to write")
     args = parser.parse_args(argv)
+    if args.mergekit is not None or args.out is not None:
+        _merge_mergekit(args, argv)
+        return
+    missing = [f"--{name.replace('_', '-')}" for name in ("gather", "method", "out_weights", "out_json")]
+    missing = [flag for flag in missing if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        parser.error(
+            f"the following arguments are required: {', '.join(missing)} (or --mergekit FILE --out DIR)"
+        )
     refuse_shared_outputs(args, "--out-weights", "--out-json")
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
@@ -194,6 +209,30 @@ def main(argv: list[str] | None = None) -> None:
         f"(peak RSS {record.peak_rss_mb:.0f} MB): {record.num_parameters} parameters, "
         f"max |rank - rank 0| = {spread if spread is None else f'{spread:.3g}'}"
     )
+
+
+def _merge_mergekit(args, argv: list[str] | None) -> None:
+    if args.mergekit is None or args.out is None:
+        raise UserError("--mergekit FILE and --out DIR go together; give both")
+    given = [
+        f for f in ("gather", "method", "out_weights", "out_json", "val_split", "dcp_dir") if getattr(args, f)
+    ]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UserError(
+            f"{flag} is a run's merge; with --mergekit the YAML says what to merge: remove {flag}"
+        )
+    from shardfuse.fusion.folders import merge_folders
+    from shardfuse.fusion.methods.mergekit import read
+
+    cfg = read(args.mergekit)
+    record = merge_folders(cfg, args.out)
+    print(
+        f"merged {len(cfg.models)} models with {cfg.mergekit_method} (shardfuse's {cfg.method}) in "
+        f"{record['seconds']:.2f} s (peak RSS {record['peak_rss_mb']:.0f} MB) -> {args.out}"
+    )
+    for note in cfg.notes:
+        print(f"note: {note}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""Whole folders merged by `mergekit-yaml` (0.1.5) and by shardfuse from the same YAML's settings, tensor by
-tensor: a run over checkpoints (the collect, gather and merge stages) with per-layer and per-tensor
-parameters against mergekit's own command on the same local GPT-2 folders. mergekit lives in its own
-environment ($SHARDFUSE_MERGEKIT_PYTHON, made by .ci/run); in CI a missing one fails, elsewhere the test is
-skipped. The method functions alone: test_mergekit_reference.py.
+"""The same mergekit YAML merged by mergekit (0.1.5, ``run_merge``: what ``mergekit-yaml`` runs) and by
+``python -m shardfuse.merge --mergekit``, on the same local GPT-2 folders, tensor by tensor: every method
+shardfuse reads under mergekit's name, with scalar, gradient and filter parameters. mergekit lives in its
+own environment ($SHARDFUSE_MERGEKIT_PYTHON, made by .ci/run; tests/support/mergekit_runner.py runs every
+YAML in one process); in CI a missing one fails, elsewhere the test is skipped. The method functions
+alone: test_mergekit_reference.py.
 
-The folders: a "pretrained" GPT-2 of three layers made locally (scripts/make-pretrained.py) and two
-"fine-tunes" of it (its float tensors plus seeded noise). Every tensor size is a multiple of 4 and the
-densities quarters, so TIES keeps the same count under mergekit's int() and shardfuse's round()
-(bench/MERGEKIT.md lists that difference). mergekit works in float32: agreement within 1e-6.
+The folders: a "pretrained" GPT-2 of three layers made locally (scripts/make-pretrained.py) and three
+"fine-tunes" of it (its float tensors plus a shared and an own seeded noise, so task vectors agree in part
+as real ones do: model_stock's mean cosine is positive, where shardfuse clamps it and mergekit does not).
+Every tensor size is a multiple of 4 and the TIES densities quarters, so TIES keeps the same count under
+mergekit's int() and shardfuse's round() (the translation's note says so). mergekit works in float32: deterministic methods agree within 1e-6.
+DARE and DELLA draw from different random streams and rescale differently (1/p against mergekit's L1
+norm): compared in distribution (the share of entries left at the base, the L1 norm of the merged task
+vector, its correlation with the mean task vector).
 """
 
 from __future__ import annotations
@@ -24,8 +29,6 @@ import pytest
 import yaml
 from safetensors.numpy import load_file, save_file
 
-from shardfuse.data.shard_set import partition_parquet
-from shardfuse.prepare import prepare
 from tests.support.helpers import call_stage, subprocess_env
 from tests.support.hf import require_transformers
 from tests.support.tracking import service_unavailable
@@ -33,44 +36,114 @@ from tests.support.tracking import service_unavailable
 pytestmark = pytest.mark.bench
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = "model.safetensors"
-
-# (mergekit's method and per-model parameters, shardfuse's method and params, and the same with one value
-# per parameter, which must not agree): the conventions of bench/MERGEKIT.md (task arithmetic: scale =
-# lambda x weight x N; ties: weight 1, lambda the scale).
 GRADIENT = [0.2, 0.5, 0.8]
 DENSITIES = [{"filter": "mlp", "value": 0.5}, {"value": 0.25}]
+
+
+def models(*entries):
+    return [{"model": name, **({"parameters": p} if p else {})} for name, p in entries]
+
+
+AB = models(("A", None), ("B", None))
+ABC = models(("A", None), ("B", None), ("C", None))
+ATTN_FILTER = [{"filter": "attn", "value": 3.0}, {"value": 1.0}]
+DENSITY_FILTERS = models(*[(m, {"density": DENSITIES}) for m in "ABC"])
+TIES = {"merge_method": "ties", "base_model": "BASE"}
+GTA = {"base_model": "BASE", "models": AB}
+# name: (the YAML with A, B, C and BASE for the folders, how to compare, the same YAML with one value per
+# parameter where the case's gradient or filter must matter)
 CASES = {
+    "linear_weight_filters": (
+        {"merge_method": "linear", "models": models(("A", {"weight": ATTN_FILTER}), ("B", {"weight": 1.0}))},
+        "exact",
+        {"merge_method": "linear", "models": models(("A", {"weight": 1.0}), ("B", {"weight": 1.0}))},
+    ),
     "task_arithmetic_gradient": (
-        "task_arithmetic", [{"weight": GRADIENT}, {"weight": GRADIENT}],
-        "task_arithmetic", {"scale": [2 * w for w in GRADIENT]}, {"scale": 1.0},
+        {"merge_method": "task_arithmetic", "base_model": "BASE",
+         "models": models(("A", {"weight": GRADIENT}), ("B", {"weight": GRADIENT}))},
+        "exact",
+        {"merge_method": "task_arithmetic", "base_model": "BASE",
+         "models": models(("A", {"weight": 0.5}), ("B", {"weight": 0.5}))},
     ),
     "ties_density_filters": (
-        "ties", [{"weight": 1.0, "density": DENSITIES}, {"weight": 1.0, "density": DENSITIES}],
-        "ties", {"density": DENSITIES, "scale": 1.0}, {"density": 0.25, "scale": 1.0},
+        {**TIES, "parameters": {"lambda": 0.9, "weight": 1.0}, "models": DENSITY_FILTERS},
+        "exact",
+        {**TIES, "parameters": {"lambda": 0.9, "weight": 1.0, "density": 0.25}, "models": ABC},
     ),
-    "linear_weight_filters": (
-        "linear", [{"weight": [{"filter": "attn", "value": 3.0}, {"value": 1.0}]}, {"weight": 1.0}],
-        "weighted", {"weights": [[{"filter": "attn", "value": 3.0}, {"value": 1.0}], 1.0]},
-        {"weights": [1.0, 1.0]},
+    "breadcrumbs_ties": (
+        {**GTA, "merge_method": "breadcrumbs_ties",
+         "parameters": {"normalize": True, "weight": 1.0, "density": 0.75, "gamma": 0.125}},
+        "exact", None,
+    ),
+    "breadcrumbs_gradient": (
+        {**GTA, "merge_method": "breadcrumbs",
+         "parameters": {"weight": 0.5, "density": [0.5, 1.0], "gamma": 0.0625}},
+        "exact", None,
+    ),
+    "slerp_gradient": (
+        {"merge_method": "slerp", "base_model": "A", "parameters": {"t": [0.0, 0.5, 1.0]}, "models": AB},
+        "exact",
+        {"merge_method": "slerp", "base_model": "A", "parameters": {"t": 0.5}, "models": AB},
+    ),
+    "model_stock": ({"merge_method": "model_stock", "base_model": "BASE", "models": ABC}, "exact", None),
+    "sce": (
+        {"merge_method": "sce", "base_model": "BASE", "parameters": {"select_topk": 0.5}, "models": ABC},
+        "exact", None,
+    ),
+    "multislerp": (
+        {"merge_method": "multislerp",
+         "models": models(("A", {"weight": 1.0}), ("B", {"weight": 2.0}), ("C", {"weight": 1.0}))},
+        "exact", None,
+    ),
+    "karcher": ({"merge_method": "karcher", "models": ABC}, "exact", None),
+    "nuslerp": (
+        {"merge_method": "nuslerp", "models": models(("A", {"weight": 1.0}), ("B", {"weight": 3.0}))},
+        "exact", None,
+    ),
+    "dare_ties": (
+        {**GTA, "merge_method": "dare_ties",
+         "parameters": {"normalize": True, "weight": 1.0, "density": 0.5}},
+        "distribution", None,
+    ),
+    "dare_linear": (
+        {**GTA, "merge_method": "dare_linear", "parameters": {"weight": 0.5, "density": 0.5}},
+        "distribution", None,
+    ),
+    "della": (
+        {**GTA, "merge_method": "della", "parameters": {"weight": 1.0, "density": 0.5, "epsilon": 0.1}},
+        "distribution", None,
+    ),
+    "della_linear": (
+        {**GTA, "merge_method": "della_linear",
+         "parameters": {"weight": 0.5, "density": 0.5, "epsilon": 0.1}},
+        "distribution", None,
     ),
 }  # fmt: skip
 
 
-def mergekit_yaml() -> Path:
+def mergekit_python() -> Path:
     python = Path(os.environ.get("SHARDFUSE_MERGEKIT_PYTHON", "/tmp/mkvenv/bin/python"))
-    command = python.parent / "mergekit-yaml"
-    if not os.access(command, os.X_OK):
+    if not os.access(python.parent / "mergekit-yaml", os.X_OK):
         service_unavailable(
             f"no mergekit-yaml beside {python}: python3 -m venv V && V/bin/pip install torch==2.13.0 "
             "mergekit==0.1.5, then set SHARDFUSE_MERGEKIT_PYTHON=V/bin/python"
         )
-    return command
+    return python
+
+
+def placed(config: dict, root: Path) -> dict:
+    """The YAML with the folders' absolute paths (mergekit reads a relative name as a Hub id)."""
+    text = json.dumps(config)
+    for key in ("BASE", "A", "B", "C"):
+        text = text.replace(f'"{key}"', json.dumps(str(root / key.lower())))
+    return json.loads(text)
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict:
+def merged(tmp_path_factory) -> dict:
+    """Every case merged by mergekit (one process) and by shardfuse (the stage's command line)."""
     require_transformers()
-    command = mergekit_yaml()
+    python = mergekit_python()
     root = tmp_path_factory.mktemp("mergekit-folders")
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make-pretrained.py"), str(root / "base"), "--layers", "3"],
@@ -78,55 +151,65 @@ def folders(tmp_path_factory) -> dict:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     base = load_file(str(root / "base" / WEIGHTS))
-    for name, seed in (("a", 1), ("b", 2)):
+    shared = np.random.default_rng(0)
+    common = {k: shared.normal(0, 0.02, v.shape) for k, v in base.items()}  # what every fine-tune learnt
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
         shutil.copytree(root / "base", root / name)
         rng = np.random.default_rng(seed)
-        tuned = {k: (v + rng.normal(0, 0.02, v.shape)).astype(v.dtype) for k, v in base.items()}
+        tuned = {k: (v + common[k] + rng.normal(0, 0.02, v.shape)).astype(v.dtype) for k, v in base.items()}
         save_file(tuned, str(root / name / WEIGHTS), metadata={"format": "pt"})
-    spec = {"source": "text", "paths": ["{stdlib}/json/*.py"], "tokenizer": f"hf:{root / 'base'}"}
-    prepare("json", {**spec, "block_size": 32, "max_tokens": 4000}, root / "json")
-    partition_parquet(root / "json" / "train.parquet", root / "w1", 1, 0)
-    config = {"model": "hf", "model_args": {"pretrained": str(root / "base")}, "seed": 0}
-    args = ["--run-name", "json-c2-checkpoints-0123456789", "--shard-dir", root / "w1", "--dataset-dir"]
-    args += [root / "json", "--config-json", json.dumps(config), "--out-dir", root / "ranks"]
-    proc = call_stage("collect", *args, "--checkpoint", root / "a", "--checkpoint", root / "b")
+    args = []
+    for case, (config, _, twin) in CASES.items():
+        for suffix, cfg in (("", config), ("-twin", twin)):
+            if cfg is not None:
+                (root / f"{case}{suffix}.yml").write_text(
+                    yaml.safe_dump({**placed(cfg, root), "dtype": "float32"})
+                )
+        args += [str(root / f"{case}.yml"), str(root / f"mk-{case}")]
+    proc = subprocess.run(
+        [str(python), str(REPO / "tests" / "support" / "mergekit_runner.py"), *args],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"root": root, "base": base}
+
+
+def shardfuse_merge(root: Path, name: str) -> dict[str, np.ndarray]:
+    out = root / f"sf-{name}"
+    proc = call_stage("merge", "--mergekit", root / f"{name}.yml", "--out", out)
     assert proc.returncode == 0, proc.stderr
-    proc = call_stage(
-        "gather", "--train-dir", root / "ranks", "--world-size", 2, "--out", root / "gather.json"
+    assert (
+        json.loads((out / "merge.json").read_text())["mergekit_method"]
+        == yaml.safe_load((root / f"{name}.yml").read_text())["merge_method"]
     )
-    assert proc.returncode == 0, proc.stderr
-    return {"root": root, "command": command}
+    return load_file(str(out / WEIGHTS))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_shardfuse_merges_the_folders_as_mergekit_yaml_does(folders, case):
-    root, (mk_method, per_model, method, params, constant) = folders["root"], CASES[case]
-    config = {
-        "merge_method": mk_method,
-        "base_model": str(root / "base"),
-        "models": [
-            {"model": str(root / name), "parameters": p} for name, p in zip("ab", per_model, strict=True)
-        ],
-        "dtype": "float32",
-    }
-    if mk_method == "linear":
-        del config["base_model"]
-    (root / f"{case}.yaml").write_text(yaml.safe_dump(config))
-    proc = subprocess.run(
-        [str(folders["command"]), str(root / f"{case}.yaml"), str(root / f"mk-{case}"), "--allow-crimes"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
-    assert (root / f"mk-{case}" / WEIGHTS).is_file(), proc.stderr[-3000:]
+def test_shardfuse_merges_the_yaml_as_mergekit_does(merged, case):
+    root, (_, compare, twin) = merged["root"], CASES[case]
     theirs = load_file(str(root / f"mk-{case}" / WEIGHTS))
-
-    def worst_difference(values: dict, name: str) -> tuple[float, str]:
-        ours = root / f"{case}-{name}.safetensors"
-        args = ["--gather", root / "gather.json", "--method", method, "--params-json", json.dumps(values)]
-        proc = call_stage("merge", *args, "--out-weights", ours, "--out-json", root / f"{case}-{name}.json")
-        assert proc.returncode == 0, proc.stderr
-        mine = load_file(str(ours))
-        assert set(theirs) == set(mine)
-        return max((float(np.max(np.abs(theirs[k].astype(np.float64) - mine[k]))), k) for k in theirs)
-
-    assert worst_difference(params, "layered")[0] < 1e-6
-    assert worst_difference(constant, "constant")[0] > 1e-4  # the per-layer / per-tensor settings mattered
+    mine = shardfuse_merge(root, case)
+    assert set(theirs) == set(mine) and all(theirs[k].dtype == mine[k].dtype for k in theirs)
+    if compare == "exact":
+        worst = max((float(np.max(np.abs(theirs[k].astype(np.float64) - mine[k]))), k) for k in theirs)
+        assert worst[0] < 1e-6, worst
+        if twin is not None:  # the gradient or filter mattered: one value per parameter merges otherwise
+            constant = shardfuse_merge(root, f"{case}-twin")
+            assert max(float(np.max(np.abs(constant[k] - mine[k]))) for k in mine) > 1e-4
+        return
+    base = merged["base"]
+    taus = {
+        k: np.concatenate([(t[k].astype(np.float64) - base[k]).ravel() for k in sorted(base)])
+        for k, t in (("mk", theirs), ("sf", mine))
+    }
+    tuned = [load_file(str(root / n / WEIGHTS)) for n in "ab"]
+    mean_tau = np.concatenate(
+        [np.mean([t[k] - base[k] for t in tuned], axis=0).ravel() for k in sorted(base)]
+    )
+    left = {k: float(np.mean(np.abs(v) < 1e-7)) for k, v in taus.items()}
+    assert abs(left["mk"] - left["sf"]) < 0.02, left  # the same share of entries dropped everywhere
+    norms = {k: float(np.sum(np.abs(v))) for k, v in taus.items()}
+    assert abs(norms["sf"] / norms["mk"] - 1) < 0.05, norms  # rescaled alike on average
+    for v in taus.values():
+        assert np.corrcoef(v, mean_tau)[0, 1] > 0.5  # both are the mean task vector, thinned
