@@ -9,10 +9,10 @@ The folders: a "pretrained" GPT-2 of three layers made locally (scripts/make-pre
 "fine-tunes" of it (its float tensors plus a shared and an own seeded noise, so task vectors agree in part
 as real ones do: model_stock's mean cosine is positive, where shardfuse clamps it and mergekit does not).
 Every tensor size is a multiple of 4 and the TIES densities quarters, so TIES keeps the same count under
-mergekit's int() and shardfuse's round() (the translation's note says so). mergekit works in float32: deterministic methods agree within 1e-6.
-DARE and DELLA draw from different random streams and rescale differently (1/p against mergekit's L1
-norm): compared in distribution (the share of entries left at the base, the L1 norm of the merged task
-vector, its correlation with the mean task vector).
+mergekit's int() and shardfuse's round() (the translation's note says so). mergekit works in float32:
+deterministic methods agree within 1e-6. DARE and DELLA draw from different random streams and rescale
+differently (1/p against mergekit's L1 norm): compared in distribution (the share of entries left at the
+base, the L1 norm of the merged task vector, its correlation with the mean task vector).
 """
 
 from __future__ import annotations
