@@ -159,7 +159,14 @@ def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES
                 for name, info in source.items()
             }
             entries = {name: (target[name], list(info.shape)) for name, info in source.items()}
-            engine = Engine(readers, base, cfg.method, params, list(range(num_models)), weights, block_bytes)
+            try:  # the per-layer and per-tensor settings resolve against the tensor names here
+                engine = Engine(
+                    readers, base, cfg.method, params, list(range(num_models)), weights, block_bytes
+                )
+            except UserError as exc:
+                raise UserError(
+                    f"mergekit config {cfg.path} (run as shardfuse's {cfg.method}): {exc}"
+                ) from None
             writer = SafetensorsWriter(staged / WEIGHTS, entries, {"format": "pt"})
             try:
                 stats = engine.run(writer.names, CastSink(writer, source, target))
