@@ -107,7 +107,7 @@ def test_an_output_folder_it_did_not_write_is_refused_and_left_as_it_was(folders
         ("architecture", "has no tensor 'layers.1.mlp.weight', which"),
         (
             "gradient",
-            "(run as shardfuse's ties): merge_density is a gradient of 4 values but the tensors merged have 2",
+            "(run as shardfuse's ties): merge_density is a gradient of 4 values but the tensors merged have",
         ),
         ("method", "merge_method 'passthrough' is not one shardfuse implements"),
     ],
