@@ -45,7 +45,6 @@ checked against the sha256 of its sidecar base.json.
 from __future__ import annotations
 
 import math
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -53,22 +52,11 @@ from typing import Any
 from shardfuse.checkpoints.trust import read_gather
 from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import MergeRecord
-from shardfuse.fusion.engine import BLOCK_BYTES
+from shardfuse.fusion.engine import BLOCK_BYTES, peak_rss_mb
 from shardfuse.fusion.fuse import check_request, fuse
 from shardfuse.fusion.methods import registry
 from shardfuse.io import StageParser, UserError, parse_json_arg, refuse_shared_outputs, write_json
 from shardfuse.models.usercode import check_code_unchanged
-
-
-def peak_rss_mb() -> float:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _finite(value: Any) -> Any:

@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.checkpoints.init_weights import read_init_weights
-from shardfuse.experiment.keys import is_checkpoint_run
+from shardfuse.experiment.keys import is_checkpoint_run, merge_param_keys
 from shardfuse.experiment.schema import ConfigError
-from shardfuse.fusion.methods.registry import method_record
+from shardfuse.fusion.methods.mergekit import read as read_mergekit
+from shardfuse.fusion.methods.registry import method_record, names
 from shardfuse.io import UserError
 
 RUN_PREFIX = "run:"
@@ -92,6 +93,30 @@ def _same_architecture(where: str, entries: list[tuple[str, str, dict[str, Any]]
                 f"{where}.{key}: {text} has tensor {extra[0]!r}, which {first_text} ({first_key}) lacks; "
                 "give checkpoints of one architecture"
             )
+
+
+def apply_mergekit_config(name: str, run: dict[str, Any], given: dict[str, Any]) -> None:
+    """A run with ``mergekit_config``: the YAML's models, base, method and parameters become its
+    checkpoints, base and merge keys (:mod:`shardfuse.fusion.methods.mergekit`). ``given`` holds the keys
+    the user wrote (run_defaults and the run's own), none of which may say the same again."""
+    path = run.get("mergekit_config")
+    if path is None:
+        return
+    where = f"config error at runs[{name}].mergekit_config"
+    said = ["checkpoints", "base", "merge_method", *sorted({k for m in names() for k in merge_param_keys(m)})]
+    clash = next((key for key in said if given.get(key) is not None), None)
+    if clash is not None:
+        raise ConfigError(
+            f"{where}: the YAML gives the models, base, method and parameters, and the run sets {clash} too; "
+            f"remove {clash} from the run (or mergekit_config)"
+        )
+    try:
+        cfg = read_mergekit(path)
+    except UserError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    run.update(checkpoints=list(cfg.models), base=cfg.base, merge_method=cfg.method)
+    for param, value in cfg.params.items():
+        run[f"merge_{param}"] = value
 
 
 def check_checkpoints(name: str, run: dict[str, Any]) -> None:

@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardfuse.data.sources.registry import find_source
-from shardfuse.experiment.checkpoint_runs import check_checkpoints, resolve_checkpoint_runs
+from shardfuse.experiment.checkpoint_runs import (
+    apply_mergekit_config,
+    check_checkpoints,
+    resolve_checkpoint_runs,
+)
 from shardfuse.experiment.checks import check_dataset_task, check_run, check_training_loop, dataset_task
 from shardfuse.experiment.keys import (
     DEFAULT_TRACKING_URI,
@@ -125,6 +129,7 @@ def load_experiment(
         resolved = {**defaults, **row}
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
+        apply_mergekit_config(name, resolved, {**config["run_defaults"], **row})
         check_checkpoints(name, resolved)
         check_run(name, resolved, datasets, fix)
         check_partition(name, resolved, datasets)

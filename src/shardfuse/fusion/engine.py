@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+import resource
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -61,6 +62,18 @@ from shardfuse.io import UserError
 BLOCK_BYTES = 4 << 20  # float64 working set of one block, summed over all inputs
 WORKERS = 2
 PREFETCH_DEPTH = 3
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM), in MiB."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass

@@ -34,7 +34,7 @@ from shardfuse.checkpoints.stream import (
     decode_float,
     encode_float,
 )
-from shardfuse.fusion.engine import BLOCK_BYTES, Engine
+from shardfuse.fusion.engine import BLOCK_BYTES, Engine, peak_rss_mb
 from shardfuse.fusion.methods import registry
 from shardfuse.fusion.methods.mergekit import MergekitConfig
 from shardfuse.io import UserError, write_json
@@ -129,8 +129,6 @@ def _ours(out: Path) -> bool:
 
 def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
     """Merge ``cfg``'s models into the folder ``out``; returns merge.json's record."""
-    from shardfuse.merge import peak_rss_mb
-
     started = time.perf_counter()
     _check_out(out)
     record = registry.method_record(cfg.method)

@@ -122,6 +122,7 @@ class RunFiles:
     plots: tuple[Path, ...]  # sorted *.png of the plots dir, if any
     system: dict[int, Path] | None = None  # rank -> metrics/system-rank-{r}.parquet, where the rank wrote one
     adapter: tuple[Path, ...] = ()  # the run's PEFT adapter folder (merge_adapter), its files sorted
+    mergekit: Path | None = None  # the run's mergekit_config YAML, uploaded under mergekit/
 
     def results(self) -> tuple[Path, ...]:
         """The JSON results uploaded under ``results/``, in upload order."""
@@ -135,6 +136,8 @@ class RunFiles:
         named.update({f"plot-{path.name}": path for path in self.plots})
         named.update({f"system-{rank}": path for rank, path in (self.system or {}).items()})
         named.update({f"adapter-{path.name}": path for path in self.adapter})
+        if self.mergekit is not None:
+            named["mergekit"] = self.mergekit
         return named
 
 
@@ -182,6 +185,7 @@ def load_inputs(
     gather_path: Path | None = None,
     ddp_baseline: Path | None = None,
     adapter_dir: Path | None = None,
+    mergekit: Path | None = None,
 ) -> RunInputs:
     """Read and check every file the push needs before MLflow is touched (``ddp_baseline``: the ddp
     run's eval.json, whose merged metrics are this run's baseline).
@@ -235,9 +239,12 @@ def load_inputs(
         adapter = tuple(
             sorted(p for p in adapter_dir.iterdir() if p.is_file() and not p.name.startswith("."))
         )
+    if mergekit is not None and not mergekit.is_file():
+        raise UserError(f"the run's mergekit_config {mergekit} does not exist; restore it or fix the run")
     files = RunFiles(
-        manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system, adapter
-    )
+        manifest, train_path, gather, merge_path, weights, eval_path, metrics, tuple(plots), system, adapter,
+        mergekit,
+    )  # fmt: skip
     task = evaluation_task(evaluation, eval_path)
     # Under fsdp a child run is a replica, and the local sets are ranks': those stay the parent's.
     local = {} if isinstance(train.fsdp, dict) else evaluation.local or {}

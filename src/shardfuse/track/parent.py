@@ -67,6 +67,7 @@ def sync_parent_extras(
     uploads = [(path, "results") for path in files.results()]
     uploads += [(path, "plots") for path in files.plots] + [(path, None) for path in files.plots]
     uploads += [(path, "adapter") for path in files.adapter]
+    uploads += [(files.mergekit, "mergekit")] if files.mergekit is not None else []
     artifacts_sha = hashlib.sha256(
         "".join(f"{d or '.'}/{p.name}:{sha256_file(p)}\n" for p, d in uploads).encode()
     )

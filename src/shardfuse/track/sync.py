@@ -255,6 +255,7 @@ def track_run(
         gather_path=Path(gather_path) if gather_path else None,
         ddp_baseline=Path(ddp_baseline) if ddp_baseline else None,
         adapter_dir=Path(adapter_dir) if adapter_dir else None,
+        mergekit=Path(config["mergekit_config"]) if config.get("mergekit_config") else None,
     )
     options = SyncOptions(
         tracking_uri=tracking_uri,
@@ -270,6 +271,10 @@ def track_run(
     # settings are those merge.json says were used.
     params = merge_params({**inputs.params, **flatten_params(config)}, inputs.merge)
     params = partition_params(params, inputs.manifest)  # the partitioner's own keys, as the shards were cut
+    if inputs.files.mergekit is not None:  # the YAML's own settings, as mergekit.<field> params
+        from shardfuse.fusion.methods.mergekit import read as read_mergekit
+
+        params |= read_mergekit(inputs.files.mergekit).logged_params()
     with tracking_errors(tracking_uri), writer_lock(tracking_uri):
         client, experiment_id = connect(tracking_uri, experiment)
         runs = search_all(client, experiment_id, f"tags.`{RUN_TAG}` = {quote_run_name(run_name)}")

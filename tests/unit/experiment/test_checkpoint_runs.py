@@ -100,3 +100,39 @@ def test_missing_pickled_and_misplaced_sources_are_one_line_before_any_job(tmp_p
         with pytest.raises(ConfigError) as error:
             load_experiment(config(tmp_path, **run), environ={})
         assert f"config error at {where}" in str(error.value) and message in str(error.value), run
+
+
+def test_a_mergekit_yaml_makes_a_run_over_its_models_with_its_method_under_shardfuse_names(tmp_path):
+    import yaml
+
+    a, b, base = (write(tmp_path / f"{name}.safetensors") for name in ("a", "b", "base"))
+    gradient = [{"filter": "bias", "value": 0.5}, {"value": [0.2, 0.6]}]
+    (tmp_path / "merge.yml").write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "ties",
+                "base_model": base,
+                "parameters": {"lambda": 0.9, "weight": 1.0},
+                "models": [
+                    {"model": a, "parameters": {"density": gradient}},
+                    {"model": b, "parameters": {"density": gradient}},
+                ],
+            }
+        )
+    )
+    cfg = config(tmp_path)
+    cfg["runs"]["mine"] = {"mergekit_config": str(tmp_path / "merge.yml")}
+    mine = load_experiment(cfg, environ={}).runs["mine"]
+    assert (mine["checkpoints"], mine["base"], mine["world_size"]) == ([a, b], base, 2)
+    assert (mine["merge_method"], mine["merge_density"], mine["merge_scale"]) == ("ties", gradient, 0.9)
+    cfg["runs"]["mine"]["merge_density"] = 0.3
+    with pytest.raises(
+        ConfigError, match=r"mergekit_config: the YAML gives .* the run sets merge_density too"
+    ):
+        load_experiment(cfg, environ={})
+    cfg["runs"]["mine"] = {"mergekit_config": str(tmp_path / "merge.yml")}
+    (tmp_path / "merge.yml").write_text(
+        yaml.safe_dump({"merge_method": "passthrough", "models": [{"model": a}]})
+    )
+    with pytest.raises(ConfigError, match=r"runs\[mine\].mergekit_config: mergekit config .*passthrough"):
+        load_experiment(cfg, environ={})
