@@ -7,7 +7,6 @@ summary.csv and the MLflow store."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -85,46 +84,58 @@ def test_summary_and_mlflow_carry_the_per_package_scores_and_ddp_leads(example):
     assert ddp["domain_loss_merged_mean"] < min(float(rows[run]["local_loss_merged_mean"]) for run in FUSED)
 
 
-def test_the_exported_folders_come_back_as_a_run_over_checkpoints_and_a_changed_file_re_merges_it(
-    example,
-):
-    """What a user who already has fine-tuned folders does: the example's exported transformers folders,
-    copied elsewhere, named as `checkpoints` of new runs (no training): each is scored as it was when
-    trained, their task arithmetic too, and editing one folder's weights re-collects and re-merges only
-    the runs that read it."""
+def test_the_mergekit_example_merges_its_yamls_scores_each_input_and_re_merges_only_what_changed(example):
+    """The README's mergekit example, in the domains example's checkout (its pretrained folder): three
+    fine-tunes made by make-pretrained.py --from, two mergekit YAMLs as runs over them and one folder
+    evaluated alone (merge_method: none). Each fine-tune is best on its own package; the run's merge is
+    the by-hand --mergekit merge bit for bit; MLflow holds the YAML; run:NAME/rank-R names one input of a
+    collection; editing one folder re-collects and re-merges only the runs that read it, editing one YAML
+    re-merges only its run."""
     from safetensors.numpy import load_file, save_file
 
     checkout = example["checkout"]
-    for run in ("domains_uniform", "domains_ties"):
-        shutil.copytree(checkout / "results" / "runs" / run / "hf", checkout / "mine" / run)
-    config = yaml.safe_load((checkout / "config" / "examples" / "domains.yaml").read_text())
-    config["runs"] |= {  # the example's own runs stay (done), beside runs over their checkpoints
-        "ties_rank_0": {"checkpoints": ["run:domains_ties/rank-0"], "merge_method": "uniform"},
-        "folders_ta": {
-            "checkpoints": ["mine/domains_uniform", "mine/domains_ties"],
-            "merge_method": "task_arithmetic",
-        },
-        "ties_alone": {"checkpoints": ["mine/domains_ties"], "merge_method": "uniform"},
-    }
-    for run in ("folders_ta", "ties_alone"):
-        config["runs"][run]["dataset"] = "asyncio_docs"
+    rows = run_readme_examples(checkout, "examples-mergekit")["mergekit"]
+    assert set(rows) == {"yaml_ties", "yaml_task_arithmetic", "json_alone"}
+    alone, ties = evaluation(checkout, "json_alone"), evaluation(checkout, "yaml_ties")
+    assert alone["merged"]["loss"] == alone["ranks"][0]["loss"]  # none: the folder as it is
+    assert alone["merged"]["loss"] == pytest.approx(ties["ranks"][0]["loss"], rel=1e-9)  # the same folder
+    for rank, part in enumerate(("json_src", "email_src", "http_src")):
+        losses = [entry["loss"] for entry in ties["sets"][f"domain_{part}"]["ranks"]]
+        assert losses.index(min(losses)) == rank  # each fine-tune knows its own package best
+    by_hand = checkout / "by-hand"
+    proc = run_in(
+        checkout, ["shardfuse.merge", "--mergekit", "config/examples/mergekit/ties.yml", "--out", by_hand]
+    )
+    assert proc.returncode == 0, proc.stderr
+    exported = load_file(str(checkout / "results" / "runs" / "yaml_ties" / "hf" / "model.safetensors"))
+    mine = load_file(str(by_hand / "model.safetensors"))
+    assert set(exported) <= set(mine) and all((mine[k] == exported[k]).all() for k in exported)
+    client = MlflowClient(f"sqlite:///{checkout}/mlflow.db")
+    experiment = client.get_experiment_by_name("shardfuse-mergekit")
+    (parent,) = client.search_runs([experiment.experiment_id], "tags.mlflow.runName = 'yaml_ties'")
+    assert parent.data.params["mergekit.parameters.lambda"] == "[0.8, 1.2]"
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "mergekit")] == ["mergekit/ties.yml"]
+
+    config = yaml.safe_load((checkout / "config" / "examples" / "mergekit.yaml").read_text())
+    config["runs"]["email_of_ties"] = {"checkpoints": ["run:yaml_ties/rank-1"], "merge_method": "none"}
     (checkout / "folders.yaml").write_text(yaml.safe_dump(config))
     proc = run_in(checkout, ["snakemake", "--cores", "all", "--configfile", "folders.yaml"])
     assert proc.returncode == 0, snakemake_failure(checkout, proc)
-    alone = evaluation(checkout, "ties_alone")
-    trained = evaluation(checkout, "domains_ties")["sets"]["local_rank_0"]  # asyncio's test rows
-    assert alone["merged"]["loss"] == pytest.approx(trained["merged"]["loss"], rel=1e-6)
-    assert alone["ranks"][0]["loss"] == alone["merged"]["loss"]
-    assert len(evaluation(checkout, "folders_ta")["ranks"]) == 2
-    # run:NAME/rank-R: rank 0 of the ties run's training (the asyncio fine-tune), scored on the union.
-    rank_0 = evaluation(checkout, "ties_rank_0")
-    assert rank_0["merged"]["loss"] == pytest.approx(evaluation(checkout, "domains_ties")["ranks"][0]["loss"])
+    email = evaluation(checkout, "email_of_ties")  # rank 1 of the collection: the email fine-tune
+    assert email["merged"]["loss"] == pytest.approx(ties["ranks"][1]["loss"], rel=1e-9)
     dry = run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"])
     assert dry.returncode == 0 and "Nothing to be done" in dry.stdout + dry.stderr, dry.stderr[-2000:]
-    weights = checkout / "mine" / "domains_uniform" / "model.safetensors"
+    weights = checkout / "pretrained" / "ft-http" / "model.safetensors"
     tensors = load_file(str(weights))
     name = next(iter(tensors))
     save_file({**tensors, name: tensors[name] + 1}, str(weights), metadata={"format": "pt"})
-    dry = run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"])
-    planned = planned_jobs(dry.stdout)
-    assert planned.get("collect") == 1 and planned.get("merge") == 1 and "train" not in planned  # folders_ta
+    planned = planned_jobs(run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"]).stdout)
+    # the two YAML runs share one collection of the three folders; json_alone and email_of_ties read no http
+    assert planned.get("collect") == 1 and planned.get("merge") == 3 and "prepare" not in planned, planned
+    text = (checkout / "config" / "examples" / "mergekit" / "task_arithmetic.yml").read_text()
+    (checkout / "config" / "examples" / "mergekit" / "task_arithmetic.yml").write_text(
+        text.replace("0.6]", "0.7]")
+    )
+    save_file(tensors, str(weights), metadata={"format": "pt"})  # the folder as it was (its digest too)
+    planned = planned_jobs(run_in(checkout, ["snakemake", "-n", "--configfile", "folders.yaml"]).stdout)
+    assert planned.get("merge") == 1 and "collect" not in planned, planned

@@ -97,8 +97,8 @@ def _same_architecture(where: str, entries: list[tuple[str, str, dict[str, Any]]
 
 def apply_mergekit_config(name: str, run: dict[str, Any], given: dict[str, Any]) -> None:
     """A run with ``mergekit_config``: the YAML's models, base, method and parameters become its
-    checkpoints, base and merge keys (:mod:`shardfuse.fusion.methods.mergekit`). ``given`` holds the keys
-    the user wrote (run_defaults and the run's own), none of which may say the same again."""
+    checkpoints, base and merge keys (:mod:`shardfuse.fusion.methods.mergekit`), over run_defaults'.
+    ``given`` is the run's own mapping (or runs.tsv row), none of whose keys may say the same again."""
     path = run.get("mergekit_config")
     if path is None:
         return

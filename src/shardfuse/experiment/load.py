@@ -129,7 +129,7 @@ def load_experiment(
         resolved = {**defaults, **row}
         check_finite(resolved, f"runs[{name}]", fix)
         validate(resolved, run_schema, f"runs[{name}]", fix)
-        apply_mergekit_config(name, resolved, {**config["run_defaults"], **row})
+        apply_mergekit_config(name, resolved, row)
         check_checkpoints(name, resolved)
         check_run(name, resolved, datasets, fix)
         check_partition(name, resolved, datasets)
