@@ -41,7 +41,9 @@ command and reports its wall time, CPU time and ``ru_maxrss`` from ``os.wait4``,
 processes it waited for); alongside, this process samples the command's process tree every 0.2 s
 (/proc/PID/task/*/children, summing VmRSS) to confirm that each tool is one process (the ``processes``
 column: the most seen at once) and to catch a concurrent helper a ``ru_maxrss`` would miss; the peak
-reported is the larger of the two. Before every run the previous output is deleted, ``sync`` flushes it,
+reported is the larger of the two. The machine's busy CPU time outside the command (/proc/stat's busy
+time over the run less the command's own CPU time, as a share of all cores) says whether anything else
+ran meanwhile. Before every run the previous output is deleted, ``sync`` flushes it,
 and every input file is read once, so both tools read their inputs from the page cache (checked with
 util-linux's ``fincore`` where it exists). The tools alternate A B A B (shardfuse first); both run with
 their default options (mergekit-yaml with none: no --cuda, its default threads; OMP_NUM_THREADS and
@@ -283,6 +285,9 @@ class Run:
     maxrss_mib: float  # ru_maxrss of the command (and the processes it waited for)
     tree_mib: float  # the most the sampled process tree held at once (VmRSS summed)
     processes: int  # the most processes seen at once in the command's tree
+    others: (
+        float  # the machine's busy CPU outside the command, as a share of all cores (0 on a quiet machine)
+    )
 
     @property
     def peak_mib(self) -> float:
@@ -330,10 +335,18 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(cmd: list[object], env: dict[str, str], log: Path) -> Run:
     """Run ``cmd`` to completion (its output to ``log``); a failure raises with the log's tail."""
     with tempfile.TemporaryDirectory(prefix="mkbench-") as tmp, open(log, "w") as out:
         report = Path(tmp) / "report.json"
+        busy_before = _busy_seconds()
         wrapper = subprocess.Popen(
             [common.PYTHON, "-I", "-S", "-c", _WRAPPER, report, *map(str, cmd)],
             env=env,
@@ -358,8 +371,14 @@ def measure(cmd: list[object], env: dict[str, str], log: Path) -> Run:
     if result["returncode"] != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({result['returncode']}):\n{tail}")
+    busy = (_busy_seconds() - busy_before) - result["cpu_seconds"]
     return Run(
-        result["seconds"], result["cpu_seconds"], result["maxrss_kb"] / 1024, tree["mib"], tree["processes"]
+        result["seconds"],
+        result["cpu_seconds"],
+        result["maxrss_kb"] / 1024,
+        tree["mib"],
+        tree["processes"],
+        max(busy, 0.0) / (result["seconds"] * (os.cpu_count() or 1)),
     )
 
 
@@ -586,7 +605,7 @@ def bench_size(
             print(
                 f"{num_models}x{mib:g} rep {rep} {name}: {run.seconds:.2f} s, peak {run.peak_mib:.0f} MiB "
                 f"(ru_maxrss {run.maxrss_mib:.0f}, tree {run.tree_mib:.0f}, {run.processes} process(es)), "
-                f"CPU {run.cpu_seconds:.1f} s",
+                f"CPU {run.cpu_seconds:.1f} s, others' CPU {100 * run.others:.0f}% of the cores",
                 flush=True,
             )
     agreement = compare(where / "out-shardfuse", where / "out-mergekit", base, models, layout.layers)
@@ -625,6 +644,7 @@ def summarise(result: dict) -> dict[str, float]:
     s["speedup_min"] = s["mk_seconds_min"] / s["sf_seconds_min"]
     s["memory_median"] = s["sf_peak_mib_median"] / s["mk_peak_mib_median"]
     s["processes"] = max(r["processes"] for r in ours + theirs)
+    s["others_max"] = max(r["others"] for r in ours + theirs)
     return s
 
 
@@ -669,7 +689,13 @@ def report(results: list[dict], reps: int, floor: dict[str, Run]) -> str:
         f"{reps} repetitions, A B A B (shardfuse first). Import floors (a process that imports the tool "
         f"and exits, best of {reps}): shardfuse {floor['shardfuse'].seconds:.2f} s, "
         f"{floor['shardfuse'].peak_mib:.0f} MiB; mergekit-yaml --help {floor['mergekit'].seconds:.2f} s, "
-        f"{floor['mergekit'].peak_mib:.0f} MiB."
+        f"{floor['mergekit'].peak_mib:.0f} MiB. Processes in each measured tree at once: at most "
+        f"{max(summarise(r)['processes'] for r in results)}. Busy CPU outside the measured command during a "
+        "run, as a share of all cores (a quiet machine: ~0): at most "
+        + ", ".join(
+            f"{100 * summarise(r)['others_max']:.0f}% ({r['models']} x {r['mib']:g})" for r in results
+        )
+        + "."
     )
     return common.table(header, rows) + "\n\n" + note
 
