@@ -78,6 +78,8 @@ def merge(
     align: str = "none",
     align_max_iter: int = 100,
     recalibrate: bool = False,
+    search: dict[str, Any] | None = None,
+    search_db: Path | None = None,
 ) -> MergeRecord:
     """Merge the ranks listed in gather.json with ``method`` (after aligning them to rank 0 with
     ``align: weight_matching``, :mod:`shardfuse.fusion.align`); write the weights and merge.json."""
@@ -86,7 +88,7 @@ def merge(
     gather = read_gather(
         gather_path,
         base=record.uses_base and dcp_dir is None,
-        need=("tensors", "model") if record.uses_val else ("tensors",),
+        need=("tensors", "model") if record.uses_val or search is not None else ("tensors",),
         need_in_ranks=("sha256", "rows"),
     )
     if gather.adapted:
@@ -99,6 +101,11 @@ def merge(
     if spec.get("code"):  # user code (a spec with code names its model)
         check_code_unchanged(spec["model"], spec["code"], "merge")
     rows = gather.rows_trained  # weighted: FedAvg's weights, the rows each rank trained on
+    search_record = None
+    if search is not None:  # the best trial's parameters, searched on the validation split
+        params, search_record = _searched(
+            gather_path, gather, record, params or {}, search, val_split, batch_size, search_db
+        )
     resolved = registry.resolve_params(method, params, rows)
     options = {"val_split": val_split, "dcp_dir": dcp_dir, "align": align}
     check_request(gather_path, gather, record, recalibrate=recalibrate, **options)
@@ -126,6 +133,7 @@ def merge(
         # DCP's none) over the method's.
         **{"weights": weights, **fused.inputs},
         recalibration=recalibration,
+        search=search_record,
         tensor_stats={name: {k: _finite(v) for k, v in s.items()} for name, s in stats.items()},
         max_abs_diff_between_ranks=_finite(max(spreads, default=0.0)) if dcp_dir is None else None,
         seconds=time.perf_counter() - started,
@@ -137,6 +145,26 @@ def merge(
     )
     write_json(out_json, merge_record.to_json())
     return merge_record
+
+
+def _searched(gather_path, gather, record, given, search, val_split, batch_size, search_db):
+    from shardfuse.fusion.search import parse, search_merge
+
+    if record.consolidates or record.select is not None or not record.params:
+        what = "keeps rank 0" if record.consolidates else "has no parameter to search"
+        what = "selects its ranks on the validation split itself" if record.select is not None else what
+        raise UserError(f"merge_search: merge method {record.name} {what}; search a method with parameters")
+    if val_split is None or search_db is None:
+        raise UserError("merge_search needs --val-split (the validation split) and --search-db (the study)")
+    from shardfuse.checkpoints.trust import STALE, shapes_of
+    from shardfuse.data.verify import check_split
+    from shardfuse.models.registry import check_model_fits  # deferred: imports torch
+
+    kinds = {name: param.kind for name, param in record.params.items()}
+    spec = parse(search, record.name, kinds, "merge_search")
+    check_split(val_split, "val")  # the validation split prepare wrote (never the test split)
+    check_model_fits(str(gather_path), gather.model, shapes_of(gather.tensors), STALE)
+    return search_merge(gather, record.name, given, spec, val_split, batch_size, search_db)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="re-estimate BatchNorm statistics on --val-split after merging",
     )
+    parser.add_argument("--search-json", help="merge_search: the search as a JSON object (trials, space...)")
+    parser.add_argument("--search-db", type=Path, help="merge_search: the study's SQLite file (resumed)")
     parser.add_argument("--out-weights", type=Path, help="merged.safetensors to write")
     parser.add_argument("--out-json", type=Path, help="merge.json to write")
     args = parser.parse_args(argv)
@@ -190,7 +220,16 @@ def main(argv: list[str] | None = None) -> None:
         align=args.align,
         align_max_iter=args.align_max_iter,
         recalibrate=args.recalibrate,
+        search=None if args.search_json is None else parse_json_arg(args.search_json, "--search-json"),
+        search_db=args.search_db,
     )
+    if record.search is not None:
+        found = record.search
+        print(
+            f"searched {found['trials_done']} trials ({found['sampler']}): best {found['objective']} "
+            f"{found['best_value']:.6g} (default parameters {found['default_value']:.6g}): "
+            f"{found['best_params']}"
+        )
     spread = record.max_abs_diff_between_ranks
     print(
         f"merged {record.num_ranks} ranks with {args.method} in {record.seconds:.2f} s "

@@ -333,6 +333,16 @@ def merge_params_json(wildcards):
     return _json(merge_params(RUNS[wildcards.run]))
 
 
+def merge_search_args(wildcards):
+    """--search-json and --search-db for a run with merge_search (the study beside the run, resumed by a
+    re-run: not an output, so a failed merge does not remove it); nothing otherwise."""
+    search = RUNS[wildcards.run].get("merge_search")
+    if search is None:
+        return ""
+    db = f"results/runs/{wildcards.run}/search.db"
+    return f"--search-json {shlex.quote(_json(search))} --search-db {shlex.quote(db)}"
+
+
 def merge_align_of_run(wildcards):
     return merge_align_args(RUNS[wildcards.run])
 

@@ -19,10 +19,11 @@ rule merge:
         merge_params=merge_params_json,
         align=merge_align_of_run,
         batch_size=eval_batch_size_of_run,
+        search=merge_search_args,
     shell:
         "python -m shardfuse.merge --run {wildcards.run} --gather {input.gather} --method {params.method}"
         " --params-json {params.merge_params:q} --val-split {input.val} --batch-size {params.batch_size}"
-        " {params.align} --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"
+        " {params.align} {params.search} --out-weights {output.weights} --out-json {output.record} > {log} 2>&1"
 
 
 rule export_adapter:

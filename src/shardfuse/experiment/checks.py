@@ -121,6 +121,8 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{where}.merge_method: {method} needs a validation split but dataset "
             f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
         )
+    if run.get("merge_search") is not None:
+        check_merge_search(where, run, record, datasets[run["dataset"]])
     if run.get("merge_recalibrate") and datasets[run["dataset"]]["val_fraction"] == 0:
         raise ConfigError(
             f"{where}.merge_recalibrate: re-estimating BatchNorm statistics needs a validation split but "
@@ -208,3 +210,27 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     run["betas"] = [float(beta) for beta in run["betas"]]
     if optimizer == "adamw" and run["weight_decay"] > 0:
         run["decay_rule"] = DECAY_RULE
+
+
+def check_merge_search(where: str, run: dict[str, Any], record: Any, dataset: dict[str, Any]) -> None:
+    """merge_search before any job: a method with parameters to search, a validation split to search
+    on, and a search Optuna can run (shardfuse.fusion.search.parse)."""
+    from shardfuse.fusion.search import parse
+
+    if record.consolidates or record.select is not None or not record.params:
+        what = "keeps rank 0" if record.consolidates else "has no parameter to search"
+        what = "selects its ranks on the validation split itself" if record.select is not None else what
+        raise ConfigError(
+            f"{where}.merge_search: merge method {record.name} {what}; search a method with parameters "
+            "(task_arithmetic, ties, dare, ...)"
+        )
+    if dataset["val_fraction"] == 0:
+        raise ConfigError(
+            f"{where}.merge_search: trials are scored on the validation split but dataset "
+            f"{run['dataset']!r} has val_fraction 0; set val_fraction > 0"
+        )
+    kinds = {name: param.kind for name, param in record.params.items()}
+    try:
+        parse(run["merge_search"], record.name, kinds, f"{where}.merge_search")
+    except UserError as exc:
+        raise ConfigError(str(exc)) from None

@@ -208,7 +208,7 @@ class MergeRecord(_Record):
     FILE, STAGE, WHAT = "merge.json", "merge", "merge record"
     # Written by one merge path only: alignment (merge_align), hash and ingredients (the rank files), dcp
     # (a sharded checkpoint), recalibration (merge_recalibrate), adapter (LoRA updates fused).
-    OPTIONAL = frozenset({"alignment", "hash", "ingredients", "dcp", "recalibration", "adapter"})
+    OPTIONAL = frozenset({"alignment", "hash", "ingredients", "dcp", "recalibration", "adapter", "search"})
 
     run: str | None = None
     training: str | None = None
@@ -218,6 +218,7 @@ class MergeRecord(_Record):
     base: dict[str, Any] | None = None  # {"path", "sha256"} of the shared initial weights (task vectors)
     weights: list[float] | None = None  # per rank, for the methods that weight them
     greedy_soup: dict[str, Any] | None = None  # the ranks it selected and their held-out scores
+    search: dict[str, Any] | None = None  # merge_search: the study, its trials, best and default scores
     alignment: dict[str, Any] | None = None  # shardfuse.fusion.align
     hash: str | None = None  # the checksum algorithm checked against the merged bytes
     ingredients: list[dict[str, Any]] | None = None  # rank, path, each digest gather.json records, rows

@@ -1,0 +1,160 @@
+"""Merge search (run key merge_search, shardfuse.fusion.search): Optuna trials scored on the validation
+split only, a study that resumes after a kill without repeating a trial, the same trials for the same
+seed, and one line for a search that cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from shardfuse.data import reader as data_module
+from shardfuse.fusion import search as search_module
+from shardfuse.io import UserError, sha256_file
+from shardfuse.merge import merge
+from shardfuse.scoring import scorer as scorer_module
+from tests.support.fusion import MLP_SPEC, gather_to, make_run
+
+LOGISTIC = {**MLP_SPEC, "num_features": 2, "num_classes": 2, "hidden_sizes": []}
+SIMPLEX = {"trials": 8, "sampler": "random", "seed": 3, "space": {"merge_weights": "simplex"}}
+
+
+def classifier(weight):
+    weight = torch.tensor(weight, dtype=torch.float32)
+    return {
+        "net.0.weight": torch.stack([-weight, weight]),
+        "net.0.bias": torch.zeros(2),
+        "input_mean": torch.zeros(2),
+        "input_scale": torch.ones(2),
+    }
+
+
+def write_split(path, features, labels):
+    pq.write_table(
+        pa.table({"x0": features[:, 0], "x1": features[:, 1], "label": labels.astype(np.int64)}), path
+    )
+
+
+@pytest.fixture()
+def run(tmp_path):
+    gen = np.random.default_rng(0)
+    features = gen.standard_normal((400, 2)).astype(np.float32)
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    write_split(dataset / "val.parquet", features[:200], (features[:200, 0] > 0).astype(int))
+    write_split(dataset / "test.parquet", features[200:], (features[200:, 0] < 0).astype(int))  # opposite
+    splits = ("val", "test")
+    info = {
+        "rows": dict.fromkeys(splits, 200),
+        "sha256": {s: sha256_file(dataset / f"{s}.parquet") for s in splits},
+    }
+    (dataset / "dataset.json").write_text(json.dumps(info))
+    # ranks 0 and 2 point the wrong way on x1's noise; rank 1 is right: weights on rank 1 win
+    ranks = [classifier([-4.0, 3.0]), classifier([5.0, 0.0]), classifier([-2.0, -6.0])]
+    gather_path = gather_to(tmp_path, make_run(tmp_path, ranks, [1, 1, 1], spec=LOGISTIC), 3)
+    return gather_path, dataset
+
+
+def searched(run, tmp_path, search, name="m", db="search.db"):
+    gather_path, dataset = run
+    return merge(
+        gather_path, "weighted", tmp_path / f"{name}.safetensors", tmp_path / f"{name}.json",
+        val_split=dataset / "val.parquet", search=search, search_db=tmp_path / db,
+    )  # fmt: skip
+
+
+def test_trials_read_the_validation_split_only_and_the_best_beats_the_default(run, tmp_path, monkeypatch):
+    read = []
+    original = data_module.load_table
+    monkeypatch.setattr(
+        data_module, "load_table", lambda path, *a, **k: read.append(Path(path)) or original(path)
+    )
+    record = searched(run, tmp_path, SIMPLEX)
+    found = record.search
+    assert set(read) == {run[1] / "val.parquet"}  # never the test split
+    assert found["trials_done"] == 8 and len(found["trials"]) == 8 and found["objective"] == "val_accuracy"
+    assert found["best_value"] == max(t["value"] for t in found["trials"]) > found["default_value"]
+    assert record.params["weights"] == found["best_params"]["weights"]  # the best trial was merged
+    assert record.weights == pytest.approx(
+        [w / sum(record.params["weights"]) for w in record.params["weights"]]
+    )
+
+
+def test_a_killed_study_resumes_without_repeating_a_trial_and_the_same_seed_gives_the_same_trials(
+    run, tmp_path, monkeypatch
+):
+    whole = searched(run, tmp_path, SIMPLEX, "whole", "whole.db").search
+    calls = {"n": 0}
+    original = scorer_module.Scorer.score
+
+    def dying(self, tensors):
+        calls["n"] += 1
+        if calls["n"] == 5:  # the default's score, then trials 0..2 complete; trial 3 is killed
+            raise KeyboardInterrupt
+        return original(self, tensors)
+
+    monkeypatch.setattr(scorer_module.Scorer, "score", dying)
+    with pytest.raises(KeyboardInterrupt):
+        searched(run, tmp_path, SIMPLEX, "killed", "killed.db")
+    monkeypatch.setattr(scorer_module.Scorer, "score", original)
+    resumed = searched(run, tmp_path, SIMPLEX, "killed", "killed.db").search
+    states = [t["state"] for t in resumed["trials"]]
+    assert states == ["COMPLETE"] * 3 + ["FAIL"] + ["COMPLETE"] * 5  # the killed trial is not counted
+    complete = [t["params"] for t in resumed["trials"] if t["state"] == "COMPLETE"]
+    assert complete == [t["params"] for t in whole["trials"]]  # as if never killed; none repeated
+    assert len({json.dumps(p) for p in complete}) == 8
+    more = searched(run, tmp_path, {**SIMPLEX, "trials": 10}, "more", "whole.db").search  # continues
+    assert [t["params"] for t in more["trials"][:8]] == [t["params"] for t in whole["trials"]]
+    assert more["trials_done"] == 10 and more["study"] == whole["study"]
+    other = searched(run, tmp_path, {**SIMPLEX, "seed": 4}, "other", "whole.db").search  # another study
+    assert other["study"] != whole["study"] and other["trials"][0]["params"] != whole["trials"][0]["params"]
+
+
+def test_tpe_over_a_range_and_a_refused_trial_fails_without_stopping_the_study(run, tmp_path):
+    gather_path, dataset = run
+    search = {"trials": 6, "seed": 0, "space": {"merge_scale": [0.2, 3.0]}}
+    record = merge(
+        gather_path, "task_arithmetic", tmp_path / "ta.safetensors", tmp_path / "ta.json",
+        val_split=dataset / "val.parquet", search=search, search_db=tmp_path / "ta.db",
+    )  # fmt: skip
+    found = record.search
+    assert found["sampler"] == "tpe" and found["trials_done"] == 6
+    assert all(0.2 <= t["params"]["scale"] <= 3.0 for t in found["trials"])
+    assert record.params["scale"] == found["best_params"]["scale"]
+
+
+@pytest.mark.parametrize(
+    ("search", "message"),
+    [
+        ({"trials": 0, "space": {"merge_scale": [0, 1]}}, "merge_search.trials must be an integer >= 1"),
+        ({"trials": 3, "space": {"merge_density": [0.1, 0.5]}},
+         "merge_search.space.merge_density: merge method task_arithmetic has no such parameter"),
+        ({"trials": 3, "space": {"merge_scale": [2.0, 1.0]}}, "[2.0, 1.0] is empty or inverted"),
+        ({"trials": 3, "space": {}}, "merge_search.space must name at least one parameter"),
+        ({"trials": 3, "sampler": "cma", "space": {"merge_scale": [0.1, 1]}},
+         "merge_search.sampler 'cma' is not one of tpe, cmaes, random, grid"),
+        ({"trials": 3, "sampler": "cmaes", "space": {"merge_scale": [0.5, 1.0, 1.5]}},
+         "sampler cmaes searches continuous ranges, but merge_scale is categorical"),
+        ({"trials": 3, "space": {"merge_scale": [0.1, 1]}, "budget": 3}, "unknown key 'budget'"),
+    ],
+)  # fmt: skip
+def test_a_search_that_cannot_run_is_one_line(search, message):
+    with pytest.raises(UserError) as info:
+        search_module.parse(search, "task_arithmetic", {"scale": "number"}, "merge_search")
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_search_on_a_method_without_parameters_or_without_a_validation_split_is_refused(run, tmp_path):
+    gather_path, dataset = run
+    with pytest.raises(UserError, match="merge method uniform has no parameter to search"):
+        merge(gather_path, "uniform", tmp_path / "u.safetensors", tmp_path / "u.json",
+              val_split=dataset / "val.parquet", search=SIMPLEX, search_db=tmp_path / "u.db")  # fmt: skip
+    with pytest.raises(UserError, match=r"test\.parquet is the dataset's test split"):
+        merge(gather_path, "weighted", tmp_path / "w.safetensors", tmp_path / "w.json",
+              val_split=dataset / "test.parquet", search=SIMPLEX, search_db=tmp_path / "w.db")  # fmt: skip
+    assert not (tmp_path / "u.safetensors").exists() and not (tmp_path / "w.json").exists()
