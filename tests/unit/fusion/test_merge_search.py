@@ -158,3 +158,28 @@ def test_a_search_on_a_method_without_parameters_or_without_a_validation_split_i
         merge(gather_path, "weighted", tmp_path / "w.safetensors", tmp_path / "w.json",
               val_split=dataset / "test.parquet", search=SIMPLEX, search_db=tmp_path / "w.db")  # fmt: skip
     assert not (tmp_path / "u.safetensors").exists() and not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("run", "dataset", "message"),
+    [
+        ({"strategy": "ddp", "merge_method": "consolidate", "merge_search": SIMPLEX}, {},
+         "runs[r].merge_search: merge method consolidate keeps rank 0"),
+        ({"merge_method": "weighted", "merge_search": SIMPLEX}, {"val_fraction": 0},
+         "trials are scored on the validation split but dataset 'digits' has val_fraction 0"),
+        ({"merge_method": "ties", "merge_search": {"trials": 2, "space": {"merge_scale": [1, 1]}}}, {},
+         "config error at runs[r].merge_search.space.merge_scale [1, 1] is empty or inverted"),
+    ],
+)  # fmt: skip
+def test_the_config_refuses_a_search_that_cannot_run_before_any_job(run, dataset, message):
+    from shardfuse.experiment.load import load_experiment
+    from shardfuse.experiment.schema import ConfigError
+
+    config = {
+        "datasets": {"digits": {"source": "digits", **dataset}},
+        "runs": {"r": {"strategy": "localsgd", "sync_every": 0, **run}},
+        "run_defaults": {"dataset": "digits", "world_size": 2},
+    }
+    with pytest.raises(ConfigError) as info:
+        load_experiment(config, environ={})
+    assert message in str(info.value), str(info.value)
