@@ -32,6 +32,7 @@ COMPLETE_TAG = "shardfuse.complete"
 PARENT_TAG = "mlflow.parentRunId"
 LAYOUT_TAG = "shardfuse.layout"  # LAYOUT_VERSION of the push that made the run: another one is replaced
 TRAINING_TAG = "shardfuse.training"  # the training the run merged (runs that share one share it)
+TRIAL_TAG = "shardfuse.trial"  # a merge_search trial's child run (its number)
 
 # What a sync does with the runs already in MLflow (also the ``action`` that ``--out`` records).
 Action = Literal["created", "replaced", "updated", "unchanged"]
@@ -75,7 +76,11 @@ def plan_sync(runs: list, options: SyncOptions, inputs: RunInputs, params: dict[
     children: dict[int, Any] = {}
     for run in runs:
         rank = run.data.tags.get(RANK_TAG, "")
-        if run.data.tags.get(PARENT_TAG) != parent.info.run_id or not rank.isdigit():
+        if (
+            run.data.tags.get(PARENT_TAG) != parent.info.run_id
+            or not rank.isdigit()
+            or TRIAL_TAG in run.data.tags
+        ):
             continue
         known = inputs.ranks[int(rank)] if int(rank) < inputs.world_size else None
         rows = history_rows(known.history) if known is not None else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any, NamedTuple, TypedDict
 
@@ -55,6 +56,7 @@ from shardfuse.track.plan import (
     RANK_TAG,
     RUN_TAG,
     TRAINING_TAG,
+    TRIAL_TAG,
     Action,
     Plan,
     delete_finished_live_runs,
@@ -75,7 +77,14 @@ from shardfuse.track.push import (
     synced_rows,
     synced_tag_value,
 )
-from shardfuse.track.ui import merge_params, partition_params, run_datasets, run_times, source_tags
+from shardfuse.track.ui import (
+    merge_params,
+    param_text,
+    partition_params,
+    run_datasets,
+    run_times,
+    source_tags,
+)
 
 
 class Synced(NamedTuple):
@@ -144,6 +153,36 @@ def _sync_rank(
     return child_id, pushed + len(final)
 
 
+def sync_trials(
+    client, experiment_id: str, parent_id: str, run_name: str, search: dict, source_tags: dict[str, str]
+) -> None:
+    """merge_search: each trial a child run (its parameters, its validation score, its state), and the
+    study's best and default validation scores on the parent. The trials of an earlier push were deleted
+    with the runs not kept, so none is logged twice."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    objective = str(search.get("objective", "val_score"))
+    now = int(time.time() * 1000)
+    for trial in search.get("trials", []):
+        number, state = trial.get("number"), str(trial.get("state"))
+        tags = {PARENT_TAG: parent_id, RUN_TAG: run_name, TRIAL_TAG: str(number), **source_tags}
+        child = client.create_run(experiment_id, run_name=f"{run_name}/trial-{number}", tags=tags)
+        params = [Param(f"merge_{k}", param_text(v)) for k, v in (trial.get("params") or {}).items()]
+        params.append(Param("trial", str(number)))
+        metrics = []
+        if isinstance(trial.get("value"), (int, float)):
+            metrics.append(Metric(objective, float(trial["value"]), now, 0))
+        client.log_batch(
+            child.info.run_id, metrics=metrics, params=params, tags=[RunTag("trial_state", state)]
+        )
+        client.set_terminated(child.info.run_id, "FINISHED" if state == "COMPLETE" else "FAILED")
+    summary = [
+        Metric(f"search_best_{objective}", float(search["best_value"]), now, SUMMARY_STEP),
+        Metric(f"search_default_{objective}", float(search["default_value"]), now, SUMMARY_STEP),
+    ]
+    client.log_batch(parent_id, metrics=summary)
+
+
 def _sync(
     client,
     experiment_id: str,
@@ -183,6 +222,8 @@ def _sync(
                 client, experiment_id, parent_id, inputs, rank, children.get(rank.rank), options
             )
             pushed += count
+        if isinstance(inputs.merge.search, dict):
+            sync_trials(client, experiment_id, parent_id, run_name, inputs.merge.search, options.source_tags)
         model_id, registered = sync_parent_extras(client, experiment_id, parent, inputs, options)
         model_metrics, headline = merged_model_metrics(client, model_id, parent, inputs, options)
         log_batches(client, parent_id, metrics=model_metrics + headline)
@@ -281,6 +322,12 @@ def track_run(
         plan = plan_sync(runs, options, inputs, params)
         parent, children = plan.parent, plan.children
         keep = {parent.info.run_id} | {c.info.run_id for c in children.values()} if parent else set()
+        if plan.action == "unchanged":  # the trials' child runs too; otherwise they are logged afresh
+            keep |= {
+                r.info.run_id
+                for r in runs
+                if r.data.tags.get(PARENT_TAG) in keep and TRIAL_TAG in r.data.tags
+            }
         delete_runs(client, experiment_id, [r for r in runs if r.info.run_id not in keep])
         if parent is not None:  # a model an earlier, killed track left PENDING
             model_logging.delete_unfinished_models(client, experiment_id, parent.info.run_id)

@@ -186,7 +186,7 @@ def source_tags(snakefile: Path | None) -> dict[str, str]:
     return tags
 
 
-def _param_text(value: Any) -> str:
+def param_text(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return json.dumps(list(value))
     return str(value)
@@ -208,7 +208,11 @@ def merge_params(config_params: dict[str, str], merge: MergeRecord) -> dict[str,
     params = {k: v for k, v in config_params.items() if k not in method_keys or k in taken}
     for key, name in taken.items():
         if used.get(name) is not None:
-            params[key] = _param_text(used[name])
+            params[key] = param_text(used[name])
+    search = merge.search
+    if isinstance(search, dict):  # the best trial's parameters are the merge_<param> above
+        for key in ("study", "sampler", "seed", "objective", "trials_done"):
+            params[f"merge_search_{key}"] = str(search.get(key))
     soup = merge.greedy_soup
     if isinstance(soup, dict) and isinstance(soup.get("selected"), list):
         params["merge_greedy_soup_selected"] = ",".join(str(rank) for rank in soup["selected"])
@@ -227,5 +231,5 @@ def partition_params(config_params: dict[str, str], manifest: dict[str, Any]) ->
     if isinstance(used, dict) and isinstance(used.get("params"), dict):
         for name, value in used["params"].items():
             if value is not None:
-                params[f"partition_{name}"] = _param_text(value)
+                params[f"partition_{name}"] = param_text(value)
     return params

@@ -183,3 +183,33 @@ def test_the_config_refuses_a_search_that_cannot_run_before_any_job(run, dataset
     with pytest.raises(ConfigError) as info:
         load_experiment(config, environ={})
     assert message in str(info.value), str(info.value)
+
+
+def test_each_trial_is_a_nested_mlflow_run_and_the_parent_carries_the_best_and_default_scores(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from shardfuse.track.sync import sync_trials
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("search")
+    parent = client.create_run(experiment, run_name="ta")
+    search = {
+        "objective": "val_accuracy", "best_value": 0.9, "default_value": 0.7,
+        "trials": [
+            {"number": 0, "params": {"scale": 0.5}, "value": 0.8, "state": "COMPLETE"},
+            {"number": 1, "params": {"scale": 2.5}, "value": None, "state": "FAIL"},
+            {"number": 2, "params": {"scale": 1.2}, "value": 0.9, "state": "COMPLETE"},
+        ],
+    }  # fmt: skip
+    options = (
+        SyncOptions(**{f: None for f in SyncOptions._fields}) if hasattr(SyncOptions, "_fields") else None
+    )
+    options = options or type("Options", (), {"source_tags": {}})()
+    sync_trials(client, experiment, parent.info.run_id, "ta", search, options)
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_trial = {int(r.data.tags["shardfuse.trial"]): r for r in children}
+    assert sorted(by_trial) == [0, 1, 2]
+    assert by_trial[2].data.params["merge_scale"] == "1.2" and by_trial[2].data.metrics["val_accuracy"] == 0.9
+    assert by_trial[1].info.status == "FAILED" and "val_accuracy" not in by_trial[1].data.metrics
+    metrics = client.get_run(parent.info.run_id).data.metrics
+    assert metrics["search_best_val_accuracy"] == 0.9 and metrics["search_default_val_accuracy"] == 0.7
