@@ -201,11 +201,7 @@ def test_each_trial_is_a_nested_mlflow_run_and_the_parent_carries_the_best_and_d
             {"number": 2, "params": {"scale": 1.2}, "value": 0.9, "state": "COMPLETE"},
         ],
     }  # fmt: skip
-    options = (
-        SyncOptions(**{f: None for f in SyncOptions._fields}) if hasattr(SyncOptions, "_fields") else None
-    )
-    options = options or type("Options", (), {"source_tags": {}})()
-    sync_trials(client, experiment, parent.info.run_id, "ta", search, options)
+    sync_trials(client, experiment, parent.info.run_id, "ta", search, {})
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     by_trial = {int(r.data.tags["shardfuse.trial"]): r for r in children}
     assert sorted(by_trial) == [0, 1, 2]
