@@ -181,6 +181,48 @@ def sync_trials(
         Metric(f"search_default_{objective}", float(search["default_value"]), now, SUMMARY_STEP),
     ]
     client.log_batch(parent_id, metrics=summary)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="shardfuse-search-") as folder:
+        for path in search_figures(search, Path(folder)):
+            client.log_artifact(parent_id, str(path), artifact_path="search")
+
+
+def search_figures(search: dict, folder: Path) -> list[Path]:
+    """Optuna's own matplotlib figures of the study (optimisation history; parameter importances once two
+    trials are complete), drawn from its storage into ``folder`` as PNGs."""
+    import warnings
+
+    storage = Path(str(search.get("storage", "")))
+    if not storage.is_file():
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import optuna
+    from optuna.visualization import matplotlib as optuna_plots
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=str(search["study"]), storage=f"sqlite:///{storage}")
+    drawn = [("optimization_history", optuna_plots.plot_optimization_history)]
+    if len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))) >= 2:
+        drawn.append(("param_importances", optuna_plots.plot_param_importances))
+    paths = []
+    for name, draw in drawn:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                axes = draw(study)
+        except (ValueError, RuntimeError):  # e.g. importances of parameters that never varied
+            continue
+        figure = axes.figure if hasattr(axes, "figure") else axes.flat[0].figure
+        figure.set_size_inches(8, 5)
+        figure.tight_layout()
+        figure.savefig(folder / f"{name}.png", dpi=100)
+        plt.close(figure)
+        paths.append(folder / f"{name}.png")
+    return paths
 
 
 def _sync(

@@ -209,3 +209,14 @@ def test_each_trial_is_a_nested_mlflow_run_and_the_parent_carries_the_best_and_d
     assert by_trial[1].info.status == "FAILED" and "val_accuracy" not in by_trial[1].data.metrics
     metrics = client.get_run(parent.info.run_id).data.metrics
     assert metrics["search_best_val_accuracy"] == 0.9 and metrics["search_default_val_accuracy"] == 0.7
+
+
+def test_the_study_is_drawn_with_optunas_own_figures(run, tmp_path):
+    from shardfuse.track.sync import search_figures
+
+    record = searched(run, tmp_path, SIMPLEX)
+    drawn = (
+        search_figures(record.search, tmp_path / "figures") if (tmp_path / "figures").mkdir() is None else []
+    )
+    assert [p.name for p in drawn] == ["optimization_history.png", "param_importances.png"]
+    assert all(p.stat().st_size > 10_000 for p in drawn)
