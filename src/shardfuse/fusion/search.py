@@ -64,12 +64,15 @@ class SearchSpec:
     objective: str
     space: tuple[Dimension, ...]
     grid_points: int = 5
+    granularity: str = "model"  # model: one value per parameter; layer: one per layer (a gradient)
 
     def study_name(self, method: str) -> str:
         """The study's name: a digest of everything but ``trials`` (more trials continue the study)."""
         settings = {"method": method, "sampler": self.sampler, "seed": self.seed, "objective": self.objective}
         settings["space"] = [d.__dict__ for d in self.space]
         settings["grid_points"] = self.grid_points
+        if self.granularity != "model":
+            settings["granularity"] = self.granularity
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=list).encode()).hexdigest()
         return f"{method}-{digest[:12]}"
 
@@ -111,10 +114,24 @@ def parse(search: Mapping[str, Any], method: str, param_kinds: Mapping[str, str]
     if sampler == "grid" and any(d.kind == "simplex" for d in dimensions):
         raise UserError(f"{where}.sampler grid cannot enumerate merge_weights: simplex; use tpe or random")
     objective = search.get("objective")
-    unknown = set(search) - {"trials", "sampler", "seed", "space", "objective", "grid_points"}
+    if objective is not None and not (isinstance(objective, str) and objective.startswith("val_")):
+        raise UserError(
+            f"{where}.objective must be val_<score> (e.g. val_accuracy, val_loss), got {objective!r}"
+        )
+    granularity = search.get("granularity", "model")
+    if granularity not in ("model", "layer"):
+        raise UserError(f"{where}.granularity must be model or layer, got {granularity!r}")
+    if granularity == "layer" and sampler == "grid":
+        raise UserError(
+            f"{where}.granularity layer has one value per layer: use sampler tpe, cmaes or random"
+        )
+    if granularity == "layer" and not any(d.kind in ("float", "simplex") for d in dimensions):
+        raise UserError(f"{where}.granularity layer searches ranges per layer; give a [low, high] range")
+    keys = {"trials", "sampler", "seed", "space", "objective", "grid_points", "granularity"}
+    unknown = set(search) - keys
     if unknown:
         raise UserError(f"{where}: unknown key {sorted(unknown)[0]!r}; {fix}")
-    return SearchSpec(trials, sampler, seed, objective or "", tuple(dimensions), grid_points)
+    return SearchSpec(trials, sampler, seed, objective or "", tuple(dimensions), grid_points, granularity)
 
 
 def _dimension(where: str, key: str, param: str, kind: str, value: Any) -> Dimension:
@@ -184,19 +201,27 @@ def _sampler(spec: SearchSpec, seed: int):
     return optuna.samplers.GridSampler(grid, seed=spec.seed)
 
 
-def _suggest(trial, spec: SearchSpec, num_ranks: int) -> dict[str, Any]:
+def _suggest(trial, spec: SearchSpec, num_ranks: int, num_layers: int = 0) -> dict[str, Any]:
+    """One trial's parameters. With granularity layer, a float range and each rank's simplex weight take
+    one value per layer: a gradient of ``num_layers`` values, so layer i gets value i exactly and the
+    tensors outside the layers (embeddings, read-out) layer 0's, mergekit's t = 0."""
+    layers = range(num_layers) if spec.granularity == "layer" else None
+
+    def floats(name: str, low: float, high: float) -> Any:
+        if layers is None:
+            return trial.suggest_float(name, low, high)
+        return [trial.suggest_float(f"{name}_layer{i}", low, high) for i in layers]
+
     params: dict[str, Any] = {}
     for d in spec.space:
         if d.kind == "float":
-            params[d.param] = trial.suggest_float(d.key, d.low, d.high)
+            params[d.param] = floats(d.key, d.low, d.high)
         elif d.kind == "int":
             params[d.param] = trial.suggest_int(d.key, int(d.low), int(d.high))
         elif d.kind == "categorical":
             params[d.param] = trial.suggest_categorical(d.key, list(d.choices))
-        else:  # simplex: one weight per rank in (0, 1]; the method normalises them
-            params["weights"] = [
-                trial.suggest_float(f"merge_weights_{r}", 1e-3, 1.0) for r in range(num_ranks)
-            ]
+        else:  # simplex: one weight per rank in [0.001, 1]; the method normalises them
+            params["weights"] = [floats(f"merge_weights_{r}", 1e-3, 1.0) for r in range(num_ranks)]
     return params
 
 
@@ -208,6 +233,7 @@ def run_study(
     evaluate: Callable[[dict[str, Any]], float],
     lower_is_better: bool,
     num_ranks: int,
+    num_layers: int = 0,
 ) -> tuple[list[Trial], str]:
     """Complete the study to ``spec.trials`` COMPLETE trials; returns every trial (in number order) and the
     study's name. ``evaluate(params)`` merges with ``fixed`` | the trial's params and returns the score."""
@@ -234,7 +260,7 @@ def run_study(
         # refused (a trial a kill interrupted is not counted, so a resumed study samples as a whole one).
         study.sampler = _sampler(spec, spec.seed + done + 1_000_003 * refused)
         trial = study.ask()
-        params = {**fixed, **_suggest(trial, spec, num_ranks)}
+        params = {**fixed, **_suggest(trial, spec, num_ranks, num_layers)}
         trial.set_user_attr("params", params)
         try:
             value = evaluate(params)
@@ -285,6 +311,7 @@ def search_merge(
     from shardfuse.checkpoints.stream import SafetensorsReader, decode_float, file_order
     from shardfuse.fusion.engine import Engine, MemorySink, merge_arrays
     from shardfuse.fusion.methods import registry
+    from shardfuse.fusion.methods.settings import LAYER_NAMES, count_layers
     from shardfuse.scoring.scorer import Scorer
     from shardfuse.scoring.split import load_split
 
@@ -330,13 +357,19 @@ def search_merge(
                 sink = MemorySink(tensors)
                 Engine(readers, base, method, resolved, gather.rank_numbers, weights).run(names, sink)
                 return sink.tensors_for_torch()
+            floats = [name for name in names if tensors[name].dtype.is_float]
+            table = registry.tensor_params(method, resolved, floats, len(readers), warn=False)
             out = {}
             for name in names:
                 info = tensors[name]
+                values, rank_weights = resolved, weights
+                if table is not None and name in table.by_tensor:  # per layer or per tensor
+                    values = table.by_tensor[name]
+                    if "weights" in table.varying:
+                        rank_weights = registry.tensor_weights(method, values, weights)
                 arrays = [h[name] for h in held]
-                merged, _ = merge_arrays(
-                    method, resolved, arrays, None if held_base is None else held_base[name], name, weights
-                )
+                base_array = None if held_base is None else held_base[name]
+                merged, _ = merge_arrays(method, values, arrays, base_array, name, rank_weights)
                 if info.dtype.is_float:
                     merged = merged.astype(np.dtype(info.dtype.holder))
                 out[name] = torch.from_numpy(np.ascontiguousarray(merged))
@@ -345,9 +378,15 @@ def search_merge(
         def evaluate(params: dict[str, Any]) -> float:
             return float(scorer.score(merged_tensors(params))[metric])
 
+        num_layers = count_layers(name for name, t in tensors.items() if t.dtype.is_float)
+        if spec.granularity == "layer" and num_layers < 2:
+            raise UserError(
+                "merge_search granularity layer needs a model whose tensor names show two or more layers "
+                f"({LAYER_NAMES}); use granularity model"
+            )
         default_value = evaluate(dict(given))
         trials, study = run_study(
-            spec, method, storage_path, dict(given), evaluate, lower_is_better, len(readers)
+            spec, method, storage_path, dict(given), evaluate, lower_is_better, len(readers), num_layers
         )
     complete = [t for t in trials if t.state == "COMPLETE"]
     if not complete:
@@ -372,6 +411,8 @@ def search_merge(
         "trials_requested": spec.trials,
         "trials_done": len(complete),
         "trials_failed": sum(t.state == "FAIL" for t in trials),
+        "granularity": spec.granularity,
+        "num_layers": num_layers,
         "in_memory": in_memory,
         "val_split": str(split.path),
         "val_rows": split.rows,

@@ -220,3 +220,48 @@ def test_the_study_is_drawn_with_optunas_own_figures(run, tmp_path):
     )
     assert [p.name for p in drawn] == ["optimization_history.png", "param_importances.png"]
     assert all(p.stat().st_size > 10_000 for p in drawn)
+
+
+def test_in_memory_trials_merge_what_the_streamed_engine_merges_per_tensor_settings_included(
+    run, tmp_path, monkeypatch
+):
+    gather_path, dataset = run
+    given = {"scale": [{"filter": "bias", "value": 0.5}, {"value": 1.5}]}  # the run's own, per tensor
+    search = {"trials": 4, "sampler": "random", "space": {"merge_density": [0.3, 1.0]}}
+
+    def ties(name):
+        return merge(
+            gather_path, "ties", tmp_path / f"{name}.safetensors", tmp_path / f"{name}.json", given,
+            val_split=dataset / "val.parquet", search=search, search_db=tmp_path / f"{name}.db",
+        )  # fmt: skip
+
+    held = ties("held")
+    monkeypatch.setattr(search_module, "MEMORY_BUDGET", 0)  # every trial streams through the engine
+    streamed = ties("streamed")
+    assert held.search["in_memory"] and not streamed.search["in_memory"]
+    assert [t["value"] for t in held.search["trials"]] == [t["value"] for t in streamed.search["trials"]]
+    assert held.search["default_value"] == streamed.search["default_value"]
+    assert held.sha256 == streamed.sha256
+
+
+def test_granularity_layer_suggests_one_value_per_layer_and_needs_layers(run, tmp_path):
+    import optuna
+
+    spec = search_module.parse(
+        {
+            "trials": 2,
+            "granularity": "layer",
+            "space": {"merge_scale": [0.5, 2.0], "merge_weights": "simplex"},
+        },
+        "weighted",
+        {"scale": "number", "weights": "weights"},
+        "merge_search",
+    )
+    fixed = {"merge_scale_layer0": 0.5, "merge_scale_layer1": 0.7, "merge_scale_layer2": 0.9}
+    fixed |= {f"merge_weights_{r}_layer{i}": 0.1 * (r + 1) for r in range(2) for i in range(3)}
+    params = search_module._suggest(optuna.trial.FixedTrial(fixed), spec, num_ranks=2, num_layers=3)
+    assert params == {"scale": [0.5, 0.7, 0.9], "weights": [[0.1, 0.1, 0.1], [0.2, 0.2, 0.2]]}
+    with pytest.raises(
+        UserError, match="granularity layer needs a model whose tensor names show two or more"
+    ):
+        searched(run, tmp_path, {**SIMPLEX, "granularity": "layer"})  # the logistic model has no layers
