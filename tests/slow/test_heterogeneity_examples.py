@@ -110,3 +110,40 @@ def test_natural_groups_put_each_writer_on_one_rank_and_score_each_rank_on_its_w
         and sum(map(len, writers)) == 13
         and set().union(*writers) == {str(w) for w in range(13)}
     )
+
+
+def test_the_search_example_tunes_on_validation_only_and_each_trial_is_a_nested_mlflow_run(examples):
+    """The README's merge-search example in the label-skew example's checkout: its runs merge the
+    a0.1_independent training (nothing is trained again); each search completes its trials, merges its
+    best trial, and logs every trial as a nested run; a larger trial count re-runs that run's merge only."""
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from tests.support.helpers import planned_jobs, run_in
+
+    checkout = examples["checkout"]
+    rows = run_readme_examples(checkout, "examples-search")["search"]
+    assert {row["training"] for row in rows.values()} == {
+        examples["label_skew"]["a0.1_independent"]["training"]
+    }
+    client = MlflowClient(f"sqlite:///{checkout}/mlflow.db")
+    experiment = client.get_experiment_by_name("shardfuse-search")
+    for run in ("search_scale", "search_weights", "search_ties"):
+        merge = json.loads((checkout / "results" / "runs" / run / "merge.json").read_text())
+        found = merge["search"]
+        assert found["trials_done"] == 30 and found["objective"] == "val_accuracy"
+        assert found["best_value"] >= found["default_value"]  # the run's own parameters were a trial's rival
+        assert {k: merge["params"][k] for k in found["best_params"]} == found["best_params"]
+        (parent,) = client.search_runs([experiment.experiment_id], f"tags.mlflow.runName = '{run}'")
+        trials = client.search_runs(
+            [experiment.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=200
+        )
+        assert len([t for t in trials if "shardfuse.trial" in t.data.tags]) == len(found["trials"])
+        assert parent.data.metrics["search_best_val_accuracy"] == pytest.approx(found["best_value"])
+        names = [a.path for a in client.list_artifacts(parent.info.run_id, "search")]
+        assert "search/optimization_history.png" in names
+    config = yaml.safe_load((checkout / "config" / "examples" / "search.yaml").read_text())
+    config["runs"]["search_ties"]["merge_search"]["trials"] = 32
+    (checkout / "more.yaml").write_text(yaml.safe_dump(config))
+    planned = planned_jobs(run_in(checkout, ["snakemake", "-n", "--configfile", "more.yaml"]).stdout)
+    assert planned.get("merge") == 1 and "train" not in planned, planned
