@@ -16,8 +16,9 @@ The search, as Optuna users know it:
   trials      the number of COMPLETE trials the study holds when the merge ends
 
 Resumable: the study lives in an RDB storage (SQLite, ``results/runs/<run>/search.db``) under a name that
-is a digest of the search's settings but not of ``trials``: a killed merge resumes it (trials left
-RUNNING by the kill are marked FAIL and not counted; none complete is repeated), a larger ``trials``
+is a digest of the search's settings but not of ``trials``; each finished trial is written to it whole
+(the sampler works on a copy in memory): a killed merge resumes it (the trial the kill interrupted was
+never stored; none complete is repeated), a larger ``trials``
 continues it, another space or sampler starts another study. Reproducible: each trial is sampled by a
 sampler seeded with ``seed`` plus the number of complete trials before it (and of those the method
 refused), from those trials, so a resumed study samples what an uninterrupted one would, and the same
@@ -31,6 +32,7 @@ validation batches are those of one Scorer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -240,43 +242,46 @@ def run_study(
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    states = optuna.trial.TrialState
     storage_path.parent.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(f"sqlite:///{storage_path}")
     name = spec.study_name(method)
-    study = optuna.create_study(
-        study_name=name,
-        storage=storage,
-        direction="minimize" if lower_is_better else "maximize",
-        load_if_exists=True,
-    )
-    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        storage.set_trial_state_values(stale._trial_id, optuna.trial.TrialState.FAIL)  # killed mid-trial
-    done = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    direction = "minimize" if lower_is_better else "maximize"
+    study = optuna.create_study(study_name=name, storage=storage, direction=direction, load_if_exists=True)
+    for stale in study.get_trials(deepcopy=False, states=(states.RUNNING,)):  # another writer's, killed
+        storage.set_trial_state_values(stale._trial_id, states.FAIL)
+    # The sampler works on a copy in memory; each finished trial goes to the SQLite study whole, in one
+    # transaction (add_trial): a kill loses the trial it interrupted and nothing else, and a trial costs
+    # one write instead of the ask/suggest/tell round trips (bench/RESULTS.md, "Merge search").
+    work = optuna.create_study(direction=direction)
+    work.add_trials(study.get_trials(deepcopy=False, states=(states.COMPLETE, states.FAIL)))
+    done = len(work.get_trials(deepcopy=False, states=(states.COMPLETE,)))
+    refused = sum("error" in t.user_attrs for t in work.get_trials(deepcopy=False))
     attempts = 0
-    refused = sum("error" in t.user_attrs for t in study.get_trials(deepcopy=False))
     while done < spec.trials and attempts < 3 * spec.trials:  # every trial failing ends it too
         attempts += 1
         # Seeded by what came before that a re-run also has: the complete trials and those the method
-        # refused (a trial a kill interrupted is not counted, so a resumed study samples as a whole one).
-        study.sampler = _sampler(spec, spec.seed + done + 1_000_003 * refused)
-        trial = study.ask()
+        # refused (a trial a kill interrupted was never stored, so a resumed study samples as a whole one).
+        work.sampler = _sampler(spec, spec.seed + done + 1_000_003 * refused)
+        trial = work.ask()
         params = {**fixed, **_suggest(trial, spec, num_ranks, num_layers)}
         trial.set_user_attr("params", params)
         try:
             value = evaluate(params)
         except UserError as exc:  # parameters the method refuses at some tensor: a failed trial
             trial.set_user_attr("error", str(exc))
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            refused += 1
-            continue
-        if not math.isfinite(value):
+            value = None
+        if value is not None and not math.isfinite(value):
             trial.set_user_attr("error", f"the objective is {value}")
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            value = None
+        if value is None:
+            work.tell(trial, state=states.FAIL)
             refused += 1
-            continue
-        study.tell(trial, value)
-        done += 1
-        if spec.sampler == "grid" and study.sampler.is_exhausted(study):
+        else:
+            work.tell(trial, value)
+            done += 1
+        study.add_trial(work.get_trials(deepcopy=False)[-1])
+        if spec.sampler == "grid" and work.sampler.is_exhausted(work):
             break
     trials = [
         Trial(t.number, t.user_attrs.get("params", {}), t.value, t.state.name)
@@ -288,6 +293,99 @@ def run_study(
 # ---------------------------------------------------------------- trials on a training's ranks
 
 IN_MEMORY = ("F16", "F32", "F64")  # float dtypes numpy holds: merged in memory, trial after trial
+
+
+class TrialMerger:
+    """The ranks (and base) of one training merged again and again with other parameters: read once into
+    float64 arrays when they fit in MEMORY_BUDGET and numpy holds their dtype (each merge then runs the
+    method's plan tensor by tensor in memory), else each merge streams through the engine. Open it with
+    ``with``; :meth:`tensors` gives the merged weights as torch tensors (the scorer's input)."""
+
+    def __init__(self, gather, method: str) -> None:
+        self.gather, self.method = gather, method
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> TrialMerger:
+        import numpy as np
+
+        from shardfuse.checkpoints.stream import SafetensorsReader, decode_float, file_order
+        from shardfuse.fusion.methods import registry
+        from shardfuse.fusion.methods.settings import count_layers
+
+        stack, gather = self._stack, self.gather
+        self.readers = [stack.enter_context(SafetensorsReader(r.path)) for r in gather.ranks]
+        uses_base = registry.method_record(self.method).uses_base
+        self.base = stack.enter_context(SafetensorsReader(gather.base)) if uses_base else None
+        self.info = self.readers[0].tensors
+        self.names = file_order({name: (t.dtype.name, list(t.shape)) for name, t in self.info.items()})
+        inputs = len(self.readers) + (self.base is not None)
+        size = sum(t.numel for t in self.info.values()) * 8 * inputs
+        self.in_memory = size <= MEMORY_BUDGET and all(
+            t.dtype.name in IN_MEMORY or not t.dtype.is_float for t in self.info.values()
+        )
+        self.num_layers = count_layers(name for name, t in self.info.items() if t.dtype.is_float)
+
+        def read(reader: SafetensorsReader, name: str) -> np.ndarray:
+            info = reader.tensors[name]
+            raw = reader.read_array(info)
+            if not info.dtype.is_float:
+                return raw
+            flat = raw.reshape(-1).view(np.uint8)
+            return decode_float(flat, info.dtype, np.empty(info.numel)).reshape(info.shape)
+
+        self.held = [{n: read(r, n) for n in self.names} for r in self.readers] if self.in_memory else None
+        self.held_base = None
+        if self.in_memory and self.base is not None:
+            self.held_base = {n: read(self.base, n) for n in self.names}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def tensors(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The merge with ``params`` (the method's, checked by its record), as torch tensors."""
+        import numpy as np
+        import torch
+
+        from shardfuse.fusion.engine import Engine, MemorySink, merge_arrays
+        from shardfuse.fusion.methods import registry
+
+        method, rows = self.method, self.gather.rows_trained
+        resolved = registry.resolve_params(method, params, rows)
+        weights = registry.rank_weights(method, resolved, rows)
+        if self.held is None:
+            sink = MemorySink(self.info)
+            numbers = self.gather.rank_numbers
+            Engine(self.readers, self.base, method, resolved, numbers, weights).run(self.names, sink)
+            return sink.tensors_for_torch()
+        floats = [name for name in self.names if self.info[name].dtype.is_float]
+        table = registry.tensor_params(method, resolved, floats, len(self.readers), warn=False)
+        out = {}
+        for name in self.names:
+            info = self.info[name]
+            values, rank_weights = resolved, weights
+            if table is not None and name in table.by_tensor:  # per layer or per tensor
+                values = table.by_tensor[name]
+                if "weights" in table.varying:
+                    rank_weights = registry.tensor_weights(method, values, weights)
+            arrays = [h[name] for h in self.held]
+            base = None if self.held_base is None else self.held_base[name]
+            merged, _ = merge_arrays(method, values, arrays, base, name, rank_weights)
+            if info.dtype.is_float:
+                merged = merged.astype(np.dtype(info.dtype.holder))
+            out[name] = torch.from_numpy(np.ascontiguousarray(merged))
+        return out
+
+
+def objective_of(spec: SearchSpec, task) -> tuple[str, bool]:
+    """(the metric the study optimises, whether lower is better)."""
+    metric = spec.objective[len("val_") :] if spec.objective else task.score
+    if metric not in (task.score, "loss"):
+        raise UserError(
+            f"merge_search objective val_{metric} is not one this task scores on the validation split; use "
+            f"val_{task.score}{' or val_loss' if task.score != 'loss' else ''}"
+        )
+    return metric, task.lower_is_better if metric == task.score else True
 
 
 def search_merge(
@@ -303,91 +401,30 @@ def search_merge(
     (the best trial's parameters, merge.json's ``search`` record). ``given`` are the run's own merge
     parameters: the ones not searched stay at them, and their validation score is recorded beside the
     best one."""
-    import contextlib
-
-    import numpy as np
-    import torch
-
-    from shardfuse.checkpoints.stream import SafetensorsReader, decode_float, file_order
-    from shardfuse.fusion.engine import Engine, MemorySink, merge_arrays
-    from shardfuse.fusion.methods import registry
-    from shardfuse.fusion.methods.settings import LAYER_NAMES, count_layers
+    from shardfuse.fusion.methods.settings import LAYER_NAMES
     from shardfuse.scoring.scorer import Scorer
     from shardfuse.scoring.split import load_split
 
     fix = "merge_search scores trials on the validation split — set the dataset's val_fraction > 0 (e.g. 0.1)"
     split = load_split(val_split, "val").require_rows("validation", fix)
     scorer = Scorer(split, gather.model or {}, batch_size)
-    task = scorer.task
-    metric = spec.objective[len("val_") :] if spec.objective else task.score
-    if metric not in (task.score, "loss"):
-        raise UserError(
-            f"merge_search objective val_{metric} is not one this task scores on the validation split; use "
-            f"val_{task.score}{' or val_loss' if task.score != 'loss' else ''}"
-        )
-    lower_is_better = task.lower_is_better if metric == task.score else True
-    rows = gather.rows_trained
-    record = registry.method_record(method)
-    with contextlib.ExitStack() as stack:
-        readers = [stack.enter_context(SafetensorsReader(r.path)) for r in gather.ranks]
-        base = stack.enter_context(SafetensorsReader(gather.base)) if record.uses_base else None
-        tensors = readers[0].tensors
-        names = file_order({name: (t.dtype.name, list(t.shape)) for name, t in tensors.items()})
-        size = sum(t.numel for t in tensors.values()) * 8 * (len(readers) + (base is not None))
-        in_memory = size <= MEMORY_BUDGET and all(
-            t.dtype.name in IN_MEMORY or not t.dtype.is_float for t in tensors.values()
-        )
-
-        def read(reader: SafetensorsReader, name: str) -> np.ndarray:
-            info = reader.tensors[name]
-            raw = reader.read_array(info)
-            if not info.dtype.is_float:
-                return raw
-            return decode_float(raw.reshape(-1).view(np.uint8), info.dtype, np.empty(info.numel)).reshape(
-                info.shape
-            )
-
-        held = [{n: read(r, n) for n in names} for r in readers] if in_memory else None
-        held_base = {n: read(base, n) for n in names} if in_memory and base is not None else None
-
-        def merged_tensors(params: dict[str, Any]) -> dict[str, torch.Tensor]:
-            resolved = registry.resolve_params(method, params, rows)
-            weights = registry.rank_weights(method, resolved, rows)
-            if held is None:
-                sink = MemorySink(tensors)
-                Engine(readers, base, method, resolved, gather.rank_numbers, weights).run(names, sink)
-                return sink.tensors_for_torch()
-            floats = [name for name in names if tensors[name].dtype.is_float]
-            table = registry.tensor_params(method, resolved, floats, len(readers), warn=False)
-            out = {}
-            for name in names:
-                info = tensors[name]
-                values, rank_weights = resolved, weights
-                if table is not None and name in table.by_tensor:  # per layer or per tensor
-                    values = table.by_tensor[name]
-                    if "weights" in table.varying:
-                        rank_weights = registry.tensor_weights(method, values, weights)
-                arrays = [h[name] for h in held]
-                base_array = None if held_base is None else held_base[name]
-                merged, _ = merge_arrays(method, values, arrays, base_array, name, rank_weights)
-                if info.dtype.is_float:
-                    merged = merged.astype(np.dtype(info.dtype.holder))
-                out[name] = torch.from_numpy(np.ascontiguousarray(merged))
-            return out
-
-        def evaluate(params: dict[str, Any]) -> float:
-            return float(scorer.score(merged_tensors(params))[metric])
-
-        num_layers = count_layers(name for name, t in tensors.items() if t.dtype.is_float)
-        if spec.granularity == "layer" and num_layers < 2:
+    metric, lower_is_better = objective_of(spec, scorer.task)
+    with TrialMerger(gather, method) as merger:
+        if spec.granularity == "layer" and merger.num_layers < 2:
             raise UserError(
                 "merge_search granularity layer needs a model whose tensor names show two or more layers "
                 f"({LAYER_NAMES}); use granularity model"
             )
+
+        def evaluate(params: dict[str, Any]) -> float:
+            return float(scorer.score(merger.tensors(params))[metric])
+
         default_value = evaluate(dict(given))
         trials, study = run_study(
-            spec, method, storage_path, dict(given), evaluate, lower_is_better, len(readers), num_layers
-        )
+            spec, method, storage_path, dict(given), evaluate, lower_is_better, len(merger.readers),
+            merger.num_layers,
+        )  # fmt: skip
+        num_layers, in_memory = merger.num_layers, merger.in_memory
     complete = [t for t in trials if t.state == "COMPLETE"]
     if not complete:
         raise UserError(
