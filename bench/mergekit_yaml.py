@@ -3,7 +3,7 @@
 
     python bench/mergekit_yaml.py                          # 4 x ~1 GiB and 8 x ~100 MiB, 2 repetitions
     python bench/mergekit_yaml.py --sizes 2x10 --reps 1    # a dry run (seconds)
-    python bench/mergekit_yaml.py --sizes 8x100 --reps 3 --json results.json
+    python bench/mergekit_yaml.py --sizes 8x100 --reps 3 --json results.json --max-busy 0.1
 
 mergekit 0.1.5 lives in its own virtual environment (bench/mergekit_check.py says how to make one):
 $SHARDFUSE_MERGEKIT_PYTHON, else /tmp/shardfuse-mergekit/bin/python; its ``mergekit-yaml`` is the script
@@ -43,7 +43,8 @@ processes it waited for); alongside, this process samples the command's process 
 column: the most seen at once) and to catch a concurrent helper a ``ru_maxrss`` would miss; the peak
 reported is the larger of the two. The machine's busy CPU time outside the command (/proc/stat's busy
 time over the run less the command's own CPU time, as a share of all cores) says whether anything else
-ran meanwhile. Before every run the previous output is deleted, ``sync`` flushes it,
+ran meanwhile; with ``--max-busy F`` a run during which others kept more than F of the cores busy is
+measured again (after 30 s, at most 5 more times; the discarded runs are in --json's output). Before every run the previous output is deleted, ``sync`` flushes it,
 and every input file is read once, so both tools read their inputs from the page cache (checked with
 util-linux's ``fincore`` where it exists). The tools alternate A B A B (shardfuse first); both run with
 their default options (mergekit-yaml with none: no --cuda, its default threads; OMP_NUM_THREADS and
@@ -105,6 +106,7 @@ GRAIN = 2.0**-25  # every value is a multiple of it
 BASE_STD, BASE_CLIP = 0.02, 0.2
 LAYOUT_VERSION = 1  # bump when the generated values change: cached inputs are then made again
 POLL_SECONDS = 0.2
+RETRIES, RETRY_WAIT = 5, 30.0  # --max-busy: a run measured on a busy machine is repeated (at most 5 times)
 READ_CHUNK = 64 << 20
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -292,6 +294,13 @@ class Run:
     @property
     def peak_mib(self) -> float:
         return max(self.maxrss_mib, self.tree_mib)
+
+    def describe(self) -> str:
+        return (
+            f"{self.seconds:.2f} s, peak {self.peak_mib:.0f} MiB (ru_maxrss {self.maxrss_mib:.0f}, tree "
+            f"{self.tree_mib:.0f}, {self.processes} process(es)), CPU {self.cpu_seconds:.1f} s, others' CPU "
+            f"{100 * self.others:.0f}% of the cores"
+        )
 
 
 _WRAPPER = """
@@ -582,7 +591,7 @@ def parse_sizes(text: str) -> list[tuple[int, float]]:
 
 
 def bench_size(
-    root: Path, num_models: int, mib: float, reps: int, mk_python: Path, keep: bool
+    root: Path, num_models: int, mib: float, reps: int, mk_python: Path, keep: bool, max_busy: float | None
 ) -> dict[str, object]:
     base, models, layout = ensure_inputs(root, num_models, mib)
     where = base.parent
@@ -591,7 +600,7 @@ def bench_size(
     logs = where / "logs"
     logs.mkdir(exist_ok=True)
     runs: dict[str, list[Run]] = {"shardfuse": [], "mergekit": []}
-    resident = []
+    resident, discarded = [], []
     for rep in range(reps):
         for name, (prefix, env) in tools(mk_python).items():
             out = where / f"out-{name}"
@@ -600,14 +609,18 @@ def bench_size(
             warm_up(inputs)
             resident.append(resident_fraction(inputs))
             cmd = [str(p).replace("{yaml}", str(yaml)).replace("{out}", str(out)) for p in prefix]
-            run = measure(cmd, env, logs / f"{name}-{rep}.log")
+            for attempt in range(1 + (RETRIES if max_busy is not None else 0)):
+                if attempt:
+                    shutil.rmtree(out, ignore_errors=True)
+                    time.sleep(RETRY_WAIT)
+                    warm_up(inputs)
+                run = measure(cmd, env, logs / f"{name}-{rep}.log")
+                print(f"{num_models}x{mib:g} rep {rep} {name}: {run.describe()}", flush=True)
+                if max_busy is None or run.others <= max_busy:
+                    break
+                discarded.append(asdict(run) | {"tool": name, "rep": rep})
+                print(f"  others' CPU above --max-busy {max_busy:g}: measured again", flush=True)
             runs[name].append(run)
-            print(
-                f"{num_models}x{mib:g} rep {rep} {name}: {run.seconds:.2f} s, peak {run.peak_mib:.0f} MiB "
-                f"(ru_maxrss {run.maxrss_mib:.0f}, tree {run.tree_mib:.0f}, {run.processes} process(es)), "
-                f"CPU {run.cpu_seconds:.1f} s, others' CPU {100 * run.others:.0f}% of the cores",
-                flush=True,
-            )
     agreement = compare(where / "out-shardfuse", where / "out-mergekit", base, models, layout.layers)
     print(f"{num_models}x{mib:g} outputs: {json.dumps(agreement)}", flush=True)
     if not keep:
@@ -624,6 +637,7 @@ def bench_size(
             name: [asdict(r) | {"peak_mib": r.peak_mib} for r in values] for name, values in runs.items()
         },
         "resident_min": min(known) if known else None,
+        "discarded": discarded,
         "agreement": agreement,
     }
 
@@ -707,6 +721,12 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="where the model folders live")
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--keep-outputs", action="store_true", help="keep the last merged folders")
+    parser.add_argument(
+        "--max-busy",
+        type=float,
+        help="repeat a run (after 30 s, up to 5 times) while other processes kept more than this share of "
+        "the cores busy during it (e.g. 0.1); the last try counts. Default: keep every run",
+    )
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be at least 1")
@@ -722,7 +742,10 @@ def main() -> None:
         **versions(mk_python),
     }
     print(json.dumps(info, indent=2), flush=True)
-    results = [bench_size(args.root, n, mib, args.reps, mk_python, args.keep_outputs) for n, mib in sizes]
+    results = [
+        bench_size(args.root, n, mib, args.reps, mk_python, args.keep_outputs, args.max_busy)
+        for n, mib in sizes
+    ]
     (args.root / "logs").mkdir(exist_ok=True)
     floor = floors(mk_python, args.reps, args.root / "logs")
     info["load average at end"] = common.load_average()

@@ -17,8 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).with_name("golden") / "training_names.json"
 # Whose names follow files made on the user's machine: the hf example's pretrained folder (its weights
 # are hashed into the names, by design) is written by scripts/make-pretrained.py; its slow test runs it.
-# The domains example also reads instruction pairs scripts/make-instructions.py writes.
-MADE_LOCALLY = {"hf_finetune.yaml", "hf_lora.yaml", "domains.yaml"}
+# The domains example also reads instruction pairs scripts/make-instructions.py writes; the mergekit
+# example's runs are over fine-tuned folders make-pretrained.py --from writes.
+MADE_LOCALLY = {"hf_finetune.yaml", "hf_lora.yaml", "domains.yaml", "mergekit.yaml"}
 CONFIGS = [
     REPO / "config" / "config.yaml",
     *sorted(p for p in (REPO / "config" / "examples").glob("*.yaml") if p.name not in MADE_LOCALLY),
