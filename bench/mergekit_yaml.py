@@ -44,9 +44,10 @@ column: the most seen at once) and to catch a concurrent helper a ``ru_maxrss`` 
 reported is the larger of the two. The machine's busy CPU time outside the command (/proc/stat's busy
 time over the run less the command's own CPU time, as a share of all cores) says whether anything else
 ran meanwhile; with ``--max-busy F`` a run during which others kept more than F of the cores busy is
-measured again (after 30 s, at most 5 more times; the discarded runs are in --json's output). Before every run the previous output is deleted, ``sync`` flushes it,
-and every input file is read once, so both tools read their inputs from the page cache (checked with
-util-linux's ``fincore`` where it exists). The tools alternate A B A B (shardfuse first); both run with
+measured again (after 30 s, at most 5 more times; the discarded runs are in --json's output). Before
+every run the previous output is deleted, ``sync`` flushes it, and every input file is read once, so
+both tools read their inputs from the page cache (checked with util-linux's ``fincore`` where it
+exists). The tools alternate A B A B (shardfuse first); both run with
 their default options (mergekit-yaml with none: no --cuda, its default threads; OMP_NUM_THREADS and
 MKL_NUM_THREADS are unset for both, so both see the machine's cores). Reported: min and median of the
 repetitions; ratios mergekit / shardfuse time and shardfuse / mergekit peak RSS, from the medians (and
@@ -708,6 +709,12 @@ def report(results: list[dict], reps: int, floor: dict[str, Run]) -> str:
         "run, as a share of all cores (a quiet machine: ~0): at most "
         + ", ".join(
             f"{100 * summarise(r)['others_max']:.0f}% ({r['models']} x {r['mib']:g})" for r in results
+        )
+        + ". Share of the input bytes in the page cache before a run, at least: "
+        + ", ".join(
+            f"{100 * r['resident_min']:.1f}% ({r['models']} x {r['mib']:g})"
+            for r in results
+            if r["resident_min"] is not None
         )
         + "."
     )

@@ -95,3 +95,30 @@ def ranks_for(method: str, wanted: int = 2) -> int:
     except UserError:
         return 1
     return wanted
+
+
+# A two-feature logistic regression of the MLP spec: greedy soup's and merge search's tiny classifiers.
+LOGISTIC = {**MLP_SPEC, "num_features": 2, "num_classes": 2, "hidden_sizes": []}
+
+
+def classifier(weight):
+    """Logistic regression whose class-1 logit minus class-0 logit is 2 * (weight . x)."""
+    import torch
+
+    weight = torch.tensor(weight, dtype=torch.float32)
+    return {
+        "net.0.weight": torch.stack([-weight, weight]),
+        "net.0.bias": torch.zeros(2),
+        "input_mean": torch.zeros(2),
+        "input_scale": torch.ones(2),
+    }
+
+
+def write_split(path, features, labels):
+    """A split of columns x0, x1 and label, as prepare writes one."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"x0": features[:, 0], "x1": features[:, 1], "label": labels.astype(np.int64)})
+    pq.write_table(table, path)

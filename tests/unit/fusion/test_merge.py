@@ -7,8 +7,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -21,7 +19,15 @@ from shardfuse.io import UserError, file_digests, sha256_file, write_json
 from shardfuse.merge import merge
 from shardfuse.models.registry import build_model
 from shardfuse.models.spec import model_spec
-from tests.support.fusion import MLP_SPEC, gather_to, make_run, random_rank_tensors
+from tests.support.fusion import (
+    LOGISTIC,
+    MLP_SPEC,
+    classifier,
+    gather_to,
+    make_run,
+    random_rank_tensors,
+    write_split,
+)
 
 
 @pytest.mark.parametrize("method", ["uniform", "weighted"])
@@ -314,24 +320,6 @@ def test_slerp_of_three_ranks_is_refused_before_reading_anything(tmp_path):
 
 
 # ---------------------------------------------------------------- greedy soup
-
-LOGISTIC = {**MLP_SPEC, "num_features": 2, "num_classes": 2, "hidden_sizes": []}
-
-
-def classifier(weight):
-    """Logistic regression whose class-1 logit minus class-0 logit is 2 * (weight . x)."""
-    weight = torch.tensor(weight, dtype=torch.float32)
-    return {
-        "net.0.weight": torch.stack([-weight, weight]),
-        "net.0.bias": torch.zeros(2),
-        "input_mean": torch.zeros(2),
-        "input_scale": torch.ones(2),
-    }
-
-
-def write_split(path, features, labels):
-    table = pa.table({"x0": features[:, 0], "x1": features[:, 1], "label": labels.astype(np.int64)})
-    pq.write_table(table, path)
 
 
 @pytest.fixture()

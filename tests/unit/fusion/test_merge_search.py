@@ -8,36 +8,16 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-import torch
 
 from shardfuse.data import reader as data_module
 from shardfuse.fusion import search as search_module
 from shardfuse.io import UserError, sha256_file
 from shardfuse.merge import merge
 from shardfuse.scoring import scorer as scorer_module
-from tests.support.fusion import MLP_SPEC, gather_to, make_run
+from tests.support.fusion import LOGISTIC, classifier, gather_to, make_run, write_split
 
-LOGISTIC = {**MLP_SPEC, "num_features": 2, "num_classes": 2, "hidden_sizes": []}
 SIMPLEX = {"trials": 8, "sampler": "random", "seed": 3, "space": {"merge_weights": "simplex"}}
-
-
-def classifier(weight):
-    weight = torch.tensor(weight, dtype=torch.float32)
-    return {
-        "net.0.weight": torch.stack([-weight, weight]),
-        "net.0.bias": torch.zeros(2),
-        "input_mean": torch.zeros(2),
-        "input_scale": torch.ones(2),
-    }
-
-
-def write_split(path, features, labels):
-    pq.write_table(
-        pa.table({"x0": features[:, 0], "x1": features[:, 1], "label": labels.astype(np.int64)}), path
-    )
 
 
 @pytest.fixture()
