@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import UserError
+from shardfuse.io import UserError, sha256_file
 
 SAMPLERS = ("tpe", "cmaes", "random", "grid")
 MEMORY_BUDGET = 2 << 30  # bytes of float64 inputs held for in-memory trials
@@ -68,9 +68,12 @@ class SearchSpec:
     grid_points: int = 5
     granularity: str = "model"  # model: one value per parameter; layer: one per layer (a gradient)
 
-    def study_name(self, method: str) -> str:
-        """The study's name: a digest of everything but ``trials`` (more trials continue the study)."""
+    def study_name(self, method: str, inputs: Mapping[str, Any] | None = None) -> str:
+        """The study's name: a digest of everything but ``trials`` (more trials continue the study) and of
+        ``inputs``, what a trial's value depends on besides its parameters (the ranks' and base's digests,
+        the validation split's, the parameters not searched): a re-trained run starts a new study."""
         settings = {"method": method, "sampler": self.sampler, "seed": self.seed, "objective": self.objective}
+        settings["inputs"] = dict(inputs or {})
         settings["space"] = [d.__dict__ for d in self.space]
         settings["grid_points"] = self.grid_points
         if self.granularity != "model":
@@ -83,6 +86,10 @@ def parse(search: Mapping[str, Any], method: str, param_kinds: Mapping[str, str]
     """A ``merge_search`` mapping checked against the method's parameters (``param_kinds``: name ->
     number | integer | boolean | weights); one line naming the key otherwise."""
     fix = "fix merge_search (config/README.md, 'Merge search')"
+    if not isinstance(search, Mapping):
+        raise UserError(
+            f"{where} must be a mapping {{trials, space, ...}}, got {type(search).__name__}; {fix}"
+        )
     trials = search.get("trials")
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise UserError(f"{where}.trials must be an integer >= 1, got {trials!r}; {fix}")
@@ -236,6 +243,7 @@ def run_study(
     lower_is_better: bool,
     num_ranks: int,
     num_layers: int = 0,
+    inputs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Trial], str]:
     """Complete the study to ``spec.trials`` COMPLETE trials; returns every trial (in number order) and the
     study's name. ``evaluate(params)`` merges with ``fixed`` | the trial's params and returns the score."""
@@ -245,7 +253,7 @@ def run_study(
     states = optuna.trial.TrialState
     storage_path.parent.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(f"sqlite:///{storage_path}")
-    name = spec.study_name(method)
+    name = spec.study_name(method, inputs)
     direction = "minimize" if lower_is_better else "maximize"
     study = optuna.create_study(study_name=name, storage=storage, direction=direction, load_if_exists=True)
     for stale in study.get_trials(deepcopy=False, states=(states.RUNNING,)):  # another writer's, killed
@@ -420,9 +428,15 @@ def search_merge(
             return float(scorer.score(merger.tensors(params))[metric])
 
         default_value = evaluate(dict(given))
+        inputs = {
+            "ranks": [r.sha256 for r in gather.ranks],
+            "base": None if merger.base is None else merger.base.hexdigest(),
+            "val_split": sha256_file(split.path),
+            "given": given,
+        }
         trials, study = run_study(
             spec, method, storage_path, dict(given), evaluate, lower_is_better, len(merger.readers),
-            merger.num_layers,
+            merger.num_layers, inputs,
         )  # fmt: skip
         num_layers, in_memory = merger.num_layers, merger.in_memory
     complete = [t for t in trials if t.state == "COMPLETE"]

@@ -245,3 +245,14 @@ def test_granularity_layer_suggests_one_value_per_layer_and_needs_layers(run, tm
         UserError, match="granularity layer needs a model whose tensor names show two or more"
     ):
         searched(run, tmp_path, {**SIMPLEX, "granularity": "layer"})  # the logistic model has no layers
+
+
+def test_a_retrained_run_starts_a_new_study_in_the_same_file(run, tmp_path):
+    first = searched(run, tmp_path, SIMPLEX, "first", "same.db").search
+    other = tmp_path / "retrained"
+    other.mkdir()
+    ranks = [classifier([-4.0, 3.0]), classifier([5.0, 1.0]), classifier([-2.0, -6.0])]  # rank 1 changed
+    retrained = gather_to(other, make_run(other, ranks, [1, 1, 1], spec=LOGISTIC), 3)
+    again = searched((retrained, run[1]), tmp_path, SIMPLEX, "again", "same.db").search
+    assert again["study"] != first["study"] and again["trials_done"] == 8  # no stale trial reused
+    assert searched(run, tmp_path, SIMPLEX, "third", "same.db").search["study"] == first["study"]
