@@ -207,7 +207,12 @@ def _sampler(spec: SearchSpec, seed: int):
             grid[d.key] = [
                 d.low + (d.high - d.low) * i / (spec.grid_points - 1) for i in range(spec.grid_points)
             ]
-    return optuna.samplers.GridSampler(grid, seed=spec.seed)
+
+    class Grid(optuna.samplers.GridSampler):
+        def after_trial(self, study, trial, state, values) -> None:
+            pass  # Optuna's stops an optimize() loop once every point ran; run_study asks is_exhausted
+
+    return Grid(grid, seed=spec.seed)
 
 
 def _suggest(trial, spec: SearchSpec, num_ranks: int, num_layers: int = 0) -> dict[str, Any]:
@@ -271,6 +276,8 @@ def run_study(
         # Seeded by what came before that a re-run also has: the complete trials and those the method
         # refused (a trial a kill interrupted was never stored, so a resumed study samples as a whole one).
         work.sampler = _sampler(spec, spec.seed + done + 1_000_003 * refused)
+        if spec.sampler == "grid" and work.sampler.is_exhausted(work):
+            break
         trial = work.ask()
         params = {**fixed, **_suggest(trial, spec, num_ranks, num_layers)}
         trial.set_user_attr("params", params)
@@ -289,8 +296,6 @@ def run_study(
             work.tell(trial, value)
             done += 1
         study.add_trial(work.get_trials(deepcopy=False)[-1])
-        if spec.sampler == "grid" and work.sampler.is_exhausted(work):
-            break
     trials = [
         Trial(t.number, t.user_attrs.get("params", {}), t.value, t.state.name)
         for t in study.get_trials(deepcopy=False)

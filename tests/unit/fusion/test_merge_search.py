@@ -256,3 +256,23 @@ def test_a_retrained_run_starts_a_new_study_in_the_same_file(run, tmp_path):
     again = searched((retrained, run[1]), tmp_path, SIMPLEX, "again", "same.db").search
     assert again["study"] != first["study"] and again["trials_done"] == 8  # no stale trial reused
     assert searched(run, tmp_path, SIMPLEX, "third", "same.db").search["study"] == first["study"]
+
+
+@pytest.mark.parametrize(
+    ("sampler", "space", "done"),
+    [
+        ("cmaes", {"merge_scale": [0.2, 3.0], "merge_density": [0.1, 1.0]}, 6),
+        ("grid", {"merge_scale": [0.5, 2.0]}, 3),
+    ],
+)
+def test_cmaes_and_grid_run_their_studies(run, tmp_path, sampler, space, done):
+    gather_path, dataset = run
+    search = {"trials": 6, "sampler": sampler, "grid_points": 3, "space": space}
+    record = merge(
+        gather_path, "ties", tmp_path / "t.safetensors", tmp_path / "t.json",
+        val_split=dataset / "val.parquet", search=search, search_db=tmp_path / "t.db",
+    )  # fmt: skip
+    found = record.search
+    assert found["trials_done"] == done and found["sampler"] == sampler  # grid: its 3 points, then done
+    if sampler == "grid":
+        assert sorted(t["params"]["scale"] for t in found["trials"]) == [0.5, 1.25, 2.0]
