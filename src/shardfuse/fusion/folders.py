@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -139,9 +140,7 @@ def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES
         raise UserError(f"mergekit config {cfg.path} (run as shardfuse's {cfg.method}): {exc}") from None
     weights = registry.rank_weights(cfg.method, params, [1] * num_models)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staged = out.parent / f".{out.name}.merging"
-    shutil.rmtree(staged, ignore_errors=True)
-    staged.mkdir()
+    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # ours alone, renamed at the end
     try:
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(SafetensorsReader(weights_file(m))) for m in cfg.models]
