@@ -28,7 +28,8 @@ The tensors are written one at a time (the generator holds the largest tensor, n
 so every value is exact in float32, ``fine-tune - base`` is exact in float32 (mergekit's arithmetic with
 ``dtype: float32``) and in float64 (shardfuse's), and the magnitudes of a task vector are distinct (no
 ties at TIES's trim threshold, where the two tools would break a tie differently). The magnitudes are
-uniform rather than bell-shaped: the trimming works as on any data.
+uniform rather than bell-shaped like a real fine-tune's: mergekit's full sort does the same work on
+either; shardfuse's bucketed selection may not.
 
 The YAML (one per size): ``merge_method: ties``, the base as ``base_model``, every fine-tune with
 ``weight: 1.0`` and ``density: [0.25, 0.5, 0.75]`` (a gradient over the layers; one for all models,
@@ -47,9 +48,9 @@ ran meanwhile; with ``--max-busy F`` a run during which others kept more than F 
 measured again (after 30 s, at most 5 more times; the discarded runs are in --json's output). Before
 every run the previous output is deleted, ``sync`` flushes it, and every input file is read once, so
 both tools read their inputs from the page cache (checked with util-linux's ``fincore`` where it
-exists). The tools alternate A B A B (shardfuse first); both run with
-their default options (mergekit-yaml with none: no --cuda, its default threads; OMP_NUM_THREADS and
-MKL_NUM_THREADS are unset for both, so both see the machine's cores). Reported: min and median of the
+exists). The tools alternate A B A B (shardfuse first); both run with their default options
+(mergekit-yaml with none: no --cuda, its default threads; OMP_NUM_THREADS and MKL_NUM_THREADS are unset
+for both, so both see the machine's cores). Reported: min and median of the
 repetitions; ratios mergekit / shardfuse time and shardfuse / mergekit peak RSS, from the medians (and
 the speed-up also from the minima). Also each side's floor, a process that only imports the tool
 (``import shardfuse.merge``; ``mergekit-yaml --help``, which imports mergekit's merge machinery and
@@ -722,7 +723,9 @@ def report(results: list[dict], reps: int, floor: dict[str, Run]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description="shardfuse --mergekit against mergekit-yaml: whole processes on the same TIES YAML"
+    )
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="NxMIB,...: N fine-tunes of ~MIB MiB each")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each tool per size")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help="where the model folders live")

@@ -30,7 +30,8 @@ sum_i w_i where ``normalize``; shardfuse's task-vector methods take the mean, ti
   model_stock       model_stock (filter_wise: false)
 
 Where shardfuse's result differs from mergekit's, the translation says so in ``notes`` (merge.json keeps
-them): TIES keeps round(density n) entries where mergekit keeps int(density n); DARE and DELLA rescale
+them): TIES keeps round(density n) entries where mergekit keeps int(density n), and where an entry's kept
+values sum to exactly 0 keeps the base (mergekit elects + there); DARE and DELLA rescale
 kept entries by 1 / p (the papers') where mergekit's ``rescale`` restores the L1 norm, and draw from
 shardfuse's seeded streams; shardfuse computes in float64 whatever ``dtype`` says. Torch-free. By hand::
 
@@ -68,6 +69,10 @@ REQUIRED = object()  # a per-model parameter without a default (mergekit's weigh
 TIES_ROUNDING = (
     "TIES keeps round(density x numel) entries of each task vector where mergekit keeps int(density x "
     "numel): one entry more where the fraction is >= 0.5"
+)
+SIGN_TIES = (
+    "where an entry's kept values sum to exactly 0, shardfuse elects no sign and keeps the base there; "
+    "mergekit elects + and averages the positive values"
 )
 RANDOM_RESCALE = (
     "random drops from shardfuse's seeded stream (merge_seed 0), kept entries rescaled by 1/p (the "
@@ -176,7 +181,7 @@ def _task_arithmetic(g: Given):
 def _ties(g: Given):
     _no_rescale(g, "ties")
     params = {"density": g.same("density", "ties"), "scale": _consensus_scale(g, "ties")}
-    return "ties", params, [TIES_ROUNDING]
+    return "ties", params, [TIES_ROUNDING, SIGN_TIES]
 
 
 def _dare(sign_election: bool) -> Translate:
@@ -184,7 +189,7 @@ def _dare(sign_election: bool) -> Translate:
         _random_rescale(g, "dare")
         scale = _consensus_scale(g, "dare") if sign_election else _scale(g, "dare")
         params = {"density": g.same("density", "dare"), "sign_election": sign_election, "scale": scale}
-        return "dare", params, [RANDOM_RESCALE]
+        return "dare", params, [RANDOM_RESCALE, *([SIGN_TIES] if sign_election else [])]
 
     return translate
 
@@ -196,7 +201,7 @@ def _breadcrumbs(ties: bool) -> Translate:
         _no_rescale(g, target)
         scale = _consensus_scale(g, target) if ties else _scale(g, target)
         params = {"density": g.same("density", target), "gamma": g.same("gamma", target), "scale": scale}
-        return target, params, []
+        return target, params, [SIGN_TIES] if ties else []
 
     return translate
 
@@ -211,7 +216,7 @@ def _della(sign_election: bool) -> Translate:
             "sign_election": sign_election,
             "scale": scale,
         }
-        return "della", params, [RANDOM_RESCALE]
+        return "della", params, [RANDOM_RESCALE, *([SIGN_TIES] if sign_election else [])]
 
     return translate
 
