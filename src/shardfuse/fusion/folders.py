@@ -38,7 +38,7 @@ from shardfuse.checkpoints.stream import (
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, peak_rss_mb
 from shardfuse.fusion.methods import registry
 from shardfuse.fusion.methods.mergekit import MergekitConfig
-from shardfuse.io import UserError, write_json
+from shardfuse.io import UserError, replace_dir, write_json
 
 WEIGHTS = "model.safetensors"
 RECORD = "merge.json"
@@ -205,9 +205,7 @@ def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES
         if engine.table is not None:
             merged["per_tensor_params"] = engine.table.summary()
         write_json(staged / RECORD, merged)
-        if out.exists():
-            shutil.rmtree(out)
-        staged.rename(out)
+        replace_dir(staged, out)  # only a folder _check_out found ours is replaced
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise

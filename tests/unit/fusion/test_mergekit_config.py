@@ -151,3 +151,12 @@ def test_dtype_tokenizer_source_and_the_params_logged(folders):
     logged = cfg.logged_params()
     assert logged["mergekit.merge_method"] == "ties" and logged["mergekit.parameters.weight"] == "1.0"
     assert logged["mergekit.dtype"] == "bf16" and len(cfg.sha256) == 64
+
+
+def test_a_config_path_that_is_not_a_file_is_refused_without_reading_it(folders):
+    import os
+
+    os.mkfifo(folders / "pipe.yml")  # reading a FIFO would wait for a writer forever
+    for path in (folders / "pipe.yml", folders / "a", folders / "missing.yml"):
+        with pytest.raises(UserError, match="is not a file; give a mergekit YAML file"):
+            mergekit.read(path)

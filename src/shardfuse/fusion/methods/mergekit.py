@@ -387,6 +387,8 @@ def read(path: Path | str) -> MergekitConfig:
     """Read and translate mergekit YAML ``path``: one line naming the field for anything shardfuse does not
     run as mergekit would (the model paths must exist; their tensors are checked where they are read)."""
     path = Path(path)
+    if not path.is_file():  # a folder, a FIFO (reading one would wait for a writer) or nothing
+        raise UserError(f"mergekit config {path} is not a file; give a mergekit YAML file")
     try:
         data = path.read_bytes()
     except OSError as exc:
