@@ -28,10 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from shardfuse.cluster.ownership import TRAINING_FOLDER
 from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.experiment.records import COLLECTED_MODE, TrainRecord
 from shardfuse.experiment.run_config import TrainConfig
-from shardfuse.io import StageParser, UserError, parse_json_arg, sha256_file, write_json
+from shardfuse.io import StageParser, UserError, parse_json_arg, replace_dir, sha256_file, write_json
 
 
 def collect(
@@ -73,11 +74,7 @@ def collect(
     }
     if ties:
         meta["ties"] = ties
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "train.json").is_file():
-        raise UserError(
-            f"--out-dir {out_dir} holds files collect did not write (no train.json); name an empty or new "
-            "folder (collect replaces only a training's or collection's folder)"
-        )
+    TRAINING_FOLDER.check(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
@@ -120,9 +117,7 @@ def collect(
             ranks=entries,
         )
         write_json(staged / "train.json", record.to_json())
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staged.rename(out_dir)
+        replace_dir(staged, out_dir, TRAINING_FOLDER)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
@@ -157,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", type=Path, help="the weights task vectors are measured from")
     parser.add_argument("--out-dir", type=Path, required=True, help="results/trainings/<name>/ranks")
     args = parser.parse_args(argv)
+    TRAINING_FOLDER.check(args.out_dir)  # before any checkpoint is read
     cfg = TrainConfig.from_flat(parse_json_arg(args.config_json, "--config-json"))
     from shardfuse.checkpoints.init_weights import read_init_weights
 

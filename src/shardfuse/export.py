@@ -16,7 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardfuse.console.errors import run_cli
-from shardfuse.io import StageParser, UserError, atomic_dir
+from shardfuse.io import OutputFolder, StageParser, UserError, atomic_dir
+
+# A transformers folder has no record of shardfuse's own: export marks the folders it writes.
+OUTPUT = OutputFolder("export", "--out", ".shardfuse-export.json", "written_by", "export", mark=True)
 
 
 def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:
@@ -38,16 +41,22 @@ def export(weights: Path, out: Path, max_shard_size: str = "2GB") -> list[str]:
     check_code_unchanged(spec["model"], spec.get("code"), "export")
     model = build_model(spec)
     load_state(model, tensors, str(weights), file_ties(metadata))
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, OUTPUT) as tmp:
         return export_pretrained(model, spec, tmp, max_shard_size)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = StageParser(prog="python -m shardfuse.export", description=__doc__.splitlines()[0])
     parser.add_argument("--weights", type=Path, required=True, help="merged.safetensors of an hf run")
-    parser.add_argument("--out", type=Path, required=True, help="the folder to write (replaced)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the folder to write (replaced only if empty or written by export)",
+    )
     parser.add_argument("--max-shard-size", default="2GB", help="save_pretrained's shard size (e.g. 500MB)")
     args = parser.parse_args(argv)
+    OUTPUT.check(args.out)  # before the model is built
     files = export(args.weights, args.out, args.max_shard_size)
     print(f"exported {args.weights} -> {args.out}: {', '.join(files)}")
 

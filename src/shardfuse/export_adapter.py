@@ -32,11 +32,12 @@ from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.trust import read_gather
 from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import MergeRecord
-from shardfuse.io import StageParser, UserError, atomic_dir, write_json
+from shardfuse.io import OutputFolder, StageParser, UserError, atomic_dir, write_json
 from shardfuse.models.catalog import exports_hf
 from shardfuse.models.tasks import named_task, task_record
 
 MODES = ("svd", "cat")
+OUTPUT = OutputFolder("export_adapter", "--out", "fusion.json", "trained_r")  # the folders it writes
 PEFT_PREFIX = "base_model.model."  # PEFT's names of a model's tensors in an adapter file
 
 
@@ -136,7 +137,7 @@ def export_adapter(
         "mean_truncation_error": sum(values) / len(values) if values else 0.0,
         "num_parameters": int(sum(t.size for t in tensors.values())),
     }
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, OUTPUT) as tmp:
         write_safetensors(tensors, tmp / "adapter_model.safetensors", {"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_json(tmp / "fusion.json", record)
@@ -148,9 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gather", type=Path, required=True, help="the training's gather.json")
     parser.add_argument("--merge-json", type=Path, required=True, help="the run's merge.json (its method)")
     parser.add_argument("--mode", required=True, help="svd (rank r again) or cat (rank N·r, linear methods)")
-    parser.add_argument("--out", type=Path, required=True, help="the adapter folder to write (replaced)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the adapter folder to write (replaced only if empty or written by export_adapter)",
+    )
     parser.add_argument("--base-ref", help="base_model_name_or_path: the base's transformers folder")
     args = parser.parse_args(argv)
+    OUTPUT.check(args.out)  # before any input is read
     record = export_adapter(args.gather, args.merge_json, args.mode, args.out, args.base_ref)
     print(
         f"exported the {record['method']} fusion of {args.gather.parent.name} as a rank-{record['r']} "

@@ -17,6 +17,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -97,21 +98,70 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         _raise_naming(exc, path)
 
 
+@dataclass(frozen=True)
+class OutputFolder:
+    """A folder a stage writes whole and may replace: only when it is missing, empty, or was written by
+    that stage before (its own record ``record`` in it, a JSON object holding ``key``; where the stage's
+    output has no record of its own the stage writes one, ``mark``). Anything else is the user's: it is
+    refused in one line and left untouched (every stage's ``--out*`` folder goes through this rule)."""
+
+    stage: str  # "export": the stage command, as the error names it
+    flag: str  # "--out": the flag that named the folder
+    record: str  # the file that says a folder is this stage's output
+    key: str  # a key of that record only this stage writes
+    value: Any = None  # and its value, where the key alone is not specific
+    mark: bool = False  # the stage's output has no record of its own: ``record`` is written as a marker
+
+    def written_here(self, path: Path) -> bool:
+        """True if ``path`` is a folder this stage wrote (its record parses and names it)."""
+        try:
+            record = json.loads((path / self.record).read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(record, dict) or self.key not in record:
+            return False
+        return self.value is None or record[self.key] == self.value
+
+    def check(self, path: str | os.PathLike) -> None:
+        """One line, before any work, if replacing ``path`` would destroy what this stage did not write."""
+        path = Path(path)
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise UserError(
+                f"{self.flag} {path} exists and is not a folder; nothing was changed: give a new or empty "
+                "folder"
+            )
+        if path.is_dir() and any(path.iterdir()) and not self.written_here(path):
+            raise UserError(
+                f"{self.flag} {path} holds files that {self.stage} did not write (no {self.record} of its "
+                "own in it); nothing was changed: remove them yourself or give a new or empty folder"
+            )
+
+    def claim(self, staged: Path) -> None:
+        """Write the marker into a staged folder, where the stage's output has no record of its own."""
+        if self.mark:
+            write_json(staged / self.record, {self.key: self.value if self.value is not None else True})
+
+
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory next to ``path``; it replaces ``path`` only on success."""
+def atomic_dir(path: str | os.PathLike, owner: OutputFolder) -> Iterator[Path]:
+    """Yield a temporary directory next to ``path``; it replaces ``path`` only on success, and only if
+    ``owner``'s rule lets it (``path`` missing, empty, or written by that stage)."""
     path = Path(path)
+    owner.check(path)
     tmp = _tmp_sibling(path, directory=True)
     try:
         yield tmp
-        replace_dir(tmp, path)
+        owner.claim(tmp)
+        replace_dir(tmp, path, owner)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _raise_naming(exc, path)
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move directory ``src`` onto ``dst``; an old ``dst`` is moved aside first, then removed."""
+def replace_dir(src: Path, dst: Path, owner: OutputFolder) -> None:
+    """Move directory ``src`` onto ``dst``; an old ``dst`` (checked against ``owner``'s rule again, just
+    before: never a folder its stage did not write) is moved aside first, then removed."""
+    owner.check(dst)
     if dst.exists():
         old = _tmp_sibling(dst, directory=True)
         os.replace(dst, old / dst.name)

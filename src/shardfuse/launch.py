@@ -46,6 +46,7 @@ from pathlib import Path
 from shardfuse.cluster.agent import rank_start
 from shardfuse.cluster.deadline import DeadlineWatcher, requeue
 from shardfuse.cluster.ownership import (
+    TRAINING_FOLDER,
     keep_published,
     launch_identity,
     own_group_with_parent_death_signal,
@@ -132,6 +133,7 @@ def launch(
     log: Path | None = None,
     stop_before_limit: float = 0,
 ) -> None:
+    TRAINING_FOLDER.check(out_dir)  # never a folder no training wrote (a published one is one)
     shards = _shard_world_size(train_args)
     if shards is not None and shards != geometry.world_size:
         raise UserError(
@@ -206,7 +208,7 @@ def _train(
     shutil.rmtree(staging / "checkpoints", ignore_errors=True)
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
     (staging / "launch.json").unlink(missing_ok=True)
-    replace_dir(staging, out_dir)
+    replace_dir(staging, out_dir, TRAINING_FOLDER)
 
 
 def stop_and_requeue(stopped: dict, job: str | None) -> None:

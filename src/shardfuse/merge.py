@@ -249,9 +249,10 @@ def _merge_mergekit(args, argv: list[str] | None) -> None:
         raise UserError(
             f"{flag} is a run's merge; with --mergekit the YAML says what to merge: remove {flag}"
         )
-    from shardfuse.fusion.folders import merge_folders
+    from shardfuse.fusion.folders import OUTPUT, merge_folders
     from shardfuse.fusion.methods.mergekit import read
 
+    OUTPUT.check(args.out)  # before the YAML's models are read
     cfg = read(args.mergekit)
     record = merge_folders(cfg, args.out)
     print(

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from shardfuse.console.errors import run_cli
 from shardfuse.data.partitioners import registry
-from shardfuse.data.shard_set import partition_parquet
+from shardfuse.data.shard_set import OUTPUT, partition_parquet
 from shardfuse.io import StageParser, parse_json_arg, seed_arg
 
 __all__ = ["main", "partition_parquet"]
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         "--out-dir", required=True, help="directory for shard-{rank}.parquet and manifest.json"
     )
     args = parser.parse_args(argv)
+    OUTPUT.check(args.out_dir)  # before any row is read
     manifest = partition_parquet(
         args.input,
         args.out_dir,

@@ -38,6 +38,10 @@ from tests.support.slurm import (
 
 pytestmark = pytest.mark.slurm
 
+# How long a train job may wait to start: the cluster's 4 CPUs are shared with the other service tests
+# (the default experiment's jobs fill them for minutes; 120 s was once too short in CI).
+QUEUED = 600
+
 
 def test_failed_train_job_reports_rule_job_id_and_log_paths(slurm_cluster, tmp_path):
     workdir = partitioned_tiny_experiment(tmp_path / "work")
@@ -65,7 +69,7 @@ def test_cancelled_train_job_is_reported_as_cancelled_and_the_rerun_resumes(slur
         text=True,
         env=subprocess_env(),
     ) as snakemake:
-        job_id = wait_for_running_job(workdir, "train", timeout=120)
+        job_id = wait_for_running_job(workdir, "train", timeout=QUEUED)
         wait_for(
             lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
             "a complete checkpoint",
@@ -104,7 +108,7 @@ def test_kill_9_of_snakemake_with_the_job_running_then_an_immediate_rerun_takes_
         stderr=subprocess.DEVNULL,
         env=subprocess_env(),
     ) as snakemake:
-        first_job = wait_for_running_job(workdir, "train", timeout=120)
+        first_job = wait_for_running_job(workdir, "train", timeout=QUEUED)
         wait_for(
             lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
             "a complete checkpoint",
@@ -208,7 +212,9 @@ def test_readme_group_sbatch_line_is_what_the_plugin_submits(slurm_cluster, tmp_
     assert sorted(p.parent.name for p in workdir.glob("results/runs/*/eval.json")) == ["ties", "uniform"]
 
 
-LONG_TRAINING = {"strategy": "ddp", "merge_method": "consolidate", "hidden_sizes": [512, 512], "epochs": 400}
+# About 2,400 steps: 2-5 attempts of ~10 s (the more, the slower the machine); 400 epochs took 13 attempts
+# and 400 s on a loaded CI machine without proving more than the second attempt does.
+LONG_TRAINING = {"strategy": "ddp", "merge_method": "consolidate", "hidden_sizes": [512, 512], "epochs": 120}
 STOP_BEFORE_LIMIT = 46  # of a 60 s limit: each attempt trains for about 10 s after its start-up
 
 
@@ -230,8 +236,8 @@ def release_requeued_jobs(pending_since: dict[str, float], settle: float = 5.0) 
 
 
 def test_a_training_longer_than_its_time_limit_is_requeued_and_loses_no_step(slurm_cluster, tmp_path):
-    """runtime: 1 (minute) for a training of 25-50 s, the ranks stopping 46 s before the limit: each
-    attempt trains about 10 s, stops at a step with its checkpoint and requeues its job;
+    """runtime: 1 (minute) for a training of 10-25 s, the ranks stopping 46 s before the limit: each
+    attempt trains about 10 s, stops at a step with its checkpoint and requeues its job (at least once);
     the next attempt resumes from that very step; the result equals an uninterrupted local run bitwise."""
     reference = tiny_experiment(tmp_path / "local", **LONG_TRAINING, checkpoint_every=0)
     proc, _ = run_snakemake(reference, "--cores", "2", "--until", "train", profile=False)
@@ -257,7 +263,7 @@ def test_a_training_longer_than_its_time_limit_is_requeued_and_loses_no_step(slu
         (workdir / "logs" / "train").glob(f"{training}.attempt-*.log"),
         key=lambda path: int(path.name.rsplit("-", 1)[1].split(".")[0]),
     )
-    assert len(attempts) >= 3, [a.name for a in attempts]
+    assert len(attempts) >= 2, [a.name for a in attempts]
     stops = []
     for attempt in attempts[:-1]:
         text = attempt.read_text()

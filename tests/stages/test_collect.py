@@ -93,5 +93,8 @@ def test_an_out_dir_of_files_collect_did_not_write_is_refused_and_kept(data, tmp
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     proc = call_stage("collect", *collect_args(root, out, root / "a.safetensors"))
-    assert proc.returncode != 0 and "holds files collect did not write (no train.json)" in proc.stderr
+    assert (
+        proc.returncode != 0
+        and "holds files that a training (train or collect) did not write (no train.json" in proc.stderr
+    )
     assert (out / "notes.txt").read_text() == "keep me"

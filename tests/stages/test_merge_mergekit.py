@@ -94,7 +94,7 @@ def test_an_output_folder_it_did_not_write_is_refused_and_left_as_it_was(folders
     (folders / "mine" / "notes.txt").write_text("keep me")
     config = write_yaml(folders, TIES)
     proc = call_stage("merge", "--mergekit", config, "--out", folders / "mine")
-    assert proc.returncode != 0 and "exists and was not written by a --mergekit merge" in proc.stderr
+    assert proc.returncode != 0 and "holds files that merge --mergekit did not write" in proc.stderr
     assert [p.name for p in (folders / "mine").iterdir()] == ["notes.txt"]
     assert call_stage("merge", "--mergekit", config, "--out", folders / "out").returncode == 0
     assert call_stage("merge", "--mergekit", config, "--out", folders / "out").returncode == 0  # its own

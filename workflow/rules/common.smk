@@ -47,7 +47,7 @@ from shardfuse.experiment.load import (  # noqa: E402
     run_config_for_tracking,
 )
 from shardfuse.experiment.schema import ConfigError  # noqa: E402
-from shardfuse.io import write_json  # noqa: E402
+from shardfuse.io import UserError, write_json  # noqa: E402
 from shardfuse.models.catalog import exports_hf  # noqa: E402
 
 try:
@@ -172,10 +172,13 @@ def dataset_content_digest(wildcards):
     """A params trigger on the inputs' contents, for a file replaced under an older mtime (cp -p, a
     restored backup). Per-file digests are cached by stat signature, so a DAG build reads only new files.
     """
-    return files_digest(
-        dataset_source_files(wildcards),
-        Path(".snakemake/shardfuse/inputs") / f"{wildcards.dataset}.json",
-    )
+    try:
+        return files_digest(
+            dataset_source_files(wildcards),
+            Path(".snakemake/shardfuse/inputs") / f"{wildcards.dataset}.json",
+        )
+    except UserError as exc:  # a FIFO or a device among the files: one line, before any job
+        raise WorkflowError(f"dataset {wildcards.dataset}: {exc}") from None
 
 
 def partition_args_of(wildcards):

@@ -385,6 +385,24 @@ def encode_float(values: np.ndarray, dtype: DType, out: np.ndarray) -> np.ndarra
     return raw
 
 
+def all_finite(raw: np.ndarray, dtype: DType) -> bool:
+    """Whether every value in the raw bytes ``raw`` of float ``dtype`` is finite (no inf, no NaN).
+
+    One reduction pass: a float64 sum of F16/F32 values cannot overflow, so a finite sum means finite
+    values; only a non-finite sum (or F64 values whose sum overflows) takes the exact element test.
+    BF16 by its exponent bits (all ones: inf or NaN)."""
+    if not dtype.is_float or not len(raw):
+        return True
+    if dtype.name == "BF16":
+        bits = raw.view("<u2")
+        return not bool(np.any(np.bitwise_and(bits, 0x7F80) == 0x7F80))
+    values = raw.view(dtype.holder)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if math.isfinite(float(np.add.reduce(values, dtype=np.float64))):
+            return True
+    return bool(np.isfinite(values).all())
+
+
 def to_torch(array: np.ndarray, dtype: DType):
     """A numpy array of ``dtype``'s holder type as a torch tensor of ``dtype`` (shares memory)."""
     import torch  # deferred: only greedy soup scores models, and importing torch costs much RSS

@@ -30,6 +30,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -42,7 +43,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import UserError, replace_dir, write_json
+from shardfuse.io import OutputFolder, UserError, replace_dir, write_json
+
+# A training's published folder (launch --out-dir, collect --out-dir): its train.json says it is one.
+TRAINING_FOLDER = OutputFolder("a training (train or collect)", "--out-dir", "train.json", "strategy")
 
 OWNER_WAIT_ENV = "SHARDFUSE_OWNER_WAIT"
 PR_SET_PDEATHSIG = 1
@@ -94,12 +98,31 @@ def _record_alive(record: dict[str, Any]) -> bool:
     return True
 
 
+MAX_OWNER_WAIT = 7 * 24 * 3600.0  # a week: the longest a launch waits for the training's owner
+
+
+def owner_wait_seconds(environ: dict[str, str] | os._Environ) -> float:
+    """``$SHARDFUSE_OWNER_WAIT`` (default 60) as seconds: a finite number from 0 to a week; anything
+    else (``nan``, ``inf``, ``soon``) is one line naming the variable, never a wait for ever."""
+    text = environ.get(OWNER_WAIT_ENV, "60")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_OWNER_WAIT:  # NaN fails every comparison
+        raise UserError(
+            f"{OWNER_WAIT_ENV}={text!r} is not a number of seconds from 0 to {MAX_OWNER_WAIT:.0f}; set it "
+            "to how long a launch waits for the training's previous owner (e.g. 60), or unset it"
+        )
+    return value
+
+
 @contextlib.contextmanager
 def own_training(out_dir: Path, wait_seconds: float | None = None) -> Iterator[dict[str, Any]]:
     """Hold the training's lock for the block (waiting for a previous owner up to ``wait_seconds``,
     default ``$SHARDFUSE_OWNER_WAIT`` or 60); refuse in one line if it is still held then."""
     if wait_seconds is None:
-        wait_seconds = float(os.environ.get(OWNER_WAIT_ENV, "60"))
+        wait_seconds = owner_wait_seconds(os.environ)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path(out_dir), os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -265,7 +288,7 @@ def keep_published(out_dir: Path, identity: dict[str, Any]) -> None:
     staging = copy.with_name(copy.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(out_dir, staging, copy_function=_link_or_copy)
-    replace_dir(staging, copy)
+    replace_dir(staging, copy, TRAINING_FOLDER)
 
 
 def published_by_previous_owner(out_dir: Path, identity: dict[str, Any]) -> bool:
@@ -294,7 +317,7 @@ def restore_published(out_dir: Path, identity: dict[str, Any]) -> bool:
     staging = out_dir.with_name(f".{out_dir.name}.restore")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(copy, staging, copy_function=_link_or_copy)
-    replace_dir(staging, out_dir)
+    replace_dir(staging, out_dir, TRAINING_FOLDER)
     return True
 
 

@@ -207,6 +207,12 @@ def kept_class_codes(classes: list, label_names: list[str]) -> np.ndarray:
             raise UserError(
                 f"class {value!r} in spec key 'classes' is not a label of this dataset; valid labels: {shown}"
             )
+        if matches[0] in codes:
+            other = classes[codes.index(matches[0])]
+            raise UserError(
+                f"spec key 'classes' names label {label_names[matches[0]]!r} twice ({other!r} and "
+                f"{value!r}); list each class once"
+            )
         codes.append(matches[0])
     return np.unique(np.asarray(codes, dtype=np.int64))
 

@@ -23,9 +23,10 @@ import json
 import os
 import time
 from pathlib import Path
+from stat import S_ISBLK, S_ISCHR, S_ISFIFO, S_ISREG, S_ISSOCK
 
 from shardfuse.data.sources.registry import find_source
-from shardfuse.io import sha256_file
+from shardfuse.io import UserError, sha256_file
 
 CACHE_VERSION = 1
 RACY_NS = 2_000_000_000
@@ -79,6 +80,11 @@ def files_digest(paths: list[str], cache_path: Path) -> str:
             if os.path.isdir(path):
                 pairs.append((path, "folder"))
                 continue
+            if not S_ISREG(stat.st_mode):  # opening a FIFO would wait for a writer for ever
+                raise UserError(
+                    f"dataset file {path} is {_kind(stat.st_mode)}, not a regular file; shardfuse reads "
+                    "regular files only: put the data in a file and point the dataset at it"
+                )
             signature = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
             entry = cached.get(path)
             content = entry[-1] if entry is not None and entry[:-1] == signature else sha256_file(path)
@@ -90,3 +96,10 @@ def files_digest(paths: list[str], cache_path: Path) -> str:
     if kept != cached:
         _write_cache(cache_path, kept)
     return hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((S_ISFIFO, "a FIFO (named pipe)"), (S_ISSOCK, "a socket"), (S_ISCHR, "a device")):
+        if test(mode):
+            return kind
+    return "a device" if S_ISBLK(mode) else "not a file"

@@ -42,7 +42,10 @@ from shardfuse.data.shard_writer import (
     max_rows_per_group,
     rows_per_group,
 )
-from shardfuse.io import UserError, atomic_dir, recorded_sha256, sha256_file, write_json
+from shardfuse.io import OutputFolder, UserError, atomic_dir, recorded_sha256, sha256_file, write_json
+
+# A shard set's folder: its manifest says it is one (partition --out-dir).
+OUTPUT = OutputFolder("partition", "--out-dir", MANIFEST_NAME, "format", MANIFEST_FORMAT)
 
 
 def _check_numbers(world_size: int, seed: int, batch_size: int) -> None:
@@ -101,7 +104,7 @@ def partition_parquet(
 
     # Four threads, so a 2-core machine stays busy: reading and grouping by rank (prefetched), this
     # one (buffering row groups), writing, and checksums (the input's, and each shard's as it grows).
-    with atomic_dir(out_dir) as tmp_dir, ThreadPoolExecutor(max_workers=2) as hashers:
+    with atomic_dir(out_dir, OUTPUT) as tmp_dir, ThreadPoolExecutor(max_workers=2) as hashers:
         # The input's checksum: prepare's record when the file is unchanged since (one pass less).
         recorded = recorded_sha256(input_path)
         source_sha256: Future[str] = hashers.submit(lambda: recorded or sha256_file(input_path))

@@ -44,6 +44,7 @@ from shardfuse.checkpoints.stream import (
     DType,
     SafetensorsReader,
     TensorInfo,
+    all_finite,
     decode_float,
     decode_narrow,
     encode_float,
@@ -108,6 +109,28 @@ class MemorySink:
             name: to_torch(self.buffers[name].view(info.dtype.holder).reshape(info.shape), info.dtype)
             for name, info in self.tensors.items()
         }
+
+
+class NonFiniteMerge(UserError):
+    """A merged tensor holds inf or NaN: nothing is published (the caller discards what it staged)."""
+
+
+class FiniteSink:
+    """Passes each merged block on to ``sink`` after checking its values are finite (issue 54: nothing
+    non-finite is ever published, whatever the inputs or the parameters)."""
+
+    def __init__(self, sink, tensors: dict[str, TensorInfo], what: str) -> None:
+        self.sink, self.tensors, self.what = sink, tensors, what
+
+    def write(self, name: str, data) -> None:
+        raw = data if isinstance(data, np.ndarray) else np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        if not all_finite(raw.view(np.uint8), self.tensors[name].dtype):
+            raise NonFiniteMerge(
+                f"merged tensor {name} holds inf or NaN ({self.what}); nothing was written: check the "
+                "merge parameters for values that overflow (merge_scale, merge_weights) and every input "
+                "checkpoint for inf/NaN"
+            )
+        self.sink.write(name, data)
 
 
 class Engine:
@@ -238,7 +261,9 @@ class Engine:
                     future.cancel()
 
     def run(self, names: list[str], sink) -> dict[str, dict[str, Any]]:
-        """Merge ``names`` in this order into ``sink`` (anything with ``write(name, bytes)``)."""
+        """Merge ``names`` in this order into ``sink`` (anything with ``write(name, bytes)``); a block
+        with inf or NaN stops the merge (:class:`NonFiniteMerge`)."""
+        sink = FiniteSink(sink, self.inputs[0].tensors, f"method {self.method}, {_described(self.params)}")
         scratch = [np.empty(self.block_elems) for _ in self.inputs]  # plans other than a plain mean
         out = np.empty(self.block_elems * 8, dtype=np.uint8)
         stats: dict[str, dict[str, Any]] = {}
@@ -468,3 +493,10 @@ def merge_arrays(
         plan.end_scan()
     merged = merge_block(plan, 0, fresh(), base64)
     return merged.astype(dtype).reshape(shape), tensor_stats(plan)
+
+
+def _described(params: dict[str, Any]) -> str:
+    """A merge's parameters in one short phrase for an error line."""
+    shown = {k: v for k, v in params.items() if v is not None}
+    text = ", ".join(f"{k}={v}" for k, v in shown.items()) or "no parameters"
+    return text if len(text) <= 200 else text[:197] + "..."

@@ -32,16 +32,19 @@ from shardfuse.checkpoints.stream import (
     DTYPES,
     SafetensorsReader,
     SafetensorsWriter,
+    all_finite,
     decode_float,
     encode_float,
 )
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, peak_rss_mb
 from shardfuse.fusion.methods import registry
 from shardfuse.fusion.methods.mergekit import MergekitConfig
-from shardfuse.io import UserError, replace_dir, write_json
+from shardfuse.io import OutputFolder, UserError, replace_dir, write_json
 
 WEIGHTS = "model.safetensors"
 RECORD = "merge.json"
+# the folders --mergekit writes: their merge.json names the mergekit method
+OUTPUT = OutputFolder("merge --mergekit", "--out", RECORD, "mergekit_method")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "vocab.txt",
@@ -103,9 +106,13 @@ class CastSink:
             return
         raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         values = decode_float(raw, info.dtype, np.empty(len(raw) // info.dtype.itemsize))
-        self.writer.write(
-            name, encode_float(values, target, np.empty(len(values) * target.itemsize, np.uint8))
-        )
+        cast = encode_float(values, target, np.empty(len(values) * target.itemsize, np.uint8))
+        if not all_finite(cast, target):
+            raise UserError(
+                f"merged tensor {name} overflows out_dtype {target.name} (a value beyond its range became "
+                "inf); nothing was written: use a wider out_dtype"
+            )
+        self.writer.write(name, cast)
 
 
 def _folder(source: str) -> Path | None:
@@ -113,25 +120,10 @@ def _folder(source: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _ours(out))):
-        raise UserError(
-            f"--out {out} exists and was not written by a --mergekit merge (no {RECORD} naming one); give a "
-            "new or empty folder"
-        )
-
-
-def _ours(out: Path) -> bool:
-    try:
-        return "mergekit_method" in json.loads((out / RECORD).read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
 def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
     """Merge ``cfg``'s models into the folder ``out``; returns merge.json's record."""
     started = time.perf_counter()
-    _check_out(out)
+    OUTPUT.check(out)
     record = registry.method_record(cfg.method)
     num_models = len(cfg.models)
     try:
@@ -205,7 +197,7 @@ def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES
         if engine.table is not None:
             merged["per_tensor_params"] = engine.table.summary()
         write_json(staged / RECORD, merged)
-        replace_dir(staged, out)  # only a folder _check_out found ours is replaced
+        replace_dir(staged, out, OUTPUT)  # only a folder a --mergekit merge wrote is replaced
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise

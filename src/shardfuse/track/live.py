@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shardfuse.track.client import (
@@ -52,6 +53,7 @@ class LiveLogger:
         max_rows_per_second: float = 2.0,
         max_queue: int = 10_000,
         max_failures: int = 5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.enabled = bool(enabled and tracking_uri)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
@@ -59,6 +61,7 @@ class LiveLogger:
         self.min_row_interval = 1.0 / max_rows_per_second if max_rows_per_second > 0 else 0.0
         self.max_queue = max_queue
         self.max_failures = max_failures
+        self._clock = clock
         self.run_id: str | None = None
         self.num_logged = self.num_skipped = self.num_dropped = self.num_errors = 0
         self.last_error: str | None = None
@@ -81,7 +84,7 @@ class LiveLogger:
         """Queue ``metrics`` at ``step``; returns at once, whatever the server does."""
         if not self.enabled:
             return
-        now = time.monotonic()
+        now = self._clock()
         if now < self._next_row_at:
             self.num_skipped += 1
             return

@@ -656,6 +656,11 @@ def test_each_source_defaults_to_its_task():
             r"class 5 in spec key 'classes' is not a label of this dataset; valid labels: 0, 1$",
         ),
         (
+            {"a": [1.0, 2, 3, 4], "b": [3, 1, 3, 1]},
+            {"classes": [3, "3.0"]},  # distinct as written, one class once read: never a 1-class dataset
+            r"spec key 'classes' names label '3' twice \(3 and '3\.0'\); list each class once$",
+        ),
+        (
             {},
             {"task": "causal_lm"},
             r"source 'parquet' cannot do task 'causal_lm'; use task: classification or",

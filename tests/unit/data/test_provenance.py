@@ -55,3 +55,45 @@ def test_dataset_files_are_the_images_the_text_globs_and_the_tokenizer_module(tm
     assert dataset_files({**text, "tokenizer": "installed.pkg:encode"}) == ["corpus/x.txt"]
     assert dataset_files({"source": "csv", "path": "missing.csv"}) == ["missing.csv"]
     assert dataset_files({"source": "digits"}) == []
+
+
+def test_a_fifo_among_the_files_is_one_line_and_never_opened(tmp_path):
+    import pytest
+
+    from shardfuse.io import UserError
+
+    table = tmp_path / "rows.csv"
+    os.mkfifo(table)  # opening it would wait for a writer for ever
+    with pytest.raises(UserError) as refused:
+        files_digest([str(table)], tmp_path / "cache.json")
+    assert str(refused.value) == (
+        f"dataset file {table} is a FIFO (named pipe), not a regular file; shardfuse reads regular files "
+        "only: put the data in a file and point the dataset at it"
+    )
+
+
+def test_linked_image_folders_are_listed_each_file_once_and_a_link_loop_ends(tmp_path):
+    from shardfuse.data.sources.files import image_files
+
+    (tmp_path / "data" / "cat").mkdir(parents=True)
+    (tmp_path / "data" / "cat" / "1.png").write_bytes(b"png")
+    (tmp_path / "elsewhere" / "dog").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "dog" / "2.png").write_bytes(b"png")
+    (tmp_path / "data" / "dog").symlink_to(tmp_path / "elsewhere" / "dog")  # a class folder linked in
+    (tmp_path / "data" / "cat" / "again").symlink_to(tmp_path / "data")  # a loop
+    os.mkfifo(tmp_path / "data" / "cat" / "pipe.png")  # no image: the source reads regular files only
+    assert image_files(str(tmp_path / "data")) == [
+        str(tmp_path / "data" / "cat" / "1.png"),
+        str(tmp_path / "data" / "dog" / "2.png"),
+    ]
+
+
+def test_a_text_glob_through_a_link_reads_each_file_once(tmp_path):
+    from shardfuse.data.sources.files import matching_text_files
+
+    (tmp_path / "v2").mkdir()
+    for name in ("a.py", "b.py"):
+        (tmp_path / "v2" / name).write_text(f"# {name}\n")
+    (tmp_path / "latest").symlink_to(tmp_path / "v2")
+    files = matching_text_files({"paths": [f"{tmp_path}/**/*.py"]})
+    assert files == [f"{tmp_path}/latest/a.py", f"{tmp_path}/latest/b.py"]  # not v2's copies again

@@ -83,15 +83,19 @@ def test_live_logger_sends_points_to_a_separate_tagged_run(store):
 
 
 def test_live_logger_thins_rows_to_its_rate_limit(store):
-    live = LiveLogger(store["uri"], EXPERIMENT, "thinned", flush_seconds=0.05, max_rows_per_second=20)
-    started = time.monotonic()
-    step = 0
-    while time.monotonic() - started < 0.5:
-        step += 1
+    now = [100.0]  # a clock the test moves: 10 ms a step, 100 steps, at most 20 rows/s
+    live = LiveLogger(
+        store["uri"], EXPERIMENT, "thinned", flush_seconds=0.05, max_rows_per_second=20, clock=lambda: now[0]
+    )
+    for step in range(1, 101):
         live.log(step, {"loss": 1.0})
+        now[0] += 0.01
     assert live.close(timeout=60)
-    assert 5 <= live.stats()["logged"] <= 12  # about 20 rows/s for 0.5 s
-    assert live.stats()["skipped_rows"] == step - live.stats()["logged"]
+    assert live.stats()["logged"] == 20  # one row each 50 ms of the clock: steps 1, 6, 11, ... 96
+    assert live.stats()["skipped_rows"] == 80
+    (run,) = _live_runs(store, "thinned")
+    history = store["client"].get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 101, 5))
 
 
 def _hanging_server():

@@ -25,9 +25,24 @@ def expand_stdlib(pattern: str) -> str:
     return pattern.replace("{stdlib}", glob.escape(sysconfig.get_paths()["stdlib"]))
 
 
+def once_each(paths: list[str]) -> list[str]:
+    """``paths`` sorted, each file once: a path that reaches a file already listed through another (a
+    symbolic link such as ``latest -> v2``, a folder linked twice) is left out, the first in sorted
+    order kept. Without links this is ``sorted(paths)``."""
+    seen: set[str] = set()
+    kept = []
+    for path in sorted(paths):
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            kept.append(path)
+    return kept
+
+
 def matching_text_files(spec: dict) -> list[str]:
     """The files a text spec's ``paths`` globs match, less those an ``exclude`` pattern matches (against
-    the path as globbed or its absolute form), each once, sorted by absolute path; maybe none."""
+    the path as globbed or its absolute form), each once (by absolute path, and by real path: a file
+    reached through a link twice is read once), sorted by absolute path; maybe none."""
     exclude = [expand_stdlib(pattern) for pattern in spec.get("exclude") or []]
     found: dict[str, str] = {}
     for pattern in spec["paths"]:
@@ -36,21 +51,30 @@ def matching_text_files(spec: dict) -> list[str]:
             excluded = any(fnmatch.fnmatch(p, x) for p in (path, full) for x in exclude)
             if not excluded and os.path.isfile(path):
                 found[full] = path
-    return [found[full] for full in sorted(found)]
+    return [found[full] for full in once_each(list(found))]
 
 
 def image_files(root: str) -> list[str]:
-    """Every image file under ``root``, at any depth (hidden files and folders left out, as the source
-    leaves them out), sorted."""
+    """Every image file under ``root``, at any depth, through linked folders too (each real folder
+    walked once, so a link loop ends), each file once (:func:`once_each`); hidden files and folders left
+    out, as the source leaves them out; sorted."""
     found = []
-    for folder, subfolders, names in os.walk(root):
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+    walked: set[str] = set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        walked.add(os.path.realpath(folder))
+        subfolders[:] = [
+            name
+            for name in subfolders
+            if not name.startswith(".") and os.path.realpath(os.path.join(folder, name)) not in walked
+        ]
         found += [
             os.path.join(folder, name)
             for name in names
-            if not name.startswith(".") and name.lower().endswith(IMAGE_SUFFIXES)
+            if not name.startswith(".")
+            and name.lower().endswith(IMAGE_SUFFIXES)
+            and os.path.isfile(os.path.join(folder, name))  # as the source reads: no FIFO, no socket
         ]
-    return sorted(found)
+    return once_each(found)
 
 
 def tokenizer_files(ref: str | None) -> list[str]:

@@ -154,7 +154,17 @@ def decode_images(
         stream = io.BytesIO(source) if isinstance(source, bytes) else source
         try:
             with Image.open(stream) as image:
-                pixels = image.convert(spec["mode"]).resize((width, height), Image.Resampling.BILINEAR)
+                wide = image.mode.startswith("I;16")  # 16-bit grayscale: scaled, not clipped at 255
+                if image.mode in ("I", "F"):
+                    raise UserError(
+                        f"image {where(index)} has 32-bit {'integer' if image.mode == 'I' else 'float'} "
+                        "pixels, which shardfuse does not scale; save it with 8 or 16 bits per channel"
+                    )
+                if wide:
+                    gray = Image.fromarray(np.asarray(image, dtype=np.float32), "F")
+                    pixels = gray.resize((width, height), Image.Resampling.BILINEAR)
+                else:
+                    pixels = image.convert(spec["mode"]).resize((width, height), Image.Resampling.BILINEAR)
         except unreadable as exc:
             if spec["on_bad_image"] == "skip":
                 readable[index] = False
@@ -163,6 +173,10 @@ def decode_images(
             raise UserError(
                 f"cannot read image {where(index)} ({reason}); fix or remove it, or set on_bad_image: skip"
             ) from None
+        if wide:  # one gray channel in 0 ... 65535, repeated for RGB
+            gray = np.asarray(pixels, dtype=np.float32).reshape(height, width, 1) / np.float32(65535)
+            out[index] = np.repeat(gray, channels, axis=2).transpose(2, 0, 1)
+            continue
         values = np.asarray(pixels, dtype=np.float32).reshape(height, width, channels)
         out[index] = values.transpose(2, 0, 1) / np.float32(255)
     return readable

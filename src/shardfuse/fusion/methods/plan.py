@@ -43,6 +43,7 @@ being merged. sce with topk < 1 holds the variance and every rank's squared task
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -156,7 +157,30 @@ def is_running_statistic(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
 
 
+def normalised(weights: Any) -> np.ndarray:
+    """Positive finite ``weights`` scaled to sum 1. Where their sum overflows (weights near 1e308) they
+    are divided by the largest first, so no weight becomes 0 or NaN; otherwise divided by the sum as
+    ever (bit for bit the weights of earlier merges)."""
+    weights = np.asarray(weights, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        total = weights.sum()
+    if not np.isfinite(total):
+        weights = weights / weights.max()
+        total = weights.sum()
+    return weights / total
+
+
+def normalised_list(weights: list) -> list[float]:
+    """:func:`normalised` for a list, summed in Python's order (bit for bit the rank weights of earlier
+    merges where the sum does not overflow)."""
+    total = float(sum(weights))
+    if not math.isfinite(total):
+        top = float(max(weights))
+        weights = [w / top for w in weights]
+        total = float(sum(weights))
+    return [w / total for w in weights]
+
+
 def _weights(params: dict[str, Any], num_ranks: int) -> np.ndarray:
     """merge_weights normalised to sum 1 (null: equal)."""
-    weights = np.asarray(params["weights"] or [1.0] * num_ranks, dtype=np.float64)
-    return weights / weights.sum()
+    return normalised(params["weights"] or [1.0] * num_ranks)

@@ -47,6 +47,7 @@ from shardfuse.fusion.methods.plan import (
     Plan,
     TensorJob,
     is_running_statistic,
+    normalised_list,
 )
 from shardfuse.fusion.methods.sparse import (
     BreadcrumbsPlan,
@@ -127,6 +128,8 @@ def _della_window(method: str, params: dict[str, Any], num_ranks: int) -> None:
             )
 
 
+MAX_KARCHER_ITER = 10_000  # each iteration is a few vector operations on an N x N Gram matrix
+KARCHER_ITER = f"an integer from 1 to {MAX_KARCHER_ITER}"
 TIES_DENSITY = Param(0.2, "number", "a number in (0, 1]", lambda v: 0 < v <= 1)
 DARE_DENSITY = Param(0.5, "number", "a number in (0, 1]", lambda v: 0 < v <= 1)
 SEED = Param(0, "integer", f"an integer from 0 to {MAX_SEED}", lambda v: 0 <= v <= MAX_SEED)
@@ -260,7 +263,12 @@ RECORDS: tuple[Method, ...] = (
         "mergekit's karcher (Karcher 1977)",
         {
             "weights": WEIGHTS,
-            "max_iter": Param(10, "integer", "an integer >= 1", lambda v: v >= 1),
+            "max_iter": Param(
+                10,
+                "integer",
+                f"an integer from 1 to {MAX_KARCHER_ITER}",
+                lambda v: 1 <= v <= MAX_KARCHER_ITER,
+            ),
             "tol": Param(1e-5, "number", "a number > 0", lambda v: v > 0),
         },
         not_on_updates=SPHERICAL,
@@ -412,10 +420,9 @@ def rank_weights(method: str, params: dict[str, Any], rows: list[int]) -> list[f
     if "weights" in settings.varying(params, _kinds(method)):
         return None  # each tensor's: tensor_weights
     raw = params["weights"] if params["weights"] is not None else rows
-    total = float(sum(raw))
-    if total <= 0:
+    if float(sum(raw)) <= 0:
         raise UserError(f"{method} merge needs ranks with rows > 0; use merge_method uniform")
-    return [w / total for w in raw]
+    return normalised_list(raw)
 
 
 def tensor_weights(method: str, values: dict[str, Any], weights: list[float] | None) -> list[float] | None:
@@ -423,8 +430,7 @@ def tensor_weights(method: str, values: dict[str, Any], weights: list[float] | N
     ``values``): those normalised where the method weighs by them, else ``weights``."""
     if method_record(method).weighing != "rows":
         return weights
-    total = float(sum(values["weights"]))
-    return [w / total for w in values["weights"]]
+    return normalised_list(values["weights"])
 
 
 def refuse_per_tensor_cat(method: str, params: dict[str, Any]) -> None:

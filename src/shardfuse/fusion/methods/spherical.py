@@ -31,7 +31,9 @@ from shardfuse.fusion.methods.plan import (
     SLERP_PARALLEL_COS,
     Plan,
     _weights,
+    normalised,
 )
+from shardfuse.io import UserError
 
 
 class SlerpPlan(Plan):
@@ -132,9 +134,14 @@ class KarcherPlan(GramPlan):
         valid = np.flatnonzero(norms >= tol)
         self.stats["iterations"] = 0
         if not len(valid):
+            if norms.any():  # a tensor that is zero in every rank stays zero; anything else is lost
+                raise UserError(
+                    f"merge method karcher: every rank's {self.job.name} is shorter than tol {tol:g} "
+                    f"(norms up to {norms.max():.3g}), so no rank is left to average; lower merge_tol"
+                )
             self.coefficients = np.zeros(num_ranks)
             return
-        w = weights[valid] / weights[valid].sum()
+        w = normalised(weights[valid])
         units = self.gram[np.ix_(valid, valid)] / np.outer(norms[valid], norms[valid])  # <u_i, u_j>
 
         def norm(c: np.ndarray) -> float:
@@ -162,6 +169,9 @@ class KarcherPlan(GramPlan):
             length = norm(u)
             if length > tol:
                 u = u / length
-        scale = float(weights @ norms) / weights.sum()
+        with np.errstate(over="ignore", invalid="ignore"):
+            scale = float(weights @ norms) / weights.sum()
+        if not math.isfinite(scale):  # weights whose sum overflows: normalised first
+            scale = float(normalised(weights) @ norms)
         self.coefficients = np.zeros(num_ranks)
         self.coefficients[valid] = scale * u / norms[valid]
