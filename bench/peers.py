@@ -379,8 +379,10 @@ def bench_train(work: Path, quick: bool, reps: int) -> tuple[str, list[tuple]]:
                 bare = train_bare(work, shards, cfg, model, steps)
             else:
                 bare = train_bare(work, shards, cfg, model, steps)
-            # The bare loop once more: how far two runs of the very same loop differ here (A/A).
-            again_s.append(train_bare(work, shards, cfg, model, steps)["seconds"])
+            # The bare loop once more: how far two runs of the very same loop differ here (A/A); not in
+            # --quick, whose figures mean nothing anyway (a third of its training time).
+            if not quick:
+                again_s.append(train_bare(work, shards, cfg, model, steps)["seconds"])
             ours_s.append(ours["seconds"])
             framework_s.append(ours["framework_seconds"])
             bare_s.append(bare["seconds"])
@@ -388,7 +390,7 @@ def bench_train(work: Path, quick: bool, reps: int) -> tuple[str, list[tuple]]:
         # Noise on a shared machine only ever adds time: each side's best repetition is its speed, and
         # the target is checked on their ratio; the median of the paired ratios is reported beside it.
         best = min(bare_s) / min(ours_s)
-        same_loop = min(bare_s) / min(again_s)
+        same_loop = min(bare_s) / min(again_s) if again_s else float("nan")
         # Measured inside the train stage's loop: the time outside the step's own work (forward, backward,
         # the optimiser's step, the strategy's sync), the slowest rank's, median over the repetitions.
         framework = statistics.median(framework_s)

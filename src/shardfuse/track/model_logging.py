@@ -187,7 +187,8 @@ def log_merged_model(
         data_dir.mkdir()
         shutil.copy2(weights_path, data_dir / WEIGHTS_FILE)
         if hf_dir is not None:  # the model is rebuilt from it: no pretrained folder needed where it loads
-            shutil.copytree(hf_dir, data_dir / HF_DIR)
+            # without export's own marker (shardfuse.export.OUTPUT): the transformers folder only
+            shutil.copytree(hf_dir, data_dir / HF_DIR, ignore=shutil.ignore_patterns(".shardfuse-*"))
             extra_requirements = [*extra_requirements, *HF_REQUIREMENTS]
         else:
             _stage_model_files(spec, data_dir / FILES_DIR)

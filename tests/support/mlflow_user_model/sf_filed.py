@@ -1,4 +1,4 @@
-"""A user model for tests/stages/test_mlflow_model.py built from a file beside its code (a run's
+"""A user model for tests/slow/test_mlflow_user_models.py built from a file beside its code (a run's
 ``model_files``), with a third-party import (PyYAML) the logged model's requirements must list."""
 
 import yaml

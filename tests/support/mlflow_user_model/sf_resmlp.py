@@ -1,4 +1,4 @@
-"""A user model for tests/stages/test_mlflow_model.py: a residual MLP that imports a sibling module."""
+"""A user model for tests/slow/test_mlflow_user_models.py: a residual MLP that imports a sibling module."""
 
 from sf_blocks import Residual
 from torch import nn
