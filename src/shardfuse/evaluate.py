@@ -49,9 +49,17 @@ import argparse
 from pathlib import Path
 
 from shardfuse.checkpoints.gather_record import GatherRecord
-from shardfuse.checkpoints.trust import RERUN_MERGE, RERUN_TRAIN, check_merged, header_spec, read_gather
+from shardfuse.checkpoints.trust import (
+    RERUN_MERGE,
+    RERUN_TRAIN,
+    check_merged,
+    check_merged_record,
+    header_spec,
+    read_gather,
+)
 from shardfuse.console.errors import exit_now, run_cli
-from shardfuse.experiment.records import EvalRecord
+from shardfuse.data.verify import check_dataset_of
+from shardfuse.experiment.records import EvalRecord, MergeRecord
 from shardfuse.io import StageParser, UserError, write_json
 from shardfuse.models.registry import check_model_fits, normalized_spec
 from shardfuse.models.tasks import task_for
@@ -71,8 +79,11 @@ def evaluate(
     merged_path: Path,
     batch_size: int,
     ddp_baseline: Path | None = None,
+    merge_json: Path | None = None,
 ) -> EvalRecord:
-    """Score the training's models on every set ``sets`` (kind, file) gives; the record eval.json holds."""
+    """Score the training's models on every set ``sets`` (kind, file) gives; the record eval.json holds.
+    ``merge_json`` (default: the merge.json beside ``merged_path``, where there is one) must describe the
+    merged model: this run's, its sha256 and method (a copied or edited file is refused)."""
     named = expand(sets)
     splits = load_sets(named)
     gather = read_gather(gather_path, base=True, need=("model",))
@@ -81,12 +92,22 @@ def evaluate(
     # would read the user's code files once per checkpoint.
     check_code_unchanged(spec["model"], spec.get("code"), "evaluate")
     check_merged(merged_path, gather)
+    for kind, path in sets:  # the test split of the dataset the ranks trained on, never another's
+        if kind.name == HEADLINE:
+            check_dataset_of(path, "test", gather.dataset_sha256)
     # An adapter training's ranks hold factors, not the model: the base is checked, and each factor
     # against its base weight when the rank's model is formed (shardfuse.models.lora.dense_weights).
     checkpoints = [] if gather.adapted else [(Path(r.path), RERUN_TRAIN) for r in gather.ranks]
     checkpoints += [(Path(gather.base), RERUN_TRAIN), (merged_path, RERUN_MERGE)]
     for path, rerun in checkpoints:
         check_model_fits(f"the header of {path}", *header_spec(path, rerun), rerun)
+    if merge_json is None and (merged_path.parent / MergeRecord.FILE).is_file():
+        merge_json = merged_path.parent / MergeRecord.FILE
+    if merge_json is not None:
+        merge = MergeRecord.read(merge_json)
+        if merge.run not in (None, run, gather.run):  # (older merge stages recorded the training's name)
+            raise UserError(f"{merge_json} is the merge of run {merge.run!r}, not of {run!r}; {RERUN_MERGE}")
+        check_merged_record(merged_path, merge_json, merge.method, merge.sha256)
     weighted = weighting(named, gather)
     models = TrainingModels(merged_path, [(r.rank, Path(r.path)) for r in gather.ranks], Path(gather.base))
     scored = score_sets(splits, models, spec, batch_size, weighted)
@@ -156,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--gather", type=Path, required=True, help="gather.json of the run")
     parser.add_argument("--merged", type=Path, required=True, help="merged.safetensors of the run")
+    parser.add_argument(
+        "--merge-json",
+        type=Path,
+        help="the run's merge.json (default: the one beside --merged), checked against the merged model",
+    )
     parser.add_argument("--batch-size", type=int, default=4096, help="rows per forward pass")
     parser.add_argument(
         "--ddp-baseline",
@@ -170,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"--batch-size {args.batch_size} must be at least 1")
     sets = requested_sets(args)
     baseline = Path(args.ddp_baseline) if args.ddp_baseline else None
-    result = evaluate(args.run, sets, args.gather, args.merged, args.batch_size, baseline)
+    result = evaluate(args.run, sets, args.gather, args.merged, args.batch_size, baseline, args.merge_json)
     write_json(args.out, result.to_json())
     normalized = (result.local or {}).get(f"normalized_{result.score}")
     print(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from shardfuse.checkpoints.gather_record import GatherRecord
-from shardfuse.checkpoints.trust import read_gather
+from shardfuse.checkpoints.trust import check_merged_record, read_gather
 from shardfuse.console.errors import run_cli
 from shardfuse.experiment.records import MergeRecord
 from shardfuse.io import OutputFolder, StageParser, UserError, atomic_dir, write_json
@@ -89,6 +89,9 @@ def export_adapter(
             f"{merge_json} is a merge of training {merge.training!r}, not of {info.run!r}; re-run merge "
             "(snakemake -R merge)"
         )
+    merged = merge_json.parent / (merge.output or "merged.safetensors")
+    if merged.is_file():  # the adapter must be the fusion the merged model beside it is
+        check_merged_record(merged, merge_json, merge.method, merge.sha256)
     factors, rank, errors = fused_adapter(info, merge, mode)
     alpha = float(adapter["alpha"]) / int(adapter["r"]) * rank  # the same scaling alpha / r
     dtype = np.float32

@@ -168,7 +168,20 @@ def gather(train_dir: Path, world_size: int) -> GatherRecord:
         base_tensors=None if adapter is None else base_header,
         replicas=replicas if replicas != world_size else None,
         membership=membership.to_json(),
+        dataset_sha256=_dataset_sha256(train_info),
     )
+
+
+def _dataset_sha256(train_info: dict[str, Any]) -> str | None:
+    """The sha256 of the train split the training's shards were cut from, as their manifest records it;
+    None where there is no readable manifest (then no split is checked against it)."""
+    shard_dir = train_info.get("shard_dir")
+    try:
+        source = read_json(Path(shard_dir) / "manifest.json").get("source") if shard_dir else None
+    except (OSError, ValueError, UserError, AttributeError):
+        return None
+    digest = source.get("sha256") if isinstance(source, dict) else None
+    return digest if isinstance(digest, str) else None
 
 
 def adapter_header(adapter: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:

@@ -157,12 +157,13 @@ def _searched(gather_path, gather, record, given, search, val_split, batch_size,
     if val_split is None or search_db is None:
         raise UserError("merge_search needs --val-split (the validation split) and --search-db (the study)")
     from shardfuse.checkpoints.trust import STALE, shapes_of
-    from shardfuse.data.verify import check_split
+    from shardfuse.data.verify import check_dataset_of, check_split
     from shardfuse.models.registry import check_model_fits  # deferred: imports torch
 
     kinds = {name: param.kind for name, param in record.params.items()}
     spec = parse(search, record.name, kinds, "merge_search")
     check_split(val_split, "val")  # the validation split prepare wrote (never the test split)
+    check_dataset_of(val_split, "val", gather.dataset_sha256)  # of the training's own dataset
     check_model_fits(str(gather_path), gather.model, shapes_of(gather.tensors), STALE)
     return search_merge(gather, record.name, given, spec, val_split, batch_size, search_db)
 

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from shardfuse.models.spec import model_spec
-from tests.stages.test_mlflow_model import (  # noqa: F401 (store, workdir: the fixtures)
+from tests.support.mlflow_models import (  # noqa: F401 (store, workdir: the fixtures)
     IRIS,
     LOG_WITHOUT_TORCH,
     TEXT,

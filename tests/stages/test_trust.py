@@ -74,7 +74,8 @@ def trained(tmp_path_factory, small_trainings, digits_dataset) -> Path:
     root = tmp_path_factory.mktemp("trusted")
     shutil.copytree(small_trainings / "results" / "trainings" / TRAINING, root / TRAINING_DIR)
     for name, *args in (
-        ("merge", *merge_args(), "--out-weights", MERGED, "--out-json", f"{RUN_DIR}/merge.json"),
+        ("merge", *merge_args()[:-2], "--run", RUN, "--out-weights", MERGED, "--out-json",
+         f"{RUN_DIR}/merge.json"),
         ("evaluate", "--run", RUN, "--test", digits_dataset / "test.parquet", "--gather", GATHER,
          "--merged", MERGED, "--out", f"{RUN_DIR}/eval.json"),
     ):  # fmt: skip
@@ -344,6 +345,52 @@ def test_evaluate_refuses_a_merged_model_of_another_training(workdir, digits_dat
         "'another-training', rank None); re-run merge (snakemake -R merge)",
     )
     assert_refused(proc, "evaluate", fragments, outputs)
+
+
+def test_evaluate_refuses_another_runs_merged_model_copied_over_this_ones(workdir, digits_dataset):
+    """Two runs of one training, both ties (density 0.5 and 0.2): the other run's merged model copied over
+    this one's has the right header (the same training, the same method), so only merge.json's sha256
+    tells them apart."""
+    other = workdir / "results/runs/other"
+    proc = stage(
+        workdir, "merge", "--gather", GATHER, "--method", "ties", "--params-json", '{"density": 0.2}',
+        "--run", "other", "--out-weights", other / "merged.safetensors", "--out-json", other / "merge.json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copy(other / "merged.safetensors", workdir / MERGED)
+    proc, outputs = run_stage_in(workdir, "evaluate", digits_dataset)
+    assert_refused(proc, "evaluate", ("/merged.safetensors is not the merged model its ",), outputs)
+    assert "another run's merged model, or an edited file); re-run merge (snakemake -R merge)" in proc.stderr
+
+
+def test_evaluate_refuses_a_merge_json_edited_to_another_method(workdir, digits_dataset):
+    record = json.loads((workdir / RUN_DIR / "merge.json").read_text())
+    (workdir / RUN_DIR / "merge.json").write_text(json.dumps({**record, "method": "uniform"}))
+    proc, outputs = run_stage_in(workdir, "evaluate", digits_dataset)
+    assert_refused(proc, "evaluate", ("/merge.json says method 'uniform' but ",), outputs)
+    assert "was merged with 'ties' (one of them was edited or copied from another run)" in proc.stderr
+
+
+def test_evaluate_and_merge_refuse_the_splits_of_another_prepared_dataset(workdir, tmp_path):
+    """digits prepared again with seed 1: a consistent dataset of its own (its splits match its
+    dataset.json), but most of its test rows are the training's train rows; gather.json ties the run to
+    the train split its shards were cut from."""
+    from shardfuse.prepare import prepare
+
+    other = tmp_path / "other-digits"
+    prepare("digits", {"source": "digits", "test_fraction": 0.2, "seed": 1}, other)
+    assert json.loads((workdir / GATHER).read_text())["dataset_sha256"]  # recorded by gather
+    proc, outputs = run_stage_in(workdir, "evaluate", other.parent / "other-digits")
+    assert_refused(
+        proc, "evaluate", ("test split ", "/other-digits/test.parquet belongs to another "), outputs
+    )
+    assert "pass the test.parquet of the dataset the run trained on" in proc.stderr
+    out = workdir / "results/runs/again/merged.safetensors"
+    proc = stage(
+        workdir, *["merge", *merge_args("greedy_soup")], "--val-split", other / "val.parquet",
+        "--out-weights", out, "--out-json", out.with_suffix(".json"),
+    )  # fmt: skip
+    assert_refused(proc, "merge", ("val split ", "belongs to another prepared dataset"), [out])
 
 
 # ---------------------------------------------------------------- the checks themselves (no stage run)

@@ -177,7 +177,8 @@ def dataset_content_digest(wildcards):
             dataset_source_files(wildcards),
             Path(".snakemake/shardfuse/inputs") / f"{wildcards.dataset}.json",
         )
-    except UserError as exc:  # a FIFO or a device among the files: one line, before any job
+    # a FIFO or a device among the files: one line, before any job
+    except UserError as exc:
         raise WorkflowError(f"dataset {wildcards.dataset}: {exc}") from None
 
 

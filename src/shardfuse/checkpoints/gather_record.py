@@ -118,12 +118,15 @@ class GatherRecord:
     base_tensors: dict[str, Any] | None = None  # LoRA trainings: the base's tensors (ranks hold factors)
     replicas: int | None = None  # fsdp > 1: one checkpoint per replica
     membership: dict[str, Any] | None = None  # which replica trained which shard, which ranks are alive
+    # sha256 of the train split the training's shards were cut from (their manifest's source): a val or
+    # test split another stage is given must be of the same prepared dataset; absent from older files
+    dataset_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     # The order gather writes the keys in (the dataclass's puts the required fields first).
     ORDER = (
         "format_version", "hash", "run", "world_size", "strategy", "model", "base", "num_parameters",
-        "tensors", "ranks", "adapter", "base_tensors", "replicas", "membership",
+        "tensors", "ranks", "adapter", "base_tensors", "replicas", "membership", "dataset_sha256",
     )  # fmt: skip
 
     @classmethod

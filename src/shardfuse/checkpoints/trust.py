@@ -208,6 +208,29 @@ def check_merged(path: str | os.PathLike, gather: GatherRecord) -> None:
         )
 
 
+def check_merged_record(
+    path: str | os.PathLike, record_path: str | os.PathLike, method: str | None, sha256: str | None
+) -> None:
+    """The merged model is the one its merge.json (``record_path``) describes: its sha256 is the one
+    recorded (not another run's merged model copied over it, not an edited file) and its header's method
+    is the record's (not a merge.json edited to another method). An older merge.json without a sha256
+    is checked by the method alone."""
+    from shardfuse.io import sha256_file
+
+    metadata = checkpoint_metadata(path) or {}
+    said = metadata.get("merge_method")
+    if method is not None and said is not None and said != method:
+        raise UserError(
+            f"{record_path} says method {method!r} but {path} was merged with {said!r} (one of them was "
+            f"edited or copied from another run); {RERUN_MERGE}"
+        )
+    if sha256 is not None and (found := sha256_file(path)) != sha256:
+        raise UserError(
+            f"{path} is not the merged model its {record_path} recorded (sha256 {sha256[:12]}… there, "
+            f"{found[:12]}… here: another run's merged model, or an edited file); {RERUN_MERGE}"
+        )
+
+
 # ---------------------------------------------------------------- model specs against tensors
 
 

@@ -39,6 +39,25 @@ def _footer_rows(path: Path) -> int | None:
         return None
 
 
+def check_dataset_of(path: str | Path, split: str, train_sha256: str | None) -> None:
+    """``path``'s dataset is the training's: the train split its dataset.json records has the sha256 the
+    training's shards were cut from (gather.json's ``dataset_sha256``). A split of another prepared
+    dataset (another seed or source) would score rows the ranks trained on. Nothing to check when the
+    gather.json is older (``train_sha256`` None)."""
+    if train_sha256 is None:
+        return
+    info_path = Path(path).parent / DATASET_INFO
+    info = read_json(info_path, "dataset info")
+    digests = info.get("sha256") if isinstance(info, dict) else None
+    recorded = digests.get("train") if isinstance(digests, dict) else None
+    if recorded != train_sha256:
+        raise UserError(
+            f"{split} split {path} belongs to another prepared dataset: its {DATASET_INFO} records a train "
+            f"split of sha256 {_short(recorded)}, but the training's shards were cut from "
+            f"{_short(train_sha256)}; pass the {split}.parquet of the dataset the run trained on"
+        )
+
+
 def check_split(path: str | Path, split: str) -> None:
     """``path`` must be the dataset's ``split`` ("test", "val") exactly as prepare wrote it: the rows and
     sha256 that dataset.json beside it records for that split (one streamed sha256 of a small file)."""

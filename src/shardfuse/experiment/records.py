@@ -310,7 +310,29 @@ class EvalRecord(_Record):
             data = {key: value for key, value in data.items() if key not in flat} | {
                 "local": {key: data[key] for key in flat}
             }
-        return super().from_json(data, source)
+        record = super().from_json(data, source)
+        record.check_ranges()
+        return record
+
+    def check_ranges(self) -> None:
+        """Every model's metrics within what the task can score (shardfuse.models.task.Task.metric_ranges):
+        an eval.json edited to an accuracy of 1.7 is one line, never a row of summary.csv or MLflow."""
+        from shardfuse.models.tasks import IMPLICIT_TASK, task_record  # torch-free
+
+        try:
+            task = task_record(self.task or IMPLICIT_TASK)
+        except UserError:
+            return  # a task this version does not know: the stages that score say so
+        models = {"merged": self.merged, "base": self.base, "ensemble": self.ensemble}
+        models |= {f"ranks[{i}]": entry for i, entry in enumerate(self.ranks or [])}
+        models["ddp_baseline"] = self.ddp_baseline
+        for where, metrics in models.items():
+            if isinstance(metrics, Mapping) and (problem := task.metric_problem(metrics)) is not None:
+                source = getattr(self, "_source", self.FILE)
+                raise UserError(
+                    f"{source}: {where} {problem} for task {task.name} (an edited or damaged file); re-run "
+                    f"the {self.STAGE} stage"
+                )
 
     def to_json(self) -> dict[str, Any]:
         """As every record writes itself, ``local``'s keys flat where the field stands."""

@@ -31,7 +31,7 @@ from shardfuse.checkpoints.trust import (
     open_listed,
     shapes_of,
 )
-from shardfuse.data.verify import check_split
+from shardfuse.data.verify import check_dataset_of, check_split
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.fusion.methods.registry import Method, consolidating_names, tensor_params
 from shardfuse.fusion.soup import Selection
@@ -77,6 +77,7 @@ def check_request(
         )
     if val_split is not None and (method.uses_val or recalibrate):
         check_split(val_split, "val")  # the validation split prepare wrote (never the test split)
+        check_dataset_of(val_split, "val", gather.dataset_sha256)  # of the training's own dataset
     if method.uses_val:
         from shardfuse.models.registry import check_model_fits  # deferred: imports torch
 

@@ -37,6 +37,14 @@ class CausalLM(Task):
     score = "loss"
     lower_is_better = True
     metrics = ("loss", "perplexity", "bits_per_token", "bits_per_byte")
+    metric_ranges = MappingProxyType(
+        {
+            "loss": (0.0, math.inf),
+            "perplexity": (1.0, math.inf),
+            "bits_per_token": (0.0, math.inf),
+            "bits_per_byte": (0.0, math.inf),
+        }
+    )
     labels = TOKENS
     next_token = True
     default_input = "tokens"

@@ -30,6 +30,7 @@ class Classification(Task):
     score = "accuracy"
     lower_is_better = False
     metrics = ("loss", "accuracy")
+    metric_ranges = MappingProxyType({"loss": (0.0, math.inf), "accuracy": (0.0, 1.0)})
     labels = CLASSES
     hf_auto_classes = MappingProxyType(
         {"tokens": "AutoModelForSequenceClassification", "tensor": "AutoModelForImageClassification"}

@@ -11,6 +11,8 @@ A library module (its record is the class, in :data:`shardfuse.models.tasks.RECO
 
 from __future__ import annotations
 
+import math
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from shardfuse.io import UserError
@@ -28,6 +30,9 @@ class Regression(Task):
     score = "mse"
     lower_is_better = True
     metrics = ("loss", "mse", "mae", "r2")
+    metric_ranges = MappingProxyType(
+        {"loss": (0.0, math.inf), "mse": (0.0, math.inf), "mae": (0.0, math.inf), "r2": (-math.inf, 1.0)}
+    )
     labels = VALUES
     losses = REGRESSION_LOSSES
     scales_targets = True

@@ -21,6 +21,7 @@ A library module, no command line.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -86,6 +87,8 @@ class Task:
     next_token: bool = False  # outputs are a distribution over the vocabulary per position (a causal LM)
     default_input: str = "numeric"  # the input kind of a dataset.json that records none (older files)
     hf_auto_classes: Mapping[str, str] = MappingProxyType({})  # input kind -> transformers Auto class
+    # metric -> (lowest, highest) a model can score: eval.json's numbers are checked against them
+    metric_ranges: Mapping[str, tuple[float, float]] = MappingProxyType({})
     peft_task_type: str | None = None  # PEFT's adapter_config task_type for a model: hf adapter
 
     @classmethod
@@ -123,6 +126,19 @@ class Task:
 
     def expected_output_shape(self, rows: int, num_outputs: int, block_size: int | None) -> tuple[int, ...]:
         return (rows, num_outputs)
+
+    @classmethod
+    def metric_problem(cls, metrics: Mapping[str, Any]) -> str | None:
+        """What is impossible in ``metrics`` ({metric: value}, as eval.json holds a model's): a finite
+        value outside the metric's range (an accuracy of 1.7); None if nothing. Values that are not
+        finite numbers are left to the record's type check (a diverged model's loss may be inf)."""
+        for name, value in metrics.items():
+            bounds = cls.metric_ranges.get(name)
+            if bounds is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if math.isfinite(value) and not bounds[0] <= value <= bounds[1]:
+                return f"{name} {value:g} is outside [{bounds[0]:g}, {bounds[1]:g}]"
+        return None
 
     def better(self, candidate: float, incumbent: float) -> bool:
         """Whether ``candidate`` is at least as good as ``incumbent`` (ties count as good: greedy soup

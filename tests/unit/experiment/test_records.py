@@ -106,13 +106,18 @@ def test_an_older_or_newer_merge_json_reads_absent_fields_as_none_and_keeps_unkn
 
 def eval_json(task: str, score: str, metrics: list[str]) -> dict:
     """eval.json as the evaluate stage writes it for ``task``, key for key (the score's keys in place)."""
-    merged = {metric: 0.5 for metric in metrics}
-    ranks = [{"rank": rank, **{metric: 0.4 + 0.1 * rank for metric in metrics}} for rank in (0, 1)]
+    floor = {"perplexity": 1.0}  # each metric in its range (a perplexity is at least 1)
+    merged = {metric: floor.get(metric, 0) + 0.5 for metric in metrics}
+    ranks = [
+        {"rank": rank, **{metric: floor.get(metric, 0) + 0.4 + 0.1 * rank for metric in metrics}}
+        for rank in (0, 1)
+    ]
     return {
         "run": "r", "training": "t", "test_rows": 10, "task": task, "score": score,
         "lower_is_better": task != "classification", "metrics": metrics, "merged": merged,
-        "base": {metric: 0.1 for metric in metrics}, "ranks": ranks, f"best_rank_{score}": 0.45,
-        f"mean_rank_{score}": 0.44, "mean_rank_loss": 0.44, "fusion_gain": 0.05, "ensemble": merged,
+        "base": {metric: floor.get(metric, 0) + 0.1 for metric in metrics}, "ranks": ranks,
+        f"best_rank_{score}": 0.45, f"mean_rank_{score}": 0.44, "mean_rank_loss": 0.44, "fusion_gain": 0.05,
+        "ensemble": merged,
         f"ensemble_{score}": 0.55, "fusion_gap": 0.05, "ddp_baseline": None,
     }  # fmt: skip
 
@@ -137,6 +142,31 @@ def test_eval_json_round_trips_with_the_score_named_keys_mapped_to_typed_fields(
     assert evaluation_task(record).score == score  # the readers' check takes the record as the dict
     with pytest.raises(KeyError, match=f"best_rank_{score}"):
         replace(record, best_rank=None).required("best_rank")
+
+
+@pytest.mark.parametrize(
+    ("task", "score", "metrics", "where", "metric", "value", "problem"),
+    [
+        (*EVAL_CASES[0], "merged", "accuracy", 1.7, "merged accuracy 1.7 is outside [0, 1]"),
+        (*EVAL_CASES[0], "ranks", "loss", -0.5, "ranks[1] loss -0.5 is outside [0, inf]"),
+        (*EVAL_CASES[1], "ensemble", "r2", 1.5, "ensemble r2 1.5 is outside [-inf, 1]"),
+        (*EVAL_CASES[2], "base", "perplexity", 0.5, "base perplexity 0.5 is outside [1, inf]"),
+    ],
+)
+def test_an_impossible_score_in_eval_json_is_one_line_naming_the_file(
+    task, score, metrics, where, metric, value, problem
+):
+    data = eval_json(task, score, metrics)
+    if where == "ranks":
+        data["ranks"][1][metric] = value
+    else:
+        data[where] = {**data[where], metric: value}
+    with pytest.raises(UserError) as refused:
+        EvalRecord.from_json(data, "results/runs/r/eval.json")
+    assert str(refused.value) == (
+        f"results/runs/r/eval.json: {problem} for task {task} (an edited or damaged file); re-run the "
+        "evaluate stage"
+    )
 
 
 # What evaluate stages added since the first: tasks, then the fusion gain, the ddp baseline, the ensemble.
