@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,15 @@ from shardfuse.cluster.ownership import TRAINING_FOLDER
 from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.experiment.records import COLLECTED_MODE, TrainRecord
 from shardfuse.experiment.run_config import TrainConfig
-from shardfuse.io import StageParser, UserError, parse_json_arg, replace_dir, sha256_file, write_json
+from shardfuse.io import (
+    StageParser,
+    UserError,
+    parse_json_arg,
+    replace_dir,
+    sha256_file,
+    staging_dir,
+    write_json,
+)
 
 
 def collect(
@@ -76,7 +83,7 @@ def collect(
         meta["ties"] = ties
     TRAINING_FOLDER.check(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    staged = staging_dir(out_dir)
     try:
         save_weights(staged / "base.safetensors", storable_state(model)[0], {**meta, "rank": None})
         entries = []

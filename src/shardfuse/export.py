@@ -13,12 +13,14 @@ model with the logits evaluate scored. Tied embeddings come back tied (transform
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from shardfuse.console.errors import run_cli
 from shardfuse.io import OutputFolder, StageParser, UserError, atomic_dir
 
 # A transformers folder has no record of shardfuse's own: export marks the folders it writes.
+SHARD_SIZE = re.compile(r"^\d+([KMG]i?B)$", re.IGNORECASE)  # what save_pretrained's max_shard_size reads
 OUTPUT = OutputFolder("export", "--out", ".shardfuse-export.json", "written_by", "export", mark=True)
 
 
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-shard-size", default="2GB", help="save_pretrained's shard size (e.g. 500MB)")
     args = parser.parse_args(argv)
+    if not SHARD_SIZE.match(args.max_shard_size):
+        raise UserError(
+            f"--max-shard-size {args.max_shard_size!r} is not a size; give a whole number with KB, MB or GB "
+            "(or KiB, MiB, GiB), e.g. 500MB"
+        )
     OUTPUT.check(args.out)  # before the model is built
     files = export(args.weights, args.out, args.max_shard_size)
     print(f"exported {args.weights} -> {args.out}: {', '.join(files)}")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -62,9 +64,50 @@ def _umask() -> int:
     return mask
 
 
+def _owner_tag() -> str:
+    """``<pid>@<host>``: which process a temporary sibling belongs to (see :func:`sweep_leftovers`)."""
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_leftovers(path: Path) -> list[Path]:
+    """Remove the temporary siblings of ``path`` (``.X.tmp-<pid>@<host>-…``) that a killed process of this
+    host left behind: their pid no longer runs. Another host's, a live process's and one of an older
+    version (no owner in its name) are kept. Returns what was removed."""
+    removed = []
+    host = socket.gethostname()
+    try:
+        siblings = list(path.parent.glob(f".{glob.escape(path.name)}.tmp-*@*"))
+    except OSError:
+        return removed
+    for sibling in siblings:
+        tag = sibling.name[len(path.name) + 6 :]  # after ".X.tmp-"
+        pid_text, _, rest = tag.partition("@")
+        owner_host = rest.rsplit("-", 1)[0]
+        if not pid_text.isdigit() or owner_host != host or _alive(int(pid_text)):
+            continue
+        if sibling.is_dir() and not sibling.is_symlink():
+            shutil.rmtree(sibling, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                sibling.unlink()
+        removed.append(sibling)
+    return removed
+
+
 def _tmp_sibling(path: Path, *, directory: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{path.name}.tmp-"
+    sweep_leftovers(path)  # a killed earlier write of this output left no .tmp-* behind for long
+    prefix = f".{path.name}.tmp-{_owner_tag()}-"
     # mkstemp/mkdtemp create owner-only entries; outputs get the usual umask-based modes instead,
     # so results stay readable by the group (shared project directories on clusters).
     if directory:
@@ -83,6 +126,12 @@ def _raise_naming(exc: BaseException, path: Path) -> NoReturn:
     if isinstance(exc, OSError) and exc.filename is None and exc.errno in WRITE_ERRNOS:
         raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
     raise exc
+
+
+def staging_dir(path: str | os.PathLike) -> Path:
+    """A fresh temporary directory beside ``path`` (``.X.tmp-<pid>@<host>-…``), for a caller that renames
+    it into place itself; a killed earlier one of this host is swept first (:func:`sweep_leftovers`)."""
+    return _tmp_sibling(Path(path), directory=True)
 
 
 @contextlib.contextmanager

@@ -116,7 +116,11 @@ def prepare_staging(staging: Path, train_args: list[str]) -> bool:
     checkpoints); anything else there is stale and goes. Returns True when resuming is possible."""
     identity = {"train_args": [a for a in train_args if a != str(staging)]}
     record = staging / "launch.json"
-    if record.is_file() and json.loads(record.read_text()) == identity:
+    try:
+        same = record.is_file() and json.loads(record.read_text()) == identity
+    except (ValueError, OSError):  # cut or unreadable: not this launch's record, so not resumable
+        same = False
+    if same:
         return bool(complete_steps(staging / "checkpoints"))
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

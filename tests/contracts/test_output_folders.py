@@ -181,3 +181,55 @@ def test_a_training_folder_is_recognised_by_its_train_json(tmp_path):
     (ranks / "train.json").write_text(json.dumps({"run": "t"}))
     with pytest.raises(UserError, match="did not write"):
         TRAINING_FOLDER.check(ranks)
+
+
+def test_a_killed_writes_temporary_siblings_go_at_the_next_write_of_that_output_and_no_others(tmp_path):
+    """A process killed while writing ``out.json`` (or staging ``out/``) leaves
+    ``.out.json.tmp-<pid>@<host>-…``; the next write of that output removes what a dead process of this
+    host left, and nothing else."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from shardfuse.io import sweep_leftovers, write_json
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid, host = int(dead.stdout), socket.gethostname()
+    out = tmp_path / "out.json"
+    leftovers = [
+        tmp_path / f".out.json.tmp-{pid}@{host}-a1b2c3",
+        tmp_path / f".out.json.tmp-{pid}@{host}-d4e5f6",
+    ]
+    leftovers[0].write_text("half a file")
+    (leftovers[1] / "staged").mkdir(parents=True)
+    kept = [
+        tmp_path / f".out.json.tmp-{os.getpid()}@{host}-live00",  # a live writer's
+        tmp_path / f".out.json.tmp-{pid}@another-host-x9",  # another machine's: its pid means nothing here
+        tmp_path / ".out.json.tmp-k2j4h5",  # an older version's: no owner to judge by
+        tmp_path / f".other.json.tmp-{pid}@{host}-q1",  # another output's
+    ]
+    for path in kept:
+        path.write_text("keep")
+    write_json(out, {"ok": True})
+    assert json.loads(out.read_text()) == {"ok": True}
+    assert not any(path.exists() for path in leftovers)
+    assert all(path.read_text() == "keep" for path in kept)
+    assert sweep_leftovers(out) == []
+
+
+@pytest.mark.parametrize("size", ["lots", "2TB", "1.5GB", "500", "1 GB"])
+def test_export_refuses_a_shard_size_save_pretrained_cannot_read_before_anything(tmp_path, capsys, size):
+    from shardfuse import export
+
+    with pytest.raises(SystemExit) as exited:
+        run_cli(
+            export.main,
+            ["--weights", "missing.safetensors", "--out", str(tmp_path / "hf"), "--max-shard-size", size],
+        )
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--max-shard-size {size!r} is not a size; give a whole number with KB, MB or GB" in line
+    assert not (tmp_path / "hf").exists()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from shardfuse.checkpoints.stream import (
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, peak_rss_mb
 from shardfuse.fusion.methods import registry
 from shardfuse.fusion.methods.mergekit import MergekitConfig
-from shardfuse.io import OutputFolder, UserError, replace_dir, write_json
+from shardfuse.io import OutputFolder, UserError, replace_dir, staging_dir, write_json
 
 WEIGHTS = "model.safetensors"
 RECORD = "merge.json"
@@ -132,7 +131,7 @@ def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES
         raise UserError(f"mergekit config {cfg.path} (run as shardfuse's {cfg.method}): {exc}") from None
     weights = registry.rank_weights(cfg.method, params, [1] * num_models)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # ours alone, renamed at the end
+    staged = staging_dir(out)  # ours alone, renamed at the end
     try:
         with contextlib.ExitStack() as stack:
             readers = [stack.enter_context(SafetensorsReader(weights_file(m))) for m in cfg.models]

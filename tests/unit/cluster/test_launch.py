@@ -166,3 +166,16 @@ def test_each_attempt_writes_its_own_log_and_the_declared_log_names_the_latest(t
     log.write_text("attempt 2: finished")
     assert log.with_name("t.attempt-1.log").read_text() == "attempt 1: killed"
     assert log.with_name("t.attempt-2.log").read_text() == "attempt 2: finished"
+
+
+def test_a_cut_launch_json_in_the_staging_folder_starts_afresh_instead_of_a_traceback(tmp_path):
+    import json
+
+    from shardfuse.launch import prepare_staging
+
+    staging = tmp_path / ".ranks.partial"
+    (staging / "checkpoints" / "step-4").mkdir(parents=True)
+    (staging / "launch.json").write_text('{"train_args": ["--run-na')  # cut short
+    assert prepare_staging(staging, ["--run-name", "t"]) is False  # nothing to resume from
+    assert json.loads((staging / "launch.json").read_text()) == {"train_args": ["--run-name", "t"]}
+    assert not (staging / "checkpoints").exists()
