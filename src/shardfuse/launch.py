@@ -351,15 +351,45 @@ def run_launch(args: argparse.Namespace) -> None:
     geometry = Geometry(args.nodes, args.nproc_per_node)
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
+    train_args, init_digest = without_init_digest(args.train_args)
     if args.node_step:
-        cmd = node_step_command(geometry, args.train_args, os.environ, max_restarts=args.max_restarts)
+        cmd = node_step_command(geometry, train_args, os.environ, max_restarts=args.max_restarts)
         sys.exit(run_and_forward_signals(cmd, rank_environ(geometry, os.environ)))
     if args.out_dir is None:
         raise UserError("--out-dir is required; pass the run's train directory")
+    check_init_digest(train_args, init_digest)
     launch(
-        geometry, args.out_dir, args.train_args, os.environ, args.max_restarts, args.log,
+        geometry, args.out_dir, train_args, os.environ, args.max_restarts, args.log,
         stop_before_limit(args.stop_before_limit, os.environ),
     )  # fmt: skip
+
+
+def without_init_digest(train_args: list[str]) -> tuple[list[str], str | None]:
+    """The train arguments less ``--init-sha256 DIGEST`` (the workflow's digest of init_from's files,
+    for launch to check; the train stage takes no such flag), and that digest."""
+    if "--init-sha256" not in train_args:
+        return train_args, None
+    at = train_args.index("--init-sha256")
+    if at + 1 >= len(train_args):
+        raise UserError("--init-sha256 needs a digest after it (the workflow passes it with --init-from)")
+    return train_args[:at] + train_args[at + 2 :], train_args[at + 1]
+
+
+def check_init_digest(train_args: list[str], digest: str | None) -> None:
+    """init_from's files are still those the workflow planned the training with (their contents'
+    digest), before any rank starts."""
+    if digest is None:
+        return
+    if "--init-from" not in train_args:
+        raise UserError("--init-sha256 goes with --init-from; give both or neither")
+    path = train_args[train_args.index("--init-from") + 1]
+    from shardfuse.checkpoints.init_weights import init_files_digest
+
+    if init_files_digest(path) != digest:
+        raise UserError(
+            f"init_from {path} changed since the workflow planned this training (its files' digest is not "
+            "the one recorded); run snakemake again, so that the training starts from the weights there now"
+        )
 
 
 def stop_before_limit(flag: float | None, environ: Mapping[str, str]) -> float:

@@ -6,12 +6,15 @@ config loads, before any job, naming the tensor and the folder; a fitting folder
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import time
 
 import torch
 import yaml
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from shardfuse.checkpoints.weights import load_weights, read_metadata
 from shardfuse.experiment.init_check import CACHE_DIR
@@ -98,4 +101,19 @@ def test_a_sharded_folder_is_checked_once_and_wired_into_the_train_job(tmp_path)
     )
     assert dry_run.returncode == 0, dry_run.stderr[-3000:]
     assert "gpt2/model.safetensors.index.json, gpt2/model-00001-of-" in dry_run.stdout  # the train inputs
-    assert "--init-from gpt2" in dry_run.stdout
+    assert "--init-from gpt2 --init-sha256 " in dry_run.stdout
+    # The weights replaced under their old mtime (cp -p, a restored backup): the train job's params change,
+    # so Snakemake's params trigger re-trains it, where the mtime alone would say nothing changed.
+    shard = next((tmp_path / "gpt2").glob("model-00001-of-*.safetensors"))
+    tensors, stat = load_file(str(shard)), shard.stat()
+    name = next(iter(tensors))
+    save_file({**tensors, name: tensors[name] + 1}, str(shard), metadata={"format": "pt"})
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    again = subprocess.run(
+        snakemake_command(tmp_path, "-n", "-p", "--cores", 1, "--until", "train"),
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    digests = [
+        re.search(r"--init-sha256 ([0-9a-f]{64})", out).group(1) for out in (dry_run.stdout, again.stdout)
+    ]
+    assert digests[0] != digests[1], digests

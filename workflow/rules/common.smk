@@ -21,7 +21,10 @@ shell.prefix(
     "export SHARDFUSE_ERRORS_AT_END=1; "
 )
 
-from shardfuse.checkpoints.init_weights import weight_files  # noqa: E402
+from shardfuse.checkpoints.init_weights import (  # noqa: E402
+    init_files_digest,
+    weight_files,
+)
 from shardfuse.cluster.slurm import (  # noqa: E402
     CpuRequest,
     cpus_per_node,
@@ -293,8 +296,16 @@ def init_weights_of(wildcards):
 
 
 def init_from_args(wildcards):
+    """--init-from PATH, and for a file or folder the digest of its weights' contents (--init-sha256):
+    weights replaced under an older mtime (cp -p) change the job's params and re-train it (another run's
+    merged model is a DAG edge instead)."""
     path = init_path_of(wildcards)
-    return f"--init-from {shlex.quote(path)}" if path else ""
+    if not path:
+        return ""
+    if "run" in _cfg(wildcards)["init_source"]:
+        return f"--init-from {shlex.quote(path)}"
+    cache = Path(".snakemake/shardfuse/inputs") / f"init-{wildcards.training}.json"
+    return f"--init-from {shlex.quote(path)} --init-sha256 {init_files_digest(path, cache)}"
 
 
 def train_job_resource(name):

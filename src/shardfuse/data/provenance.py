@@ -66,11 +66,12 @@ def _write_cache(cache_path: Path, files: dict[str, list]) -> None:
         pass
 
 
-def files_digest(paths: list[str], cache_path: Path) -> str:
+def files_digest(paths: list[str], cache_path: Path | None) -> str:
     """sha256 over the sorted (path, content sha256) pairs of ``paths`` (folders count by name only; an
     unreadable or vanished file as such: prepare reports it). ``cache_path`` holds the per-file digests
-    of the last call and is rewritten with exactly this call's files when one was hashed."""
-    cached = _read_cache(cache_path)
+    of the last call and is rewritten with exactly this call's files when one was hashed (None: no cache,
+    every file hashed)."""
+    cached = _read_cache(cache_path) if cache_path is not None else {}
     kept: dict[str, list] = {}
     pairs = []
     now = time.time_ns()
@@ -93,7 +94,7 @@ def files_digest(paths: list[str], cache_path: Path) -> str:
         except OSError as exc:
             content = f"unreadable: {exc.strerror}"
         pairs.append((path, content))
-    if kept != cached:
+    if cache_path is not None and kept != cached:
         _write_cache(cache_path, kept)
     return hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from shardfuse.cluster import torchrun
@@ -179,3 +180,24 @@ def test_a_cut_launch_json_in_the_staging_folder_starts_afresh_instead_of_a_trac
     assert prepare_staging(staging, ["--run-name", "t"]) is False  # nothing to resume from
     assert json.loads((staging / "launch.json").read_text()) == {"train_args": ["--run-name", "t"]}
     assert not (staging / "checkpoints").exists()
+
+
+def test_init_from_weights_changed_since_the_dag_was_built_are_refused_before_any_rank(tmp_path):
+    from safetensors.numpy import save_file
+
+    from shardfuse.checkpoints.init_weights import init_files_digest
+    from shardfuse.launch import check_init_digest, without_init_digest
+
+    weights = tmp_path / "init.safetensors"
+    save_file({"w": np.zeros(3, dtype=np.float32)}, str(weights))
+    planned = init_files_digest(weights)
+    args, digest = without_init_digest(
+        ["--run-name", "t", "--init-from", str(weights), "--init-sha256", planned]
+    )
+    assert args == ["--run-name", "t", "--init-from", str(weights)] and digest == planned
+    check_init_digest(args, digest)  # unchanged: nothing to say
+    save_file({"w": np.ones(3, dtype=np.float32)}, str(weights))
+    with pytest.raises(
+        UserError, match=r"changed since the workflow planned this training .*run snakemake again"
+    ):
+        check_init_digest(args, digest)
