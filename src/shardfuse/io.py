@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import glob
 import hashlib
 import json
 import os
@@ -18,6 +17,7 @@ import re
 import shutil
 import socket
 import tempfile
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +64,19 @@ def _umask() -> int:
     return mask
 
 
+def _base36(number: int, width: int) -> str:
+    digits = ""
+    while number:
+        number, digit = divmod(number, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + digits
+    return digits.rjust(width, "0")[-width:]
+
+
 def _owner_tag() -> str:
-    """``<pid>@<host>``: which process a temporary sibling belongs to (see :func:`sweep_leftovers`)."""
-    return f"{os.getpid()}@{socket.gethostname()}"
+    """Eight characters (the length of mkstemp's random part, so the longest name a run may have stays
+    what it was): this process's pid in base 36 (5) and a hash of its host (3). Which process a
+    temporary sibling belongs to (:func:`sweep_leftovers`)."""
+    return _base36(os.getpid(), 5) + _base36(zlib.crc32(socket.gethostname().encode()), 3)
 
 
 def _alive(pid: int) -> bool:
@@ -74,26 +84,29 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: alive
+    except (PermissionError, OverflowError):  # another user's process: alive
         return True
     return True
 
 
 def sweep_leftovers(path: Path) -> list[Path]:
-    """Remove the temporary siblings of ``path`` (``.X.tmp-<pid>@<host>-…``) that a killed process of this
-    host left behind: their pid no longer runs. Another host's, a live process's and one of an older
-    version (no owner in its name) are kept. Returns what was removed."""
+    """Remove the temporary siblings of ``path`` (``.X.tmp-<tag>``, :func:`_owner_tag`) that a killed
+    process of this host left behind: their pid no longer runs. Another host's and a live process's are
+    kept. Returns what was removed."""
     removed = []
-    host = socket.gethostname()
+    host = _owner_tag()[5:]
+    prefix = f".{path.name}.tmp-"
     try:
-        siblings = list(path.parent.glob(f".{glob.escape(path.name)}.tmp-*@*"))
+        siblings = [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
     except OSError:
         return removed
     for sibling in siblings:
-        tag = sibling.name[len(path.name) + 6 :]  # after ".X.tmp-"
-        pid_text, _, rest = tag.partition("@")
-        owner_host = rest.rsplit("-", 1)[0]
-        if not pid_text.isdigit() or owner_host != host or _alive(int(pid_text)):
+        tag = sibling.name[len(prefix) :]
+        try:
+            pid = int(tag[:5], 36)
+        except ValueError:
+            continue
+        if len(tag) != 8 or tag[5:] != host or pid == os.getpid() or _alive(pid):
             continue
         if sibling.is_dir() and not sibling.is_symlink():
             shutil.rmtree(sibling, ignore_errors=True)
@@ -107,17 +120,24 @@ def sweep_leftovers(path: Path) -> list[Path]:
 def _tmp_sibling(path: Path, *, directory: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_leftovers(path)  # a killed earlier write of this output left no .tmp-* behind for long
-    prefix = f".{path.name}.tmp-{_owner_tag()}-"
+    prefix = f".{path.name}.tmp-"
     # mkstemp/mkdtemp create owner-only entries; outputs get the usual umask-based modes instead,
     # so results stay readable by the group (shared project directories on clusters).
-    if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
-        tmp.chmod(0o777 & ~_umask())
-        return tmp
-    fd, name = tempfile.mkstemp(prefix=prefix, dir=path.parent)
-    os.fchmod(fd, 0o666 & ~_umask())
-    os.close(fd)
-    return Path(name)
+    tmp = path.parent / f"{prefix}{_owner_tag()}"
+    try:  # named by its owner; a second one of this process at once gets a random name
+        if directory:
+            tmp.mkdir()
+        else:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        if directory:
+            tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
+        else:
+            fd, name = tempfile.mkstemp(prefix=prefix, dir=path.parent)
+            os.close(fd)
+            tmp = Path(name)
+    tmp.chmod((0o777 if directory else 0o666) & ~_umask())
+    return tmp
 
 
 def _raise_naming(exc: BaseException, path: Path) -> NoReturn:
@@ -129,7 +149,7 @@ def _raise_naming(exc: BaseException, path: Path) -> NoReturn:
 
 
 def staging_dir(path: str | os.PathLike) -> Path:
-    """A fresh temporary directory beside ``path`` (``.X.tmp-<pid>@<host>-…``), for a caller that renames
+    """A fresh temporary directory beside ``path`` (``.X.tmp-<owner>``), for a caller that renames
     it into place itself; a killed earlier one of this host is swept first (:func:`sweep_leftovers`)."""
     return _tmp_sibling(Path(path), directory=True)
 

@@ -383,7 +383,7 @@ def check_init_digest(train_args: list[str], digest: str | None) -> None:
     if "--init-from" not in train_args:
         raise UserError("--init-sha256 goes with --init-from; give both or neither")
     path = train_args[train_args.index("--init-from") + 1]
-    from shardfuse.checkpoints.init_weights import init_files_digest
+    from shardfuse.data.provenance import init_files_digest
 
     if init_files_digest(path) != digest:
         raise UserError(

@@ -184,40 +184,42 @@ def test_a_training_folder_is_recognised_by_its_train_json(tmp_path):
 
 
 def test_a_killed_writes_temporary_siblings_go_at_the_next_write_of_that_output_and_no_others(tmp_path):
-    """A process killed while writing ``out.json`` (or staging ``out/``) leaves
-    ``.out.json.tmp-<pid>@<host>-…``; the next write of that output removes what a dead process of this
-    host left, and nothing else."""
+    """A process killed while writing ``out.json`` (or staging ``out/``) leaves ``.out.json.tmp-<owner>``
+    (its pid in base 36 and a hash of its host: 8 characters, as mkstemp's random part, so names keep
+    their length bound); the next write of that output removes what a dead process of this host left, and
+    nothing else."""
     import os
-    import socket
     import subprocess
     import sys
 
-    from shardfuse.io import sweep_leftovers, write_json
+    from shardfuse.io import _base36, _owner_tag, sweep_leftovers, write_json
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    pid, host = int(dead.stdout), socket.gethostname()
+    pid, host = _base36(int(dead.stdout), 5), _owner_tag()[5:]
+    other_host = _base36((int(host, 36) + 1) % 36**3, 3)
     out = tmp_path / "out.json"
-    leftovers = [
-        tmp_path / f".out.json.tmp-{pid}@{host}-a1b2c3",
-        tmp_path / f".out.json.tmp-{pid}@{host}-d4e5f6",
-    ]
-    leftovers[0].write_text("half a file")
-    (leftovers[1] / "staged").mkdir(parents=True)
+    leftover = tmp_path / f".out.json.tmp-{pid}{host}"
+    leftover.write_text("half a file")
     kept = [
-        tmp_path / f".out.json.tmp-{os.getpid()}@{host}-live00",  # a live writer's
-        tmp_path / f".out.json.tmp-{pid}@another-host-x9",  # another machine's: its pid means nothing here
-        tmp_path / ".out.json.tmp-k2j4h5",  # an older version's: no owner to judge by
-        tmp_path / f".other.json.tmp-{pid}@{host}-q1",  # another output's
+        tmp_path / f".out.json.tmp-{_base36(os.getpid(), 5)}{host}x",  # a live writer's (random suffix)
+        tmp_path / f".out.json.tmp-{pid}{other_host}",  # another machine's: its pid means nothing here
+        tmp_path / ".out.json.tmp-k2j_h5ab",  # mkstemp's random name (not an owner's)
+        tmp_path / f".other.json.tmp-{pid}{host}",  # another output's
     ]
     for path in kept:
         path.write_text("keep")
     write_json(out, {"ok": True})
     assert json.loads(out.read_text()) == {"ok": True}
-    assert not any(path.exists() for path in leftovers)
+    assert not leftover.exists()
     assert all(path.read_text() == "keep" for path in kept)
     assert sweep_leftovers(out) == []
+    folder = tmp_path / "ranks"
+    (tmp_path / f".ranks.tmp-{pid}{host}" / "rank-0.safetensors").parent.mkdir()
+    (tmp_path / f".ranks.tmp-{pid}{host}" / "rank-0.safetensors").write_text("half")
+    assert sweep_leftovers(folder) == [tmp_path / f".ranks.tmp-{pid}{host}"]
+    assert not (tmp_path / f".ranks.tmp-{pid}{host}").exists()
 
 
 @pytest.mark.parametrize("size", ["lots", "2TB", "1.5GB", "500", "1 GB"])

@@ -21,10 +21,7 @@ shell.prefix(
     "export SHARDFUSE_ERRORS_AT_END=1; "
 )
 
-from shardfuse.checkpoints.init_weights import (  # noqa: E402
-    init_files_digest,
-    weight_files,
-)
+from shardfuse.checkpoints.init_weights import weight_files  # noqa: E402
 from shardfuse.cluster.slurm import (  # noqa: E402
     CpuRequest,
     cpus_per_node,
@@ -32,7 +29,11 @@ from shardfuse.cluster.slurm import (  # noqa: E402
     partition_cpus,
 )
 from shardfuse.cluster.torchrun import Geometry, job_resources  # noqa: E402
-from shardfuse.data.provenance import dataset_files, files_digest  # noqa: E402
+from shardfuse.data.provenance import (  # noqa: E402
+    dataset_files,
+    files_digest,
+    init_files_digest,
+)
 from shardfuse.data.sources.registry import find_source  # noqa: E402
 from shardfuse.experiment.keys import (  # noqa: E402
     merge_align_args,

@@ -112,15 +112,6 @@ class InitWeights:
         return f"init_from {self.path}"
 
 
-def init_files_digest(path: str | os.PathLike, cache_path: Path | None = None) -> str:
-    """One digest of the contents of the files init_from's weights are read from (:func:`weight_files`):
-    the workflow passes it to the train stage (``--init-sha256``), so weights replaced under an older
-    mtime (``cp -p``) re-train, and launch checks the files are still those before any rank starts."""
-    from shardfuse.data.provenance import files_digest  # torch-free; the digest the DAG's inputs get
-
-    return files_digest([str(file) for file in weight_files(path).paths], cache_path)
-
-
 def weight_files(path: str | os.PathLike) -> WeightFiles:
     """A file is itself; a save_pretrained folder is its model.safetensors, or the shards its index
     lists (a shard must be a file of the folder itself). Reads no tensor and imports no torch."""

@@ -5,6 +5,8 @@ ranks. Torch-free.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,27 @@ def read_dataset_info(dataset_dir: str | Path) -> dict:
             "(snakemake -R prepare_dataset)"
         )
     _check_info_fields(path, info)
+    recorded = info.get(INFO_DIGEST)
+    if recorded is not None and recorded != info_digest(info):
+        raise UserError(
+            f"dataset info {path} was edited after prepare wrote it (its fields no longer match its "
+            f"{INFO_DIGEST}: label_names, num_classes or another field changed); re-run the prepare stage "
+            "(snakemake -R prepare_dataset)"
+        )
     return info
+
+
+# dataset.json's digest of its own other fields (prepare writes it last): a file edited by hand (classes
+# renamed or re-counted) is refused where a stage reads it, instead of training on it. Absent from files
+# of older prepare stages, which are read as they are.
+INFO_DIGEST = "info_sha256"
+
+
+def info_digest(info: dict[str, Any]) -> str:
+    """sha256 of dataset.json's fields other than :data:`INFO_DIGEST`, in a canonical JSON form."""
+    fields = {key: value for key, value in info.items() if key != INFO_DIGEST}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # dataset.json's fields as a rank builds from them, typed as the records of shardfuse.experiment.records

@@ -104,3 +104,13 @@ def _kind(mode: int) -> str:
         if test(mode):
             return kind
     return "a device" if S_ISBLK(mode) else "not a file"
+
+
+def init_files_digest(path: str | os.PathLike, cache_path: Path | None = None) -> str:
+    """One digest of the contents of the files init_from's weights are read from
+    (:func:`shardfuse.checkpoints.init_weights.weight_files`): the workflow passes it to the train stage
+    (``--init-sha256``), so weights replaced under an older mtime (``cp -p``) re-train, and launch checks
+    the files are still those before any rank starts."""
+    from shardfuse.checkpoints.init_weights import weight_files  # torch-free: headers only
+
+    return files_digest([str(file) for file in weight_files(path).paths], cache_path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +31,21 @@ from shardfuse.rank.checkpoint_steps import complete_steps
 
 FAILURES_DIR = "failures"
 MAX_MESSAGE_CHARS = 300
+# What a rank raises when a peer vanished under a collective (gloo, NCCL, the c10d store): the effect of
+# another rank's end, not a cause. Such a failure is kept apart (``attempt-N.peer.json``), so the rank that
+# really failed, or the agent's line of a rank killed by a signal, is the one named.
+PEER_LOST = (
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "distnetworkerror",
+    "read error",
+    "timed out",
+)
+# shardfuse.agent's line for a rank killed by a signal (cluster/agent.py _note_killed_ranks).
+KILLED_LINE = re.compile(r"shardfuse\.agent: rank (\d+) \(pid \d+\) was killed by signal (\d+) \(([^)]*)\)")
 
 
 @dataclass(frozen=True)
@@ -43,13 +59,14 @@ class RankFailure:
     # a UserError or a broken input (shardfuse.console.errors.foreign_error): the rank printed its own
     # one line already
     user_error: bool
+    peer_lost: bool = False  # the exception says a peer vanished (PEER_LOST): an effect, not the cause
 
     def describe(self) -> str:
         return f"{self.exception}: {self.message}" if self.message else self.exception
 
 
-def failure_path(out_dir: Path, attempt: int) -> Path:
-    return out_dir / FAILURES_DIR / f"attempt-{attempt}.json"
+def failure_path(out_dir: Path, attempt: int, peer_lost: bool = False) -> Path:
+    return out_dir / FAILURES_DIR / f"attempt-{attempt}{'.peer' if peer_lost else ''}.json"
 
 
 def _restart_count() -> int:
@@ -63,13 +80,15 @@ def rank_failure(rank: int, exc: BaseException, attempt: int) -> RankFailure:
     message = lines[0].strip() if lines else ""
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "…"
-    return RankFailure(rank, attempt, name, message, user_error_message(exc) is not None)
+    said = f"{name} {message}".lower()
+    peer_lost = any(pattern in said for pattern in PEER_LOST)
+    return RankFailure(rank, attempt, name, message, user_error_message(exc) is not None, peer_lost)
 
 
 def record_failure(out_dir: Path, failure: RankFailure) -> bool:
     """Write ``failure`` unless a rank already recorded this attempt's; True if it was written. Never
     raises: the rank's own exception is what matters."""
-    path = failure_path(out_dir, failure.attempt)
+    path = failure_path(out_dir, failure.attempt, failure.peer_lost)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -92,18 +111,40 @@ def failures_recorded(out_dir: Path, rank: int) -> Iterator[None]:
 
 
 def read_failure(out_dir: Path, attempt: int) -> RankFailure | None:
-    """The recorded first failure of ``attempt``; None if there is none or it cannot be read."""
-    try:
-        record = json.loads(failure_path(out_dir, attempt).read_text())
-        return RankFailure(
-            rank=int(record["rank"]),
-            attempt=int(record["attempt"]),
-            exception=str(record["exception"]),
-            message=str(record["message"]),
-            user_error=bool(record["user_error"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+    """The recorded first failure of ``attempt`` (a rank's own exception before a peer's loss); None if
+    there is none or it cannot be read."""
+    for peer_lost in (False, True):
+        try:
+            record = json.loads(failure_path(out_dir, attempt, peer_lost).read_text())
+            return RankFailure(
+                rank=int(record["rank"]),
+                attempt=int(record["attempt"]),
+                exception=str(record["exception"]),
+                message=str(record["message"]),
+                user_error=bool(record["user_error"]),
+                peer_lost=bool(record.get("peer_lost", False)),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def killed_rank(log: Path | None) -> tuple[int, str] | None:
+    """(rank, "signal 9 (SIGKILL…)") of the last rank shardfuse.agent saw killed by a signal in ``log``
+    (its last 1 MB); None if none."""
+    if log is None:
         return None
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 1_000_000))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = KILLED_LINE.findall(text)
+    if not found:
+        return None
+    rank, number, reason = found[-1]
+    return int(rank), f"signal {number} ({reason})"
 
 
 def failure_message(status: int, staging: Path, max_restarts: int, log: Path | None) -> str:
@@ -120,6 +161,16 @@ def failure_message(status: int, staging: Path, max_restarts: int, log: Path | N
         rerun = "no checkpoint was complete, so a re-run starts over"
     # torchrun gives up after its last restart: that attempt's failure is the one to report.
     failure = read_failure(staging, max_restarts)
+    if failure is None or failure.peer_lost:  # a rank that raised nothing: killed (the agent saw it)?
+        killed = killed_rank(log)
+        if killed is not None:
+            rank, how = killed
+            after = (
+                ""
+                if failure is None or failure.rank == rank
+                else f"; rank {failure.rank} then lost its connection to it ({failure.describe()})"
+            )
+            return f"rank {rank} was killed by {how}{after} (full log: {log}); {rerun}"
     if failure is None or failure.user_error:  # no record (a rank killed) or the rank's own line
         return (
             f"training failed: exit status {status}; the failing rank's error is above in this log; {rerun}"

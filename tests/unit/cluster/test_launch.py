@@ -185,7 +185,7 @@ def test_a_cut_launch_json_in_the_staging_folder_starts_afresh_instead_of_a_trac
 def test_init_from_weights_changed_since_the_dag_was_built_are_refused_before_any_rank(tmp_path):
     from safetensors.numpy import save_file
 
-    from shardfuse.checkpoints.init_weights import init_files_digest
+    from shardfuse.data.provenance import init_files_digest
     from shardfuse.launch import check_init_digest, without_init_digest
 
     weights = tmp_path / "init.safetensors"

@@ -94,3 +94,38 @@ def test_recording_never_raises_over_the_ranks_own_error(tmp_path):
     blocker.write_text("a file where the staging directory should be")
     assert not record_failure(blocker, rank_failure(0, RuntimeError("boom"), attempt=0))
     raise_in(blocker, 0, RuntimeError("boom"))  # the RuntimeError propagates, not an OSError
+
+
+def test_a_peers_lost_connection_never_hides_the_rank_that_really_failed(tmp_path):
+    raise_in(tmp_path, 0, RuntimeError("[gloo] Connection reset by peer"))  # first, but only an effect
+    raise_in(tmp_path, 1, ValueError("bad batch"))  # the cause, recorded although it came later
+    assert read_failure(tmp_path, attempt=0).describe() == "ValueError: bad batch"
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_that_saw_the_connection_reset(tmp_path):
+    """kill -9 of rank 1: it raises nothing; rank 0's gloo call fails with "Connection reset by peer"
+    (recorded, as a peer's loss); the agent's line in the log names rank 1."""
+    log = tmp_path / "t.log"
+    log.write_text(
+        "step 10/40 ...\n"
+        "shardfuse.agent: rank 1 (pid 4242) was killed by signal 9 (SIGKILL; the kernel's out-of-memory "
+        "killer sends it too)\n"
+        "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection reset by peer\n"
+    )
+    raise_in(tmp_path, 0, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer"))
+    line = failure_message(1, tmp_path, 0, log)
+    assert line.startswith(
+        "rank 1 was killed by signal 9 (SIGKILL; the kernel's out-of-memory killer sends it too); rank 0 "
+        "then lost its connection to it (RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection "
+        "reset by peer)"
+    ), line
+    assert line.endswith("no checkpoint was complete, so a re-run starts over")
+    assert not line.startswith("rank 0")
+
+
+def test_a_killed_rank_without_any_record_is_named_from_the_agents_line(tmp_path):
+    log = tmp_path / "t.log"
+    log.write_text("shardfuse.agent: rank 3 (pid 7) was killed by signal 15 (SIGTERM)\n")
+    assert failure_message(1, tmp_path, 0, log).startswith(
+        "rank 3 was killed by signal 15 (SIGTERM) (full log: "
+    )

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from shardfuse.data.dataset_info import INFO_DIGEST, info_digest
 from shardfuse.data.labels import layout_of
 from shardfuse.data.sources.registry import find_source
 from shardfuse.data.sources.spec import validate_spec
@@ -48,6 +49,7 @@ def prepare(name: str, spec: Any, out_dir: str | Path, row_group_rows: int = ROW
         "seed": spec["seed"],
         "sha256": {split: sha256_file(out_dir / f"{split}.parquet") for split in SPLITS},
     }
+    info[INFO_DIGEST] = info_digest(info)  # the file's own fields: an edit by hand is refused on reading
     write_json(out_dir / "dataset.json", info)
     # Partition reuses these checksums (one pass less over train.parquet) while the files are unchanged.
     write_stamps(out_dir, {f"{split}.parquet": info["sha256"][split] for split in SPLITS})
