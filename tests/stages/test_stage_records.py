@@ -214,7 +214,11 @@ def test_training_refuses_a_shard_copied_over_another(digits_dataset, tmp_path):
 def test_training_refuses_shards_of_another_dataset(digits_data, tmp_path):
     dataset, shards = digits_data
     dataset = dataset_copy(dataset, tmp_path)
-    edit_json(dataset / "dataset.json", lambda info: info["sha256"].update(train="f" * 64))
+    # a dataset.json of an older prepare (no info_sha256): the shard set's own check still catches it
+    edit_json(
+        dataset / "dataset.json",
+        lambda info: (info.pop("info_sha256"), info["sha256"].update(train="f" * 64)),
+    )
     manifest = read_manifest(shards)
     with pytest.raises(UserError) as error:
         check_shard_set(shards, manifest, dataset, read_dataset_info(dataset), 0)
@@ -246,7 +250,8 @@ def test_training_refuses_shards_of_another_dataset(digits_data, tmp_path):
 def test_training_refuses_dataset_claims_the_data_contradicts(digits_data, tmp_path, change, fragment):
     dataset, shards = digits_data
     dataset = dataset_copy(dataset, tmp_path)
-    edit_json(dataset / "dataset.json", lambda info: info.update(change))
+    # a dataset.json of an older prepare (no info_sha256, whose digest refuses any edit first)
+    edit_json(dataset / "dataset.json", lambda info: (info.pop("info_sha256"), info.update(change)))
     with pytest.raises(UserError) as error:
         check_shard_set(shards, read_manifest(shards), dataset, read_dataset_info(dataset), 0)
     message = str(error.value)
@@ -265,7 +270,9 @@ def test_training_on_an_edited_num_classes_fails_before_the_first_step(digits_da
         "--shard-dir", shards, "--dataset-dir", dataset, "--config-json", json.dumps({"epochs": 1}),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "records num_classes 20 but its label_names lists 10 classes" in proc.stderr
+    assert "dataset.json was edited after prepare wrote it (its fields no longer match its info_sha256" in (
+        proc.stderr
+    )
     assert proc.stderr.strip().splitlines()[-1].startswith("shardfuse.launch: error: training failed")
     assert not (tmp_path / "train").exists()
     assert not (staging_dir(tmp_path / "train") / "base.safetensors").exists()
