@@ -525,3 +525,29 @@ def test_merge_align_reaches_the_merge_command_only_when_set():
         ConfigError, match="consolidate checks that the ranks are identical, there is nothing"
     ):
         load_experiment(base_config({"c": {"merge_method": "consolidate", "merge_align": "weight_matching"}}))
+
+
+def test_an_alias_bomb_is_refused_before_anything_writes_it_out(tmp_path):
+    """Nine aliases of nine aliases ... (a "billion laughs"): 490 million values once written out, from a
+    file of 10 lines; refused from the node graph, each node counted once, before any key is checked."""
+    text = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
+        text += f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text + "runs: {r: {epoch: 3}}\n")
+    with pytest.raises(ConfigError) as refused:  # written out first, it would never end
+        read_config_file(path)
+    assert str(refused.value) == (
+        f"config file {path} writes out to 490,329,070 values through its aliases (*name of an &name "
+        "anchor), more than 1,000,000; write the values out or use fewer aliases"
+    )
+    path.write_text("common: &common {epochs: 2}\nruns: {r: {<<: *common}, s: {<<: *common}}\n")
+    assert read_config_file(path)["runs"]["s"] == {"epochs": 2}  # aliases as the examples use them
+
+
+def test_a_hidden_layer_too_wide_to_build_is_refused_when_the_config_loads():
+    config = base_config({"r": {"hidden_sizes": [64, 1_000_000_000]}})
+    with pytest.raises(
+        ConfigError, match=r"runs\[r\]\.hidden_sizes\.1: 1000000000 is greater than the maximum of 65536"
+    ):
+        load_experiment(config, environ={})
