@@ -183,6 +183,13 @@ def load_init_weights(
     plan = match_names(weights, expected_of(expected), ties, prefix_map)
     dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
     tensors = load_tensors(weights, plan, dtypes)
+    for name, tensor in tensors.items():  # a NaN start would surface as "loss is nan" at step 1
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            count = int((~torch.isfinite(tensor)).sum())
+            raise UserError(
+                f"{weights.source} holds {count} inf or NaN value(s) in tensor {name!r}; "
+                "training cannot start from it: fix or replace the file"
+            )
     load_state(model, tensors, weights.source, file_ties(weights.metadata or {}))
 
 

@@ -182,3 +182,17 @@ def test_the_header_digest_follows_names_and_shapes_not_values(tmp_path):
     path.write_bytes(b"\x00" * 4)
     with pytest.raises(UserError, match="is not a readable safetensors file"):
         header_digest(path)
+
+
+def test_a_foreign_file_with_a_nan_weight_is_refused_before_training_starts(tmp_path):
+    """Not "loss is nan" at step 1: the file and the tensor are named when the ranks load it."""
+    tensors = stored(tied(seed=1))
+    name = next(iter(tensors))
+    tensors[name].view(-1)[3] = float("nan")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(UserError) as refused:
+        load_init_weights(tied(), tmp_path / "model.safetensors")
+    assert str(refused.value) == (
+        f"init_from {tmp_path / 'model.safetensors'} holds 1 inf or NaN value(s) in tensor {name!r}; "
+        "training cannot start from it: fix or replace the file"
+    )
