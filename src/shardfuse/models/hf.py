@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,13 +162,34 @@ def export_pretrained(
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     pretrained = spec.get("args", {}).get("pretrained")
     if pretrained is not None:
-        for path in sorted(pretrained_dir(pretrained).iterdir()):
-            written = path.name in WRITTEN_BY_SAVE or path.name.startswith("model-")
-            if (
-                path.is_file()
-                and not written
-                and not path.name.startswith(".")
-                and not (out_dir / path.name).exists()
-            ):
+        for path in files_to_copy(pretrained_dir(pretrained)):
+            if not (out_dir / path.name).exists():
                 shutil.copy2(path, out_dir / path.name)
     return sorted(p.name for p in out_dir.iterdir())
+
+
+def files_to_copy(folder: Path) -> list[Path]:
+    """The pretrained folder's files an export copies beside the weights (tokenizer, generation config):
+    regular files save_pretrained does not write, not hidden, and not a link out of the folder (a link to
+    /etc/passwd would be published with the model); a Hugging Face cache snapshot's links into its own
+    blobs/ are the files themselves and are followed. A link left out is said on stderr."""
+    kept = []
+    for path in sorted(folder.iterdir()):
+        written = path.name in WRITTEN_BY_SAVE or path.name.startswith("model-")
+        if written or path.name.startswith(".") or not path.is_file():
+            continue
+        if path.is_symlink() and not _inside(path.resolve(), folder):
+            print(f"export: not copied: {path} links outside the pretrained folder", file=sys.stderr)
+            continue
+        kept.append(path)
+    return kept
+
+
+def _inside(target: Path, folder: Path) -> bool:
+    """Whether ``target`` lies in ``folder``, or is a blob of the Hugging Face cache whose snapshot
+    ``folder`` is (models--org--name/snapshots/<revision>/ links into models--org--name/blobs/)."""
+    folder = folder.resolve()
+    if target.is_relative_to(folder):
+        return True
+    cache = folder.parent.parent
+    return folder.parent.name == "snapshots" and target.parent == cache / "blobs"
