@@ -51,3 +51,28 @@ def test_32_bit_pixels_are_refused_in_one_line():
         UserError, match=r"^image x\.png has 32-bit integer pixels, which shardfuse does not scale"
     ):
         decoded(source.getvalue())
+
+
+def test_an_npz_whose_header_claims_more_than_the_archive_holds_is_one_line(tmp_path):
+    """A crafted or damaged .npy header in an npz (a 954 GiB shape in a 200-byte member): refused from the
+    header, before numpy allocates it."""
+    import zipfile
+
+    from shardfuse.data.sources.images import _read_npz
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (256000000, 1000)}
+    )
+    labels = io.BytesIO()
+    np.save(labels, np.arange(10) % 2)
+    path = tmp_path / "bad.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("features.npy", header.getvalue() + bytes(64))
+        archive.writestr("labels.npy", labels.getvalue())
+    with pytest.raises(UserError) as refused:
+        _read_npz({"path": str(path), "features_key": "features", "labels_key": "labels"})
+    assert str(refused.value) == (
+        f"array 'features' in {path} claims shape [256000000, 1000] of float32 (954 GiB) but the archive "
+        "holds 192 bytes for it: the file is damaged; re-save it with np.savez"
+    )

@@ -285,9 +285,31 @@ def _read_npz(spec: dict) -> tuple[np.ndarray, np.ndarray]:
                     f"array(s) {', '.join(map(repr, missing))} not found in {path}; available arrays: "
                     f"{', '.join(archive.files) or 'none'} (set features_key / labels_key)"
                 )
+            for key in keys:
+                _check_npz_member(path, key)
             return archive[keys[0]], archive[keys[1]]
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise UserError(f"cannot read {path} as npz ({error_reason(exc)}); check the file") from None
+
+
+def _check_npz_member(path: Path, key: str) -> None:
+    """The array ``key``'s header claims no more bytes than the archive holds for it: a damaged or crafted
+    header (a shape of hundreds of GiB in a small file) is one line, not an allocation that fails."""
+    with zipfile.ZipFile(path) as archive, archive.open(f"{key}.npy") as member:
+        size = archive.getinfo(f"{key}.npy").file_size
+        version = np.lib.format.read_magic(member)
+        header = (
+            np.lib.format.read_array_header_1_0(member)
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0(member)
+        )
+        shape, _, dtype = header
+        claimed = math.prod(shape) * dtype.itemsize
+        if claimed > size:
+            raise UserError(
+                f"array {key!r} in {path} claims shape {list(shape)} of {dtype} ({claimed / 2**30:.3g} GiB) "
+                f"but the archive holds {size:,} bytes for it: the file is damaged; re-save it with np.savez"
+            )
 
 
 def _npz_labels(labels: np.ndarray, where: str) -> tuple[np.ndarray, list[str]]:
