@@ -268,6 +268,8 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     if not path.is_file():
         raise UserError(f"{what} {path} does not exist; run the stage that produces it first")
     rerun = "delete it and re-run the stage that produces it"
+    if path.suffix != ".json":  # not a record a stage writes (/etc/passwd): never advise deleting it
+        rerun = f"it is no record a stage writes: pass the {what} file (a .json) the stage wrote"
     try:
         return json.loads(read_text(path, rerun))
     except json.JSONDecodeError as exc:

@@ -235,3 +235,21 @@ def test_export_refuses_a_shard_size_save_pretrained_cannot_read_before_anything
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--max-shard-size {size!r} is not a size; give a whole number with KB, MB or GB" in line
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_broken_file_that_no_stage_writes_is_never_advised_deleted(tmp_path):
+    """merge --gather /etc/passwd once said "delete it and re-run the stage that produces it"."""
+    from shardfuse.io import read_json
+
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(UserError) as refused:
+        read_json(passwd, "gather record")
+    assert str(refused.value) == (
+        f"gather record {passwd} is not valid JSON (Expecting value at line 1); it is no record a stage "
+        "writes: pass the gather record file (a .json) the stage wrote"
+    )
+    record = tmp_path / "gather.json"  # a record a stage writes, damaged: re-making it is the advice
+    record.write_text("{")
+    with pytest.raises(UserError, match="delete it and re-run the stage that produces it"):
+        read_json(record, "gather record")
