@@ -97,9 +97,15 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
             f"{world_size}; make them agree"
         )
     method = run["merge_method"]
-    if run["merge_weights"] is not None and len(run["merge_weights"]) != world_size:
+    # What merge fuses: one checkpoint per rank, or per replica where fsdp shards each replica's model.
+    shards = run.get("fsdp") or 1
+    fused = world_size // shards if world_size % shards == 0 else world_size
+    ranks = (
+        f"{fused} ranks" if shards == 1 else f"{fused} replica(s) (world_size {world_size} / fsdp {shards})"
+    )
+    if run["merge_weights"] is not None and len(run["merge_weights"]) != fused:
         raise ConfigError(
-            f"{where}.merge_weights: {len(run['merge_weights'])} weights for {world_size} ranks; "
+            f"{where}.merge_weights: {len(run['merge_weights'])} weights for {ranks}; "
             "give one weight per rank or null (weights by shard rows)"
         )
     weighted = merge_methods.weighted_names()
@@ -113,9 +119,10 @@ def check_run(name: str, run: dict[str, Any], datasets: dict[str, Any], fix: str
     # runs them: the record is the one place they are said.
     try:
         record = merge_methods.method_record(method)
-        merge_methods.resolve_params(method, merge_params(run), [1] * world_size)
+        merge_methods.resolve_params(method, merge_params(run), [1] * fused)
     except UserError as exc:
-        raise ConfigError(f"{where}.merge_method: {exc}") from None
+        said = f" (merge fuses {ranks})" if shards > 1 else ""
+        raise ConfigError(f"{where}.merge_method: {exc}{said}") from None
     if record.uses_val and datasets[run["dataset"]]["val_fraction"] == 0:
         raise ConfigError(
             f"{where}.merge_method: {method} needs a validation split but dataset "

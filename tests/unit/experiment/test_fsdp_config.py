@@ -5,6 +5,8 @@ tests/slow/test_model_checks.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardfuse.experiment.load import load_experiment
@@ -57,3 +59,23 @@ def test_what_sharding_cannot_serve_is_one_line(run, message, monkeypatch):
     with pytest.raises(ConfigError) as caught:
         experiment(**run)
     assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        (  # one replica: slerp has one model to interpolate, refused before training, not after it
+            {"fsdp": 2, "strategy": "localsgd", "merge_method": "slerp", "model": "transformer"},
+            "runs[r].merge_method: slerp interpolates exactly 2 models but the run has 1 ranks; use "
+            "world_size 2 or another merge method (merge fuses 1 replica(s) (world_size 2 / fsdp 2))",
+        ),
+        (  # one weight per replica, not per rank
+            {"fsdp": 2, "strategy": "localsgd", "merge_method": "weighted", "merge_weights": [1, 2],
+             "model": "transformer"},
+            "runs[r].merge_weights: 2 weights for 1 replica(s) (world_size 2 / fsdp 2); give one weight",
+        ),
+    ],
+)  # fmt: skip
+def test_merge_settings_are_checked_against_the_replicas_merge_fuses(run, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        experiment(world_size=2, **run)
