@@ -39,6 +39,12 @@ def _footer_rows(path: Path) -> int | None:
         return None
 
 
+def _split_digests(info: object) -> dict:
+    """dataset.json's {split: sha256} (empty where the file records none)."""
+    digests = info.get("sha256") if isinstance(info, dict) else None
+    return digests if isinstance(digests, dict) else {}
+
+
 def check_dataset_of(path: str | Path, split: str, train_sha256: str | None) -> None:
     """``path``'s dataset is the training's: the train split its dataset.json records has the sha256 the
     training's shards were cut from (gather.json's ``dataset_sha256``). A split of another prepared
@@ -46,10 +52,7 @@ def check_dataset_of(path: str | Path, split: str, train_sha256: str | None) -> 
     gather.json is older (``train_sha256`` None)."""
     if train_sha256 is None:
         return
-    info_path = Path(path).parent / DATASET_INFO
-    info = read_json(info_path, "dataset info")
-    digests = info.get("sha256") if isinstance(info, dict) else None
-    recorded = digests.get("train") if isinstance(digests, dict) else None
+    recorded = _split_digests(read_json(Path(path).parent / DATASET_INFO, "dataset info")).get("train")
     if recorded != train_sha256:
         raise UserError(
             f"{split} split {path} belongs to another prepared dataset: its {DATASET_INFO} records a train "
@@ -70,9 +73,8 @@ def check_split(path: str | Path, split: str) -> None:
             f"(results/datasets/<dataset>/{split}.parquet)"
         )
     info = read_json(info_path, "dataset info")
-    digests = info.get("sha256") if isinstance(info, dict) else None
+    digests = _split_digests(info)
     rows = info.get("rows") if isinstance(info, dict) else None
-    digests = digests if isinstance(digests, dict) else {}
     recorded_digest = digests.get(split)
     recorded_rows = rows.get(split) if isinstance(rows, dict) else None
     if not isinstance(recorded_digest, str) or not isinstance(recorded_rows, int):
