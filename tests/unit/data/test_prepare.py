@@ -196,6 +196,41 @@ def test_parquet_source_maps_integer_labels_in_numeric_order(tmp_path):
         assert int(info["label_names"][code]) == labels[int(feature)]
 
 
+def test_decimal_columns_are_read_as_float32_and_the_cast_is_recorded(tmp_path):
+    """A Parquet decimal128 column (a database export) was refused as 'not a number'; its values are now
+    read exactly as float32 and dataset.json names each decimal column with its type; the config check
+    takes them too."""
+    from decimal import Decimal
+
+    from shardfuse.data.sources.columns import parquet_problem
+
+    prices = [Decimal(f"{cents / 100:.2f}") for cents in range(-150, 150, 3)]
+    targets = [Decimal(f"{(cents % 17) / 8:.3f}") for cents in range(100)]
+    table = pa.table(
+        {
+            "price": pa.array(prices, pa.decimal128(10, 2)),
+            "plain": np.arange(100, dtype=np.float64),
+            "y": pa.array(targets, pa.decimal128(12, 3)),
+        }
+    )
+    pq.write_table(table, tmp_path / "in.parquet")
+    spec = {
+        "source": "parquet",
+        "path": str(tmp_path / "in.parquet"),
+        "feature_columns": ["price", "plain"],
+        "label_columns": ["y"],
+        "task": "regression",
+    }
+    assert parquet_problem(spec) is None
+    info = prepare("decimals", validate_spec(spec), tmp_path / "out")
+    assert info["decimal_casts"] == {"price": "decimal128(10, 2)", "y": "decimal128(12, 3)"}
+    written = all_splits(tmp_path / "out")
+    by_plain = dict(zip(written["x1"].to_pylist(), zip(written["x0"].to_pylist(), written["y0"].to_pylist())))
+    for row in range(100):
+        price, target = by_plain[float(row)]
+        assert price == np.float32(float(prices[row])) and target == np.float32(float(targets[row]))
+
+
 def test_a_file_sorted_by_label_is_written_in_a_seeded_random_order(tmp_path):
     num_rows = 2000
     labels = np.repeat(np.arange(4), num_rows // 4)  # sorted by label, as exported files often are

@@ -56,7 +56,7 @@ def one_hot_matrix(codes: Any, num_categories: int) -> Any:
 def is_numeric_type(kind: pa.DataType) -> bool:
     import pyarrow as pa
 
-    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_decimal(kind)
 
 
 def is_categorical_type(kind: pa.DataType) -> bool:

@@ -44,6 +44,7 @@ from shardfuse.data.sources.tables import (
     check_not_continuous,
     numeric_matrix,
     require_file,
+    with_decimal_casts,
 )
 from shardfuse.io import UserError, error_reason
 from shardfuse.models.task import CLASSES, Task
@@ -261,7 +262,8 @@ class Parquet(UserFile):
                 f"feature_shape {shape} holds {math.prod(shape)} values but {what} of {features.shape[1]}; "
                 f"fix feature_shape ({SPEC_FIX})"
             )
-        return self.rows(spec, task, table, features.reshape(-1, *shape))
+        loaded = self.rows(spec, task, table, features.reshape(-1, *shape))
+        return loaded if single_list else with_decimal_casts(loaded, table, names)
 
 
 # ---------------------------------------------------------------- npz archive

@@ -48,6 +48,7 @@ from shardfuse.models.task import CLASSES, VALUES, Task
 # A float label column with more distinct values than this, averaging fewer than MIN_CLASS_ROWS rows
 # each, is a measurement rather than classes (config/README.md, label_column).
 MAX_FLOAT_CLASSES = 20
+DECIMAL_CASTS = "decimal_casts"  # dataset.json: the decimal columns read as float32, and their types
 MIN_CLASS_ROWS = 10
 DIGIT_CLASSES = [str(digit) for digit in range(10)]
 NUM_DIGITS = 1797  # rows of scikit-learn's digits: at most one writer each
@@ -196,6 +197,7 @@ class UserFile(SourceBehaviour):
                 raise UserError(f"{path} has a single row; a train/test split needs at least 2: add rows")
             targets_wanted = spec["label_columns"]
             targets = numeric_matrix(table, targets_wanted, path, "regression target", TARGET_TYPE_FIX)
+            loaded = with_decimal_casts(loaded, table, targets_wanted)
             return loaded._replace(targets=targets, target_names=list(targets_wanted))
         label_name = spec["label_column"]
         labels, label_names = label_codes(table.column(label_name), label_name, path)
@@ -215,6 +217,7 @@ def _feature_rows(spec: dict[str, Any], table: pa.Table) -> Loaded:
     # The fix a text column's error names: categorical_columns where the source takes it.
     fix = FEATURE_TYPE_FIX if CATEGORICAL_COLUMNS in find_source(spec["source"]).allowed() else NUMERIC_FIX
     loaded = Loaded(numeric_matrix(table, numeric, path, type_fix=fix), np.zeros(0), numeric, [])
+    loaded = with_decimal_casts(loaded, table, numeric)
     if not categorical:
         return loaded
     columns = pa.table({name: categorical_column(table, name, path) for name in categorical})
@@ -326,6 +329,8 @@ def numeric_matrix(
     matrix = np.empty((table.num_rows, len(names)), dtype=np.float32)
     for j, name in enumerate(names):
         column = table.column(name)
+        if pa.types.is_decimal(column.type):  # exact decimals, as float32 (decimal_casts records it)
+            column = pc.cast(column, pa.float64())
         if not (pa.types.is_integer(column.type) or pa.types.is_floating(column.type)):
             raise UserError(f"{role} column {name!r} in {path} has type {column.type}{type_fix}")
         if column.null_count:
@@ -336,6 +341,23 @@ def numeric_matrix(
         matrix[:, j] = column.to_numpy()
         check_finite(matrix[:, j], f"{role} column {name!r} in {path}")
     return matrix
+
+
+def decimal_casts(table: pa.Table, names: list[str]) -> dict[str, str]:
+    """dataset.json's ``decimal_casts``: each of ``names`` stored as exact decimals (a Parquet
+    ``decimal128``, a database export) and the type it had; its values are read as float32, as every
+    numeric column is (a decimal of more than 7 significant digits is rounded)."""
+    types = {name: table.column(name).type for name in names}
+    return {name: str(kind) for name, kind in types.items() if pa.types.is_decimal(kind)}
+
+
+def with_decimal_casts(loaded: Loaded, table: pa.Table, names: list[str]) -> Loaded:
+    """``loaded`` with the decimal columns among ``names`` recorded (nothing added when there are none)."""
+    casts = decimal_casts(table, names)
+    if not casts:
+        return loaded
+    recorded = {**((loaded.dataset_keys or {}).get(DECIMAL_CASTS) or {}), **casts}
+    return loaded._replace(dataset_keys={**(loaded.dataset_keys or {}), DECIMAL_CASTS: recorded})
 
 
 def label_codes(column: pa.ChunkedArray, name: str, path: str) -> tuple[np.ndarray, list[str]]:
