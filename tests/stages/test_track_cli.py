@@ -55,6 +55,22 @@ def test_cli_reports_unreachable_tracking_server_in_one_line_quickly(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_refused_database_store_is_one_line_in_seconds_naming_the_server(tmp_path):
+    """MLflow retries a database it cannot open 10 times with a growing back-off (104 s for a refused
+    port, with advice about sqlite files); one probe connection answers at once."""
+    run_dir, manifest = make_run_dir(tmp_path, "nodb")
+    uri = "postgresql://shardfuse@127.0.0.1:1/mlflow"
+    args = track_cli_args("nodb", run_dir, manifest, uri, run_dir / "mlflow.json")
+    started = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), timeout=120)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("shardfuse.tracking: error: cannot use tracking URI postgresql://***@127.0.0.1:1")
+    assert "port 1 failed: Connection refused" in line and "start the database server" in line
+    assert "sqlite" not in line and not (run_dir / "mlflow.json").exists()
+
+
 def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store, tmp_path):
     # Runs that differ only in how they merge share one training: ranks and gather.json live there.
     run_dir, manifest = make_run_dir(tmp_path, "viacli", training="shared")

@@ -35,6 +35,12 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
 RERUN_HINT = "start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`"
+DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")  # MLflow's database stores other than sqlite
+DB_CONNECT_TIMEOUT = 10  # seconds one connection to a database store may take before it is refused
+DATABASE_FIX = (
+    "start the database server, or fix mlflow.tracking_uri (host, port, database, user; the password "
+    "from PGPASSFILE or the driver's own settings), then re-run `snakemake -R track`"
+)
 
 
 def redact_uri(uri: str) -> str:
@@ -66,7 +72,37 @@ def tracking_client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 
     set_http_defaults()
+    probe_database(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
+
+
+def database_scheme(tracking_uri: str) -> str | None:
+    """``postgresql`` of ``postgresql+psycopg2://...``: a database server MLflow reaches through
+    SQLAlchemy (not sqlite, a file); None for every other URI."""
+    scheme = tracking_uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in tracking_uri else ""
+    return scheme if scheme in DATABASE_SCHEMES else None
+
+
+def probe_database(tracking_uri: str) -> None:
+    """One connection to a database store, at most ``DB_CONNECT_TIMEOUT`` seconds, before MLflow opens it:
+    MLflow retries a store it cannot open 10 times with a growing back-off (about 100 s for a refused
+    port, minutes for a host that does not answer). A refusal is one line naming the server's answer."""
+    scheme = database_scheme(tracking_uri)
+    if scheme is None:
+        return
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    connect_args = {"connect_timeout": DB_CONNECT_TIMEOUT} if scheme in ("postgresql", "mysql") else {}
+    try:
+        engine = sqlalchemy.create_engine(tracking_uri, poolclass=NullPool, connect_args=connect_args)
+        with engine.connect():
+            pass
+        engine.dispose()
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError) as exc:
+        cause = getattr(exc, "orig", None) or exc
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+        raise UserError(store_error(tracking_uri, reason, DATABASE_FIX)) from None
 
 
 def connect(tracking_uri: str, experiment: str):
@@ -127,7 +163,8 @@ def tracking_errors(tracking_uri: str) -> Iterator[None]:
     except Exception as exc:
         if not type(exc).__module__.startswith("sqlalchemy"):
             raise
-        raise UserError(store_error(tracking_uri, error_reason(exc)[:300], SQL_FIX)) from None
+        fix = SQL_FIX if database_scheme(tracking_uri) is None else DATABASE_FIX
+        raise UserError(store_error(tracking_uri, error_reason(exc)[:300], fix)) from None
 
 
 SQL_FIX = (
