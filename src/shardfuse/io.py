@@ -263,6 +263,27 @@ def read_text(path: str | os.PathLike, fix: str) -> str:
         raise UserError(f"{not_utf8(path, data, exc)}; {fix}") from None
 
 
+CONTENT_NAME = re.compile(r"[0-9a-f]{16}\.json")  # a file named by its content (content_name)
+
+
+def content_name(obj: Any) -> str:
+    """``<16 hex>.json``: the name of a JSON file the workflow writes named by its content (the first
+    16 hex digits of the sha256 of its compact, key-sorted JSON), so a changed content is a new name."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+
+
+def check_content_name(path: str | os.PathLike, obj: Any, what: str) -> None:
+    """A file named by its content (:func:`content_name`) must still hold it: one edited by hand would be
+    trusted as the workflow's. Other names are not checked."""
+    path = Path(path)
+    if CONTENT_NAME.fullmatch(path.name) and content_name(obj) != path.name:
+        raise UserError(
+            f"{what} {path} is not what the workflow wrote (its name is the digest of its content, and "
+            "the content has changed since); delete it and re-run: the workflow writes it again"
+        )
+
+
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     path = Path(path)
     if not path.is_file():

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.console.errors import error_line, exit_now, run_cli, user_error_message, write_line
-from shardfuse.io import StageParser, UserError, parse_json_arg, read_json, write_json
+from shardfuse.io import StageParser, UserError, check_content_name, parse_json_arg, read_json, write_json
 from shardfuse.track.sync import track_run
 
 # The per-run options of --runs-json (each entry): the single-run flags without their dashes.
@@ -42,6 +42,7 @@ def runs_from_json(text: str) -> list[dict[str, Any]]:
     ``@PATH``, in a file (the workflow's: a command line holds at most 128 KiB, a sweep's configs more)."""
     if text.startswith("@"):
         entries = read_json(text[1:], "--runs-json file")
+        check_content_name(text[1:], entries, "--runs-json file")
     else:
         entries = parse_json_arg(text, "--runs-json")
     if not isinstance(entries, list) or not entries:

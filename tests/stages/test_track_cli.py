@@ -71,6 +71,27 @@ def test_a_refused_database_store_is_one_line_in_seconds_naming_the_server(tmp_p
     assert "sqlite" not in line and not (run_dir / "mlflow.json").exists()
 
 
+def test_a_runs_file_edited_since_the_workflow_wrote_it_is_refused(tmp_path):
+    """The workflow names the track job's runs file by its content; a file edited by hand (another merge
+    method, another run folder) was pushed to MLflow as the run's record."""
+    from shardfuse.io import content_name
+
+    run_dir, manifest = make_run_dir(tmp_path, "edited")
+    entry = {"run": "edited", "run_dir": str(run_dir), "manifest": str(manifest),
+             "config": run_config("edited"), "out": str(run_dir / "mlflow.json")}  # fmt: skip
+    runs_file = tmp_path / content_name([entry])
+    runs_file.write_text(json.dumps([{**entry, "config": {**entry["config"], "merge_method": "ties"}}]))
+    args = [sys.executable, "-m", "shardfuse.tracking", "--runs-json", f"@{runs_file}",
+            "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--experiment", "e"]  # fmt: skip
+    proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), timeout=120)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"--runs-json file {runs_file} is not what the workflow wrote" in line
+    assert "is not what the workflow wrote (its name is the digest of its content" in line
+    assert "delete it and re-run" in line
+    assert not (run_dir / "mlflow.json").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store, tmp_path):
     # Runs that differ only in how they merge share one training: ranks and gather.json live there.
     run_dir, manifest = make_run_dir(tmp_path, "viacli", training="shared")

@@ -189,3 +189,9 @@ def test_a_sweep_of_many_runs_keeps_the_track_jobs_command_short(tmp_path):
     entries = json.loads(runs_file.read_text())
     assert [entry["run"] for entry in entries] == list(runs)
     assert len(runs_file.read_bytes()) > 128 * 1024  # what the command line could not have held
+    # Edited by hand, the file is written again from the config at the next planning.
+    edited = json.loads(runs_file.read_text())
+    edited[0]["config"]["merge_method"] = "uniform"
+    runs_file.write_text(json.dumps(edited))
+    snakemake(tmp_path, "--dry-run")
+    assert json.loads(runs_file.read_text()) == entries

@@ -1,5 +1,4 @@
 # Wiring only: config validation, the run table, wildcard constraints and named input functions.
-import hashlib
 import json
 import re
 import shlex
@@ -51,7 +50,7 @@ from shardfuse.experiment.load import (  # noqa: E402
     run_config_for_tracking,
 )
 from shardfuse.experiment.schema import ConfigError  # noqa: E402
-from shardfuse.io import UserError, write_json  # noqa: E402
+from shardfuse.io import UserError, check_content_name, content_name, read_json, write_json  # noqa: E402
 from shardfuse.models.catalog import exports_hf  # noqa: E402
 
 try:
@@ -476,11 +475,12 @@ def tracking_runs_file(wildcards):
     """The track job's --runs-json @FILE, named by its content under .snakemake/shardfuse/track-runs/ (a
     command line holds at most 128 KiB, a sweep's configs more). As the job's param, a changed run
     changes the name, so the job runs again."""
-    text = _json(tracking_runs(wildcards))
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = Path(".snakemake/shardfuse/track-runs") / f"{digest}.json"
-    if not path.is_file():
-        write_json(path, json.loads(text))
+    runs = tracking_runs(wildcards)
+    path = Path(".snakemake/shardfuse/track-runs") / content_name(runs)
+    try:
+        check_content_name(path, read_json(path), "track runs file")
+    except UserError:  # missing, or edited since: written again (the job checks it once more)
+        write_json(path, runs)
     return str(path)
 
 

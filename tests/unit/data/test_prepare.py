@@ -225,7 +225,8 @@ def test_decimal_columns_are_read_as_float32_and_the_cast_is_recorded(tmp_path):
     info = prepare("decimals", validate_spec(spec), tmp_path / "out")
     assert info["decimal_casts"] == {"price": "decimal128(10, 2)", "y": "decimal128(12, 3)"}
     written = all_splits(tmp_path / "out")
-    by_plain = dict(zip(written["x1"].to_pylist(), zip(written["x0"].to_pylist(), written["y0"].to_pylist())))
+    values = zip(written["x0"].to_pylist(), written["y0"].to_pylist(), strict=True)
+    by_plain = dict(zip(written["x1"].to_pylist(), values, strict=True))
     for row in range(100):
         price, target = by_plain[float(row)]
         assert price == np.float32(float(prices[row])) and target == np.float32(float(targets[row]))
