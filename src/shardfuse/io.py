@@ -263,6 +263,41 @@ def read_text(path: str | os.PathLike, fix: str) -> str:
         raise UserError(f"{not_utf8(path, data, exc)}; {fix}") from None
 
 
+MAX_EXPANDED_VALUES = 1_000_000  # a YAML file's values once its aliases are written out
+
+
+def yaml_values(root: Any) -> int:
+    """How many values a composed YAML document (``yaml.compose``) writes out to once each alias
+    (``*name`` of an ``&name`` anchor) is replaced by what it names: a "billion laughs" (nine aliases of
+    nine aliases of ...) is a few lines that write out to billions. Counted over the node graph, each node
+    once, so counting costs the file's size, not the written-out size."""
+    import yaml
+
+    def children(node: Any) -> list[Any]:
+        if isinstance(node, yaml.SequenceNode):
+            return list(node.value)
+        if isinstance(node, yaml.MappingNode):
+            return [child for pair in node.value for child in pair]
+        return []
+
+    sizes: dict[int, int] = {}
+    order: list[Any] = []
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:  # children before parents, each node once (aliases share nodes)
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in sizes:
+            continue
+        sizes[id(node)] = 0
+        stack.append((node, True))
+        stack.extend((child, False) for child in children(node))
+    for node in order:
+        sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children(node))
+    return sizes[id(root)]
+
+
 CONTENT_NAME = re.compile(r"[0-9a-f]{16}\.json")  # a file named by its content (content_name)
 
 

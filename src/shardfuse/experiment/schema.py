@@ -16,7 +16,7 @@ import jsonschema
 import yaml
 
 from shardfuse.experiment.keys import SEED_LIMITS
-from shardfuse.io import UserError
+from shardfuse.io import MAX_EXPANDED_VALUES, UserError, yaml_values
 
 SCHEMA_PATH = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -152,41 +152,14 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-MAX_EXPANDED_VALUES = 1_000_000  # a config file's values once its aliases are written out
-
-
 def _check_expansion(root: yaml.Node, path: str | os.PathLike) -> None:
     """Refuse a file whose aliases (``*name`` of an ``&name`` anchor) write out to more than
     :data:`MAX_EXPANDED_VALUES` values (a "billion laughs": nine aliases of nine aliases of ...), before
     anything walks or copies the expanded config. Counted over the node graph, each node once."""
-    sizes: dict[int, int] = {}
-    order: list[yaml.Node] = []
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:  # children before parents, each node once (aliases share nodes)
-        node, done = stack.pop()
-        if done:
-            order.append(node)
-            continue
-        if id(node) in sizes:
-            continue
-        sizes[id(node)] = 0
-        stack.append((node, True))
-        if isinstance(node, yaml.SequenceNode):
-            stack.extend((child, False) for child in node.value)
-        elif isinstance(node, yaml.MappingNode):
-            stack.extend((child, False) for pair in node.value for child in pair)
-    for node in order:
-        children = (
-            node.value
-            if isinstance(node, yaml.SequenceNode)
-            else [child for pair in node.value for child in pair]
-            if isinstance(node, yaml.MappingNode)
-            else []
-        )
-        sizes[id(node)] = 1 + sum(sizes[id(child)] for child in children)
-    if sizes[id(root)] > MAX_EXPANDED_VALUES:
+    size = yaml_values(root)
+    if size > MAX_EXPANDED_VALUES:
         raise ConfigError(
-            f"config file {path} writes out to {sizes[id(root)]:,} values through its aliases (*name of an "
+            f"config file {path} writes out to {size:,} values through its aliases (*name of an "
             f"&name anchor), more than {MAX_EXPANDED_VALUES:,}; write the values out or use fewer aliases"
         )
 

@@ -160,3 +160,23 @@ def test_a_config_path_that_is_not_a_file_is_refused_without_reading_it(folders)
     for path in (folders / "pipe.yml", folders / "a", folders / "missing.yml"):
         with pytest.raises(UserError, match="is not a file; give a mergekit YAML file"):
             mergekit.read(path)
+
+
+def test_an_alias_bomb_in_a_mergekit_yaml_is_refused_before_anything_writes_it_out(folders):
+    """A weight whose aliases write out to 490 million values (a "billion laughs") was read without a
+    word, to be written out by the logged params' JSON and the gradient's interpolation; refused from the
+    node graph, as a config file is."""
+    layers = ['&a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
+        layers.append(f"&{name} [{', '.join([f'*{previous}'] * 9)}]")
+    path = folders / "bomb.yml"
+    path.write_text(
+        f"merge_method: linear\nmodels:\n  - model: a\n    parameters: {{weight: [{', '.join(layers)}]}}\n"
+        "  - model: b\n    parameters: {weight: 1.0}\n"
+    )
+    with pytest.raises(UserError) as refused:
+        mergekit.read(path)
+    assert str(refused.value) == (
+        f"mergekit config {path}: writes out to 490,329,073 values through its aliases (*name of an &name "
+        "anchor), more than 1,000,000; write the values out or use fewer aliases"
+    )

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardfuse.io import UserError, find_record
+from shardfuse.io import MAX_EXPANDED_VALUES, UserError, find_record, yaml_values
 
 FIX = "fix the mergekit YAML"
 TOP_FIELDS = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source")
@@ -349,6 +349,12 @@ def _load(path: Path, text: str) -> dict[str, Any]:
     import yaml
 
     try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None and (size := yaml_values(root)) > MAX_EXPANDED_VALUES:
+            raise UserError(
+                f"mergekit config {path}: writes out to {size:,} values through its aliases (*name of an "
+                f"&name anchor), more than {MAX_EXPANDED_VALUES:,}; write the values out or use fewer aliases"
+            )
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
