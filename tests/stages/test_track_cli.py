@@ -92,6 +92,26 @@ def test_a_runs_file_edited_since_the_workflow_wrote_it_is_refused(tmp_path):
     assert not (run_dir / "mlflow.json").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+def test_a_merged_model_copied_over_after_evaluate_is_refused_before_anything_is_pushed(tmp_path):
+    """evaluate checks the merged model against its merge.json; one copied over it afterwards was logged
+    to MLflow as the run's model. The track stage checks it too, before it touches the store."""
+    run_dir, manifest = make_run_dir(tmp_path, "r")
+    other, _ = make_run_dir(tmp_path, "t")
+    (run_dir / "merged.safetensors").write_bytes((other / "merged.safetensors").read_bytes())
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = subprocess.run(
+        track_cli_args("r", run_dir, manifest, uri, run_dir / "mlflow.json"),
+        capture_output=True, text=True, env=tracking_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert (
+        f"{run_dir / 'merged.safetensors'} is not the merged model its {run_dir / 'merge.json'} recorded"
+        in line
+    )
+    assert not (tmp_path / "mlflow.db").exists() and not (run_dir / "mlflow.json").exists()
+
+
 def test_cli_with_a_shared_training_dir_writes_out_file_with_run_ids(track_store, tmp_path):
     # Runs that differ only in how they merge share one training: ranks and gather.json live there.
     run_dir, manifest = make_run_dir(tmp_path, "viacli", training="shared")

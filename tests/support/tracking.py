@@ -234,6 +234,16 @@ def write_dataset(out_dir: Path, train_rows: int) -> dict:
     return {**info, "train": out_dir / "train.parquet", "rows": train_rows}
 
 
+def remerge(run_dir: Path, method: str, **fields) -> None:
+    """The run merged again with ``method``: merged.safetensors (its header names the method) and the
+    merge.json that records it (``fields`` added), as the merge stage writes them together."""
+    merged = run_dir / "merged.safetensors"
+    _save_mlp(merged, 0, {"run": run_dir.name, "rank": None, "merge_method": method}, sidecar=False)
+    merge = json.loads((run_dir / "merge.json").read_text())
+    merge.update(method=method, sha256=sha256_file(merged), **fields)
+    (run_dir / "merge.json").write_text(json.dumps(merge))
+
+
 def _save_mlp(path: Path, seed: int, meta: dict, sidecar: bool = True) -> None:
     torch.manual_seed(seed)
     save_weights(path, build_model(model_spec()).state_dict(), {**meta, "model": model_spec()}, sidecar)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardfuse.checkpoints.trust import RERUN_MERGE, header_spec, read_gather
+from shardfuse.checkpoints.trust import RERUN_MERGE, check_merged_record, header_spec, read_gather
 from shardfuse.checkpoints.weights import read_metadata
 from shardfuse.data.heterogeneity import shard_metrics
 from shardfuse.experiment.records import COLLECTED_MODE, EvalRecord, MergeRecord, TrainRecord
@@ -206,6 +206,8 @@ def load_inputs(
         EvalRecord.read_with_baseline(eval_path, ddp_baseline, "eval"),
     )
     read_gather(gather)  # only uploaded, but it must list this training's checkpoints
+    # The model logged as this run's is the one its merge.json describes (not one copied over it since).
+    check_merged_record(weights, merge_path, merge.method, merge.sha256)
     try:
         world_size = int(_recorded(train, "world_size", train_path))
         if isinstance(train.fsdp, dict):  # a checkpoint, a child run, per replica

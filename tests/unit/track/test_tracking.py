@@ -38,6 +38,7 @@ from tests.support.tracking import (
     make_run_dir,
     metric_history,
     regression_evaluation,
+    remerge,
     run_config,
     track_into,
     val_score,
@@ -183,9 +184,7 @@ def test_second_track_with_identical_inputs_keeps_run_and_does_not_duplicate_his
 
 def test_changed_merge_method_replaces_parent_and_deletes_old_runs(track_store, tmp_path):
     first, run_dir, manifest, config = track_into(track_store, tmp_path, "remerged")
-    merge = json.loads((run_dir / "merge.json").read_text())
-    merge["method"] = "fisher"
-    (run_dir / "merge.json").write_text(json.dumps(merge))
+    remerge(run_dir, "fisher")
     config["merge"]["method"] = "fisher"  # params are immutable in MLflow: a new config is a new parent
     second = track_sync.track_run("remerged", run_dir, manifest, config, track_store["uri"], TRACK_EXPERIMENT)
 

@@ -17,7 +17,7 @@ from shardfuse.experiment.records import MergeRecord
 from shardfuse.track import sync as track_sync
 from shardfuse.track import ui as tracking_ui
 from shardfuse.track.provenance import LAYOUT_VERSION
-from tests.support.tracking import T0_MS, make_run_dir
+from tests.support.tracking import T0_MS, make_run_dir, remerge
 
 EXPERIMENT = "shardfuse-ui-items"
 NUM_STEPS = 40
@@ -39,9 +39,7 @@ def pushed(tmp_path_factory):
     client = MlflowClient(tracking_uri=uri)
     client.create_experiment(EXPERIMENT, artifact_location=str(root / "artifacts"))
     run_dir, manifest = make_run_dir(root, "ties_run", num_steps=NUM_STEPS, ddp_baseline=True)
-    merge = json.loads((run_dir / "merge.json").read_text())
-    merge.update(method="ties", params={"density": 0.2, "scale": 1.0})
-    (run_dir / "merge.json").write_text(json.dumps(merge))
+    remerge(run_dir, "ties", params={"density": 0.2, "scale": 1.0})
     plots = run_dir / "plots"
     plots.mkdir()
     (plots / "fusion.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
