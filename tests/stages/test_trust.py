@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shardfuse.checkpoints.weights import load_weights, save_weights
-from shardfuse.io import UserError, file_digests
+from shardfuse.io import UserError, file_digests, sha256_file
 from shardfuse.models.bounds import check_spec_bounds
 from shardfuse.models.catalog import mlp_state_shapes
 from shardfuse.models.registry import build_model, check_model_fits
@@ -317,6 +317,10 @@ def test_a_merged_header_describing_a_huge_model_is_refused_by_evaluate_and_trac
     workdir, digits_dataset, digits_shards
 ):
     rewrite_header(workdir / MERGED, sidecar=False)
+    # As a merge stage that wrote such a header would record it (an edited file is refused by its digest).
+    record = json.loads((workdir / RUN_DIR / "merge.json").read_text())
+    record["sha256"] = sha256_file(workdir / MERGED)
+    (workdir / RUN_DIR / "merge.json").write_text(json.dumps(record))
     fragments = (*SPEC_IN_THE_FILE, "/merged.safetensors (mlp, ", "re-run merge (snakemake -R merge)")
     proc, outputs = run_stage_in(workdir, "evaluate", digits_dataset)
     assert_refused(proc, "evaluate", fragments, outputs)

@@ -50,7 +50,8 @@ from shardfuse.experiment.load import (  # noqa: E402
     run_config_for_tracking,
 )
 from shardfuse.experiment.schema import ConfigError  # noqa: E402
-from shardfuse.io import UserError, check_content_name, content_name, read_json, write_json  # noqa: E402
+from shardfuse.io import UserError, write_json  # noqa: E402
+from shardfuse.io import check_content_name, content_name, read_json  # noqa: E402
 from shardfuse.models.catalog import exports_hf  # noqa: E402
 
 try:
@@ -477,9 +478,10 @@ def tracking_runs_file(wildcards):
     changes the name, so the job runs again."""
     runs = tracking_runs(wildcards)
     path = Path(".snakemake/shardfuse/track-runs") / content_name(runs)
+    # Missing, or edited since: written again (the track job checks it once more).
     try:
         check_content_name(path, read_json(path), "track runs file")
-    except UserError:  # missing, or edited since: written again (the job checks it once more)
+    except UserError:
         write_json(path, runs)
     return str(path)
 
