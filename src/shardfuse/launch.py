@@ -68,6 +68,7 @@ from shardfuse.console.failures import stage_errors
 from shardfuse.io import Interrupted, StageParser, UserError, error_reason, replace_dir, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, failure_message
+from shardfuse.rank.progress import CONSOLE_FD_ENV, QUIET_ENV, console_fd, console_token
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
 
 REQUEUE_WAIT_SECONDS = 120
@@ -87,7 +88,9 @@ def run_and_forward_signals(
     cancelled, Ctrl-C) goes to the whole group, and if ``watch`` (the snakemake that started us) dies
     the group is terminated, so no rank outlives the workflow (:mod:`shardfuse.cluster.ownership`)."""
     print("launch:", shlex.join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=own_group_with_parent_death_signal)
+    console = console_fd(env if env is not None else os.environ)
+    passed = () if console is None else (console,)  # the ranks inherit the console (rank.progress)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=own_group_with_parent_death_signal, pass_fds=passed)
     if watch is not None:
         watch_ancestor(watch, proc)
 
@@ -267,6 +270,8 @@ def log_to(log: Path) -> tuple[Path, int]:
     sys.stdout.flush()
     sys.stderr.flush()
     console = os.dup(2)
+    if os.environ.get(QUIET_ENV) != "1":  # rank 0 echoes its progress to the console (rank.progress)
+        os.environ[CONSOLE_FD_ENV] = console_token(console)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

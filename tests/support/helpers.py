@@ -192,10 +192,17 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
 
 
 def tiny_experiment_run(path: Path) -> Path:
-    """``path`` holding the tiny experiment (tiny_config), run to the end by Snakemake."""
+    """``path`` holding the tiny experiment (tiny_config), run to the end by Snakemake; what Snakemake
+    printed is kept beside it (:func:`console_of`)."""
     tiny_config(path)
-    snakemake(path)
+    proc = snakemake(path)
+    console_of(path).write_text(proc.stdout + proc.stderr)
     return path
+
+
+def console_of(workdir: Path) -> Path:
+    """The console output of :func:`tiny_experiment_run` (beside its folder, not in it)."""
+    return workdir.with_name(f"{workdir.name}.console.txt")
 
 
 def file_state(directory: Path) -> dict[str, tuple[int, str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import yaml
 
 from tests.support.helpers import (
     REPO,
+    console_of,
     mlflow_state,
     ranks_dir,
     snakemake,
@@ -25,6 +27,24 @@ from tests.support.helpers import (
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     return tiny_experiment_run(tmp_path_factory.mktemp("workflow"))
+
+
+def test_the_console_shows_each_trainings_progress_with_an_eta_and_the_log_keeps_every_line(workdir):
+    """Rank 0 of each training echoes its progress to the workflow's console (the launcher passes it
+    the console Snakemake started it with): at most a line every 10 s, and the last step's line."""
+    console = console_of(workdir).read_text()
+    finals = re.findall(
+        r"^(digits-w2-\S+): step (\d+)/(\d+) \(100%\), [\d.]+ steps/s, ETA 0s, loss [\d.]+, [\d,]+ samples/s",
+        console,
+        re.MULTILINE,
+    )
+    trainings = sorted(path.name for path in (workdir / "results" / "trainings").iterdir())
+    assert sorted(name for name, _, _ in finals) == trainings and len(trainings) == 2
+    for name, step, total in finals:
+        assert step == total
+        log = (workdir / "logs" / "train" / f"{name}.log").read_text()
+        logged = re.findall(rf"^{re.escape(name)}: step \d+/{total} \(\d+%\), .*ETA", log, re.MULTILINE)
+        assert len(logged) == 10  # the log keeps its line per 10 %
 
 
 def test_full_run_writes_summary_row_per_run(workdir):

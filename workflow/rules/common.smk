@@ -15,9 +15,12 @@ if SRC_DIR not in sys.path:
 # environment has only the dependencies installed (e.g. the per-rule conda envs).
 # SHARDFUSE_ERRORS_AT_END: the onerror handler prints each failed job's one-line errors last, so a
 # stage run as a job does not echo them on the console as well (shardfuse.launch).
+# SHARDFUSE_QUIET: under --quiet the trainings do not echo their progress on the console (shardfuse.launch).
+_QUIET = {str(level).lower() for level in (getattr(workflow.output_settings, "quiet", None) or ())}
 shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
     "export SHARDFUSE_ERRORS_AT_END=1; "
+    + ("export SHARDFUSE_QUIET=1; " if _QUIET & {"all", "progress"} else "")
 )
 
 from shardfuse.checkpoints.init_weights import weight_files  # noqa: E402

@@ -17,7 +17,7 @@ import torch.distributed as torch_dist
 
 from shardfuse.console.errors import write_line
 from shardfuse.io import UserError, write_json
-from shardfuse.rank.progress import Progress
+from shardfuse.rank.progress import Progress, console_stream
 from shardfuse.track.live import LiveLogger
 
 
@@ -114,8 +114,13 @@ class RankGate:
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
-    def progress(self, total_steps: int, initial_step: int = 0, description: str = "train") -> Progress:
-        return Progress(total_steps, enabled=True, initial_step=initial_step, description=description)
+    def progress(
+        self, total_steps: int, initial_step: int = 0, description: str = "train", score_name: str = "score"
+    ) -> Progress:
+        return Progress(
+            total_steps, enabled=True, initial_step=initial_step, description=description,
+            console=console_stream(), score_name=score_name,
+        )  # fmt: skip
 
     def live_logger(self, tracking_uri: str | None, experiment: str, run_name: str) -> LiveLogger:
         return LiveLogger(tracking_uri, experiment, run_name, enabled=tracking_uri is not None)
@@ -131,7 +136,9 @@ class NullGate(RankGate):
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         return None
 
-    def progress(self, total_steps: int, initial_step: int = 0, description: str = "train") -> Progress:
+    def progress(
+        self, total_steps: int, initial_step: int = 0, description: str = "train", score_name: str = "score"
+    ) -> Progress:
         return Progress(total_steps, enabled=False, initial_step=initial_step, description=description)
 
     def live_logger(self, tracking_uri: str | None, experiment: str, run_name: str) -> LiveLogger:

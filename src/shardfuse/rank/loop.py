@@ -141,7 +141,10 @@ def train_loop(
         ShardReader(
             setup.shard_dir, setup.data_shard, seed=setup.rank_seed, cache=True, verify=True
         ) as reader,
-        gate.progress(plan.clock_steps, initial_step=step, description=run) as progress,
+        gate.progress(
+            plan.clock_steps, initial_step=step, description=run,
+            score_name=plan.validator.task.score if plan.validator is not None else "score",
+        ) as progress,  # fmt: skip
     ):
         for epoch in range(position.epoch, cfg.loop.epochs):
             first = position.next_batch if epoch == position.epoch else 0
@@ -186,7 +189,7 @@ def train_loop(
                     throughput = result.rows * plan.layout.shards / max(now - tick, 1e-9)
                     tick = now
                     metrics.append(step, epoch, loss_value, throughput, lr, now, grad_norm, val_score)
-                    progress.update(step, loss=loss_value, samples_per_second=throughput)
+                    progress.update(step, loss=loss_value, samples_per_second=throughput, val_score=val_score)
                     if live is not None:
                         live.log(step, {"loss": loss_value, "samples_per_second": throughput})
                 # No checkpoint at the stopping step: a run resumed from an earlier one stops here again.

@@ -47,7 +47,57 @@ def test_progress_off_a_terminal_prints_one_line_per_ten_percent_with_steps_per_
     assert len(lines) == 10
     assert lines[0].startswith("train: step 20/200 (10%), ")
     assert lines[-1].startswith("train: step 200/200 (100%), ")
-    assert re.search(r"[\d.]+ steps/s, loss 0\.0050, 1,234 samples/s$", lines[-1])
+    assert re.search(r"[\d.]+ steps/s, ETA 0s, loss 0\.0050, 1,234 samples/s$", lines[-1])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_console_gets_a_line_every_ten_seconds_and_the_last_with_the_eta_and_the_val_score():
+    """The workflow's console (the launcher's, passed to rank 0): 100 steps a second apart make a line
+    at steps 10, 20, ... (ten seconds apart) and at the last; the log keeps its line per 10 %."""
+    log, console, clock = io.StringIO(), io.StringIO(), Clock()
+    with Progress(100, stream=log, description="t", console=console, score_name="accuracy", clock=clock) as p:
+        for step in range(1, 101):
+            clock.now += 1.0
+            p.update(step, loss=0.5, samples_per_second=64.0, val_score=0.9 if step == 30 else float("nan"))
+    lines = console.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"t: step {s}/100" for s in range(10, 101, 10)]
+    assert lines[0] == "t: step 10/100 (10%), 1.0 steps/s, ETA 1m30s, loss 0.5000, 64 samples/s"
+    assert (
+        lines[3]
+        == "t: step 40/100 (40%), 1.0 steps/s, ETA 1m00s, loss 0.5000, 64 samples/s, val accuracy 0.9000"
+    )
+    assert lines[-1].startswith("t: step 100/100 (100%), 1.0 steps/s, ETA 0s, ")
+    assert log.getvalue().splitlines() == lines  # here the 10 % marks fall ten seconds apart too
+    fast, clock = io.StringIO(), Clock()
+    with Progress(1000, stream=io.StringIO(), description="f", console=fast, clock=clock) as p:
+        for step in range(1, 1001):
+            clock.now += 0.001  # a second in all: only the last step reaches the console
+            p.update(step, loss=0.1)
+    assert fast.getvalue().splitlines() == ["f: step 1000/1000 (100%), 1000.0 steps/s, ETA 0s, loss 0.1000"]
+
+
+def test_eta_text_and_the_console_token_checks_the_file_behind_the_number(tmp_path):
+    from shardfuse.rank.progress import CONSOLE_FD_ENV, console_fd, console_token, eta_text
+
+    assert [eta_text(s) for s in (0.4, 59.6, 61, 3599, 7620, float("inf"))] == [
+        "ETA 0s", "ETA 1m00s", "ETA 1m01s", "ETA 59m59s", "ETA 2h07m", "ETA ?",
+    ]  # fmt: skip
+    with open(tmp_path / "console", "w") as first, open(tmp_path / "other", "w") as second:
+        token = console_token(first.fileno())
+        assert console_fd({CONSOLE_FD_ENV: token}) == first.fileno()
+        fd, device, _ = token.split(":")
+        other = console_token(second.fileno()).split(":")[2]
+        # The same number naming another file (a spawned rank, an srun task elsewhere): never written to.
+        assert console_fd({CONSOLE_FD_ENV: f"{fd}:{device}:{other}"}) is None
+    assert console_fd({CONSOLE_FD_ENV: token}) is None  # closed since
+    assert console_fd({}) is None and console_fd({CONSOLE_FD_ENV: "3"}) is None
 
 
 def test_progress_on_a_terminal_draws_a_tqdm_bar_with_loss_and_rate():
