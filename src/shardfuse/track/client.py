@@ -35,6 +35,12 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
 RERUN_HINT = "start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`"
+# MLflow's answers about a value it was sent (the store is up and answered): a name it refuses...
+REFUSED_VALUE_CODES = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS")
+REFUSED_VALUE_FIX = (
+    "the store is up and refused a value shardfuse sent it; fix the value it names in the config (a run, "
+    "experiment or model name), then re-run `snakemake -R track`"
+)
 DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")  # MLflow's database stores other than sqlite
 DB_CONNECT_TIMEOUT = 10  # seconds one connection to a database store may take before it is refused
 DATABASE_FIX = (
@@ -156,8 +162,10 @@ def tracking_errors(tracking_uri: str) -> Iterator[None]:
     try:
         yield
     except (MlflowException, requests.RequestException, ConnectionError) as exc:
-        text = str(getattr(exc, "message", exc)).strip() or type(exc).__name__
-        raise UserError(store_error(tracking_uri, text.splitlines()[0][:300])) from None
+        text = (str(getattr(exc, "message", exc)).strip() or type(exc).__name__).splitlines()[0][:300]
+        if getattr(exc, "error_code", None) in REFUSED_VALUE_CODES:  # the store answered: not a dead server
+            raise UserError(store_error(tracking_uri, text, REFUSED_VALUE_FIX)) from None
+        raise UserError(store_error(tracking_uri, text)) from None
     except OSError as exc:
         raise UserError(store_error(tracking_uri, _file_reason(exc), _file_fix(exc))) from None
     except Exception as exc:

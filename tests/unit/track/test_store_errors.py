@@ -44,3 +44,19 @@ def test_a_permission_error_in_the_store_is_not_a_disk_space_problem():
 def test_a_bug_inside_the_store_block_keeps_its_traceback():
     with pytest.raises(ZeroDivisionError), tracking_errors(URI):
         raise ZeroDivisionError("a bug")
+
+
+def test_a_value_mlflow_refuses_is_not_blamed_on_the_server(tmp_path):
+    """A real store refusing a logged model's name with a '.' answered "start the server or fix
+    mlflow.tracking_uri": the store was fine. Its refusal of a value says so, and names the value."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("names")
+    with pytest.raises(UserError) as caught, tracking_errors(uri):
+        client.create_logged_model(experiment, name="ties_d0.1_s0.5")
+    message = str(caught.value)
+    assert "Invalid model name ('ties_d0.1_s0.5')" in message
+    assert "the store is up and refused a value shardfuse sent it; fix the value it names" in message
+    assert "start the server" not in message
