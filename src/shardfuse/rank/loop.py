@@ -40,6 +40,11 @@ class StepResult(NamedTuple):
     compute_seconds: float  # in forward, loss and backward (DDP's all-reduce included), not the data
 
 
+def score_name(plan: StepPlan) -> str:
+    """The validation score's name in the progress line (``accuracy``, ``loss``...)."""
+    return plan.validator.task.score if plan.validator is not None else "score"
+
+
 def accumulate_gradients(
     setup: RankSetup,
     plan: StepPlan,
@@ -141,10 +146,7 @@ def train_loop(
         ShardReader(
             setup.shard_dir, setup.data_shard, seed=setup.rank_seed, cache=True, verify=True
         ) as reader,
-        gate.progress(
-            plan.clock_steps, initial_step=step, description=run,
-            score_name=plan.validator.task.score if plan.validator is not None else "score",
-        ) as progress,  # fmt: skip
+        gate.progress(plan.clock_steps, step, run, score_name(plan)) as progress,
     ):
         for epoch in range(position.epoch, cfg.loop.epochs):
             first = position.next_batch if epoch == position.epoch else 0
