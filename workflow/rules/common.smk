@@ -16,7 +16,10 @@ if SRC_DIR not in sys.path:
 # SHARDFUSE_ERRORS_AT_END: the onerror handler prints each failed job's one-line errors last, so a
 # stage run as a job does not echo them on the console as well (shardfuse.launch).
 # SHARDFUSE_QUIET: under --quiet the trainings do not echo their progress on the console (shardfuse.launch).
-_QUIET = {str(level).lower() for level in (getattr(workflow.output_settings, "quiet", None) or ())}
+_QUIET = {
+    str(level).lower()
+    for level in (getattr(workflow.output_settings, "quiet", None) or ())
+}
 shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
     "export SHARDFUSE_ERRORS_AT_END=1; "
