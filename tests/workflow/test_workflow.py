@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -131,6 +132,25 @@ def test_invalid_config_fails_before_any_job_with_one_clear_line(tmp_path):
     proc = snakemake(tmp_path, check=False)
     assert proc.returncode != 0
     assert "config error at runs[ddp].world_size: 0 is less than the minimum of 1" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_config_error_in_a_users_configfile_names_that_file_not_config_yaml(tmp_path):
+    """Snakemake reads the checkout's config/config.yaml, then --configfile over it."""
+    (tmp_path / "config").mkdir()
+    shutil.copy(REPO / "config" / "config.yaml", tmp_path / "config" / "config.yaml")
+    shutil.copy(REPO / "config" / "runs.tsv", tmp_path / "config" / "runs.tsv")
+    mine = tmp_path / "sweep.yaml"
+    mine.write_text("run_defaults:\n  lr: -0.1\n")
+    proc = subprocess.run(
+        [*snakemake_command(tmp_path, "-n", "--configfile", mine)],
+        capture_output=True, text=True, env=subprocess_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        f"config error at run_defaults.lr (in {mine}): -0.1 is less than or equal to the minimum of 0; "
+        f"fix it in {mine}"
+    ) in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
 
 

@@ -67,8 +67,16 @@ try:
         / "workflow"
         / "schemas"
         / "config.schema.yaml",
-        # Read again, refusing duplicate keys (Snakemake's loader keeps the last silently).
-        config_files=workflow.configfiles,
+        # Read again, refusing duplicate keys (Snakemake's loader keeps the last silently); in the
+        # order they override each other: the Snakefile's config/config.yaml, then each --configfile.
+        config_files=[
+            *(
+                f
+                for f in workflow.configfiles
+                if f not in workflow.overwrite_configfiles
+            ),
+            *workflow.overwrite_configfiles,
+        ],
     )
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None

@@ -5,6 +5,7 @@ job starts. The Snakefile calls :func:`load_experiment`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -97,8 +98,64 @@ def load_experiment(
     they are read again by :func:`read_config_file`, which refuses what Snakemake's loader lets
     through (a key written twice, whose first value YAML silently drops)."""
     environ = os.environ if environ is None else environ
-    for config_file in config_files:
-        read_config_file(config_file)
+    sources = [(str(path), read_config_file(path)) for path in config_files]
+    try:
+        return _load(config, schema_path, environ)
+    except ConfigError as exc:
+        raise ConfigError(name_the_source(str(exc), sources)) from None
+
+
+DEFAULT_CONFIG = "config/config.yaml"
+_LOCATION = re.compile(r"^config error at ([^:]+?)(: |$)")
+
+
+def _key_path(location: str) -> list[str]:
+    """``runs[r].lr`` -> ["runs", "r", "lr"]; ``datasets.d.seed`` -> ["datasets", "d", "seed"]."""
+    return [part for part in re.split(r"[.\[\]]+", location) if part]
+
+
+def _defines(config: Any, keys: list[str]) -> bool:
+    for key in keys:
+        if not isinstance(config, dict) or key not in config:
+            return False
+        config = config[key]
+    return True
+
+
+def source_of(location: str, sources: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """The config file the key at ``location`` came from: the last of ``sources`` (Snakemake's order:
+    the Snakefile's config/config.yaml, then each --configfile, each overriding the ones before) that
+    holds it, or the longest part of its path it holds (a run's key may come from run_defaults)."""
+    keys = _key_path(location)
+    wanted = [keys]  # whole keys first: a run's own key, then run_defaults' (its default)
+    if keys[:1] == ["runs"] and len(keys) > 2:
+        wanted.append(["run_defaults", *keys[2:]])
+    wanted += [keys[:length] for length in range(len(keys) - 1, 0, -1)]  # then the nearest parent
+    for candidate in wanted:
+        for path, config in reversed(sources):
+            if _defines(config, candidate):
+                return path
+    return None
+
+
+def name_the_source(message: str, sources: list[tuple[str, dict[str, Any]]]) -> str:
+    """A config error naming the file its key came from: its "fix it in config/config.yaml" points at
+    that file, and where the workflow read several files the location says which
+    (``config error at runs[r].lr (in FILE)``)."""
+    match = _LOCATION.match(message)
+    if match is None or not sources:
+        return message
+    path = source_of(match.group(1), sources)
+    if path is None:
+        return message
+    message = message.replace(f"fix it in {DEFAULT_CONFIG}", f"fix it in {path}")
+    if len(sources) == 1:
+        return message
+    return f"{message[: match.end(1)]} (in {path}){message[match.end(1) :]}"
+
+
+def _load(config: dict[str, Any], schema_path: str | os.PathLike, environ: Any) -> Experiment:
+    """:func:`load_experiment` once the files are read."""
     schema = load_schema(schema_path)
     config = with_defaults(config, schema)
     config_fix = "fix it in config/config.yaml (see config/README.md)"

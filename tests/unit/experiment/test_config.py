@@ -551,3 +551,38 @@ def test_a_hidden_layer_too_wide_to_build_is_refused_when_the_config_loads():
         ConfigError, match=r"runs\[r\]\.hidden_sizes\.1: 1000000000 is greater than the maximum of 65536"
     ):
         load_experiment(config, environ={})
+
+
+def test_a_config_error_names_the_file_its_key_came_from(tmp_path):
+    """Snakemake reads config/config.yaml, then each --configfile over it: an error said "fix it in
+    config/config.yaml" for a key of the user's own file. It names the file that set the key (a run's
+    key may come from run_defaults), and the location says which file when there are several."""
+    from shardfuse.experiment.load import name_the_source
+
+    default = ("config/config.yaml", {"run_defaults": {"lr": 0.05, "epochs": 10}, "mlflow": {"live": False}})
+    mine = ("/home/me/sweep.yaml", {"run_defaults": {"lr": -0.1}, "runs": {"r": {"epochs": 0}}})
+    both = [default, mine]
+    assert name_the_source(
+        "config error at run_defaults.lr: -0.1 is less than or equal to the minimum of 0; fix it in "
+        "config/config.yaml",
+        both,
+    ) == (
+        "config error at run_defaults.lr (in /home/me/sweep.yaml): -0.1 is less than or equal to the "
+        "minimum of 0; fix it in /home/me/sweep.yaml"
+    )
+    assert name_the_source("config error at runs[r].epochs: 0 is less than the minimum of 1; x", both) == (
+        "config error at runs[r].epochs (in /home/me/sweep.yaml): 0 is less than the minimum of 1; x"
+    )
+    assert name_the_source("config error at runs[q].lr: bad; x", both).startswith(
+        "config error at runs[q].lr (in /home/me/sweep.yaml): "  # the run's lr is run_defaults'
+    )
+    assert name_the_source("config error at mlflow.live: bad; fix it in config/config.yaml", both) == (
+        "config error at mlflow.live (in config/config.yaml): bad; fix it in config/config.yaml"
+    )
+    # One file, the user's (snakemake --configfile in a folder without config/config.yaml).
+    assert name_the_source("config error at runs[r].epochs: 0; fix it in config/config.yaml", [mine]) == (
+        "config error at runs[r].epochs: 0; fix it in /home/me/sweep.yaml"
+    )
+    assert name_the_source("config error at runs[r].epochs: 0; fix it in config/config.yaml", [default]) == (
+        "config error at runs[r].epochs: 0; fix it in config/config.yaml"
+    )
