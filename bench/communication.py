@@ -45,8 +45,11 @@ def run(example: Path, work_dir: Path) -> list[list[object]]:
 
 
 def rows_of(work_dir: Path) -> list[list[object]]:
-    """The table's rows from a finished experiment's results/ (summary, eval, merge, train records)."""
-    with open(work_dir / "results" / "summary.csv", newline="") as fh:
+    """The table's rows from a finished experiment's results/ (summary, eval, merge, train records); the
+    work dir holds one experiment, whose summary is under results/experiments/<experiment>/ unless it is
+    the default one."""
+    found = sorted((work_dir / "results").glob("experiments/*/summary.csv"))
+    with open(found[0] if found else work_dir / "results" / "summary.csv", newline="") as fh:
         summary = list(csv.DictReader(fh))
     rows = []
     for row in summary:

@@ -57,6 +57,6 @@ def test_a_failed_ddp_baseline_leaves_its_sibling_evaluated(tmp_path):
     dry = snakemake(tmp_path, "-n")
     assert planned_jobs(dry.stdout)["evaluate"] == 1  # the sibling's evaluation stands
     snakemake(tmp_path)
-    with open(tmp_path / "results/summary.csv", newline="") as fh:
+    with open(tmp_path / "results/experiments/baseline/summary.csv", newline="") as fh:
         rows = {row["run"]: row for row in csv.DictReader(fh)}
     assert rows["lm_soup"]["test_loss_ddp_baseline"] == rows["lm_ddp"]["test_loss_merged"] != ""

@@ -88,7 +88,7 @@ def test_ddp_on_the_union_is_scored_per_domain_too(workdir):
 
 
 def test_summary_and_mlflow_carry_the_per_domain_scores_and_ddp_on_the_union_leads(workdir):
-    with open(workdir / "results" / "summary.csv") as file:
+    with open(workdir / "results" / "experiments" / "domains" / "summary.csv") as file:
         rows = {row["run"]: row for row in csv.DictReader(file)}
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     experiment = client.get_experiment_by_name("domains")

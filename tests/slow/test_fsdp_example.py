@@ -33,7 +33,7 @@ def experiment(tmp_path_factory) -> Path:
 
 
 def test_every_strategy_trains_two_sharded_replicas_and_fuses_them(experiment):
-    with open(experiment / "results" / "summary.csv", newline="") as fh:
+    with open(experiment / "results" / "experiments" / "shardfuse-fsdp" / "summary.csv", newline="") as fh:
         rows = {row["run"]: row for row in csv.DictReader(fh)}
     assert {run: row["mode"] for run, row in rows.items()} == {
         "fsdp_hsdp": "ddp",

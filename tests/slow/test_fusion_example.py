@@ -15,7 +15,7 @@ def test_weight_matching_recovers_the_ranks_that_plain_averaging_loses(tmp_path)
     (line,) = [line for line in readme_block("examples-fusion").splitlines() if line.strip()]
     proc = run_in(checkout, shlex.split(line.split("#")[0]), timeout=1200)
     assert proc.returncode == 0, snakemake_failure(checkout, proc)
-    with open(checkout / "results" / "summary.csv", newline="") as fh:
+    with open(checkout / "results" / "experiments" / "shardfuse-align" / "summary.csv", newline="") as fh:
         rows = {row["run"]: row for row in csv.DictReader(fh)}
     plain, aligned = rows["own_uniform"], rows["own_aligned"]
     best = float(plain["test_accuracy_best_rank"])

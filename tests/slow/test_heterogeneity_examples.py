@@ -11,7 +11,7 @@ import matplotlib.image
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.support.helpers import checkout_copy, run_readme_examples
+from tests.support.helpers import checkout_copy, results_dir, run_readme_examples
 
 # Three whole experiments (24 runs, 21 trainings) in one fixture: about 4 min on 2 cores.
 pytestmark = pytest.mark.timeout(1800)
@@ -55,7 +55,9 @@ def test_label_skew_grows_as_alpha_falls_and_hurts_one_shot_fusion_most(examples
     independent = [number(rows[f"{alpha}_independent"], "test_accuracy_merged") for alpha in ("a100", "a0.1")]
     assert independent[1] < independent[0] - 0.1  # one-shot fusion falls with the skew
     assert number(rows["a0.1_diloco"], "test_accuracy_merged") > independent[1] + 0.1
-    figure = matplotlib.image.imread(examples["checkout"] / "results" / "plots" / "heterogeneity.png")
+    skew_dir = results_dir(examples["checkout"], "config/examples/label_skew.yaml")
+    assert skew_dir.name == "shardfuse-label-skew"  # each experiment its own figures
+    figure = matplotlib.image.imread(skew_dir / "plots" / "heterogeneity.png")
     assert figure.shape[0] > 300 and figure.shape[1] > 600
 
 

@@ -44,7 +44,7 @@ def example(tmp_path_factory) -> Path:
 
 
 def test_the_hf_example_trains_fuses_and_exports_every_run(example):
-    rows = summary(example)
+    rows = summary(example, "config/examples/hf_finetune.yaml")
     assert set(rows) == set(RUNS)
     base = float(rows["hf_ddp"]["test_loss_base"])
     assert all(float(rows[run]["test_loss_merged"]) < base for run in RUNS)  # fine-tuning helped
@@ -148,7 +148,7 @@ def lora_example(example) -> Path:
 
 
 def test_the_lora_example_fuses_per_shard_adapters_and_stores_factors_only(lora_example):
-    rows = summary(lora_example)
+    rows = summary(lora_example, "config/examples/hf_lora.yaml")
     assert set(rows) == set(LORA_RUNS)
     before = float(rows["lora_ddp"]["test_loss_base"])
     assert all(float(rows[run]["test_loss_merged"]) < before for run in LORA_RUNS)  # every one learned

@@ -131,7 +131,7 @@ def test_the_merged_test_loss_is_the_mean_over_completion_tokens_only(workdir, r
 
 
 def test_summary_carries_both_runs_with_bits_per_byte(workdir):
-    with open(workdir / "results" / "summary.csv") as file:
+    with open(workdir / "results" / "experiments" / "sft" / "summary.csv") as file:
         rows = {row["run"]: row for row in csv.DictReader(file)}
     assert set(rows) == {"sft_ddp", "sft_indep", "kinds_uniform"}
     for run in ("sft_ddp", "sft_indep"):

@@ -142,7 +142,7 @@ def test_every_task_trains_merges_and_evaluates_with_its_own_metrics(workdir, da
 
 
 def test_summary_has_each_tasks_columns(workdir):
-    with open(workdir / "results" / "summary.csv", newline="") as fh:
+    with open(workdir / "results" / "experiments" / "tasks" / "summary.csv", newline="") as fh:
         rows = {row["run"]: row for row in csv.DictReader(fh)}
     assert rows["iris_ddp"]["test_accuracy_merged"] and not rows["iris_ddp"]["test_mse_merged"]
     assert rows["multi_indep"]["test_mse_merged"] and rows["multi_indep"]["test_r2_merged"]

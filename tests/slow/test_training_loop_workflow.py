@@ -30,7 +30,9 @@ def experiment(tmp_path_factory) -> Path:
 
 
 def summary_rows(checkout: Path) -> dict[str, dict[str, str]]:
-    with open(checkout / "results" / "summary.csv", newline="") as fh:
+    with open(
+        checkout / "results" / "experiments" / "shardfuse-communication" / "summary.csv", newline=""
+    ) as fh:
         return {row["run"]: row for row in csv.DictReader(fh)}
 
 
@@ -87,7 +89,7 @@ def test_diloco_learns_as_well_as_ddp_with_a_sixteenth_of_the_bytes(experiment):
 def test_the_communication_plot_reaches_the_report_and_mlflow(experiment):
     from mlflow.tracking import MlflowClient
 
-    png = experiment / "results" / "plots" / "communication.png"
+    png = experiment / "results" / "experiments" / "shardfuse-communication" / "plots" / "communication.png"
     assert png.stat().st_size > 10_000
     client = MlflowClient(tracking_uri=f"sqlite:///{experiment}/mlflow.db")
     (experiment_id,) = [

@@ -267,8 +267,23 @@ def readme_block(marker: str) -> str:
     return match.group(1)
 
 
-def summary(checkout: Path) -> dict[str, dict[str, str]]:
-    with open(checkout / "results" / "summary.csv", newline="") as fh:
+def results_dir(checkout: Path, configfile: str | Path | None = None) -> Path:
+    """Where the experiment of ``configfile`` (a path in ``checkout``; None: the default experiment)
+    writes its summary and comparison plots: results/, or results/experiments/<experiment>/."""
+    from shardfuse.experiment.load import DEFAULT_EXPERIMENT, experiment_folder
+
+    if configfile is None:
+        return checkout / "results"
+    config = yaml.safe_load((checkout / configfile).read_text()) or {}
+    name = (config.get("mlflow") or {}).get("experiment", DEFAULT_EXPERIMENT)
+    return checkout / (
+        "results" if name == DEFAULT_EXPERIMENT else f"results/experiments/{experiment_folder(name)}"
+    )
+
+
+def summary(checkout: Path, configfile: str | Path | None = None) -> dict[str, dict[str, str]]:
+    """summary.csv's rows by run, of the experiment of ``configfile`` (:func:`results_dir`)."""
+    with open(results_dir(checkout, configfile) / "summary.csv", newline="") as fh:
         return {row["run"]: row for row in csv.DictReader(fh)}
 
 
@@ -292,7 +307,8 @@ def run_readme_examples(checkout: Path, marker: str) -> dict[str, dict[str, dict
         assert command[0] == "snakemake"
         proc = run_in(checkout, command)
         assert proc.returncode == 0, snakemake_failure(checkout, proc)
-        found[Path(command[-1]).stem] = summary(checkout)
+        configfile = command[command.index("--configfile") + 1] if "--configfile" in command else None
+        found[Path(command[-1]).stem] = summary(checkout, configfile)
     return found
 
 

@@ -49,7 +49,7 @@ def test_the_console_shows_each_trainings_progress_with_an_eta_and_the_log_keeps
 
 
 def test_full_run_writes_summary_row_per_run(workdir):
-    rows = list(csv.DictReader((workdir / "results" / "summary.csv").open()))
+    rows = list(csv.DictReader((workdir / "results" / "experiments" / "tiny" / "summary.csv").open()))
     assert [r["run"] for r in rows] == ["ddp", "independent", "independent_ties"]
     for row in rows:
         assert row["dataset"] == "digits" and row["world_size"] == "2"

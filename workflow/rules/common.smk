@@ -52,6 +52,7 @@ from shardfuse.experiment.keys import (  # noqa: E402
     train_config,
 )
 from shardfuse.experiment.load import (  # noqa: E402
+    check_run_folders,
     load_experiment,
     run_config_for_tracking,
 )
@@ -78,6 +79,7 @@ try:
             *workflow.overwrite_configfiles,
         ],
     )
+    check_run_folders(EXPERIMENT)
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
 
@@ -525,9 +527,10 @@ def summary_shard_dirs(wildcards):
 
 
 def heterogeneity_plot(wildcards):
-    """The merged score against label skew (results/plots/heterogeneity.png) when some run is not iid;
+    """The merged score against label skew (<results_dir>/plots/heterogeneity.png) when some run is not iid;
     nothing for an all-iid experiment, whose comparison keeps its command."""
-    return ["results/plots/heterogeneity.png"] if summary_shard_dirs(wildcards) else []
+    png = f"{EXPERIMENT.results_dir}/plots/heterogeneity.png"
+    return [png] if summary_shard_dirs(wildcards) else []
 
 
 def summary_runs_json(wildcards):

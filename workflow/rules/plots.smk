@@ -46,7 +46,7 @@ rule compare_merge_methods:
         summary=rules.summary.output.csv,
     output:
         png=report(
-            "results/plots/merge_methods.png",
+            f"{EXPERIMENT.results_dir}/plots/merge_methods.png",
             caption="../report/merge_methods.rst",
             category="Summary",
         ),
@@ -63,7 +63,7 @@ rule compare_communication:
         summary=rules.summary.output.csv,
     output:
         png=report(
-            "results/plots/communication.png",
+            f"{EXPERIMENT.results_dir}/plots/communication.png",
             caption="../report/communication.rst",
             category="Summary",
         ),
@@ -80,7 +80,7 @@ rule compare_heterogeneity:
         summary=rules.summary.output.csv,
     output:
         png=report(
-            "results/plots/heterogeneity.png",
+            f"{EXPERIMENT.results_dir}/plots/heterogeneity.png",
             caption="../report/heterogeneity.rst",
             category="Summary",
         ),

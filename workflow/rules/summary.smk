@@ -6,7 +6,7 @@ rule summary:
         shards=summary_shard_dirs,
     output:
         csv=report(
-            "results/summary.csv",
+            f"{EXPERIMENT.results_dir}/summary.csv",
             caption="../report/summary.rst",
             category="Summary",
         ),

@@ -35,7 +35,7 @@ rule track_comparison:
         summary=rules.summary.output.csv,
         records=rules.track.output.records,
     output:
-        record="results/plots/comparison.mlflow.json",
+        record=f"{EXPERIMENT.results_dir}/plots/comparison.mlflow.json",
     log:
         "logs/track/comparison.log",
     conda:

@@ -4,10 +4,13 @@ job starts. The Snakefile calls :func:`load_experiment`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shardfuse.data.sources.registry import find_source
@@ -47,6 +50,40 @@ from shardfuse.experiment.schema import (
 from shardfuse.models.tasks import spec_task_entry
 from shardfuse.strategies.registry import find_strategy, identity_keys
 
+DEFAULT_EXPERIMENT = "shardfuse"  # the schema's default mlflow.experiment (config/config.yaml's)
+
+
+def experiment_folder(name: str) -> str:
+    """The folder name of an MLflow experiment's outputs: the name itself when it is a run-like name
+    (letters, digits, '_', '.', '-'; ``shardfuse-disjoint``), else those characters with every other
+    one as '_' and 8 hex digits of the name's digest (``/Users/me/exp`` -> ``_Users_me_exp-1f3a...``),
+    so two names never share a folder."""
+    if RUN_NAME.fullmatch(name) and len(name) <= MAX_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[: MAX_NAME_LENGTH - 9]}-{digest}"
+
+
+def check_run_folders(experiment: Experiment, runs_dir: str | os.PathLike = "results/runs") -> None:
+    """A run's folder (``results/runs/<run>``) is shared by every experiment of the checkout: one that
+    another experiment tracked (its mlflow.json names that experiment) is refused before any job, as
+    re-running it here would replace that experiment's merged model and scores."""
+    for run in experiment.runs:
+        record = Path(runs_dir) / run / "mlflow.json"
+        if not record.is_file():
+            continue
+        try:
+            owner = json.loads(record.read_text(encoding="utf-8")).get("experiment_name")
+        except (OSError, ValueError, AttributeError):
+            continue  # the track stage says what is wrong with it
+        if isinstance(owner, str) and owner != experiment.mlflow_experiment:
+            raise ConfigError(
+                f"config error at runs[{run}]: {Path(runs_dir) / run} holds run {run!r} of experiment "
+                f"{owner!r} (its mlflow.json), and re-running it for experiment "
+                f"{experiment.mlflow_experiment!r} would replace that one's results; give the run another "
+                f"name here, or delete {Path(runs_dir) / run} to let this experiment have it"
+            )
+
 
 @dataclass(frozen=True)
 class Experiment:
@@ -59,6 +96,16 @@ class Experiment:
 
     def training(self, run: str) -> str:
         return training_name(self.runs[run])
+
+    @property
+    def results_dir(self) -> str:
+        """Where the experiment's own outputs go (summary.csv, plots/ with the comparison figures and
+        their MLflow record): ``results`` for the default experiment (``mlflow.experiment:
+        shardfuse``), ``results/experiments/<experiment>`` for every other, so a second configfile
+        run in the same checkout never replaces the first one's."""
+        if self.mlflow_experiment == DEFAULT_EXPERIMENT:
+            return "results"
+        return f"results/experiments/{experiment_folder(self.mlflow_experiment)}"
 
     @property
     def trainings(self) -> dict[str, dict[str, Any]]:
