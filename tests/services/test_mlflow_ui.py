@@ -205,3 +205,37 @@ def test_a_ranks_system_metrics_tab_charts_cpu_and_memory(page, populated, tmp_p
     text = page.inner_text("body")
     _screenshot(page, tmp_path, "system_metrics.png")
     assert "No system metrics" not in text
+
+
+def test_the_leaderboard_url_lands_on_the_parents_sorted_by_the_merged_score(browser, populated, tmp_path):
+    """`make ui` prints this URL (python -m shardfuse.track.leaderboard): the model-training view, parents
+    only, best merged score first, the fusion's score columns in view (a shared view: an experiment tag
+    the URL names, as MLflow's Share button writes one)."""
+    from mlflow.tracking import MlflowClient
+
+    from shardfuse.track.leaderboard import SHARED_VIEW_TAG, experiment_leaderboard
+
+    url = experiment_leaderboard(populated["uri"], EXPERIMENT, populated["uri"])
+    assert url == (
+        f"{populated['uri']}/#/experiments/{_experiment_id(populated)}/runs?workflowType=machine_learning"
+        "&viewStateShareKey=shardfuse-leaderboard"
+    )
+    tag = MlflowClient(populated["uri"]).get_experiment(_experiment_id(populated)).tags[SHARED_VIEW_TAG]
+    assert experiment_leaderboard(populated["uri"], EXPERIMENT, populated["uri"]) == url  # tag unchanged
+    page = browser.new_page(viewport={"width": 2600, "height": 1000})  # every column, beside the assistant
+    try:
+        page.goto(url, wait_until="domcontentloaded")
+        for run_name in RUNS:
+            page.get_by_role("link", name=run_name, exact=True).first.wait_for(timeout=60_000)
+        page.get_by_text("test_accuracy_best_rank", exact=True).first.wait_for(timeout=30_000)
+        text = page.inner_text("body")
+        _screenshot(page, tmp_path, "leaderboard.png")
+    finally:
+        page.close()
+    assert "You're viewing a shared view" in text and "Sort: test_accuracy_merged" in text
+    order = sorted(RUNS, key=lambda run: text.index(run))
+    assert order == sorted(RUNS, key=RUNS.get, reverse=True), order  # 0.8675, 0.8125, 0.7950
+    for column in ("test_accuracy_merged", "test_accuracy_best_rank", "fusion_gain"):
+        assert column in text and column in tag, column
+    assert "0.8675" in text  # the merged score in its column
+    assert "Comparison" not in text and "/live" not in text  # parents only
