@@ -79,11 +79,11 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/snakefmt Snakefile workflow/rules
 
-# The MLflow UI of the local store; first the URL of an experiment's leaderboard (shardfuse.track.leaderboard).
+# The MLflow UI of the local store; first the URL of an experiment's leaderboard (shardfuse.leaderboard).
 UI_PORT ?= 5000
 UI_EXPERIMENT ?= shardfuse
 ui: $(STAMP)
-	@printf 'leaderboard: %s\n' "$$($(BIN)/python -m shardfuse.track.leaderboard --tracking-uri sqlite:///mlflow.db \
+	@printf 'leaderboard: %s\n' "$$($(BIN)/python -m shardfuse.leaderboard --tracking-uri sqlite:///mlflow.db \
 		--experiment '$(UI_EXPERIMENT)' --ui http://127.0.0.1:$(UI_PORT))" || true
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port $(UI_PORT)
 

@@ -349,6 +349,14 @@ def case_collect_checkpoint_not_safetensors(tmp):
     return Case("collect", [*args, "--checkpoint", broken, "--out-dir", out], fragment, out)
 
 
+def case_leaderboard_store_is_a_directory(tmp):
+    store = tmp / "mlflow.db"
+    store.mkdir()  # a sqlite:/// URI naming a folder
+    uri = f"sqlite:///{store}"
+    fragment = f"cannot use tracking URI {uri} ({store} is a directory, not a database file)"
+    return Case("leaderboard", ["--tracking-uri", uri, "--experiment", "e"], fragment, None)
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 SUBPROCESS_CASES = {"record_not_utf8", "training_record_not_utf8"}
 

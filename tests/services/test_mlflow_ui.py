@@ -208,7 +208,7 @@ def test_a_ranks_system_metrics_tab_charts_cpu_and_memory(page, populated, tmp_p
 
 
 def test_the_leaderboard_url_lands_on_the_parents_sorted_by_the_merged_score(browser, populated, tmp_path):
-    """`make ui` prints this URL (python -m shardfuse.track.leaderboard): the model-training view, parents
+    """`make ui` prints this URL (python -m shardfuse.leaderboard): the model-training view, parents
     only, best merged score first, the fusion's score columns in view (a shared view: an experiment tag
     the URL names, as MLflow's Share button writes one)."""
     from mlflow.tracking import MlflowClient

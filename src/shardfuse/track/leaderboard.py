@@ -6,10 +6,10 @@ fusion-gain columns in view.
 MLflow 3.x keeps the search in the URL (``searchFilter``, ``orderByKey``, ``orderByAsc``) but the
 visible columns in the browser's storage; a shared view (its Share button) keeps both in an experiment
 tag ``mlflow.sharedViewState.<key>`` that the URL names (``viewStateShareKey``). This module writes
-that tag (:data:`SHARE_KEY`; again only when it would change) and prints the URL; ``make ui`` runs it
-before it starts the UI::
+that tag (:data:`SHARE_KEY`; again only when it would change); the stage :mod:`shardfuse.leaderboard`
+prints the URL, and ``make ui`` runs it before it starts the UI::
 
-    python -m shardfuse.track.leaderboard --tracking-uri sqlite:///mlflow.db --experiment shardfuse \\
+    python -m shardfuse.leaderboard --tracking-uri sqlite:///mlflow.db --experiment shardfuse \\
         --ui http://127.0.0.1:5000
     # http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning&searchFilter=...
 """
@@ -19,9 +19,8 @@ from __future__ import annotations
 import json
 import urllib.parse
 
-from shardfuse.console.errors import run_cli
-from shardfuse.io import StageParser, UserError
-from shardfuse.track.client import tracking_client, tracking_errors
+from shardfuse.io import UserError
+from shardfuse.track.client import tracking_client, tracking_errors, writer_lock
 from shardfuse.track.plan import COMPLETE_TAG
 
 PARENTS_ONLY = f"tags.`{COMPLETE_TAG}` = 'true'"
@@ -83,7 +82,7 @@ def score_of(metric_keys: set[str]) -> tuple[str, bool]:
 
 def experiment_leaderboard(tracking_uri: str, experiment: str, ui: str) -> str:
     """The leaderboard URL of ``experiment`` in the store at ``tracking_uri``, served at ``ui``."""
-    with tracking_errors(tracking_uri):
+    with tracking_errors(tracking_uri), writer_lock(tracking_uri):  # it writes a tag, as track does
         client = tracking_client(tracking_uri)
         found = client.get_experiment_by_name(experiment)
         if found is None:
@@ -97,16 +96,3 @@ def experiment_leaderboard(tracking_uri: str, experiment: str, ui: str) -> str:
         if found.tags.get(SHARED_VIEW_TAG) != state:
             client.set_experiment_tag(found.experiment_id, SHARED_VIEW_TAG, state)
     return leaderboard_url(ui, found.experiment_id, metric, ascending)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = StageParser(prog="python -m shardfuse.track.leaderboard", description=__doc__.splitlines()[0])
-    parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="the store (%(default)s)")
-    parser.add_argument("--experiment", default="shardfuse", help="mlflow.experiment (%(default)s)")
-    parser.add_argument("--ui", default="http://127.0.0.1:5000", help="where the UI is served (%(default)s)")
-    args = parser.parse_args(argv)
-    print(experiment_leaderboard(args.tracking_uri, args.experiment, args.ui))
-
-
-if __name__ == "__main__":
-    run_cli(main)

@@ -1,4 +1,4 @@
-"""The leaderboard URL `make ui` prints (shardfuse.track.leaderboard): the score a parent carries picks
+"""The leaderboard URL `make ui` prints (shardfuse.leaderboard): the score a parent carries picks
 the sort and the columns; the shared view is written to the experiment once; a missing experiment is
 one line (the browser test in tests/services/test_mlflow_ui.py opens the URL)."""
 
@@ -42,7 +42,7 @@ def test_the_shared_view_is_written_once_and_a_missing_experiment_is_one_line(tm
     assert state["orderByKey"] == "metrics.`test_r2_merged`" and state["orderByAsc"] is False
     assert state["searchFilter"] == "tags.`shardfuse.complete` = 'true'"
     proc = subprocess.run(
-        [sys.executable, "-m", "shardfuse.track.leaderboard", "--tracking-uri", uri, "--experiment", "nope"],
+        [sys.executable, "-m", "shardfuse.leaderboard", "--tracking-uri", uri, "--experiment", "nope"],
         capture_output=True, text=True, env=subprocess_env(), timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
