@@ -69,6 +69,38 @@ def _log_table(client, run_id: str, table: dict[str, list]) -> None:
         client.set_tag(run_id, LOGGED_ARTIFACTS_TAG, json.dumps(logged))
 
 
+NOTE_TAG = "mlflow.note.content"  # an experiment's description, shown at the top of its page
+NOTE_MARK = "<!-- shardfuse: the comparison stage writes this description -->"
+
+
+def experiment_note(experiment_id: str, run_id: str, pngs: list[Path]) -> str:
+    """The experiment's description: on its first line (what the page shows folded), a link to each
+    comparison figure in the first parent's artifacts, so the figures across runs are one click from
+    the experiment page."""
+    links = " · ".join(
+        f"[{png.name}](#/experiments/{experiment_id}/runs/{run_id}/artifacts/{ARTIFACT_PATH}/{png.name})"
+        for png in pngs
+    )
+    return (
+        f"**Across runs:** {links}\n\n{NOTE_MARK}\nWritten by shardfuse's comparison stage; every parent run "
+        f"holds these figures under `{ARTIFACT_PATH}/`, and `make ui` prints the leaderboard's URL.\n"
+    )
+
+
+def describe_experiments(client, records: list[dict], pngs: list[Path]) -> None:
+    """Write :func:`experiment_note` as each records' experiment's description, unless the experiment
+    has a description of its own (one not written here): that one is never replaced."""
+    first: dict[str, str] = {}
+    for record in records:
+        if isinstance(record.get("experiment_id"), str):
+            first.setdefault(record["experiment_id"], record["parent_run_id"])
+    for experiment_id, run_id in first.items():
+        note = experiment_note(experiment_id, run_id, pngs)
+        have = client.get_experiment(experiment_id).tags.get(NOTE_TAG)
+        if have != note and (have is None or NOTE_MARK in have):
+            client.set_experiment_tag(experiment_id, NOTE_TAG, note)
+
+
 def attach(pngs: list[Path], records: list[Path], summary: Path | None = None) -> dict:
     """Log every PNG (and the summary table) to every record's parent run; return what ``--out`` records."""
     for png in pngs:
@@ -97,6 +129,7 @@ def attach(pngs: list[Path], records: list[Path], summary: Path | None = None) -
                 if table is not None:
                     _log_table(client, record["parent_run_id"], table)
                 attached[record["parent_run_id"]] = uri
+            describe_experiments(client, entries, pngs)
     artifacts = [f"{ARTIFACT_PATH}/{png.name}" for png in pngs] + [png.name for png in pngs]
     return {
         "pngs": [str(png) for png in pngs],

@@ -239,3 +239,28 @@ def test_the_leaderboard_url_lands_on_the_parents_sorted_by_the_merged_score(bro
         assert column in text and column in tag, column
     assert "0.8675" in text  # the merged score in its column
     assert "Comparison" not in text and "/live" not in text  # parents only
+
+
+def test_the_comparison_figures_are_one_click_from_the_experiment_page(browser, populated, tmp_path):
+    """The comparison stage writes the experiment's description: on its first line (shown folded), a
+    link to each figure across runs; one click opens it (in a new tab, as MLflow opens description links)."""
+    page = browser.new_page(viewport={"width": 2000, "height": 1200})
+    try:
+        page.goto(
+            f"{populated['uri']}/#/experiments/{_experiment_id(populated)}/runs?{ML_VIEW}",
+            wait_until="domcontentloaded",
+        )
+        link = page.get_by_role("link", name="merge_methods.png").first
+        link.wait_for(timeout=60_000)
+        assert "Across runs:" in page.inner_text("body")
+        _screenshot(page, tmp_path, "experiment-note.png")
+        with page.context.expect_page() as opened:
+            link.click()
+        figure = opened.value
+        figure.get_by_text("merge_methods.png", exact=True).first.wait_for(timeout=60_000)
+        figure.locator("img[src^='blob:']").first.wait_for(timeout=60_000)  # the PNG, fetched and shown
+        _screenshot(figure, tmp_path, "experiment-note-figure.png")
+        assert figure.url.endswith("/artifacts/comparison/merge_methods.png")
+        figure.close()
+    finally:
+        page.close()

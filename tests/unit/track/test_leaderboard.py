@@ -48,3 +48,31 @@ def test_the_shared_view_is_written_once_and_a_missing_experiment_is_one_line(tm
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
     assert f"experiment 'nope' is not in {uri}; run the workflow first" in line
+
+
+def test_the_experiment_description_links_the_figures_and_never_replaces_the_users_own(tmp_path):
+    """The comparison stage's description (the figures one click from the experiment page) is written
+    where there is none or it wrote the one there; a description of the user's own is left as it is."""
+    from pathlib import Path
+
+    from shardfuse.comparison import NOTE_TAG, describe_experiments
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    ours, theirs = client.create_experiment("ours"), client.create_experiment("theirs")
+    client.set_experiment_tag(theirs, NOTE_TAG, "My ablation of TIES densities.")
+    records = [
+        {"experiment_id": ours, "parent_run_id": "p1"},
+        {"experiment_id": theirs, "parent_run_id": "p2"},
+    ]
+    pngs = [Path("merge_methods.png"), Path("communication.png")]
+    describe_experiments(client, records, pngs)
+    note = client.get_experiment(ours).tags[NOTE_TAG]
+    artifacts = f"#/experiments/{ours}/runs/p1/artifacts/comparison"
+    assert note.startswith(
+        f"**Across runs:** [merge_methods.png]({artifacts}/merge_methods.png)"
+        f" · [communication.png]({artifacts}/communication.png)\n"
+    )
+    assert client.get_experiment(theirs).tags[NOTE_TAG] == "My ablation of TIES densities."
+    describe_experiments(client, [{"experiment_id": ours, "parent_run_id": "p9"}], pngs[:1])
+    assert "/runs/p9/" in client.get_experiment(ours).tags[NOTE_TAG]  # ours: written again
