@@ -586,3 +586,5 @@ def test_a_config_error_names_the_file_its_key_came_from(tmp_path):
     assert name_the_source("config error at runs[r].epochs: 0; fix it in config/config.yaml", [default]) == (
         "config error at runs[r].epochs: 0; fix it in config/config.yaml"
     )
+    table = "config error at runs[r].epochs: 0 is less than the minimum of 1; fix that cell in my_runs.tsv"
+    assert name_the_source(table, both) == table  # the runs table is the file, and it is named
