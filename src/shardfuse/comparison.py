@@ -12,7 +12,9 @@ by side; ``communication.png``: merged score vs bytes all-reduced per rank), the
 root (MLflow's Compare view lists top-level artifacts only, so there they show side by side), and with
 ``--summary`` the table of all runs as ``comparison_table.json`` (MLflow's table artifact: summary.csv's
 columns, one row per run; the artifact view shows it as a table). Re-logging replaces those files, so
-re-runs never duplicate them, and the views across runs are one click away from any run.
+re-runs never duplicate them, and the views across runs are one click away from any run. The
+experiment's description (shown above its runs table) gets a link to each figure, so they are one click
+from the experiment page too; a description the user wrote is never replaced (:func:`describe_experiments`).
 """
 
 from __future__ import annotations
