@@ -270,15 +270,12 @@ def readme_block(marker: str) -> str:
 def results_dir(checkout: Path, configfile: str | Path | None = None) -> Path:
     """Where the experiment of ``configfile`` (a path in ``checkout``; None: the default experiment)
     writes its summary and comparison plots: results/, or results/experiments/<experiment>/."""
-    from shardfuse.experiment.load import DEFAULT_EXPERIMENT, experiment_folder
+    from shardfuse.experiment.load import DEFAULT_EXPERIMENT, results_dir_of
 
     if configfile is None:
         return checkout / "results"
     config = yaml.safe_load((checkout / configfile).read_text()) or {}
-    name = (config.get("mlflow") or {}).get("experiment", DEFAULT_EXPERIMENT)
-    return checkout / (
-        "results" if name == DEFAULT_EXPERIMENT else f"results/experiments/{experiment_folder(name)}"
-    )
+    return checkout / results_dir_of((config.get("mlflow") or {}).get("experiment", DEFAULT_EXPERIMENT))
 
 
 def summary(checkout: Path, configfile: str | Path | None = None) -> dict[str, dict[str, str]]:

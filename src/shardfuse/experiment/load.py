@@ -64,6 +64,13 @@ def experiment_folder(name: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[: MAX_NAME_LENGTH - 9]}-{digest}"
 
 
+def results_dir_of(experiment: str) -> str:
+    """``results`` for the default experiment, ``results/experiments/<folder>`` for every other."""
+    if experiment == DEFAULT_EXPERIMENT:
+        return "results"
+    return f"results/experiments/{experiment_folder(experiment)}"
+
+
 def check_run_folders(experiment: Experiment, runs_dir: str | os.PathLike = "results/runs") -> None:
     """A run's folder (``results/runs/<run>``) is shared by every experiment of the checkout: one that
     another experiment tracked (its mlflow.json names that experiment) is refused before any job, as
@@ -103,9 +110,7 @@ class Experiment:
         their MLflow record): ``results`` for the default experiment (``mlflow.experiment:
         shardfuse``), ``results/experiments/<experiment>`` for every other, so a second configfile
         run in the same checkout never replaces the first one's."""
-        if self.mlflow_experiment == DEFAULT_EXPERIMENT:
-            return "results"
-        return f"results/experiments/{experiment_folder(self.mlflow_experiment)}"
+        return results_dir_of(self.mlflow_experiment)
 
     @property
     def trainings(self) -> dict[str, dict[str, Any]]:

@@ -193,10 +193,11 @@ class Progress:
         """A console line every CONSOLE_SECONDS and at the last step; a console that went away (the
         workflow was stopped) is dropped, never the training."""
         last = step >= self.total_steps and step != self._last_console_step
-        if not last and self.clock() < self._next_console:
+        now = self.clock()
+        if not last and now < self._next_console:
             return
         self._last_console_step = step
-        self._next_console = self.clock() + CONSOLE_SECONDS
+        self._next_console = now + CONSOLE_SECONDS
         try:
             print(self.line(), file=self.console, flush=True)
         except (OSError, ValueError):
