@@ -42,8 +42,10 @@ onstart:
     fail_train_jobs_larger_than_their_partition()
 
 
-# A failed job's own one-line error (in its log) is the last thing printed (shardfuse.io).
+# Runs that failed leave the others reported: the summary, figures and MLflow (README "When a run
+# fails"); then each failed job's own one-line error (in its log) is the last thing printed.
 onerror:
+    report_finished_runs()
     print_failed_job_errors(log)
 
 

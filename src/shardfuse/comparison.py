@@ -15,6 +15,10 @@ columns, one row per run; the artifact view shows it as a table). Re-logging rep
 re-runs never duplicate them, and the views across runs are one click away from any run. The
 experiment's description (shown above its runs table) gets a link to each figure, so they are one click
 from the experiment page too; a description the user wrote is never replaced (:func:`describe_experiments`).
+
+The records of runs that failed in the workflow (``--failed-runs FILE``, or the file
+``SHARDFUSE_FAILED_RUNS`` names; a record ``<run>/mlflow.json`` is its folder's run) are left out: those
+runs were not tracked (:mod:`shardfuse.experiment.outcome`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import csv
 from pathlib import Path
 
 from shardfuse.console.errors import exit_now, run_cli
+from shardfuse.experiment.outcome import failed_runs
 from shardfuse.io import StageParser, UserError, read_json, write_json
 from shardfuse.track.client import tracking_client, tracking_errors, writer_lock
 
@@ -146,8 +151,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--records", type=Path, nargs="+", required=True, help="each run's mlflow.json")
     parser.add_argument("--summary", type=Path, help="summary.csv: logged as the table of all runs")
     parser.add_argument("--out", type=Path, required=True, help="JSON record of what was attached")
+    parser.add_argument(
+        "--failed-runs",
+        type=Path,
+        help="JSON {run: one-line error} of runs that failed in the workflow "
+        "(default: the file $SHARDFUSE_FAILED_RUNS names, if set): their records are left out",
+    )
     args = parser.parse_args(argv)
-    write_json(args.out, attach(args.png, args.records, args.summary))
+    failed = failed_runs(args.failed_runs)
+    records = [path for path in args.records if path.parent.name not in failed]
+    write_json(args.out, attach(args.png, records, args.summary))
 
 
 if __name__ == "__main__":

@@ -65,10 +65,10 @@ from shardfuse.cluster.torchrun import (
 )
 from shardfuse.console.errors import error_line, run_cli, user_error_message
 from shardfuse.console.failures import stage_errors
+from shardfuse.console.stream import CONSOLE_FD_ENV, QUIET_ENV, console_fd, console_token
 from shardfuse.io import Interrupted, StageParser, UserError, error_reason, replace_dir, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, failure_message
-from shardfuse.rank.progress import CONSOLE_FD_ENV, QUIET_ENV, console_fd, console_token
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
 
 REQUEUE_WAIT_SECONDS = 120

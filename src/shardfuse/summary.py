@@ -35,6 +35,10 @@ Runs of non-iid shard sets then add their scores on each rank's local test distr
 :mod:`shardfuse.scoring.local`): :data:`LOCAL_COLUMNS` of their score (``local_accuracy_merged_mean``,
 ``local_accuracy_merged_worst``, ``normalized_accuracy``). Only when a run has them: a summary of iid
 runs keeps its header; other runs leave those cells empty.
+
+A run that failed in the workflow (``--failed-runs FILE``, or the file ``SHARDFUSE_FAILED_RUNS`` names:
+{run: its one-line error}; :mod:`shardfuse.experiment.outcome`) gets a row of its config's cells and an
+``error`` column, appended last when some run failed; it reads none of the run's files.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import Any
 
 from shardfuse.console.errors import run_cli
 from shardfuse.data.heterogeneity import shard_metrics
+from shardfuse.experiment.outcome import failed_runs
 from shardfuse.experiment.records import EvalRecord, MergeRecord, TrainRecord
 from shardfuse.io import StageParser, UserError, atomic_path, parse_json_arg, read_json
 from shardfuse.models import tasks
@@ -89,6 +94,7 @@ LOCAL_COLUMNS = (
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
 # Appended last where runs name their manifests (some run of the experiment is not iid).
 HETEROGENEITY_COLUMNS = ("shard_label_jsd_mean", "shard_label_jsd_max", "shard_rows_cv")
+ERROR = "error"  # appended last when some run failed: its one-line error (empty for the others)
 ACCURACY = "accuracy"  # the score of the header every summary had before tasks (COLUMNS)
 
 
@@ -159,11 +165,15 @@ def heterogeneity_cells(cfg: dict[str, Any]) -> dict[str, Any]:
     return {column: shard_metrics(manifest).get(column, "") for column in HETEROGENEITY_COLUMNS}
 
 
-def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path) -> dict[str, Any]:
-    """The run's cells by column name, plus ``task`` (a column only when tasks mix)."""
+def summary_row(
+    run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Path, failed: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The run's cells by column name, plus ``task`` (a column only when tasks mix); a ddp baseline
+    among the ``failed`` runs leaves its cells empty."""
     eval_path = run_dir / "eval.json"
     baseline = cfg.get("ddp_baseline")  # the ddp run trained alike (not this run itself)
-    baseline_path = run_dir.parent / baseline / "eval.json" if baseline and baseline != run else None
+    has_baseline = baseline and baseline != run and baseline not in failed
+    baseline_path = run_dir.parent / baseline / "eval.json" if has_baseline else None
     evaluation = EvalRecord.read_with_baseline(eval_path, baseline_path)
     task = evaluation_task(evaluation, eval_path)
     score = task.score
@@ -208,6 +218,12 @@ def summary_row(run: str, cfg: dict[str, Any], run_dir: Path, trainings_dir: Pat
     }
 
 
+def failed_row(run: str, cfg: dict[str, Any], error: str) -> dict[str, Any]:
+    """A failed run's row: what its config says, and its error (its files are not read)."""
+    keys = ("training", "dataset", "world_size", "strategy", "sync_every")
+    return {"run": run, **{key: cfg[key] for key in keys}, ERROR: error}
+
+
 def local_cells(local: dict[str, float], score: str) -> dict[str, float]:
     """The run's :data:`LOCAL_COLUMNS` that its eval.json has (none for a run of an iid shard set)."""
     names = (template.format(score=score) for template in LOCAL_COLUMNS)
@@ -215,14 +231,26 @@ def local_cells(local: dict[str, float], score: str) -> dict[str, float]:
 
 
 def write_summary(
-    runs: dict[str, dict[str, Any]], results_dir: Path, trainings_dir: Path, out: Path
+    runs: dict[str, dict[str, Any]],
+    results_dir: Path,
+    trainings_dir: Path,
+    out: Path,
+    failed: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    rows = [summary_row(run, cfg, results_dir / run, trainings_dir) for run, cfg in runs.items()]
-    columns = summary_columns(row["task"] for row in rows)
+    failed = failed or {}
+    rows = [
+        failed_row(run, cfg, failed[run])
+        if run in failed
+        else summary_row(run, cfg, results_dir / run, trainings_dir, failed)
+        for run, cfg in runs.items()
+    ]
+    columns = summary_columns(row["task"] for row in rows if ERROR not in row)
     if any("manifest" in cfg for cfg in runs.values()):
         columns = (*columns, *HETEROGENEITY_COLUMNS)
     local = [key for row in rows for key in row if key.startswith(EvalRecord.LOCAL_PREFIXES)]
     columns = (*columns, *dict.fromkeys(local))
+    if any(run in failed for run in runs):
+        columns = (*columns, ERROR)
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:
         # restval: a run leaves other tasks' columns empty; ignore: "task" when it is no column.
         writer = csv.DictWriter(fh, fieldnames=columns, restval="", extrasaction="ignore")
@@ -239,10 +267,19 @@ def main(argv: list[str] | None = None) -> None:
         "--trainings-dir", type=Path, default=Path("results/trainings"), help="default: %(default)s"
     )
     parser.add_argument("--out", type=Path, required=True, help="CSV to write")
+    parser.add_argument(
+        "--failed-runs",
+        type=Path,
+        help="JSON {run: one-line error} of runs that failed (default: the file "
+        "$SHARDFUSE_FAILED_RUNS names, if set): rows with their error",
+    )
     args = parser.parse_args(argv)
     runs = checked_runs(parse_json_arg(args.runs_json, "--runs-json"))
-    rows = write_summary(runs, args.results_dir, args.trainings_dir, args.out)
+    rows = write_summary(runs, args.results_dir, args.trainings_dir, args.out, failed_runs(args.failed_runs))
     for row in rows:
+        if ERROR in row:
+            print(f"{row['run']:>20}  failed: {row[ERROR]}")
+            continue
         score = task_for(row["task"]).score
         print(
             f"{row['run']:>20}  merged {score} {row[f'test_{score}_merged']:.4f}  best rank "

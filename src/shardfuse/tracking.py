@@ -12,6 +12,10 @@ The workflow's one ``track`` job pushes every run in one process (one import of 
 connection; unchanged runs cost a search each): ``--runs-json '[{"run": NAME, "run_dir": ...,
 "manifest": ..., "config": {...}, "out": ...}, ...]'`` instead of the single-run flags.
 
+A run named in ``--failed-runs FILE`` (or the file ``SHARDFUSE_FAILED_RUNS`` names: {run: its one-line
+error}, written by the workflow when runs failed; :mod:`shardfuse.experiment.outcome`) is not pushed: its
+parent run is marked FAILED with the error (:mod:`shardfuse.track.failed`) and no ``--out`` is written.
+
 Each run is one :func:`shardfuse.track.sync.track_run`: what a run looks like in MLflow (a parent run
 and a child per rank) is described there, and how a push of a run MLflow already holds is a sync
 (unchanged, updated or replaced) in :mod:`shardfuse.track.plan`. The stage imports no torch: the model
@@ -26,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from shardfuse.console.errors import error_line, exit_now, run_cli, user_error_message, write_line
+from shardfuse.experiment.outcome import failed_runs
 from shardfuse.io import StageParser, UserError, check_content_name, parse_json_arg, read_json, write_json
+from shardfuse.track.failed import record_failed_run
 from shardfuse.track.sync import track_run
+from shardfuse.track.ui import source_tags
 
 # The per-run options of --runs-json (each entry): the single-run flags without their dashes.
 RUN_FIELDS = (
@@ -84,13 +91,34 @@ def track_and_record(entry: dict[str, Any], args) -> None:
     )
 
 
-def track_all(entries: list[dict[str, Any]], args) -> None:
+def mark_failed(entry: dict[str, Any], error: str, args) -> None:
+    """A run that failed in the workflow: its FAILED parent run, and one line on stderr."""
+    source = source_tags(args.snakefile)
+    marked = record_failed_run(
+        args.tracking_uri, args.experiment, entry["run"], entry["config"], error, source
+    )
+    print(
+        f"shardfuse.tracking: {marked.action} FAILED parent run {marked.parent_run_id} of {entry['run']} "
+        f"in experiment '{args.experiment}' ({error})",
+        file=sys.stderr,
+    )
+
+
+def track_all(entries: list[dict[str, Any]], args, failed_in_workflow: dict[str, str] | None = None) -> None:
     """Sync every run in one process (one import of MLflow, one store connection): a run that fails
-    is one error line naming it, and the others are still pushed; then one error if any failed."""
+    is one error line naming it, and the others are still pushed; then one error if any failed. A run
+    that failed in the workflow (``failed_in_workflow``: {run: error}) gets its FAILED parent instead."""
+    failed_in_workflow = failed_in_workflow or {}
     failed = []
     for entry in entries:
         try:
-            track_and_record(entry, args)
+            baseline = entry.get("ddp_baseline")
+            if entry["run"] in failed_in_workflow:
+                mark_failed(entry, failed_in_workflow[entry["run"]], args)
+            elif baseline and Path(baseline).parent.name in failed_in_workflow:  # <run>/eval.json
+                track_and_record({**entry, "ddp_baseline": None}, args)  # evaluated without it
+            else:
+                track_and_record(entry, args)
         except Exception as exc:
             # a UserError, or a broken file or store (shardfuse.console.errors.foreign_error)
             message = user_error_message(exc)
@@ -137,7 +165,14 @@ def main(argv: list[str] | None = None) -> None:
         "--snakefile", type=Path, help="the workflow's Snakefile, the runs' Source (default: ./Snakefile)"
     )
     parser.add_argument("--out", type=Path, help="where to write the run ids (JSON)")
+    parser.add_argument(
+        "--failed-runs",
+        type=Path,
+        help="JSON {run: one-line error} of runs that failed in the workflow "
+        "(default: the file $SHARDFUSE_FAILED_RUNS names, if set): marked FAILED, not pushed",
+    )
     args = parser.parse_args(argv)
+    failed_in_workflow = failed_runs(args.failed_runs)
     single = {"--run": args.run, "--run-dir": args.run_dir, "--manifest": args.manifest}
     single |= {"--config-json": args.config_json, "--out": args.out}
     if args.runs_json is not None:
@@ -146,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(
                 f"--runs-json replaces {', '.join(given)}; give either --runs-json or one run's flags"
             )
-        track_all(runs_from_json(args.runs_json), args)
+        track_all(runs_from_json(args.runs_json), args, failed_in_workflow)
         return
     missing = [flag for flag, value in single.items() if value is None]
     if missing:
@@ -160,7 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         "train_dir": args.train_dir, "gather": args.gather, "plots_dir": args.plots_dir,
         "ddp_baseline": args.ddp_baseline, "hf_dir": args.hf_dir, "adapter_dir": args.adapter_dir,
     }  # fmt: skip
-    track_and_record(entry, args)
+    if args.run in failed_in_workflow:
+        mark_failed(entry, failed_in_workflow[args.run], args)
+    else:
+        track_and_record(entry, args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 # Wiring only: config validation, the run table, wildcard constraints and named input functions.
 import json
+import os
 import re
 import shlex
 import sys
@@ -16,6 +17,8 @@ if SRC_DIR not in sys.path:
 # SHARDFUSE_ERRORS_AT_END: the onerror handler prints each failed job's one-line errors last, so a
 # stage run as a job does not echo them on the console as well (shardfuse.launch).
 # SHARDFUSE_QUIET: under --quiet the trainings do not echo their progress on the console (shardfuse.launch).
+# SHARDFUSE_CONSOLE_FD: descriptor 9 is the job's console (its stderr before the rule sends it to the
+# log), named with its device and inode: long stages print how far they are there (shardfuse.console.progress).
 _QUIET = {
     str(level).lower()
     for level in (getattr(workflow.output_settings, "quiet", None) or ())
@@ -23,7 +26,11 @@ _QUIET = {
 shell.prefix(
     f"set -euo pipefail; export PYTHONPATH={shlex.quote(SRC_DIR)}${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
     "export SHARDFUSE_ERRORS_AT_END=1; "
-    + ("export SHARDFUSE_QUIET=1; " if _QUIET & {"all", "progress"} else "")
+    + (
+        "export SHARDFUSE_QUIET=1; "
+        if _QUIET & {"all", "progress"}
+        else 'exec 9>&2; export SHARDFUSE_CONSOLE_FD="9:$(stat -L -c %d:%i /dev/fd/9 2>/dev/null)"; '
+    )
 )
 
 from shardfuse.checkpoints.init_weights import weight_files  # noqa: E402
@@ -128,6 +135,101 @@ def print_failed_job_errors(snakemake_logs):
         logs = [log for _, job_logs in failed_jobs(Path(path)) for log in job_logs]
         for line in baseline_warnings(logs, baselines):
             print(line, file=sys.stderr)
+
+
+def _failed_upstream(job, failed_jobs):
+    """The failed jobs among ``job`` and everything it depends on, nearest first."""
+    seen, queue, found = {job}, [job], []
+    while queue:
+        current = queue.pop(0)
+        if current in failed_jobs:
+            found.append(current)
+        for dependency in workflow.dag.dependencies[current]:
+            if dependency not in seen:
+                seen.add(dependency)
+                queue.append(dependency)
+    return found
+
+
+def _failure_of(job):
+    from shardfuse.console.failures import stage_errors
+    from shardfuse.experiment.outcome import failure_line
+
+    logs = [Path(log) for log in job.log]
+    return failure_line(
+        job.rule.name, logs, [error for log in logs for error in stage_errors(log)]
+    )
+
+
+def report_finished_runs():
+    """onerror: when runs failed, run the report's jobs (summary, figures, MLflow) for the runs that
+    finished, the failed ones marked (shardfuse.experiment.outcome); not after Ctrl-C or a failed
+    report job. Each prints a line; a report job that fails says so and ends the report.
+    """
+    from subprocess import CalledProcessError
+
+    from snakemake.shell import shell as run_shell
+
+    from shardfuse.experiment.outcome import (
+        FAILED_RUNS_ENV,
+        NEED_FINISHED,
+        REPORT_RULES,
+        date_partial,
+        report_line,
+        write_failed_runs,
+    )
+
+    scheduler = getattr(workflow, "scheduler", None)
+    failed_jobs = set(getattr(scheduler, "failed", None) or ())
+    if not failed_jobs or getattr(scheduler, "_user_kill", None):
+        return
+    dag = workflow.dag
+    pending = {
+        job.rule.name: job
+        for job in dag.needrun_jobs()
+        if job.rule.name in REPORT_RULES
+    }
+    if "summary" not in pending or any(
+        job.rule.name in REPORT_RULES for job in failed_jobs
+    ):
+        return
+    evaluations = {
+        job.wildcards.run: job for job in dag.jobs if job.rule.name == "evaluate"
+    }
+    finished, failed = [], {}
+    for run in RUNS:
+        if dag.noneedrun_finished(evaluations[run]):
+            finished.append(run)
+        else:
+            upstream = _failed_upstream(evaluations[run], failed_jobs)
+            failed[run] = (
+                _failure_of(upstream[0])
+                if upstream
+                else "not run: a job it needs failed"
+            )
+    path = write_failed_runs(Path(".snakemake/shardfuse/failed-runs.json"), failed)
+    os.environ[FAILED_RUNS_ENV] = str(path.resolve())
+    try:
+        for name in REPORT_RULES:
+            job = pending.get(name)
+            if job is None or (name in NEED_FINISHED and not finished):
+                continue
+            for made in (*job.output, *job.log):
+                Path(made).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                # The command is formatted already: shell() formats it again, so its braces are escaped.
+                run_shell(job.shellcmd.replace("{", "{{").replace("}", "}}"))
+            except CalledProcessError:
+                print(
+                    f"shardfuse: the report's {name} job failed too; see {', '.join(job.log)}",
+                    file=sys.stderr,
+                )
+                return
+            finally:
+                date_partial(job.output)
+    finally:
+        del os.environ[FAILED_RUNS_ENV]
+    print(report_line(finished, failed, pending["summary"].output[0]), file=sys.stderr)
 
 
 def fail_multi_node_runs_without_slurm():

@@ -64,7 +64,7 @@ def baseline_warnings(failed_logs: list[Path], baselines: dict[str, tuple[str, s
     return [
         f"shardfuse: warning: ddp run {baseline} failed, so {', '.join(runs)} "
         f"{'is' if len(runs) == 1 else 'are'} evaluated without a ddp baseline (empty baseline metrics); "
-        f"their plots, MLflow runs and the summary wait for {baseline}"
+        f"their plots wait for {baseline}"
         for baseline, runs in served.items()
     ]
 

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from shardfuse.console.progress import StageProgress
 from shardfuse.data.heterogeneity import heterogeneity
 from shardfuse.data.manifest import MANIFEST_FORMAT, MANIFEST_NAME
 from shardfuse.data.partitioners import registry
@@ -124,10 +125,14 @@ def partition_parquet(
         offset = 0
         try:
             batches = read_batches(parquet_file, what, REMAKE_INPUT, batch_size=read_rows)
-            for grouped, bounds in prefetched(grouped_batches(batches, ranks_of, world_size, num_rows, what)):
-                offset += grouped.num_rows
-                for rank, writer in enumerate(writers):
-                    writer.add(grouped.slice(int(bounds[rank]), int(bounds[rank + 1] - bounds[rank])))
+            dealt = prefetched(grouped_batches(batches, ranks_of, world_size, num_rows, what))
+            shown = f"partition {out_dir.parent.name}/{out_dir.name}"
+            with StageProgress(shown, num_rows, "rows") as progress:
+                for grouped, bounds in dealt:
+                    offset += grouped.num_rows
+                    for rank, writer in enumerate(writers):
+                        writer.add(grouped.slice(int(bounds[rank]), int(bounds[rank + 1] - bounds[rank])))
+                    progress.advance(grouped.num_rows)
             for writer in writers:
                 writer.flush()
             writes.finish()

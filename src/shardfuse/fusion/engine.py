@@ -33,7 +33,7 @@ import queue
 import resource
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -260,9 +260,12 @@ class Engine:
                 for _, future in pending:
                     future.cancel()
 
-    def run(self, names: list[str], sink) -> dict[str, dict[str, Any]]:
+    def run(
+        self, names: list[str], sink, progress: Callable[[int], None] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Merge ``names`` in this order into ``sink`` (anything with ``write(name, bytes)``); a block
-        with inf or NaN stops the merge (:class:`NonFiniteMerge`)."""
+        with inf or NaN stops the merge (:class:`NonFiniteMerge`). ``progress(n)``: n more elements
+        written (shardfuse.console.progress)."""
         sink = FiniteSink(sink, self.inputs[0].tensors, f"method {self.method}, {_described(self.params)}")
         scratch = [np.empty(self.block_elems) for _ in self.inputs]  # plans other than a plain mean
         out = np.empty(self.block_elems * 8, dtype=np.uint8)
@@ -275,6 +278,8 @@ class Engine:
                         if not np.array_equal(view, views[0]):
                             raise copy_rule_error(job.name, info.dtype.name, self.rank_numbers[index])
                     sink.write(job.name, views[0])
+                    if progress is not None:
+                        progress(job.count)
                     if job.end_tensor:
                         stats[job.name] = {"max_abs_diff": 0.0, "copied_from_rank": self.rank_numbers[0]}
                     continue
@@ -285,6 +290,8 @@ class Engine:
                     sink.write(job.name, data)
                 else:
                     self._compute(job, info, views, scratch, out, sink)
+                if progress is not None and job.kind == "combine":
+                    progress(job.count)
                 if job.end_scan:
                     plan.end_scan()
                 if job.end_tensor:

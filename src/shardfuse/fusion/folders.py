@@ -35,6 +35,7 @@ from shardfuse.checkpoints.stream import (
     decode_float,
     encode_float,
 )
+from shardfuse.console.progress import StageProgress
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, peak_rss_mb
 from shardfuse.fusion.methods import registry
 from shardfuse.fusion.methods.mergekit import MergekitConfig
@@ -157,7 +158,9 @@ def merge_folders(cfg: MergekitConfig, out: Path, block_bytes: int = BLOCK_BYTES
                 ) from None
             writer = SafetensorsWriter(staged / WEIGHTS, entries, {"format": "pt"})
             try:
-                stats = engine.run(writer.names, CastSink(writer, source, target))
+                total = sum(source[name].numel for name in writer.names)
+                with StageProgress(f"merge {cfg.path.name}", total, "parameters") as progress:
+                    stats = engine.run(writer.names, CastSink(writer, source, target), progress.advance)
             except BaseException:
                 writer.discard()
                 raise

@@ -31,6 +31,7 @@ from shardfuse.checkpoints.trust import (
     open_listed,
     shapes_of,
 )
+from shardfuse.console.progress import StageProgress
 from shardfuse.data.verify import check_dataset_of, check_split
 from shardfuse.fusion.engine import BLOCK_BYTES, Engine, MemorySink
 from shardfuse.fusion.methods.registry import Method, consolidating_names, tensor_params
@@ -266,7 +267,10 @@ def merge_rank_files(
         entries = {name: (t.dtype.name, list(t.shape)) for name, t in readers[0].tensors.items()}
 
         def fill(writer: SafetensorsWriter) -> dict:
-            stats = engine.run(writer.names, writer)
+            total = sum(readers[0].tensors[name].numel for name in writer.names)
+            # "merge <run>" (the workflow's output is results/runs/<run>/merged.safetensors)
+            with StageProgress(f"merge {out_weights.parent.name}", total, "parameters") as progress:
+                stats = engine.run(writer.names, writer, progress.advance)
             for reader, r, label in zip(readers, gather.ranks, what, strict=True):
                 check_listed_digest(reader, r, label)
             if base is not None:

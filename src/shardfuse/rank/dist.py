@@ -16,8 +16,9 @@ import torch
 import torch.distributed as torch_dist
 
 from shardfuse.console.errors import write_line
+from shardfuse.console.stream import console_stream
 from shardfuse.io import UserError, write_json
-from shardfuse.rank.progress import Progress, console_stream
+from shardfuse.rank.progress import Progress
 from shardfuse.track.live import LiveLogger
 
 

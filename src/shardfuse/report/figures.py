@@ -122,6 +122,8 @@ def read_summary(path: Path) -> list[dict[str, str]]:
     text = read_text(path, "delete it and re-run the summary stage")
     rows = list(csv.DictReader(io.StringIO(text, newline="")))
     header = set(rows[0]) if rows else set()
+    # A failed run's row (its error, no scores) is not drawn (shardfuse.experiment.outcome).
+    rows = [row for row in rows if not row.get("error")]
     needed = {"run", "merge_method"}
     if not any({f"test_{score}_merged", f"test_{score}_best_rank"} <= header for score in task_of_score()):
         needed |= {"test_accuracy_merged", "test_accuracy_best_rank"}

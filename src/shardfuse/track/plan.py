@@ -9,6 +9,7 @@ The files are the source of truth and the track stage is the only writer, so the
   files are re-uploaded, changed weights logged as a new model (``updated``);
 - another config or a rewritten history (re-trained): the old runs are soft-deleted and everything is
   pushed afresh (``replaced``).
+A failed run's FAILED parent (:mod:`shardfuse.track.failed`) is replaced by the run's first complete push.
 Live runs (``shardfuse.track.live``) of the same run name that started before the pushed training finished
 are soft-deleted once the push is complete (:func:`delete_finished_live_runs`).
 """
@@ -33,6 +34,9 @@ PARENT_TAG = "mlflow.parentRunId"
 LAYOUT_TAG = "shardfuse.layout"  # LAYOUT_VERSION of the push that made the run: another one is replaced
 TRAINING_TAG = "shardfuse.training"  # the training the run merged (runs that share one share it)
 TRIAL_TAG = "shardfuse.trial"  # a merge_search trial's child run (its number)
+FAILED_TAG = (
+    "shardfuse.error"  # a run that failed in the workflow: its one-line error (shardfuse.track.failed)
+)
 
 # What a sync does with the runs already in MLflow (also the ``action`` that ``--out`` records).
 Action = Literal["created", "replaced", "updated", "unchanged"]
@@ -73,6 +77,8 @@ def plan_sync(runs: list, options: SyncOptions, inputs: RunInputs, params: dict[
     if len(parents) != 1:
         return Plan("replaced" if runs else "created", None, {})
     parent = parents[0]
+    if FAILED_TAG in parent.data.tags:  # a failed run's parent holds no results: the finished run replaces it
+        return Plan("replaced", None, {})
     children: dict[int, Any] = {}
     for run in runs:
         rank = run.data.tags.get(RANK_TAG, "")

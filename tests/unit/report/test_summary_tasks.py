@@ -335,3 +335,29 @@ def test_headline_metrics_carry_the_ensemble_and_fusion_gap_only_when_eval_json_
     (run_dir / "eval.json").write_text(json.dumps(regression_evaluation("reg")))
     old = tracking_inputs.load_inputs(run_dir, manifest).headline
     assert not [name for name in old if name.endswith("_ensemble") or name == "fusion_gap"]
+
+
+def test_a_failed_run_is_a_row_of_its_config_and_error_and_the_figures_draw_the_others(tmp_path):
+    """The workflow's report after a failed run (shardfuse.experiment.outcome): the finished run's row as
+    always, with no baseline from the failed ddp run; the failed run's row reads none of its files."""
+    cfg = write_run(tmp_path, "indep", with_task_keys(classification_evaluation("indep", 0.79)))
+    runs = {
+        "ddp": {**RUN_CONFIG, "training": "t-ddp", "strategy": "ddp"},
+        "indep": {**cfg, "ddp_baseline": "ddp"},
+    }
+    error = "shardfuse.launch: error: rank 0 failed: RuntimeError: boom"
+    out = tmp_path / "summary.csv"
+    summary.write_summary(runs, tmp_path / "runs", tmp_path / "trainings", out, {"ddp": error})
+
+    with open(out, newline="") as fh:
+        reader = csv.DictReader(fh)
+        rows = {row["run"]: row for row in reader}
+    assert tuple(reader.fieldnames) == (*CLASSIFICATION_HEADER, *TRAINING_COLUMNS, *ENSEMBLE_COLUMNS, "error")
+    assert rows["ddp"]["error"] == error and rows["ddp"]["strategy"] == "ddp"
+    assert rows["ddp"]["training"] == "t-ddp" and rows["ddp"]["test_accuracy_merged"] == ""
+    assert rows["indep"]["error"] == "" and rows["indep"]["test_accuracy_merged"] == "0.79"
+    assert rows["indep"]["test_accuracy_ddp_baseline"] == ""
+    assert [row["run"] for row in figures.read_summary(out)] == ["indep"]
+
+    with pytest.raises(UserError, match=r"ddp/eval\.json does not exist"):  # without it named: its files
+        summary.write_summary(runs, tmp_path / "runs", tmp_path / "trainings", tmp_path / "all.csv")

@@ -84,7 +84,7 @@ def test_the_console_gets_a_line_every_ten_seconds_and_the_last_with_the_eta_and
 
 
 def test_eta_text_and_the_console_token_checks_the_file_behind_the_number(tmp_path):
-    from shardfuse.rank.progress import CONSOLE_FD_ENV, console_fd, console_token, eta_text
+    from shardfuse.console.stream import CONSOLE_FD_ENV, console_fd, console_token, eta_text
 
     assert [eta_text(s) for s in (0.4, 59.6, 61, 3599, 7620, float("inf"))] == [
         "ETA 0s", "ETA 1m00s", "ETA 1m01s", "ETA 59m59s", "ETA 2h07m", "ETA ?",

@@ -210,7 +210,9 @@ class Synthetic(SourceBehaviour):
         data = synthetic_data(spec, task)
         layout = find_layout(task.labels)
         num_features, num_targets = len(data.feature_names), len(data.target_names)
-        rows = write_chunks(out_dir, data.chunks, num_features, num_targets, layout, row_group_rows)
+        rows = write_chunks(
+            out_dir, data.chunks, num_features, num_targets, layout, row_group_rows, spec["num_rows"]
+        )
         label_names, keys = layout.names(data.target_names)
         no_rows = np.zeros((0, num_features), dtype=np.float32)
         return Written(rows, data.feature_names, label_names, keys, input_of(no_rows, "numeric"))

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shardfuse.console.progress import StageProgress
 from shardfuse.data.labels import Layout, find_layout
 from shardfuse.data.shard_format import SHAPE_KEY, TENSOR_COLUMN, TOKENS_COLUMN, InputKind
 from shardfuse.data.splits import split_masks
@@ -171,9 +172,10 @@ def write_chunks(
     num_targets: int,
     layout: Layout,
     row_group_rows: int,
+    num_rows: int | None = None,
 ) -> dict[str, int]:
     """Stream numeric (features, targets, split masks) chunks into the three split files; returns rows
-    per split."""
+    per split (``num_rows``: how many the chunks hold, for the progress lines)."""
     no_rows = np.zeros((0, num_features), dtype=np.float32)
     schema = table(no_rows, layout.no_targets(num_targets), layout, "numeric").schema
     num_written = dict.fromkeys(SPLITS, 0)
@@ -184,9 +186,11 @@ def write_chunks(
             )
             for split in SPLITS
         }
+        progress = stack.enter_context(StageProgress(f"prepare {out_dir.name}", num_rows, "rows"))
         for features, targets, masks in chunks:
             for split, mask in masks.items():
                 rows = table(features[mask], targets[mask], layout, "numeric")
                 writers[split].write_table(rows, row_group_size=row_group_rows)
                 num_written[split] += int(np.count_nonzero(mask))
+            progress.advance(len(features))
     return num_written
