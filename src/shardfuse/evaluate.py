@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from shardfuse.checkpoints.gather_record import GatherRecord
 from shardfuse.checkpoints.trust import (
@@ -145,7 +146,22 @@ def evaluate(
         ddp_baseline=baseline,
         local=(local_scores(scored, task) | domain_scores(scored, task)) or None,
         sets=scored,
+        **rank_loss(gather),
     )
+
+
+def rank_loss(gather: GatherRecord) -> dict[str, Any]:
+    """eval.json's ranks_lost, coverage and steps_discarded when the training lost a rank for good
+    (gather.json's membership); nothing otherwise."""
+    membership = gather.membership or {}
+    lost = membership.get("lost_ranks") or []
+    if not lost:
+        return {}
+    return {
+        "ranks_lost": len(lost),
+        "coverage": float(membership.get("coverage", 1.0)),
+        "steps_discarded": int(membership.get("steps_discarded", 0)),
+    }
 
 
 def weighting(named: list[tuple[SetKind, EvalSet]], gather: GatherRecord) -> tuple[SetKind, Weighting] | None:

@@ -167,9 +167,20 @@ def gather(train_dir: Path, world_size: int) -> GatherRecord:
         adapter=adapter,
         base_tensors=None if adapter is None else base_header,
         replicas=replicas if replicas != world_size else None,
-        membership=membership.to_json(),
+        # train.json's as written (checked by recorded_membership): it also holds the rows coverage
+        membership={**membership.to_json(), **_coverage(train_info)},
         dataset_sha256=_dataset_sha256(train_info),
     )
+
+
+def _coverage(train_info: dict[str, Any]) -> dict[str, Any]:
+    """After a lost rank: train.json's rows coverage of the published models (overall, per epoch)."""
+    recorded = train_info.get("membership") or {}
+    return {
+        key: recorded[key]
+        for key in ("coverage", "coverage_per_epoch")
+        if key in recorded and recorded.get("lost_ranks")
+    }
 
 
 def _dataset_sha256(train_info: dict[str, Any]) -> str | None:

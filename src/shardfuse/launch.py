@@ -45,6 +45,7 @@ from pathlib import Path
 
 from shardfuse.cluster.agent import rank_start
 from shardfuse.cluster.deadline import DeadlineWatcher, requeue
+from shardfuse.cluster.membership import Membership
 from shardfuse.cluster.ownership import (
     TRAINING_FOLDER,
     keep_published,
@@ -69,7 +70,16 @@ from shardfuse.console.stream import CONSOLE_FD_ENV, QUIET_ENV, console_fd, cons
 from shardfuse.io import Interrupted, StageParser, UserError, error_reason, replace_dir, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, failure_message
+from shardfuse.rank.loss import (
+    MEMBERSHIP_FILE,
+    fsdp_of,
+    read_membership,
+    strategy_of,
+    survivors_after_loss,
+    survivors_command,
+)
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
+from shardfuse.strategies.registry import rank_loss_problem
 
 REQUEUE_WAIT_SECONDS = 120
 # Inside a SLURM job the ranks stop this long before the time limit, with a checkpoint (seconds).
@@ -139,6 +149,7 @@ def launch(
     max_restarts: int = 0,
     log: Path | None = None,
     stop_before_limit: float = 0,
+    min_ranks: int | None = None,
 ) -> None:
     TRAINING_FOLDER.check(out_dir)  # never a folder no training wrote (a published one is one)
     shards = _shard_world_size(train_args)
@@ -149,6 +160,13 @@ def launch(
             "geometry agree"
         )
     rank_start(environ)  # a bad SHARDFUSE_RANK_START fails here, before any file or rank
+    if min_ranks is not None:
+        strategy, _ = strategy_of(train_args)
+        fsdp = fsdp_of(train_args)
+        if (
+            problem := rank_loss_problem(min_ranks, geometry.world_size, strategy, fsdp, geometry.nnodes)
+        ) is not None:
+            raise UserError(f"--min-ranks: {problem}")
     staging = staging_dir(out_dir)
     cmd = launch_command(
         geometry, [*train_args, "--out-dir", str(staging)], environ, max_restarts=max_restarts
@@ -168,7 +186,7 @@ def launch(
             return
         _train(
             geometry, out_dir, staging, cmd, train_args, environ, workflow, max_restarts, log,
-            stop_before_limit,
+            stop_before_limit, min_ranks,
         )  # fmt: skip
         if workflow is not None:
             keep_published(out_dir, identity)
@@ -185,27 +203,39 @@ def _train(
     max_restarts: int,
     log: Path | None,
     stop_before_limit: float,
+    min_ranks: int | None = None,
 ) -> None:
-    """Run the ranks into the staging directory (resuming from its checkpoints) and publish it."""
+    """Run the ranks into the staging directory (resuming from its checkpoints) and publish it; with
+    ``min_ranks`` below the world size, a rank lost for good leaves the others going on
+    (:mod:`shardfuse.rank.loss`)."""
     if prepare_staging(staging, train_args):
         print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)  # an earlier launch's
     for name in (STOP_FILE, STOPPED_FILE):
         (staging / name).unlink(missing_ok=True)
-    # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
-    env = rank_environ(geometry, environ) if geometry.nnodes == 1 else None
+    membership = read_membership(staging)  # the survivors an earlier launch went on with
     job = environ.get("SLURM_JOB_ID")
-    with (
-        DeadlineWatcher(job, stop_before_limit, staging / STOP_FILE)
-        if job and stop_before_limit > 0
-        else contextlib.nullcontext()
-    ) as deadline:
-        status = run_and_forward_signals(cmd, env, watch=workflow)
-    stopped = read_stop(staging)
-    if stopped is not None:
-        stop_and_requeue(stopped, job if deadline is not None and deadline.fired else None)
-    if status != 0:
-        raise UserError(failure_message(status, staging, max_restarts, log))
+    while True:
+        if membership is not None:
+            geometry, cmd = survivors_command(membership, staging, train_args, environ, max_restarts)
+        # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
+        env = rank_environ(geometry, environ) if geometry.nnodes == 1 else None
+        with (
+            DeadlineWatcher(job, stop_before_limit, staging / STOP_FILE)
+            if job and stop_before_limit > 0
+            else contextlib.nullcontext()
+        ) as deadline:
+            status = run_and_forward_signals(cmd, env, watch=workflow)
+        stopped = read_stop(staging)
+        if stopped is not None:
+            stop_and_requeue(stopped, job if deadline is not None and deadline.fired else None)
+        if status == 0:
+            break
+        membership = survivors_after_loss(
+            membership or Membership.full(geometry.world_size), staging, train_args, max_restarts, min_ranks
+        )
+        if membership is None:
+            raise UserError(failure_message(status, staging, max_restarts, log))
     if not (staging / "train.json").is_file():
         raise UserError(
             f"training exited 0 but {staging}/train.json is missing; the ranks did not finish — "
@@ -215,6 +245,7 @@ def _train(
     shutil.rmtree(staging / "checkpoints", ignore_errors=True)
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
     (staging / "launch.json").unlink(missing_ok=True)
+    (staging / MEMBERSHIP_FILE).unlink(missing_ok=True)  # train.json records who went on
     replace_dir(staging, out_dir, TRAINING_FOLDER)
 
 
@@ -334,6 +365,12 @@ def main(argv: list[str] | None = None) -> None:
         help="write all output here (a hard link to <name>.attempt-N.log, so every attempt's log is kept)",
     )
     parser.add_argument(
+        "--min-ranks",
+        type=int,
+        help="let the other ranks go on when a rank is lost for good, while at least this many are left "
+        "(localsgd and diloco, one node; default: the world size, every rank needed)",
+    )
+    parser.add_argument(
         "--stop-before-limit",
         type=float,
         default=None,
@@ -365,7 +402,7 @@ def run_launch(args: argparse.Namespace) -> None:
     check_init_digest(train_args, init_digest)
     launch(
         geometry, args.out_dir, train_args, os.environ, args.max_restarts, args.log,
-        stop_before_limit(args.stop_before_limit, os.environ),
+        stop_before_limit(args.stop_before_limit, os.environ), args.min_ranks,
     )  # fmt: skip
 
 

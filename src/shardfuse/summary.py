@@ -36,6 +36,9 @@ Runs of non-iid shard sets then add their scores on each rank's local test distr
 ``local_accuracy_merged_worst``, ``normalized_accuracy``). Only when a run has them: a summary of iid
 runs keeps its header; other runs leave those cells empty.
 
+A run whose training lost a rank for good adds :data:`RANK_LOSS_COLUMNS` (how many, the share of the
+training rows its fused model holds, the lost ranks' steps no model holds); only then.
+
 A run that failed in the workflow (``--failed-runs FILE``, or the file ``SHARDFUSE_FAILED_RUNS`` names:
 {run: its one-line error}; :mod:`shardfuse.experiment.outcome`) gets a row of its config's cells and an
 ``error`` column, appended last when some run failed; it reads none of the run's files.
@@ -94,6 +97,8 @@ LOCAL_COLUMNS = (
 _INSERT_AFTER = "test_accuracy_ddp_baseline"
 # Appended last where runs name their manifests (some run of the experiment is not iid).
 HETEROGENEITY_COLUMNS = ("shard_label_jsd_mean", "shard_label_jsd_max", "shard_rows_cv")
+# Appended when some run's training lost a rank for good (eval.json's; shardfuse.rank.loss).
+RANK_LOSS_COLUMNS = ("ranks_lost", "coverage", "steps_discarded")
 ERROR = "error"  # appended last when some run failed: its one-line error (empty for the others)
 ACCURACY = "accuracy"  # the score of the header every summary had before tasks (COLUMNS)
 
@@ -215,6 +220,7 @@ def summary_row(
         "fusion_gap": "" if gap is None else gap,
         **heterogeneity_cells(cfg),
         **local_cells(evaluation.local or {}, score),
+        **{name: value for name in RANK_LOSS_COLUMNS if (value := getattr(evaluation, name)) is not None},
     }
 
 
@@ -249,6 +255,8 @@ def write_summary(
         columns = (*columns, *HETEROGENEITY_COLUMNS)
     local = [key for row in rows for key in row if key.startswith(EvalRecord.LOCAL_PREFIXES)]
     columns = (*columns, *dict.fromkeys(local))
+    if any(name in row for row in rows for name in RANK_LOSS_COLUMNS):  # some training lost a rank
+        columns = (*columns, *RANK_LOSS_COLUMNS)
     if any(run in failed for run in runs):
         columns = (*columns, ERROR)
     with atomic_path(out) as tmp, open(tmp, "w", newline="") as fh:

@@ -13,7 +13,9 @@ saved once as ``base.safetensors``) and writes ``rank-{rank}.safetensors`` (+ ``
 ``metrics/rank-{rank}.parquet`` (one row per optimiser step) and ``metrics/system-rank-{rank}.parquet``
 (CPU, memory and GPU use every 5 s: :mod:`shardfuse.metrics.system`). Rank 0 writes ``train.json`` last.
 The first rank to raise records its exception in ``failures/`` (:mod:`shardfuse.rank.failure`) for the
-launcher's one-line error.
+launcher's one-line error. After a rank was lost for good (``--membership FILE``, the launcher's, see
+:mod:`shardfuse.cluster.membership`) torchrun starts only the alive ranks: each is the member of its
+torch rank and keeps that member's seed, shard and files.
 
 ``train_rank`` runs the phases in order (their code is in :mod:`shardfuse.rank`): ``set_up`` (model,
 optimiser, seeds), ``resume_or_start``, ``plan_steps`` (precision, DDP), ``train_loop`` (which calls
@@ -24,9 +26,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardfuse.cluster.membership import Membership
 from shardfuse.console.errors import exit_now, run_cli
 from shardfuse.experiment.run_config import TrainConfig
-from shardfuse.io import StageParser, parse_json_arg
+from shardfuse.io import StageParser, parse_json_arg, read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.rank.dist import DistContext, distributed, gate_for
@@ -58,10 +61,11 @@ def train_rank(
     live: LiveLogger | None = None,
     step_metrics: bool = True,
     init_weights: Path | None = None,
+    membership: Membership | None = None,
 ) -> None:
     """Train this rank. ``step_metrics=False`` records no per-step metrics, progress or live points
     (the logging-overhead benchmark's baseline; the track stage then has no curves to log)."""
-    setup = set_up(ctx, run, shard_dir, dataset_dir, cfg, out_dir, init_weights)
+    setup = set_up(ctx, run, shard_dir, dataset_dir, cfg, out_dir, init_weights, membership)
     position = resume_or_start(setup)
     # Rows logged after the checkpoint we resume from (or by an attempt that saved none) are dropped.
     # fsdp > 1: a replica's first rank logs for the replica, under its number (the replica's loss).
@@ -80,6 +84,11 @@ def train_rank(
             setup.gate.call(record_stop, out_dir, end.step, end.interrupted)
             return
         publish(setup, plan, end, metrics, system)
+
+
+def member_rank(membership: Membership | None, process: int) -> int:
+    """The rank this process is in the training's first world (torch's while no rank was lost)."""
+    return process if membership is None else membership.member_of_process(process).rank
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,12 +110,21 @@ def main(argv: list[str] | None = None) -> None:
         help="record no per-step metrics, progress or live points (for measuring their overhead: "
         "bench/logging_overhead.py; the track stage then has no curves to log)",
     )
+    parser.add_argument(
+        "--membership", type=Path, help="who is alive after a rank was lost (the launcher's; default: all)"
+    )
     args = parser.parse_args(argv)
     cfg = TrainConfig.from_flat(parse_json_arg(args.config_json, "--config-json"))
+    membership = None
+    if args.membership is not None:
+        fix = "delete the training's .ranks.partial folder to train afresh"
+        recorded = read_json(args.membership, "membership file")
+        membership = Membership.from_json(recorded, str(args.membership), fix)
     with (
         distributed() as ctx,
         # Inside the process group: the failing rank's record exists before its peers fail in turn.
-        failures_recorded(args.out_dir, ctx.rank),
+        # Records and the process's name give its member rank (torch's while no rank was lost).
+        failures_recorded(args.out_dir, member_rank(membership, ctx.rank)),
         gate_for(ctx.rank).live_logger(args.live_tracking_uri, args.live_experiment, args.run_name) as live,
     ):
         train_rank(
@@ -119,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             live,
             args.step_metrics,
             args.init_from,
+            membership,
         )
 
 

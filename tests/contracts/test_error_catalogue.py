@@ -202,6 +202,26 @@ def case_fsdp_not_dividing_world_size(tmp):
     return config_case(tmp, config, "runs[r].fsdp: 3 shards per replica do not divide world_size 4")
 
 
+def case_min_ranks_above_world_size(tmp):
+    config = base_config(strategy="localsgd", merge_method="uniform", world_size=2, min_ranks=3)
+    return config_case(tmp, config, "runs[r].min_ranks: min_ranks 3 must be from 1 to world_size 2")
+
+
+def case_min_ranks_zero(tmp):
+    config = base_config(strategy="localsgd", merge_method="uniform", world_size=2, min_ranks=0)
+    return config_case(tmp, config, "runs[r].min_ranks: 0 is less than the minimum of 1")
+
+
+def case_min_ranks_with_ddp(tmp):
+    config = base_config(strategy="ddp", merge_method="consolidate", world_size=3, min_ranks=2)
+    return config_case(tmp, config, "but strategy ddp needs every rank at every step (orphans: reshard")
+
+
+def case_min_ranks_with_fsdp(tmp):
+    config = base_config(strategy="localsgd", merge_method="uniform", world_size=4, fsdp=2, min_ranks=2)
+    return config_case(tmp, config, "min_ranks 2 with fsdp 2: a replica that loses a rank loses that rank's")
+
+
 def case_fsdp_model_without_units(tmp):
     config = base_config(strategy="ddp", merge_method="consolidate", world_size=2, fsdp=2, model="cnn")
     return config_case(tmp, config, "fsdp 2 needs the model's wrap units, which the built-in cnn has not")

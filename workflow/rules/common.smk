@@ -389,6 +389,13 @@ def max_restarts_of(wildcards):
     return _cfg(wildcards)["max_restarts"]
 
 
+def min_ranks_args(wildcards):
+    """--min-ranks for a training that may go on without a rank lost for good (none by default, so the
+    command of every other training is unchanged)."""
+    min_ranks = _cfg(wildcards).get("min_ranks")
+    return "" if min_ranks is None else f"--min-ranks {min_ranks} "
+
+
 def train_config_json(wildcards):
     return _json(train_config(_cfg(wildcards)))
 

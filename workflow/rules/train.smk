@@ -29,13 +29,14 @@ rule train:
         nodes=nodes_of,
         nproc_per_node=nproc_per_node_of,
         max_restarts=max_restarts_of,
+        min_ranks=min_ranks_args,
         dataset_dir=dataset_dir_of,
         config=train_config_json,
         live=live_logging_args,
         init=init_from_args,
     shell:
         "python -m shardfuse.launch --nodes {params.nodes} --nproc-per-node {params.nproc_per_node}"
-        " --max-restarts {params.max_restarts} --out-dir {output.ranks} --log {log} --"
+        " --max-restarts {params.max_restarts} {params.min_ranks}--out-dir {output.ranks} --log {log} --"
         " --run-name {wildcards.training} --shard-dir {input.shards}"
         " --dataset-dir {params.dataset_dir} --config-json {params.config:q} {params.init} {params.live}"
 

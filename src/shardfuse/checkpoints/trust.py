@@ -39,6 +39,7 @@ from typing import Any
 
 from shardfuse.checkpoints.gather_record import STALE, GatheredRank, GatherRecord
 from shardfuse.checkpoints.stream import InvalidSafetensors, SafetensorsReader
+from shardfuse.cluster.membership import Membership
 from shardfuse.io import UserError, read_json
 
 METADATA_KEY = "shardfuse"  # as shardfuse.checkpoints.weights (not imported: keep this module light)
@@ -73,7 +74,16 @@ def read_gather(
             raise UserError(f"{gather_path} lists rank {number} {what}; {STALE}")
     world_size = gather.world_size
     replicas = gather.replicas if gather.replicas is not None else world_size  # fsdp > 1: one per replica
-    if world_size is not None and replicas != len(gather.ranks):
+    alive = None  # after a rank lost for good: the replicas that published (shardfuse.rank.loss)
+    if gather.membership is not None:
+        alive = Membership.from_json(gather.membership, str(gather_path), STALE).alive_replicas
+    if alive is not None and len(alive) != (replicas or 0):
+        if sorted(numbers) != list(alive):
+            raise UserError(
+                f"{gather_path} lists ranks {sorted(numbers)} but its membership has ranks {list(alive)} "
+                f"alive; {STALE}"
+            )
+    elif world_size is not None and replicas != len(gather.ranks):
         what = f"{replicas} replicas of world size" if replicas != world_size else "world size"
         raise UserError(f"{gather_path} lists {len(gather.ranks)} ranks for {what} {world_size}; {STALE}")
     if base and not gather.base:

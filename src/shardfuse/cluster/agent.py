@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import json
 import os
 import signal
 import sys
@@ -44,6 +45,8 @@ _PR_SET_NAME = 15
 # How long a closing agent waits for its ranks to end by themselves before it signals them (seconds).
 CLOSE_GRACE_SECONDS = 5.0
 # The signals torch's agent catches (its handler raises in whichever process receives them).
+# The agent's record of the ranks killed by a signal, in the training's out dir (shardfuse.rank.loss).
+KILLED_RECORD = Path("failures") / "killed.jsonl"
 # SIGCHLD: the agent's note of a rank killed by a signal (:func:`_note_killed_ranks`).
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD")
 
@@ -59,7 +62,8 @@ def rank_start(environ) -> str:
     return value
 
 
-def _name_process(name: str) -> None:
+def name_process(name: str) -> None:
+    """The process's name in ps and /proc/PID/comm (15 characters)."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the name is cosmetic
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
@@ -75,14 +79,26 @@ def _as_fresh_rank() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    _name_process(f"rank-{os.environ.get('RANK', '')}")
+
+
+def member_rank(argv: list[str] | tuple[str, ...], process: str) -> str:
+    """The rank torch's rank ``process`` is in the training's first world: itself, unless the launcher
+    started the survivors of a lost rank (``--membership FILE``: the k-th alive member is process k)."""
+    if "--membership" not in argv[:-1] or not process.isdigit():
+        return process
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):
+        recorded = json.loads(Path(argv[argv.index("--membership") + 1]).read_text())
+        alive = [entry["rank"] for entry in recorded["ranks"] if entry["alive"]]
+        return str(alive[int(process)])
+    return process
 
 
 def _run_rank(module_name: str, *argv: str) -> None:
     """One rank, in a fork of the agent: the module's ``main`` under :func:`run_cli` (one-line errors,
     exit status 2; any other exception's traceback on stderr, exit status 1), as ``python -m <module>``
-    runs it."""
+    runs it. Named ``rank-<its member rank>`` (ps, and the agent's line if a signal kills it)."""
     _as_fresh_rank()
+    name_process(f"rank-{member_rank(argv, os.environ.get('RANK', ''))}")
     from shardfuse.console.errors import run_cli
 
     module = importlib.import_module(module_name)
@@ -103,9 +119,10 @@ def _run_rank(module_name: str, *argv: str) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
 
-def _note_killed_ranks() -> None:
+def _note_killed_ranks(record: Path | None = None) -> None:
     """On SIGCHLD, look at the exited child without reaping it (torch's agent reaps it) and, if a
-    signal killed it, say which rank in one line."""
+    signal killed it, say which rank in one line; and append it to ``record`` (JSON lines: rank, pid,
+    signal), where the launcher reads which rank died in each attempt (shardfuse.rank.loss)."""
     noted: set[int] = set()
 
     def on_child(_signum, _frame) -> None:
@@ -128,6 +145,14 @@ def _note_killed_ranks() -> None:
             file=sys.stderr,
             flush=True,
         )
+        rank = name.removeprefix("rank-")
+        if record is not None and rank.isdigit():
+            with contextlib.suppress(OSError):
+                record.parent.mkdir(parents=True, exist_ok=True)
+                with open(record, "a") as fh:
+                    fh.write(
+                        json.dumps({"rank": int(rank), "pid": info.si_pid, "signal": info.si_status}) + "\n"
+                    )
 
     signal.signal(signal.SIGCHLD, on_child)
 
@@ -193,7 +218,9 @@ def run_agent(argv: list[str] | None = None) -> None:
     module = importlib.import_module(args.training_script)  # once, here: every rank inherits it
     for name in getattr(module, "FORK_PRELOAD", ()):  # and the libraries its ranks import lazily
         importlib.import_module(name)
-    _note_killed_ranks()
+    script_args = list(args.training_script_args)
+    out_dir = script_args[script_args.index("--out-dir") + 1] if "--out-dir" in script_args[:-1] else None
+    _note_killed_ranks(None if out_dir is None else Path(out_dir) / KILLED_RECORD)
     _release_returned_ranks_on_close()
     elastic_launch(config=config, entrypoint=_run_rank)(args.training_script, *args.training_script_args)
     # Every rank has ended and written its files: the agent ends as each forked rank does, without the

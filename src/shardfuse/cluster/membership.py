@@ -3,11 +3,14 @@ ranks are alive. Kept apart from torch's rank and world size (as torchtitan's ``
 ``get_dp_info`` and Lightning's ``ClusterEnvironment`` keep the data-parallel view apart from the
 process group): torch numbers the processes of one attempt, membership says what each contributes.
 
-Today every rank is alive and rank ``r`` reads shard ``r`` in replica ``r // ranks_per_replica``
-(:meth:`Membership.full`). The object can also say that a rank was lost (:meth:`Membership.without`),
-which replicas still have all their ranks, and which shards (hence what share of the training data)
-the surviving replicas cover, so that a later change can let survivors go on and record what a fused
-model is made of. The rank set-up picks its shard from it, train.json and gather.json record it.
+At the start every rank is alive and rank ``r`` reads shard ``r`` in replica ``r // ranks_per_replica``
+(:meth:`Membership.full`); a member's ``rank`` is that first number for good. A rank lost for good
+(:meth:`Membership.lose`: the step it was lost at, the steps of its that no published model holds) leaves
+the survivors, which the launcher starts again as a smaller torch world: torch's process ``k`` is the
+``k``-th alive member (:meth:`Membership.member_of_process`), which keeps its seed, shard, checkpoint
+and metrics files. The object says which replicas still have all their ranks and which shards (what
+share of the training rows) the surviving replicas cover: what a fused model is made of. The rank
+set-up picks its member from it, train.json and gather.json record it.
 
 Torch-free and import-light (the standard library and :mod:`shardfuse.io`): the ranks, gather and
 merge read it alike. By hand::
@@ -27,10 +30,12 @@ from shardfuse.io import UserError
 
 @dataclass(frozen=True)
 class Member:
-    rank: int  # torch's global rank (the process of this attempt)
+    rank: int  # its rank in the training's first world (torch's, while no rank was lost)
     replica: int  # the model copy it trains: its checkpoint's number (rank-<replica>.safetensors)
     data_shard: int  # the shard it reads (the manifest's shards[data_shard], shard-<n>.parquet)
     alive: bool = True
+    lost_at_step: int | None = None  # lost: the optimiser step it could not get past
+    steps_discarded: int = 0  # lost: its optimiser steps that no published model holds
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,65 @@ class Membership:
     @property
     def world_size(self) -> int:
         return len(self.members)
+
+    @property
+    def alive_members(self) -> tuple[Member, ...]:
+        """The members torch starts, in rank order: process ``k`` of the world is the ``k``-th."""
+        return tuple(member for member in self.members if member.alive)
+
+    def member_of_process(self, process: int) -> Member:
+        """The member torch's rank ``process`` is (the same rank while no rank was lost)."""
+        alive = self.alive_members
+        if not 0 <= process < len(alive):
+            raise UserError(
+                f"torch rank {process} is not a member: {len(alive)} of the training's {self.world_size} "
+                "ranks are alive; start one process per alive rank"
+            )
+        return alive[process]
+
+    def process_of(self, rank: int) -> int:
+        """Torch's rank of the alive member ``rank``."""
+        return [member.rank for member in self.alive_members].index(rank)
+
+    @property
+    def steps_discarded(self) -> int:
+        return sum(member.steps_discarded for member in self.members)
+
+    def row_coverage(self, shard_rows: list[int]) -> float:
+        """The share of the training rows (``shard_rows``: each data shard's) on the alive replicas'
+        shards."""
+        covered = sum(shard_rows[shard] for shard in self.covered_shards)
+        return covered / sum(shard_rows) if sum(shard_rows) else 1.0
+
+    def epoch_coverage(self, shard_rows: list[int], steps_per_epoch: int, epochs: int) -> list[float]:
+        """Per epoch, the share of the training rows the published models hold: an alive replica's
+        shard all of it; a lost one's up to its last step that reached the survivors (``lost_at_step``
+        less ``steps_discarded``: a sync, or none when the ranks never meet), pro rata of the epoch's
+        steps."""
+        total = sum(shard_rows) or 1
+        shares = []
+        for epoch in range(epochs):
+            start = epoch * steps_per_epoch
+            covered = 0.0
+            for member in self.members:
+                rows = shard_rows[member.data_shard]
+                if member.alive:
+                    covered += rows
+                else:
+                    held = (member.lost_at_step or 0) - member.steps_discarded
+                    covered += rows * min(max((held - start) / max(steps_per_epoch, 1), 0.0), 1.0)
+            shares.append(covered / total)
+        return shares
+
+    def lose(self, rank: int, at_step: int, steps_discarded: int) -> Membership:
+        """The membership with the alive member ``rank`` lost at ``at_step``."""
+        if not self.member(rank).alive:
+            raise UserError(f"rank {rank} was lost already; a rank is lost once")
+        members = tuple(
+            Member(m.rank, m.replica, m.data_shard, False, at_step, steps_discarded) if m.rank == rank else m
+            for m in self.members
+        )
+        return Membership(self.num_shards, members)
 
     def member(self, rank: int) -> Member:
         if not 0 <= rank < len(self.members):
@@ -103,7 +167,8 @@ class Membership:
         for rank in ranks:
             self.member(rank)  # a rank that is not a member is an error, not a silent no-op
         members = tuple(
-            Member(m.rank, m.replica, m.data_shard, m.alive and m.rank not in ranks) for m in self.members
+            Member(m.rank, m.replica, m.data_shard, m.alive and m.rank not in ranks, m.lost_at_step)
+            for m in self.members
         )
         return Membership(self.num_shards, members)
 
@@ -111,13 +176,11 @@ class Membership:
         """train.json's and gather.json's ``membership``: the ranks, then what they amount to."""
         return {
             "num_shards": self.num_shards,
-            "ranks": [
-                {"rank": m.rank, "replica": m.replica, "data_shard": m.data_shard, "alive": m.alive}
-                for m in self.members
-            ],
+            "ranks": [_member_json(m) for m in self.members],
             "lost_ranks": list(self.lost_ranks),
             "alive_replicas": list(self.alive_replicas),
             "coverage": self.coverage,
+            **({"steps_discarded": self.steps_discarded} if self.lost_ranks else {}),
         }
 
     @classmethod
@@ -126,12 +189,32 @@ class Membership:
         is a one-line UserError naming ``where`` and ``fix``."""
         try:
             members = tuple(
-                Member(int(m["rank"]), int(m["replica"]), int(m["data_shard"]), bool(m["alive"]))
+                Member(
+                    int(m["rank"]),
+                    int(m["replica"]),
+                    int(m["data_shard"]),
+                    bool(m["alive"]),
+                    None if m.get("lost_at_step") is None else int(m["lost_at_step"]),
+                    int(m.get("steps_discarded", 0)),
+                )
                 for m in data["ranks"]
             )
             return cls(int(data["num_shards"]), members)
         except (KeyError, TypeError, ValueError, UserError) as exc:
             raise UserError(f"{where}: 'membership' is malformed ({exc}); {fix}") from None
+
+
+def _member_json(member: Member) -> dict[str, Any]:
+    """A member's entry; a lost one's also says when it was lost and what it took with it."""
+    entry = {
+        "rank": member.rank,
+        "replica": member.replica,
+        "data_shard": member.data_shard,
+        "alive": member.alive,
+    }
+    if member.lost_at_step is not None:
+        entry |= {"lost_at_step": member.lost_at_step, "steps_discarded": member.steps_discarded}
+    return entry
 
 
 def recorded_membership(train_info: Mapping[str, Any], world_size: int, where: str, fix: str) -> Membership:

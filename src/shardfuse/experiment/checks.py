@@ -28,6 +28,7 @@ from shardfuse.strategies.registry import (
     find_strategy,
     identical_publishers,
     own_keys_problem,
+    rank_loss_problem,
 )
 
 
@@ -169,6 +170,9 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     problem = alignment_problem(run["epoch_steps"], strategy, run["sync_every"], run["fsdp"], apart_runs())
     if problem is not None:
         raise ConfigError(f"{where}.{problem}")
+    problem = rank_loss_problem(run["min_ranks"], run["world_size"], strategy.name, run["fsdp"], run["nodes"])
+    if problem is not None:
+        raise ConfigError(f"{where}.min_ranks: {problem}")
     if run["init"] == "per_rank" and run["init_from"] is not None:
         raise ConfigError(
             f"{where}.init: per_rank draws each rank's own initial weights but init_from gives every "

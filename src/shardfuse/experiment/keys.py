@@ -113,6 +113,7 @@ OPTIONAL_TRAIN_KEYS = {
         "fsdp",
         "fsdp_precision",
         "epoch_steps",
+        "min_ranks",
     )
 }
 

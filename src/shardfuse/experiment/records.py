@@ -260,7 +260,7 @@ class EvalRecord(_Record):
 
     FILE, STAGE, WHAT = "eval.json", "evaluate", "evaluation"
     # sets: absent from files of evaluate stages before named sets; local: from runs of iid shard sets
-    OPTIONAL = frozenset({"sets", "local"})
+    OPTIONAL = frozenset({"sets", "local", "ranks_lost", "coverage", "steps_discarded"})
     # The keys of ``local``: flat in the file (shardfuse.scoring.local names them), one mapping here.
     LOCAL_PREFIXES = ("local_", "normalized_", "domain_")
 
@@ -291,6 +291,11 @@ class EvalRecord(_Record):
     # "base"} (the models its kind scores; shardfuse.scoring.sets). The fields above are the "test" set's,
     # as evaluate always wrote them; files from before named sets have none (see scores_on).
     sets: dict[str, dict[str, Any]] | None = None
+    # After a rank lost for good (shardfuse.rank.loss): how many, the share of the training rows the
+    # fused models hold (rows-weighted, over every epoch) and the lost ranks' steps no model holds.
+    ranks_lost: int | None = None
+    coverage: float | None = None
+    steps_discarded: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -31,6 +31,8 @@ class SyncConfig:
     static_graph: bool = False  # ddp: the same parameters are used in every step
     fsdp: int = 1  # FSDP2 shards per replica (shardfuse.rank.fsdp); 1: every rank holds the whole model
     fsdp_precision: str = "fp32"  # fp32 | bf16 (GPU only: bf16 parameters, fp32 reduction)
+    # the fewest ranks that go on after one is lost for good (shardfuse.rank.loss); None: world_size
+    min_ranks: int | None = None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,23 @@ def failures_recorded(out_dir: Path, rank: int) -> Iterator[None]:
         raise
 
 
+def record_start(out_dir: Path, step: int) -> None:
+    """Rank 0: the step this torchrun attempt resumed from (``attempt-N.start.json``), so the launcher
+    can tell a rank that fails again and again at one step from one that makes progress in between."""
+    path = out_dir / FAILURES_DIR / f"attempt-{_restart_count()}.start.json"
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": step}) + "\n")
+
+
+def read_start(out_dir: Path, attempt: int) -> int | None:
+    """The step ``attempt`` resumed from (:func:`record_start`); None if it recorded none."""
+    try:
+        return int(json.loads((out_dir / FAILURES_DIR / f"attempt-{attempt}.start.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_failure(out_dir: Path, attempt: int) -> RankFailure | None:
     """The recorded first failure of ``attempt`` (a rank's own exception before a peer's loss); None if
     there is none or it cannot be read."""

@@ -230,7 +230,7 @@ def save_checkpoint(setup: RankSetup, plan: StepPlan, position: Position, metric
         metrics.flush()  # every row up to the checkpoint survives a restart from it
     save_rank_state(
         setup.checkpoint_dir,
-        setup.ctx.rank,
+        setup.member_rank,
         setup.model,
         setup.optimizer,
         position,

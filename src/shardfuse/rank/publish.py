@@ -75,9 +75,10 @@ def publish(
     facts: list[Any] = [None] * ctx.world_size
     # Also the barrier: every rank's files exist once this returns.
     torch_dist.all_gather_object(facts, (setup.meta["host"], published_step, best))
-    hosts = [fact[0] for fact in facts]
-    world_size, accum = ctx.world_size, plan.grad_accum_steps
+    hosts = [fact[0] for fact in facts]  # by torch's rank, as the other lists here
+    world_size, accum = membership.world_size, plan.grad_accum_steps
     steps, rows_seen = rank_progress(setup, end.at)
+    steps_per_epoch = optimizer_steps(plan.num_batches, accum)
     record = TrainRecord(
         run=setup.run,
         world_size=world_size,
@@ -86,7 +87,7 @@ def publish(
         sync_every=plan.sync.sync_every,
         num_steps=num_steps,
         epochs=cfg.loop.epochs,
-        steps_per_epoch=optimizer_steps(plan.num_batches, accum),
+        steps_per_epoch=steps_per_epoch,
         epoch_steps=cfg.loop.epoch_steps,
         grad_accum_steps=accum,
         effective_batch_size=effective_batch(setup),
@@ -122,9 +123,35 @@ def publish(
         ranks=[
             replica_entry(setup, replica, hosts, facts, steps, rows_seen) for replica in membership.replicas
         ],
-        membership=membership.to_json(),
+        membership=membership_record(setup, steps_per_epoch),
     )
+    setup.gate.call(close_lost_logs, setup)
     setup.gate.write_json(setup.out_dir / "train.json", record.to_json())
+
+
+def close_lost_logs(setup: RankSetup) -> None:
+    """Rank 0: a lost rank's step and system metrics as the Parquet files every rank's end in, its steps
+    up to the checkpoint it was lost at (those after it reached no model), so its curves stay tracked."""
+    metrics_dir = setup.out_dir / "metrics"
+    for member in setup.membership.members:
+        if member.alive:
+            continue
+        if (metrics_dir / f"rank-{member.rank}.f64").is_file():
+            MetricsLog(metrics_dir, member.rank, resume_step=member.lost_at_step or 0).consolidate()
+        if (metrics_dir / f"system-rank-{member.rank}.f64").is_file():
+            SystemSampler(metrics_dir, member.rank, interval_s=1.0).consolidate()
+
+
+def membership_record(setup: RankSetup, steps_per_epoch: int) -> dict[str, Any]:
+    """train.json's ``membership``; after a lost rank also the share of the training rows the published
+    models hold, each epoch and over all of them (``coverage``, rows-weighted)."""
+    membership = setup.membership
+    record = membership.to_json()
+    if membership.lost_ranks:
+        rows = [shard["rows"] for shard in setup.manifest["shards"]]
+        per_epoch = membership.epoch_coverage(rows, steps_per_epoch, setup.cfg.loop.epochs)
+        record |= {"coverage": sum(per_epoch) / len(per_epoch), "coverage_per_epoch": per_epoch}
+    return record
 
 
 def replica_rows(setup: RankSetup, ranks: list[int]) -> int:
@@ -133,10 +160,10 @@ def replica_rows(setup: RankSetup, ranks: list[int]) -> int:
 
 
 def effective_batch(setup: RankSetup) -> int:
-    """batch_size x grad_accum_steps summed over the ranks, each capped at its epoch's rows (an epoch of
-    fewer rows than batch_size is one step of them)."""
+    """batch_size x grad_accum_steps summed over the (alive) ranks, each capped at its epoch's rows (an
+    epoch of fewer rows than batch_size is one step of them)."""
     loop, epochs = setup.cfg.loop, setup.epochs
-    shards = [setup.membership.shard_of(rank) for rank in range(setup.ctx.world_size)]
+    shards = [member.data_shard for member in setup.membership.alive_members]
     return loop.grad_accum_steps * sum(min(loop.batch_size, epochs.shards[shard].rows) for shard in shards)
 
 
@@ -145,7 +172,7 @@ def rank_progress(setup: RankSetup, at: Position) -> tuple[list[int], list[int]]
     position, the same on every rank): functions of the epoch plan, so a resumed run counts the steps
     taken before it too."""
     accum = setup.cfg.loop.grad_accum_steps
-    shards = [setup.membership.shard_of(rank) for rank in range(setup.ctx.world_size)]
+    shards = [member.data_shard for member in setup.membership.alive_members]  # by torch's rank
     steps = [setup.epochs.steps_taken(shard, at.epoch, at.next_batch, accum) for shard in shards]
     rows_seen = [setup.epochs.rows_seen(shard, at.epoch, at.next_batch) for shard in shards]
     return steps, rows_seen
@@ -155,14 +182,23 @@ def replica_entry(
     setup: RankSetup, replica: int, hosts: list[str], facts: list[Any], steps: list[int], rows_seen: list[int]
 ) -> dict[str, Any]:
     """train.json's ``ranks`` entry of a replica (a rank, without fsdp), from its first rank's facts; its
-    steps and rows seen from every rank's (a replica's ranks step together and each reads its shard)."""
-    ranks = setup.membership.ranks_of(replica)
-    leader = ranks[0]
+    steps and rows seen from every rank's (a replica's ranks step together and each reads its shard). A
+    lost replica publishes nothing: its entry says when it was lost."""
+    membership = setup.membership
+    ranks = membership.ranks_of(replica)
+    if replica not in membership.alive_replicas:
+        lost = membership.member(ranks[0])
+        return {
+            "rank": replica, "rows": replica_rows(setup, ranks), "lost": True,
+            "lost_at_step": lost.lost_at_step, "steps_discarded": lost.steps_discarded, "checkpoint": None,
+        }  # fmt: skip
+    leader = membership.process_of(ranks[0])  # the lists are by torch's rank
+    processes = [membership.process_of(rank) for rank in ranks]
     entry = {
         "rank": replica,  # the replica: its checkpoint's number, as a rank's without fsdp
         "rows": replica_rows(setup, ranks),
         "num_steps": steps[leader],
-        "rows_seen": sum(rows_seen[rank] for rank in ranks),
+        "rows_seen": sum(rows_seen[process] for process in processes),
         "host": hosts[leader],
         "checkpoint": f"rank-{replica}.safetensors",
         "published_step": facts[leader][1],

@@ -91,7 +91,7 @@ class RankSetup:
     ctx: DistContext
     run: str
     cfg: TrainConfig
-    membership: Membership  # who trains which shard in which replica (all alive today)
+    membership: Membership  # who trains which shard in which replica, who is alive
     gate: RankGate
     shard_dir: Path
     dataset_dir: Path
@@ -114,9 +114,15 @@ class RankSetup:
         return self.layout is not None and self.layout.sharded
 
     @property
+    def member_rank(self) -> int:
+        """This process's rank in the training's first world: its seed, shard, checkpoint and metrics
+        files (torch's rank while no rank was lost; shardfuse.cluster.membership)."""
+        return self.membership.member_of_process(self.ctx.rank).rank
+
+    @property
     def data_shard(self) -> int:
         """The shard this rank reads: the membership's, not torch's rank."""
-        return self.membership.shard_of(self.ctx.rank)
+        return self.membership.shard_of(self.member_rank)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The tensors a weights file holds (a tied tensor once); sharded tensors as DTensors."""
@@ -133,7 +139,7 @@ class RankSetup:
     def identity(self) -> dict[str, Any]:
         """Written into every checkpoint; a resume refuses a checkpoint of another run or world size
         (or, sharded, another fsdp: its files hold other slices)."""
-        identity = {"world_size": self.ctx.world_size, "run": self.run}
+        identity = {"world_size": self.membership.world_size, "run": self.run}
         if self.sharded:
             identity["fsdp"] = self.layout.shards
         return identity
@@ -201,23 +207,34 @@ def set_up(
     cfg: TrainConfig,
     out_dir: Path,
     init_weights: Path | None = None,
+    membership: Membership | None = None,
 ) -> RankSetup:
-    """Check the shard set, build the model (the same initial weights on every rank) and optimiser."""
+    """Check the shard set, build the model (the same initial weights on every rank) and optimiser.
+    ``membership``: who is alive, when ranks were lost (the launcher's; default: every rank)."""
     strategy = find_strategy(cfg.sync.strategy)  # an unknown one fails before anything is built
     sync = cfg.sync
     problem = alignment_problem(cfg.loop.epoch_steps, strategy, sync.sync_every, sync.fsdp, apart_runs())
     if problem is not None:
         raise UserError(problem)
     manifest = read_manifest(shard_dir)
-    if manifest["world_size"] != ctx.world_size:
+    world_size = ctx.world_size if membership is None else membership.world_size
+    if manifest["world_size"] != world_size:
         raise UserError(
             f"shard set {shard_dir} has {manifest['world_size']} shards but torchrun started "
-            f"{ctx.world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
+            f"{world_size} ranks; launch with --nproc-per-node/--nodes giving {manifest['world_size']}"
         )
-    layout = layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp)
-    membership = Membership.full(ctx.world_size, layout.shards)
+    if membership is None:
+        layout_of(ctx.rank, ctx.world_size, cfg.sync.fsdp)  # fsdp that does not divide: its own line
+        membership = Membership.full(ctx.world_size, cfg.sync.fsdp)
+    elif len(membership.alive_members) != ctx.world_size:
+        raise UserError(
+            f"torchrun started {ctx.world_size} ranks but {len(membership.alive_members)} of the training's "
+            f"{world_size} are alive; start one process per alive rank (shardfuse.launch does)"
+        )
+    member = membership.member_of_process(ctx.rank)
+    layout = layout_of(member.rank, membership.world_size, cfg.sync.fsdp)
     info = read_dataset_info(dataset_dir)
-    check_shard_set(shard_dir, manifest, dataset_dir, info, membership.shard_of(ctx.rank))
+    check_shard_set(shard_dir, manifest, dataset_dir, info, member.data_shard)
     spec = spec_of(cfg, info)
     if cfg.model.code_digest and spec["code"]["digest"] != cfg.model.code_digest:
         raise UserError(
@@ -232,7 +249,7 @@ def set_up(
     if (warning := epochs.warning()) is not None:
         gate_for(ctx.rank).log(warning)  # rank 0's stderr: one line
     # Dropout and data order differ per rank; the initial weights do not, unless init: per_rank.
-    rank_seed = cfg.loop.seed * RANK_SEED_STRIDE + ctx.rank + 1
+    rank_seed = cfg.loop.seed * RANK_SEED_STRIDE + member.rank + 1
     per_rank = cfg.model.init == "per_rank"
     torch.manual_seed(rank_seed if per_rank else cfg.loop.seed)
     model = build_model(spec).to(ctx.device)
@@ -262,7 +279,7 @@ def set_up(
         shard_model(model, mesh, units, strategy.reduces_gradients, cfg.sync.fsdp_precision, ctx.device)
     meta = {
         "run": run,
-        "world_size": ctx.world_size,
+        "world_size": membership.world_size,
         "strategy": cfg.sync.strategy,
         "model": spec,
         "init_from": str(init_weights) if init_weights is not None else None,

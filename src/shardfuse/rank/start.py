@@ -13,6 +13,7 @@ from shardfuse.models.adapter import storable_state, ties_of
 from shardfuse.models.lora import base_name, is_adapted
 from shardfuse.models.lora import base_state as lora_base_state
 from shardfuse.rank.checkpoint_steps import complete_steps
+from shardfuse.rank.failure import record_start
 from shardfuse.rank.fsdp import full_tensors
 from shardfuse.rank.resume import (
     Position,
@@ -30,6 +31,7 @@ def resume_or_start(setup: RankSetup) -> Position:
     position), or start at step 0 and save the shared initial weights as ``base.safetensors``."""
     model, checkpoint_dir = setup.model, setup.checkpoint_dir
     step = agreed_resume_step(setup)
+    setup.gate.call(record_start, setup.out_dir, step or 0)  # for the launcher (shardfuse.rank.loss)
     if step is None:
         base_meta = {key: value for key, value in setup.meta.items() if key != "adapter"}
         base_meta["rank"] = None
@@ -48,7 +50,7 @@ def resume_or_start(setup: RankSetup) -> Position:
     position = load_rank_state(
         checkpoint_dir,
         step,
-        setup.ctx.rank,
+        setup.member_rank,
         model,
         setup.optimizer,
         expect=setup.identity,
@@ -74,7 +76,7 @@ def agreed_resume_step(setup: RankSetup) -> int | None:
     own = {
         step: problem
         for step in steps
-        if (problem := checkpoint_problem(setup.checkpoint_dir, step, setup.ctx.rank)) is not None
+        if (problem := checkpoint_problem(setup.checkpoint_dir, step, setup.member_rank)) is not None
     }
     problems: list[dict[int, str]] = [{} for _ in range(setup.ctx.world_size)]
     torch_dist.all_gather_object(problems, own)

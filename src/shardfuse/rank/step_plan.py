@@ -77,11 +77,11 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
     num_batches, own = setup.epochs.num_batches, setup.epochs.shards[setup.data_shard]
     grad_accum_steps = cfg.loop.grad_accum_steps
     eval_every = cfg.loop.eval_every
-    layout = setup.layout or layout_of(setup.ctx.rank, setup.ctx.world_size, 1)
+    layout = setup.layout or layout_of(setup.member_rank, setup.membership.world_size, 1)
     sync = make_sync(model, setup.ctx.world_size, cfg.sync, setup.mesh)
     tracker = BestTracker(setup.task, cfg.loop.keep == "best", cfg.loop.patience)
     if position.step:
-        tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.ctx.rank)
+        tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.member_rank)
         sync.resume_at(position.step)
         sync.load_state_tensors(tensors)
         tracker.load(state.get("validation", {}), tensors)

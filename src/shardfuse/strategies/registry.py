@@ -66,6 +66,9 @@ class Strategy:
     identical_ranks: str = NEVER  # ALWAYS | UNLESS_KEEP_BEST | NEVER
     reduces_gradients: bool = False  # DDP around the model (HSDP under fsdp): gradients all-reduced
     baseline: bool = False  # the synchronous reference: a run's ddp baseline is trained with it
+    # Its replicas train apart between syncs, so the others can go on without a rank lost for good
+    # (min_ranks below world_size; shardfuse.rank.loss). False: every rank is needed at every step.
+    survives_rank_loss: bool = False
 
     def mode(self, sync_every: Any) -> str:
         """train.json's and the summary's mode: the name, or the ``apart`` mode when it never syncs."""
@@ -148,6 +151,7 @@ RECORDS: tuple[Strategy, ...] = (
         "Lin et al. 2020, Don't use large mini-batches, use local SGD",
         color="#ff7f0e",
         apart=("independent", "#2ca02c"),
+        survives_rank_loss=True,
     ),
     Strategy(
         "diloco",
@@ -160,6 +164,7 @@ RECORDS: tuple[Strategy, ...] = (
         own_keys_why="only strategy diloco has an outer optimiser but strategy is {strategy}",
         equal_start="diloco's outer step needs one shared starting point",
         identical_ranks=UNLESS_KEEP_BEST,
+        survives_rank_loss=True,
     ),
 )
 
@@ -241,3 +246,32 @@ def make_sync(model: Any, world_size: int, settings: SyncSettings, mesh: Any = N
     if mesh is not None:
         group, world_size = mesh["replicate"].get_group(), mesh["replicate"].size()
     return find_strategy(settings.strategy).build(model, world_size, settings, group)
+
+
+def rank_loss_problem(
+    min_ranks: int | None, world_size: int, strategy: str, fsdp: int, nodes: int
+) -> str | None:
+    """Why ``min_ranks`` (the fewest ranks a training goes on with after one is lost for good) cannot
+    be used with this training; None when it can (or is the world size: every rank needed)."""
+    if min_ranks is None or min_ranks == world_size:
+        return None
+    if not 1 <= min_ranks <= world_size:
+        return f"min_ranks {min_ranks} must be from 1 to world_size {world_size}"
+    if not find_strategy(strategy).survives_rank_loss:
+        survivors = listing([r.name for r in RECORDS if r.survives_rank_loss], "or")
+        return (
+            f"min_ranks {min_ranks} lets the others go on without a lost rank, but strategy {strategy} needs "
+            f"every rank at every step (orphans: reshard, dealing the lost shard to the others, is not built "
+            f"yet); use {survivors}, or set min_ranks to {world_size}"
+        )
+    if fsdp > 1:
+        return (
+            f"min_ranks {min_ranks} with fsdp {fsdp}: a replica that loses a rank loses that rank's slice of "
+            f"its model, and replica loss is not built yet; set fsdp: 1 or min_ranks to {world_size}"
+        )
+    if nodes > 1:
+        return (
+            f"min_ranks {min_ranks} with nodes {nodes}: the others go on only on one node so far (a lost "
+            f"node's ranks are not started elsewhere yet); set nodes: 1 or min_ranks to {world_size}"
+        )
+    return None

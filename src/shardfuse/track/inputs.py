@@ -153,6 +153,8 @@ class RankInputs(NamedTuple):
     host: str | None  # None when neither train.json nor the rank's sidecar names it
     train_metrics: dict[str, float]  # published_step, best_val_score (:func:`rank_train_metrics`)
     series: dict[str, np.ndarray]  # grad_norm, val_<score>: finite points only (:func:`step_series`)
+    # lost for good while training (shardfuse.rank.loss): its curves up to then, no model, no test metrics
+    lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -220,15 +222,19 @@ def load_inputs(
             f"malformed 'ranks' entry in {train_path} or {eval_path} ({exc!r}); "
             "re-run the train and evaluate stages"
         ) from None
+    lost = {rank for rank, entry in train_ranks.items() if entry.get("lost")}  # no model, no scores
     metrics = {}
     for rank in range(world_size):
-        if rank not in shard_rows or rank not in eval_ranks:
+        if rank not in shard_rows or (rank not in eval_ranks and rank not in lost):
             raise UserError(
                 f"rank {rank} of world size {world_size} is missing from {train_path} "
                 f"or {eval_path}; re-run the train and evaluate stages"
             )
+        step_file = train_dir / "metrics" / f"rank-{rank}.parquet"
+        if rank in lost and not step_file.is_file():
+            continue  # lost before its first checkpoint: no curve to keep
         if train.mode != COLLECTED_MODE:  # a run over checkpoints took no steps: no step metrics
-            metrics[rank] = _require_file(train_dir / "metrics" / f"rank-{rank}.parquet", "train")
+            metrics[rank] = _require_file(step_file, "train")
     plots = sorted(plots_dir.glob("*.png")) if plots_dir is not None and plots_dir.is_dir() else []
     system = {
         rank: path
@@ -258,6 +264,7 @@ def load_inputs(
         }
         | local_rank_metrics(local, task.score, rank)
         for rank in range(world_size)
+        if rank not in lost
     }
     histories = {
         rank: read_step_metrics(metrics[rank]) if rank in metrics else no_step_metrics()
@@ -273,10 +280,11 @@ def load_inputs(
             rank,
             shard_rows[rank],
             histories[rank],
-            test_metrics[rank],
+            test_metrics.get(rank, {}),
             hosts.get(rank),
             rank_train_metrics(train_ranks[rank]),
             {**step_series(histories[rank], val_metric), **system_series(samples.get(rank, {}))},
+            rank in lost,
         )
         for rank in range(world_size)
     )
@@ -375,7 +383,12 @@ def headline_metrics(
         )
         metrics["fusion_gap"] = float(gap)
     for rank in ranks:
-        metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
+        if not rank.lost:
+            metrics[f"test_{score}_rank_{rank.rank}"] = rank.test_metrics[f"test_{score}"]
+    # A rank lost for good (shardfuse.rank.loss): how many, the share of the rows the models hold.
+    for name in ("ranks_lost", "coverage", "steps_discarded"):
+        if (value := _number(getattr(evaluation, name))) is not None:
+            metrics[name] = value
     # Each rank's local test distribution (runs of non-iid shard sets): eval.json's keys as they are.
     metrics.update({key: float(value) for key, value in (evaluation.local or {}).items()})
     # Unknown (absent) in train.json of older train stages; 0 for independent training.

@@ -34,6 +34,7 @@ PARENT_TAG = "mlflow.parentRunId"
 LAYOUT_TAG = "shardfuse.layout"  # LAYOUT_VERSION of the push that made the run: another one is replaced
 TRAINING_TAG = "shardfuse.training"  # the training the run merged (runs that share one share it)
 TRIAL_TAG = "shardfuse.trial"  # a merge_search trial's child run (its number)
+LOST_TAG = "shardfuse.lost"  # a rank's child run: the rank was lost for good while training
 FAILED_TAG = (
     "shardfuse.error"  # a run that failed in the workflow: its one-line error (shardfuse.track.failed)
 )

@@ -52,6 +52,7 @@ from shardfuse.track.plan import (
     COMPLETE_TAG,
     FINGERPRINT_TAG,
     LAYOUT_TAG,
+    LOST_TAG,
     PARENT_TAG,
     RANK_TAG,
     RUN_TAG,
@@ -141,6 +142,8 @@ def _sync_rank(
     tags[TRAINING_TAG] = str(train.run or "")
     if rank.host is not None:
         tags["shardfuse.host"] = rank.host
+    if rank.lost:  # lost for good while training: its curves up to then, no model
+        tags[LOST_TAG] = "true"
     params = [Param(k, v) for k, v in params.items() if child.data.params.get(k) != v]
     tags = [RunTag(k, v) for k, v in tags.items() if child.data.tags.get(k) != v]
     if final or params or tags:
@@ -148,8 +151,9 @@ def _sync_rank(
     shard = run_datasets(inputs.files.manifest, inputs.manifest, options.dataset_name).ranks.get(rank.rank)
     if shard is not None:
         log_datasets(client, child, [shard])
-    if child.info.status != "FINISHED" or (times and child.info.end_time != times[1]):
-        client.set_terminated(child_id, "FINISHED", end_time=times[1] if times else None)
+    status = "FAILED" if rank.lost else "FINISHED"
+    if child.info.status != status or (times and child.info.end_time != times[1]):
+        client.set_terminated(child_id, status, end_time=times[1] if times else None)
     return child_id, pushed + len(final)
 
 

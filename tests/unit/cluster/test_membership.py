@@ -74,3 +74,34 @@ def test_a_train_json_from_before_membership_reads_as_every_rank_alive_in_its_fs
     assert recorded_membership(recorded, 2, "t", "fix").lost_ranks == (1,)
     with pytest.raises(UserError, match=r"^t: its membership lists 2 ranks, not 3; fix$"):
         recorded_membership(recorded, 3, "t", "fix")
+
+
+def test_a_lost_rank_leaves_the_survivors_numbered_by_torch_and_says_what_it_took():
+    membership = Membership.full(3).lose(1, at_step=40, steps_discarded=40)
+    assert [m.rank for m in membership.alive_members] == [0, 2]
+    assert membership.member_of_process(1).rank == 2 and membership.process_of(2) == 1
+    assert membership.lost_ranks == (1,) and membership.steps_discarded == 40
+    assert membership.covered_shards == (0, 2)
+    data = membership.to_json()
+    assert data["ranks"][1] == {
+        "rank": 1, "replica": 1, "data_shard": 1, "alive": False, "lost_at_step": 40, "steps_discarded": 40
+    }  # fmt: skip
+    assert data["steps_discarded"] == 40
+    assert Membership.from_json(data, "train.json", "fix") == membership
+    assert "steps_discarded" not in Membership.full(3).to_json()  # a full membership's record is as it was
+    with pytest.raises(
+        UserError, match="torch rank 2 is not a member: 2 of the training's 3 ranks are alive"
+    ):
+        membership.member_of_process(2)
+    with pytest.raises(UserError, match="rank 1 was lost already"):
+        membership.lose(1, 50, 0)
+
+
+def test_coverage_counts_a_lost_shards_rows_up_to_its_last_step_that_reached_the_others():
+    rows = [300, 100, 100]  # shard 0 holds 60 % of the rows
+    independent = Membership.full(3).lose(0, at_step=25, steps_discarded=25)  # never met the others
+    assert independent.epoch_coverage(rows, steps_per_epoch=10, epochs=3) == pytest.approx([0.4, 0.4, 0.4])
+    synced = Membership.full(3).lose(0, at_step=25, steps_discarded=5)  # its last sync at step 20
+    assert synced.epoch_coverage(rows, steps_per_epoch=10, epochs=3) == pytest.approx([1.0, 1.0, 0.4])
+    assert Membership.full(3).epoch_coverage(rows, 10, 2) == [1.0, 1.0]
+    assert synced.row_coverage(rows) == pytest.approx(0.4)

@@ -1,0 +1,201 @@
+"""A rank lost for good: how the launcher tells one from a transient fault, and what the survivors carry.
+
+torchrun restarts every rank after a failure (``max_restarts``) and they resume from the newest complete
+checkpoint: right for a transient fault. A rank is **lost for good** when it was the rank that failed in
+every one of those ``max_restarts + 1`` attempts and no checkpoint completed in between (it failed again
+and again at the same step): a node that is gone, a GPU that keeps failing, a shard that kills its
+reader. With ``min_ranks`` below the world size the launcher then starts the survivors again as a smaller
+world (:class:`shardfuse.cluster.membership.Membership`), from the same checkpoint; with fewer than
+``min_ranks`` left it stops with one line, as it does today when ``min_ranks`` is the world size.
+
+The lost rank's shard is left unseen from then on (``orphans: drop``, the one policy built so far): its
+rows count against the fused model's ``coverage``. Its optimiser steps that no published model holds are
+``steps_discarded``: all of them when the ranks never meet (independent training), otherwise those since
+the last sync (localsgd's average, DiLoCo's outer step), when its work last reached the others.
+
+Torch-free: the launcher imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from shardfuse.cluster.agent import KILLED_RECORD
+from shardfuse.cluster.membership import Member, Membership
+from shardfuse.cluster.torchrun import Geometry, launch_command
+from shardfuse.console.stream import console_stream
+from shardfuse.io import UserError, read_json, write_json
+from shardfuse.rank.checkpoint_steps import complete_steps
+from shardfuse.rank.failure import FAILURES_DIR, read_failure, read_start
+from shardfuse.strategies.registry import find_strategy
+
+MEMBERSHIP_FILE = "membership.json"  # in the staging folder, once a rank was lost: the survivors go on
+
+
+def strategy_of(train_args: list[str]) -> tuple[str, int]:
+    """(strategy, sync_every) of the training's ``--config-json``."""
+    try:
+        config = json.loads(train_args[train_args.index("--config-json") + 1])
+        return str(config["strategy"]), int(config.get("sync_every") or 0)
+    except (ValueError, IndexError, KeyError, TypeError):
+        raise UserError(
+            "the train arguments have no --config-json with a strategy; pass the run's config as the "
+            "train rule does"
+        ) from None
+
+
+def steps_discarded(strategy: str, sync_every: int, lost_at_step: int) -> int:
+    """The lost rank's optimiser steps that reached no other rank: all of them when the ranks never meet
+    (sync_every 0), else those since its last sync."""
+    if not find_strategy(strategy).survives_rank_loss or sync_every <= 0:
+        return lost_at_step
+    return lost_at_step % sync_every
+
+
+def killed_ranks(staging: Path) -> list[int]:
+    """The ranks the agent saw killed by a signal in this torchrun's attempts, in order (its record:
+    :data:`shardfuse.cluster.agent.KILLED_RECORD`), but for SIGTERM: the agent's own, sent to a failed
+    attempt's other ranks."""
+    try:
+        lines = (staging / KILLED_RECORD).read_text().splitlines()
+    except OSError:
+        return []
+    ranks = []
+    for line in lines:
+        try:
+            killed = json.loads(line)
+            if int(killed["signal"]) != signal.SIGTERM:
+                ranks.append(int(killed["rank"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a kill of the agent itself
+    return ranks
+
+
+def attempt_culprits(staging: Path, max_restarts: int, killed: list[int]) -> list[int | None]:
+    """Per torchrun attempt, the rank that failed (its member rank: torch's while no rank was lost): the
+    rank that recorded its own exception first, else (a rank killed by a signal records nothing) the
+    next rank the agent saw killed."""
+    culprits: list[int | None] = []
+    kills = iter(killed)
+    for attempt in range(max_restarts + 1):
+        failure = read_failure(staging, attempt)
+        if failure is not None and not failure.peer_lost:
+            culprits.append(failure.rank)
+        else:
+            culprits.append(next(kills, failure.rank if failure is not None else None))
+    return culprits
+
+
+def lost_member(
+    membership: Membership, culprits: list[int | None], starts: list[int | None], step: int
+) -> Member | None:
+    """The member lost for good: the same alive rank failed every attempt, and every restart resumed
+    from ``step`` (the newest complete checkpoint now; ``starts``: what attempts 1.. resumed from, None
+    for one that failed before it agreed where) so none got past it. None otherwise: the failure is
+    reported as it always was."""
+    if not culprits or None in culprits or len(set(culprits)) != 1:
+        return None
+    if any(start not in (None, step) for start in starts):
+        return None  # a restart got further: not one step that fails for good
+    rank = culprits[0]
+    if not 0 <= rank < membership.world_size or not membership.member(rank).alive:
+        return None
+    return membership.member(rank)
+
+
+def read_membership(staging: Path) -> Membership | None:
+    """The survivors an earlier launch of this training went on with (None: every rank alive)."""
+    path = staging / MEMBERSHIP_FILE
+    if not path.is_file():
+        return None
+    return Membership.from_json(
+        read_json(path, "membership file"),
+        str(path),
+        "delete the training's .ranks.partial folder to train afresh",
+    )
+
+
+def write_membership(staging: Path, membership: Membership) -> Path:
+    path = staging / MEMBERSHIP_FILE
+    write_json(path, membership.to_json())
+    return path
+
+
+def loss_line(member: Member, attempts: int, step: int, alive: int, world_size: int, min_ranks: int) -> str:
+    """The launcher's line when a rank is lost and the survivors go on."""
+    return (
+        f"launch: rank {member.rank} was lost for good: it failed {attempts} time(s) in a row at step {step} "
+        f"(max_restarts {attempts - 1}); the other {alive} of {world_size} ranks go on from step {step} "
+        f"without it (min_ranks {min_ranks}); its shard {member.data_shard} is left unseen (orphans: drop)"
+    )
+
+
+def too_few_line(
+    member: Member, attempts: int, step: int, alive: int, world_size: int, min_ranks: int
+) -> str:
+    return (
+        f"rank {member.rank} was lost for good (it failed {attempts} time(s) in a row at step {step}) and "
+        f"only {alive} of {world_size} ranks are left, fewer than min_ranks {min_ranks}; fix the cause and "
+        f"re-run (the survivors resume from step {step}), or lower min_ranks"
+    )
+
+
+def survivors_after_loss(
+    membership: Membership,
+    staging: Path,
+    train_args: list[str],
+    max_restarts: int,
+    min_ranks: int | None,
+) -> Membership | None:
+    """After torchrun failed: the membership the survivors go on with (written to the staging folder,
+    which a re-run reads too) when one rank was lost for good and at least ``min_ranks`` are left; None
+    when no rank was (the failure is reported as always). Fewer than ``min_ranks`` left: one line."""
+    if min_ranks is None or min_ranks >= membership.world_size:
+        return None
+    steps = complete_steps(staging / "checkpoints")
+    step = steps[-1] if steps else 0
+    culprits = attempt_culprits(staging, max_restarts, killed_ranks(staging))
+    starts = [read_start(staging, attempt) for attempt in range(1, max_restarts + 1)]
+    lost = lost_member(membership, culprits, starts, step)
+    if lost is None:
+        return None
+    strategy, sync_every = strategy_of(train_args)
+    survivors = membership.lose(lost.rank, step, steps_discarded(strategy, sync_every, step))
+    alive, attempts = len(survivors.alive_members), max_restarts + 1
+    if alive < min_ranks:
+        raise UserError(too_few_line(lost, attempts, step, alive, membership.world_size, min_ranks))
+    write_membership(staging, survivors)
+    line = loss_line(lost, attempts, step, alive, membership.world_size, min_ranks)
+    print(line, file=sys.stderr, flush=True)
+    console = console_stream()  # the workflow's console too, where the trainings' progress goes
+    if console is not None:
+        with contextlib.suppress(OSError), console:
+            print(line, file=console)
+    shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)  # the next torchrun counts its attempts anew
+    return survivors
+
+
+def survivors_command(
+    membership: Membership,
+    staging: Path,
+    train_args: list[str],
+    environ: Mapping[str, str],
+    max_restarts: int,
+) -> tuple[Geometry, list[str]]:
+    """torchrun for the alive ranks, on one node, each told which member it is (``--membership``)."""
+    geometry = Geometry(1, len(membership.alive_members))
+    args = [*train_args, "--out-dir", str(staging), "--membership", str(staging / MEMBERSHIP_FILE)]
+    return geometry, launch_command(geometry, args, environ, max_restarts=max_restarts)
+
+
+def fsdp_of(train_args: list[str]) -> int:
+    try:
+        return int(json.loads(train_args[train_args.index("--config-json") + 1]).get("fsdp") or 1)
+    except (ValueError, IndexError, TypeError, AttributeError):
+        return 1

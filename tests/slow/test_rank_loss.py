@@ -1,0 +1,162 @@
+"""A rank lost for good, with real faults: a harness outside the training SIGKILLs rank 1 every time it
+runs past the checkpoint of step 40 (tests/support/faults.py), so it fails max_restarts + 1 times in a row
+at that step. With min_ranks 2 of 3 the other ranks go on from that checkpoint without it:
+- an independent training, through the workflow: the survivors end bitwise as they would have without
+  the fault (each trains its own shard), gather and merge fuse those two, and train.json, gather.json,
+  eval.json, summary.csv and MLflow say a rank was lost, the coverage (the survivors' share of the rows)
+  and the steps discarded (all 40 of the lost rank's); its child run is FAILED and tagged lost;
+- localsgd (sync_every 5): the survivors average without it; the same loss at the same step gives the
+  same weights bitwise;
+- DiLoCo (sync_every 16): the survivors' outer steps go on; the lost rank's 8 steps since its last outer
+  step are discarded.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from tests.support.data import prepare_and_partition
+from tests.support.faults import KillRankPast
+from tests.support.helpers import run_stage, snakemake, subprocess_env
+from tests.support.training import RESUME_CFG
+
+DIGITS = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
+LOSS_CFG = {**RESUME_CFG, "hidden_sizes": [128, 128], "batch_size": 32, "epochs": 12, "checkpoint_every": 40}
+LOST_LINE = (
+    "launch: rank 1 was lost for good: it failed 2 time(s) in a row at step 40 (max_restarts 1); the other 2 "
+    "of 3 ranks go on from step 40 without it (min_ranks 2); its shard 1 is left unseen (orphans: drop)"
+)
+
+
+@pytest.fixture(scope="module")
+def three_shards(tmp_path_factory):
+    return prepare_and_partition(tmp_path_factory.mktemp("digits3"), "digits", DIGITS, world_size=3)
+
+
+def launch(out, data, cfg: dict, min_ranks: int | None = 2, kill: bool = True):
+    dataset, shards = data
+    args = ["--nproc-per-node", 3, "--max-restarts", 1, *(["--min-ranks", min_ranks] if min_ranks else [])]
+    args += ["--out-dir", out, "--", "--run-name", "r", "--shard-dir", shards, "--dataset-dir", dataset]
+    args += ["--config-json", json.dumps(cfg)]
+    if not kill:
+        return run_stage("launch", *args)
+    with KillRankPast(out, rank=1, step=40) as harness:
+        proc = run_stage("launch", *args)
+    assert len(harness.kills) == 2, (harness.kills, proc.stderr[-3000:])  # one per torchrun attempt
+    return proc
+
+
+def rank_files(ranks) -> dict[str, bytes]:
+    return {name: (ranks / name).read_bytes() for name in ("rank-0.safetensors", "rank-2.safetensors")}
+
+
+def test_an_independent_trainings_survivors_end_as_without_the_fault_and_the_fusion_says_what_it_holds(
+    tmp_path,
+):
+    config = {
+        "datasets": {"digits": json.loads(DIGITS)},
+        "run_defaults": {"dataset": "digits", "world_size": 3, "max_restarts": 1, **LOSS_CFG},
+        "runs": {
+            "lossy": {"strategy": "localsgd", "sync_every": 0, "merge_method": "uniform", "min_ranks": 2}
+        },
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "lossy"},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    with KillRankPast(None, rank=1, step=40, workdir=tmp_path) as harness:
+        proc = snakemake(tmp_path)
+    assert len(harness.kills) == 2
+    assert LOST_LINE in proc.stderr  # on the workflow's console, not only in the training's log
+    (training,) = (tmp_path / "results" / "trainings").iterdir()
+    ranks = training / "ranks"
+    record = json.loads((ranks / "train.json").read_text())
+    membership = record["membership"]
+    assert membership["lost_ranks"] == [1] and membership["steps_discarded"] == 40
+    manifest = json.loads((tmp_path / "results/shards/digits/w3-seed0/manifest.json").read_text())
+    rows = [shard["rows"] for shard in manifest["shards"]]
+    coverage = (rows[0] + rows[2]) / sum(rows)  # every epoch: the lost model is gone with its shard
+    assert membership["coverage"] == pytest.approx(coverage)
+    assert membership["coverage_per_epoch"] == pytest.approx([coverage] * LOSS_CFG["epochs"])
+    lost_entry = {"rank": 1, "rows": rows[1], "lost": True, "lost_at_step": 40, "steps_discarded": 40}
+    assert record["ranks"][1] == {**lost_entry, "checkpoint": None}
+    assert not (ranks / "rank-1.safetensors").exists()
+    assert (ranks / "metrics" / "rank-1.parquet").is_file()  # its curve up to the loss stays
+    gather = json.loads((training / "gather.json").read_text())
+    assert [entry["rank"] for entry in gather["ranks"]] == [0, 2]
+    merge = json.loads((tmp_path / "results/runs/lossy/merge.json").read_text())
+    assert merge["num_ranks"] == 2 and [i["rank"] for i in merge["ingredients"]] == [0, 2]
+    evaluation = json.loads((tmp_path / "results/runs/lossy/eval.json").read_text())
+    assert (evaluation["ranks_lost"], evaluation["steps_discarded"]) == (1, 40)
+    assert evaluation["coverage"] == pytest.approx(coverage)
+    assert [r["rank"] for r in evaluation["ranks"]] == [0, 2]
+    with open(tmp_path / "results/experiments/lossy/summary.csv", newline="") as fh:
+        (row,) = csv.DictReader(fh)
+    assert (row["ranks_lost"], row["steps_discarded"]) == ("1", "40")
+    assert float(row["coverage"]) == pytest.approx(coverage)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("lossy").experiment_id], "")
+    by_name = {run.info.run_name: run for run in runs}
+    assert by_name["lossy"].data.metrics["ranks_lost"] == 1.0
+    assert by_name["lossy"].data.metrics["coverage"] == pytest.approx(coverage)
+    lost = by_name["lossy/rank-1"]
+    assert lost.info.status == "FAILED" and lost.data.tags["shardfuse.lost"] == "true"
+    assert (
+        by_name["lossy/rank-2"].info.status == "FINISHED"
+        and "shardfuse.lost" not in by_name["lossy/rank-2"].data.tags
+    )
+
+    # The same training's command without min_ranks and without the fault: ranks 0 and 2 end the same.
+    shell = next(
+        line.removeprefix("Shell command: ")
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if line.startswith("Shell command: python -m shardfuse.launch")
+    )
+    words = shlex.split(shell)
+    at = words.index("--min-ranks")
+    words = words[:at] + words[at + 2 :]
+    words[words.index("--out-dir") + 1] = "reference/ranks"
+    words[words.index("--log") + 1] = "reference/train.log"
+    reference = subprocess.run(
+        [sys.executable, *words[1:]], cwd=tmp_path, capture_output=True, text=True, env=subprocess_env()
+    )
+    assert reference.returncode == 0, (tmp_path / "reference/train.log").read_text()[-3000:]
+    assert rank_files(tmp_path / "reference/ranks") == rank_files(ranks)
+
+
+def test_localsgd_survivors_average_without_the_lost_rank_and_the_same_loss_gives_the_same_weights(
+    tmp_path, three_shards
+):
+    cfg = {**LOSS_CFG, "strategy": "localsgd", "sync_every": 5, "min_ranks": 2}
+    first, second = tmp_path / "first" / "ranks", tmp_path / "second" / "ranks"
+    for out in (first, second):
+        proc = launch(out, three_shards, cfg)
+        assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
+    assert rank_files(first) == rank_files(second)
+    record = json.loads((first / "train.json").read_text())
+    assert record["membership"]["steps_discarded"] == 0  # it synced at step 40, then it was lost
+    steps_per_epoch = record["steps_per_epoch"]
+    per_epoch = record["membership"]["coverage_per_epoch"]
+    assert per_epoch[: 40 // steps_per_epoch] == [1.0] * (40 // steps_per_epoch)  # in every average
+    rows = [shard["rows"] for shard in json.loads((three_shards[1] / "manifest.json").read_text())["shards"]]
+    assert per_epoch[-1] == pytest.approx((rows[0] + rows[2]) / sum(rows))  # the survivors' shards only
+
+
+def test_diloco_survivors_go_on_with_their_outer_steps_and_the_steps_since_the_last_are_discarded(
+    tmp_path, three_shards
+):
+    cfg = {**LOSS_CFG, "strategy": "diloco", "sync_every": 16, "min_ranks": 2}
+    proc = launch(tmp_path / "ranks", three_shards, cfg)
+    assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "ranks" / "train.json").read_text())
+    assert record["membership"]["lost_ranks"] == [1]
+    assert record["membership"]["steps_discarded"] == 40 % 16
+    assert [entry["num_steps"] for entry in record["ranks"] if not entry.get("lost")] == [
+        record["num_steps"]
+    ] * 2
