@@ -364,3 +364,13 @@ def call_stage(stage: str, *args: object, cwd: Path | None = None) -> subprocess
     return subprocess.CompletedProcess(
         [f"shardfuse.{stage}", *map(str, args)], status, out.getvalue(), err.getvalue()
     )
+
+
+class ManualClock:
+    """A clock a test moves by hand (``clock.now += 10``), for code that takes a ``clock`` callable."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -88,7 +88,8 @@ def attempt_culprits(staging: Path, max_restarts: int, killed: list[int]) -> lis
         if failure is not None and not failure.peer_lost:
             culprits.append(failure.rank)
         else:
-            culprits.append(next(kills, failure.rank if failure is not None else None))
+            # No kill seen either: unknown (a peer's lost connection names the peer, not the cause).
+            culprits.append(next(kills, None))
     return culprits
 
 

@@ -21,18 +21,11 @@ from shardfuse.console.stream import CONSOLE_FD_ENV, QUIET_ENV, console_token
 from shardfuse.data.sources import synthetic
 from shardfuse.fusion.engine import Engine
 from shardfuse.fusion.methods.registry import resolve_params
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.helpers import ManualClock
 
 
 def test_a_short_stage_prints_nothing_and_a_long_one_a_line_every_10_s_then_its_last():
-    clock, console, log = Clock(), io.StringIO(), io.StringIO()
+    clock, console, log = ManualClock(100.0), io.StringIO(), io.StringIO()
     console.close = lambda: None  # read after the stage
     with StageProgress("merge ties", 1000, "parameters", clock=clock, console=console, log=log) as short:
         clock.now += 9.9
@@ -57,7 +50,7 @@ def test_a_short_stage_prints_nothing_and_a_long_one_a_line_every_10_s_then_its_
 
 
 def test_without_a_total_the_line_counts_and_gives_the_rate():
-    clock, log = Clock(), io.StringIO()
+    clock, log = ManualClock(), io.StringIO()
     stage = StageProgress("prepare big", None, "rows", clock=clock, console=None, log=log)
     clock.now += 20.0
     stage.advance(4000)

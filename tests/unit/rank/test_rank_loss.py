@@ -55,6 +55,8 @@ def test_each_attempts_culprit_is_its_own_exception_else_the_next_rank_a_signal_
     killed(tmp_path, (1, 9), (0, 15), (2, 15))  # the agent's SIGTERMs to the others are no culprits
     assert killed_ranks(tmp_path) == [1]
     assert attempt_culprits(tmp_path, 2, killed_ranks(tmp_path)) == [2, 1, None]
+    raised(tmp_path, 0, 2, peer_lost=True)  # attempt 2: only a peer's lost connection, no kill seen
+    assert attempt_culprits(tmp_path, 2, killed_ranks(tmp_path)) == [2, 1, None]
 
 
 def test_a_rank_is_lost_only_when_it_failed_every_attempt_and_no_restart_got_past_the_checkpoint():

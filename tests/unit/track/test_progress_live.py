@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from shardfuse.rank.progress import Progress
 from shardfuse.track import sync as track_sync
 from shardfuse.track.live import LiveLogger
+from tests.support.helpers import ManualClock
 from tests.support.tracking import make_run_dir, run_config
 
 EXPERIMENT = "shardfuse-live"
@@ -50,18 +51,10 @@ def test_progress_off_a_terminal_prints_one_line_per_ten_percent_with_steps_per_
     assert re.search(r"[\d.]+ steps/s, ETA 0s, loss 0\.0050, 1,234 samples/s$", lines[-1])
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_console_gets_a_line_every_ten_seconds_and_the_last_with_the_eta_and_the_val_score():
     """The workflow's console (the launcher's, passed to rank 0): 100 steps a second apart make a line
     at steps 10, 20, ... (ten seconds apart) and at the last; the log keeps its line per 10 %."""
-    log, console, clock = io.StringIO(), io.StringIO(), Clock()
+    log, console, clock = io.StringIO(), io.StringIO(), ManualClock()
     with Progress(100, stream=log, description="t", console=console, score_name="accuracy", clock=clock) as p:
         for step in range(1, 101):
             clock.now += 1.0
@@ -75,7 +68,7 @@ def test_the_console_gets_a_line_every_ten_seconds_and_the_last_with_the_eta_and
     )
     assert lines[-1].startswith("t: step 100/100 (100%), 1.0 steps/s, ETA 0s, ")
     assert log.getvalue().splitlines() == lines  # here the 10 % marks fall ten seconds apart too
-    fast, clock = io.StringIO(), Clock()
+    fast, clock = io.StringIO(), ManualClock()
     with Progress(1000, stream=io.StringIO(), description="f", console=fast, clock=clock) as p:
         for step in range(1, 1001):
             clock.now += 0.001  # a second in all: only the last step reaches the console
