@@ -174,13 +174,11 @@ def gather(train_dir: Path, world_size: int) -> GatherRecord:
 
 
 def _coverage(train_info: dict[str, Any]) -> dict[str, Any]:
-    """After a lost rank: train.json's rows coverage of the published models (overall, per epoch)."""
+    """After a lost rank: train.json's rows coverage of the published models (overall, per epoch) and
+    the min_ranks the training went on with."""
     recorded = train_info.get("membership") or {}
-    return {
-        key: recorded[key]
-        for key in ("coverage", "coverage_per_epoch")
-        if key in recorded and recorded.get("lost_ranks")
-    }
+    keys = ("coverage", "coverage_per_epoch", "min_ranks")
+    return {key: recorded[key] for key in keys if key in recorded and recorded.get("lost_ranks")}
 
 
 def _dataset_sha256(train_info: dict[str, Any]) -> str | None:

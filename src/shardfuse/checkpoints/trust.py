@@ -83,6 +83,12 @@ def read_gather(
                 f"{gather_path} lists ranks {sorted(numbers)} but its membership has ranks {list(alive)} "
                 f"alive; {STALE}"
             )
+        min_ranks = gather.membership.get("min_ranks")
+        if isinstance(min_ranks, int) and len(alive) < min_ranks:
+            raise UserError(
+                f"{gather_path} lists {len(alive)} surviving rank(s) but the training went on only with "
+                f"min_ranks {min_ranks}; {STALE}"
+            )
     elif world_size is not None and replicas != len(gather.ranks):
         what = f"{replicas} replicas of world size" if replicas != world_size else "world size"
         raise UserError(f"{gather_path} lists {len(gather.ranks)} ranks for {what} {world_size}; {STALE}")

@@ -151,6 +151,7 @@ def membership_record(setup: RankSetup, steps_per_epoch: int) -> dict[str, Any]:
         rows = [shard["rows"] for shard in setup.manifest["shards"]]
         per_epoch = membership.epoch_coverage(rows, steps_per_epoch, setup.cfg.loop.epochs)
         record |= {"coverage": sum(per_epoch) / len(per_epoch), "coverage_per_epoch": per_epoch}
+        record["min_ranks"] = setup.cfg.sync.min_ranks  # what merge holds the survivors to
     return record
 
 
