@@ -5,8 +5,8 @@ at that step. With min_ranks 2 of 3 the other ranks go on from that checkpoint w
   the fault (each trains its own shard), gather and merge fuse those two, and train.json, gather.json,
   eval.json, summary.csv and MLflow say a rank was lost, the coverage (the survivors' share of the rows)
   and the steps discarded (all 40 of the lost rank's); its child run is FAILED and tagged lost;
-- localsgd (sync_every 5): the survivors average without it; the same loss at the same step gives the
-  same weights bitwise;
+- localsgd (sync_every 5): the survivors average without it, the lost rank's rows count in every
+  average before the loss;
 - DiLoCo (sync_every 16): the survivors' outer steps go on; the lost rank's 8 steps since its last outer
   step are discarded.
 """
@@ -29,7 +29,7 @@ from tests.support.helpers import run_stage, snakemake, subprocess_env
 from tests.support.training import RESUME_CFG
 
 DIGITS = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
-LOSS_CFG = {**RESUME_CFG, "hidden_sizes": [128, 128], "batch_size": 32, "epochs": 12, "checkpoint_every": 40}
+LOSS_CFG = {**RESUME_CFG, "hidden_sizes": [128, 128], "batch_size": 32, "epochs": 6, "checkpoint_every": 40}
 LOST_LINE = (
     "launch: rank 1 was lost for good: it failed 2 time(s) in a row at step 40 (max_restarts 1); the other 2 "
     "of 3 ranks go on from step 40 without it (min_ranks 2); its shard 1 is left unseen (orphans: drop)"
@@ -130,16 +130,13 @@ def test_an_independent_trainings_survivors_end_as_without_the_fault_and_the_fus
     assert rank_files(tmp_path / "reference/ranks") == rank_files(ranks)
 
 
-def test_localsgd_survivors_average_without_the_lost_rank_and_the_same_loss_gives_the_same_weights(
+def test_localsgd_survivors_average_without_the_lost_rank_whose_rows_count_until_its_last_sync(
     tmp_path, three_shards
 ):
     cfg = {**LOSS_CFG, "strategy": "localsgd", "sync_every": 5, "min_ranks": 2}
-    first, second = tmp_path / "first" / "ranks", tmp_path / "second" / "ranks"
-    for out in (first, second):
-        proc = launch(out, three_shards, cfg)
-        assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
-    assert rank_files(first) == rank_files(second)
-    record = json.loads((first / "train.json").read_text())
+    proc = launch(tmp_path / "ranks", three_shards, cfg)
+    assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "ranks" / "train.json").read_text())
     assert record["membership"]["steps_discarded"] == 0  # it synced at step 40, then it was lost
     steps_per_epoch = record["steps_per_epoch"]
     per_epoch = record["membership"]["coverage_per_epoch"]
