@@ -54,6 +54,14 @@ def launch(out, data, cfg: dict, min_ranks: int | None = 2, kill: bool = True):
     return proc
 
 
+def lose_rank_1(tmp_path, data, strategy: str, sync_every: int) -> dict:
+    """A training of ``strategy`` losing rank 1 at step 40, going on with min_ranks 2: its train.json."""
+    cfg = {**LOSS_CFG, "strategy": strategy, "sync_every": sync_every, "min_ranks": 2}
+    proc = launch(tmp_path / "ranks", data, cfg)
+    assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
+    return json.loads((tmp_path / "ranks" / "train.json").read_text())
+
+
 def rank_files(ranks) -> dict[str, bytes]:
     return {name: (ranks / name).read_bytes() for name in ("rank-0.safetensors", "rank-2.safetensors")}
 
@@ -133,10 +141,7 @@ def test_an_independent_trainings_survivors_end_as_without_the_fault_and_the_fus
 def test_localsgd_survivors_average_without_the_lost_rank_whose_rows_count_until_its_last_sync(
     tmp_path, three_shards
 ):
-    cfg = {**LOSS_CFG, "strategy": "localsgd", "sync_every": 5, "min_ranks": 2}
-    proc = launch(tmp_path / "ranks", three_shards, cfg)
-    assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
-    record = json.loads((tmp_path / "ranks" / "train.json").read_text())
+    record = lose_rank_1(tmp_path, three_shards, "localsgd", 5)
     assert record["membership"]["steps_discarded"] == 0  # it synced at step 40, then it was lost
     steps_per_epoch = record["steps_per_epoch"]
     per_epoch = record["membership"]["coverage_per_epoch"]
@@ -148,10 +153,7 @@ def test_localsgd_survivors_average_without_the_lost_rank_whose_rows_count_until
 def test_diloco_survivors_go_on_with_their_outer_steps_and_the_steps_since_the_last_are_discarded(
     tmp_path, three_shards
 ):
-    cfg = {**LOSS_CFG, "strategy": "diloco", "sync_every": 16, "min_ranks": 2}
-    proc = launch(tmp_path / "ranks", three_shards, cfg)
-    assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
-    record = json.loads((tmp_path / "ranks" / "train.json").read_text())
+    record = lose_rank_1(tmp_path, three_shards, "diloco", 16)
     assert record["membership"]["lost_ranks"] == [1]
     assert record["membership"]["steps_discarded"] == 40 % 16
     assert [entry["num_steps"] for entry in record["ranks"] if not entry.get("lost")] == [
