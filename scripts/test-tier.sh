@@ -18,5 +18,6 @@ verdict="within budget"
 result="passed"
 ((status == 0)) || result="FAILED (exit status $status)"
 printf 'tier %s: %s; %d s wall, budget %d s: %s\n' "$name" "$result" "$elapsed" "$budget" "$verdict"
-printf '%s\t%d\t%d\t%d\n' "$name" "$elapsed" "$budget" "$status" >>"$reports/tiers.tsv"
+printf '%s\t%d\t%d\t%d\t%d\t%d\n' "$name" "$elapsed" "$budget" "$status" "$start" "$((start + elapsed))" \
+    >>"$reports/tiers.tsv"
 exit "$status"
