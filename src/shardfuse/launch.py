@@ -69,14 +69,16 @@ from shardfuse.console.failures import stage_errors
 from shardfuse.console.stream import CONSOLE_FD_ENV, QUIET_ENV, console_fd, console_token
 from shardfuse.io import Interrupted, StageParser, UserError, error_reason, replace_dir, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
-from shardfuse.rank.failure import FAILURES_DIR, failure_message
+from shardfuse.rank.failure import FAILURES_DIR, did_not_join, failure_message
 from shardfuse.rank.loss import (
     MEMBERSHIP_FILE,
     fsdp_of,
+    orphans_of,
     read_membership,
     strategy_of,
     survivors_after_loss,
     survivors_command,
+    unaligned_of,
 )
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
 from shardfuse.strategies.registry import rank_loss_problem
@@ -162,10 +164,11 @@ def launch(
     rank_start(environ)  # a bad SHARDFUSE_RANK_START fails here, before any file or rank
     if min_ranks is not None:
         strategy, _ = strategy_of(train_args)
-        fsdp = fsdp_of(train_args)
-        if (
-            problem := rank_loss_problem(min_ranks, geometry.world_size, strategy, fsdp, geometry.nnodes)
-        ) is not None:
+        problem = rank_loss_problem(
+            min_ranks, geometry.world_size, strategy, fsdp_of(train_args), geometry.nnodes,
+            orphans_of(train_args), unaligned_of(train_args),
+        )  # fmt: skip
+        if problem is not None:
             raise UserError(f"--min-ranks: {problem}")
     staging = staging_dir(out_dir)
     cmd = launch_command(
@@ -215,6 +218,7 @@ def _train(
         (staging / name).unlink(missing_ok=True)
     membership = read_membership(staging)  # the survivors an earlier launch went on with
     job = environ.get("SLURM_JOB_ID")
+    rejoined = False
     while True:
         if membership is not None:
             geometry, cmd = survivors_command(membership, staging, train_args, environ, max_restarts)
@@ -231,6 +235,17 @@ def _train(
             stop_and_requeue(stopped, job if deadline is not None and deadline.fired else None)
         if status == 0:
             break
+        if not rejoined and did_not_join(staging, max_restarts):
+            # A rank hung while starting (not at a step of its own): no fault of the run's, so once more.
+            rejoined = True
+            print(
+                "launch: a rank never joined the others (it hung while starting); starting the ranks again, "
+                "once",
+                file=sys.stderr,
+                flush=True,
+            )
+            shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
+            continue
         membership = survivors_after_loss(
             membership or Membership.full(geometry.world_size), staging, train_args, max_restarts, min_ranks
         )

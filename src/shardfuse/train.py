@@ -24,6 +24,7 @@ optimiser, seeds), ``resume_or_start``, ``plan_steps`` (precision, DDP), ``train
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from shardfuse.cluster.membership import Membership
@@ -32,7 +33,7 @@ from shardfuse.experiment.run_config import TrainConfig
 from shardfuse.io import StageParser, parse_json_arg, read_json
 from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
-from shardfuse.rank.dist import DistContext, distributed, gate_for
+from shardfuse.rank.dist import DistContext, RanksDidNotJoin, distributed, gate_for
 from shardfuse.rank.failure import failures_recorded
 from shardfuse.rank.loop import train_loop
 from shardfuse.rank.publish import publish
@@ -121,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
         recorded = read_json(args.membership, "membership file")
         membership = Membership.from_json(recorded, str(args.membership), fix)
     with (
+        # A rank that never joined (it hung starting): recorded for the launcher, which starts them again.
+        failures_recorded(
+            args.out_dir, member_rank(membership, int(os.environ.get("RANK") or 0)), RanksDidNotJoin
+        ),
         distributed() as ctx,
         # Inside the process group: the failing rank's record exists before its peers fail in turn.
         # Records and the process's name give its member rank (torch's while no rank was lost).

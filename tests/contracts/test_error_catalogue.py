@@ -212,9 +212,24 @@ def case_min_ranks_zero(tmp):
     return config_case(tmp, config, "runs[r].min_ranks: 0 is less than the minimum of 1")
 
 
-def case_min_ranks_with_ddp(tmp):
+def case_orphans_drop_with_ddp(tmp):
     config = base_config(strategy="ddp", merge_method="consolidate", world_size=3, min_ranks=2)
-    return config_case(tmp, config, "but strategy ddp needs every rank at every step (orphans: reshard")
+    return config_case(
+        tmp, config, "runs[r].min_ranks: min_ranks 2 with strategy ddp and orphans drop: its ranks train one"
+    )
+
+
+def case_orphans_reshard_with_own_epoch_steps(tmp):
+    config = base_config(
+        strategy="localsgd", merge_method="uniform", world_size=2, min_ranks=1, orphans="reshard",
+        epoch_steps="own",
+    )  # fmt: skip
+    return config_case(tmp, config, "runs[r].orphans: orphans: reshard deals each of the lost rank's micro")
+
+
+def case_orphans_reshard_without_min_ranks(tmp):
+    config = base_config(strategy="localsgd", merge_method="uniform", world_size=2, orphans="reshard")
+    return config_case(tmp, config, "but min_ranks is the world size 2, so no rank may be lost")
 
 
 def case_min_ranks_with_fsdp(tmp):

@@ -192,3 +192,11 @@ def test_the_schema_enum_of_epoch_steps_is_its_records_and_its_default_the_typed
 
     assert RUN_KEYS["epoch_steps"]["enum"] == list(epoch_steps.names())
     assert RUN_KEYS["epoch_steps"]["default"] == epoch_steps.DEFAULT == LoopConfig().epoch_steps
+
+
+def test_the_schema_enum_of_orphans_is_the_memberships_and_its_default_the_typed_configs():
+    from shardfuse.cluster.membership import ORPHANS, Member
+    from shardfuse.experiment.run_config import SyncConfig
+
+    assert RUN_KEYS["orphans"]["enum"] == list(ORPHANS)
+    assert RUN_KEYS["orphans"]["default"] == ORPHANS[0] == SyncConfig().orphans == Member(0, 0, 0).orphans

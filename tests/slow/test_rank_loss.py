@@ -8,7 +8,10 @@ at that step. With min_ranks 2 of 3 the other ranks go on from that checkpoint w
 - localsgd (sync_every 5): the survivors average without it, the lost rank's rows count in every
   average before the loss;
 - DiLoCo (sync_every 16): the survivors' outer steps go on; the lost rank's 8 steps since its last outer
-  step are discarded.
+  step are discarded;
+- ddp with orphans: reshard (elastic data parallel): the survivors go on as one model, each of the lost
+  rank's micro-batches from step 40 on split between them; nothing discarded, every row seen; twice the
+  same loss gives bitwise the same model; gather and merge (consolidate) fuse the survivors.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from mlflow import MlflowClient
 
+from shardfuse.checkpoints.weights import load_weights
+from shardfuse.data.epoch_steps import plan_epochs
 from tests.support.data import prepare_and_partition
 from tests.support.faults import KillRankPast
-from tests.support.helpers import run_stage, snakemake, subprocess_env
+from tests.support.helpers import call_stage, run_stage, snakemake, subprocess_env
 from tests.support.training import RESUME_CFG
 
 DIGITS = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
@@ -159,3 +165,48 @@ def test_diloco_survivors_go_on_with_their_outer_steps_and_the_steps_since_the_l
     assert [entry["num_steps"] for entry in record["ranks"] if not entry.get("lost")] == [
         record["num_steps"]
     ] * 2
+
+
+def test_ddp_with_reshard_deals_the_lost_rows_to_the_survivors_bitwise_the_same_every_time(
+    tmp_path, three_shards
+):
+    cfg = {**LOSS_CFG, "strategy": "ddp", "min_ranks": 2, "orphans": "reshard"}
+    dealt_line = LOST_LINE.replace(
+        "is left unseen (orphans: drop)",
+        "is dealt to them, each of its micro-batches split 2 ways (orphans: reshard)",
+    )
+    models = []
+    for attempt in ("first", "second"):
+        proc = launch(tmp_path / attempt / "ranks", three_shards, cfg)
+        assert proc.returncode == 0 and dealt_line in proc.stderr, proc.stderr[-3000:]
+        models.append(rank_files(tmp_path / attempt / "ranks"))
+    assert models[0] == models[1]  # the same loss at the same step: bitwise the same result
+    first, _ = load_weights(tmp_path / "first" / "ranks" / "rank-0.safetensors")
+    other, _ = load_weights(tmp_path / "first" / "ranks" / "rank-2.safetensors")
+    assert first.keys() == other.keys() and all(torch.equal(first[k], other[k]) for k in first)  # one model
+    ranks = tmp_path / "first" / "ranks"
+    record = json.loads((ranks / "train.json").read_text())
+    membership = record["membership"]
+    assert membership["lost_ranks"] == [1] and membership["steps_discarded"] == 0
+    assert membership["ranks"][1]["orphans"] == "reshard"
+    assert membership["coverage_per_epoch"] == [1.0] * LOSS_CFG["epochs"]  # every row, every epoch
+    # The survivors took on every row of the lost rank's epochs from step 40 on, in their rows_seen too.
+    rows = [shard["rows"] for shard in json.loads((three_shards[1] / "manifest.json").read_text())["shards"]]
+    plan = plan_epochs(rows, LOSS_CFG["batch_size"], "min")
+    lost_epoch, lost_batch = divmod(40, record["steps_per_epoch"])
+    left = plan.shards[1].rows * LOSS_CFG["epochs"] - plan.rows_seen(1, lost_epoch, lost_batch)
+    survivors = [entry for entry in record["ranks"] if not entry.get("lost")]
+    assert sum(entry["rows_dealt"] for entry in survivors) == left > 0
+    assert all(
+        entry["rows_seen"] == plan.shards[entry["rank"]].rows * LOSS_CFG["epochs"] + entry["rows_dealt"]
+        for entry in survivors
+    )
+    gather = tmp_path / "gather.json"
+    assert call_stage("gather", "--train-dir", ranks, "--world-size", 3, "--out", gather).returncode == 0
+    assert json.loads(gather.read_text())["membership"]["coverage"] == 1.0
+    merged = call_stage(
+        "merge", "--run", "r", "--gather", gather, "--method", "consolidate", "--params-json", "{}",
+        "--out-weights", tmp_path / "merged.safetensors", "--out-json", tmp_path / "merge.json",
+    )  # fmt: skip
+    assert merged.returncode == 0, merged.stderr
+    assert json.loads((tmp_path / "merge.json").read_text())["num_ranks"] == 2

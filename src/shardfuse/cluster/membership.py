@@ -27,6 +27,11 @@ from typing import Any
 
 from shardfuse.io import UserError
 
+# What becomes of a rank's shard once the rank is lost for good (the run key orphans; the schema's enum,
+# tests/contracts hold them equal): drop leaves its rows unseen, reshard deals them to the others.
+ORPHANS = ("drop", "reshard")
+RESHARD = "reshard"
+
 
 @dataclass(frozen=True)
 class Member:
@@ -36,6 +41,14 @@ class Member:
     alive: bool = True
     lost_at_step: int | None = None  # lost: the optimiser step it could not get past
     steps_discarded: int = 0  # lost: its optimiser steps that no published model holds
+    # lost: what became of its shard from lost_at_step on: drop (left unseen) or reshard (its micro-batches
+    # dealt to the alive members, shardfuse.rank.orphans)
+    orphans: str = ORPHANS[0]
+
+    @property
+    def dealt(self) -> bool:
+        """Lost, and its rows from ``lost_at_step`` on dealt to the others."""
+        return not self.alive and self.orphans == RESHARD
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class Membership:
         """Per epoch, the share of the training rows the published models hold: an alive replica's
         shard all of it; a lost one's up to its last step that reached the survivors (``lost_at_step``
         less ``steps_discarded``: a sync, or none when the ranks never meet), pro rata of the epoch's
-        steps."""
+        steps, and with ``orphans: reshard`` also from ``lost_at_step`` on (dealt to the survivors)."""
         total = sum(shard_rows) or 1
         shares = []
         for epoch in range(epochs):
@@ -109,17 +122,24 @@ class Membership:
                 if member.alive:
                     covered += rows
                 else:
-                    held = (member.lost_at_step or 0) - member.steps_discarded
-                    covered += rows * min(max((held - start) / max(steps_per_epoch, 1), 0.0), 1.0)
+                    lost_at = member.lost_at_step or 0
+                    covered += rows * _share(lost_at - member.steps_discarded - start, steps_per_epoch)
+                    if member.dealt:  # the epoch's steps from the loss on took its rows too
+                        covered += rows * _share(start + steps_per_epoch - lost_at, steps_per_epoch)
             shares.append(covered / total)
         return shares
 
-    def lose(self, rank: int, at_step: int, steps_discarded: int) -> Membership:
-        """The membership with the alive member ``rank`` lost at ``at_step``."""
+    def lose(self, rank: int, at_step: int, steps_discarded: int, orphans: str = ORPHANS[0]) -> Membership:
+        """The membership with the alive member ``rank`` lost at ``at_step``, its shard's rows from then
+        on dropped or dealt to the others (``orphans``)."""
         if not self.member(rank).alive:
             raise UserError(f"rank {rank} was lost already; a rank is lost once")
+        if orphans not in ORPHANS:
+            raise UserError(f"orphans {orphans!r} is not one of {', '.join(ORPHANS)}")
         members = tuple(
-            Member(m.rank, m.replica, m.data_shard, False, at_step, steps_discarded) if m.rank == rank else m
+            Member(m.rank, m.replica, m.data_shard, False, at_step, steps_discarded, orphans)
+            if m.rank == rank
+            else m
             for m in self.members
         )
         return Membership(self.num_shards, members)
@@ -153,9 +173,10 @@ class Membership:
 
     @property
     def covered_shards(self) -> tuple[int, ...]:
-        """The data shards the alive replicas trained on: what a fusion of them has seen."""
+        """The data shards the alive replicas trained on (a lost rank's too once dealt to them): what a
+        fusion of them has seen."""
         alive = set(self.alive_replicas)
-        return tuple(sorted({m.data_shard for m in self.members if m.replica in alive}))
+        return tuple(sorted({m.data_shard for m in self.members if m.replica in alive or m.dealt}))
 
     @property
     def coverage(self) -> float:
@@ -196,6 +217,7 @@ class Membership:
                     bool(m["alive"]),
                     None if m.get("lost_at_step") is None else int(m["lost_at_step"]),
                     int(m.get("steps_discarded", 0)),
+                    str(m.get("orphans", ORPHANS[0])),
                 )
                 for m in data["ranks"]
             )
@@ -213,7 +235,11 @@ def _member_json(member: Member) -> dict[str, Any]:
         "alive": member.alive,
     }
     if member.lost_at_step is not None:
-        entry |= {"lost_at_step": member.lost_at_step, "steps_discarded": member.steps_discarded}
+        entry |= {
+            "lost_at_step": member.lost_at_step,
+            "steps_discarded": member.steps_discarded,
+            "orphans": member.orphans,
+        }
     return entry
 
 
@@ -230,3 +256,8 @@ def recorded_membership(train_info: Mapping[str, Any], world_size: int, where: s
             f"{where}: its membership lists {membership.world_size} ranks, not {world_size}; {fix}"
         )
     return membership
+
+
+def _share(steps: int, steps_per_epoch: int) -> float:
+    """``steps`` of an epoch of ``steps_per_epoch`` as a share from 0 to 1."""
+    return min(max(steps / max(steps_per_epoch, 1), 0.0), 1.0)

@@ -10,6 +10,7 @@ from typing import Any
 
 from shardfuse.data import labels
 from shardfuse.data.epoch_steps import alignment_problem
+from shardfuse.data.epoch_steps import find as epoch_steps_record
 from shardfuse.data.labels import find_layout, layout_of
 from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.keys import (
@@ -170,9 +171,14 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     problem = alignment_problem(run["epoch_steps"], strategy, run["sync_every"], run["fsdp"], apart_runs())
     if problem is not None:
         raise ConfigError(f"{where}.{problem}")
-    problem = rank_loss_problem(run["min_ranks"], run["world_size"], strategy.name, run["fsdp"], run["nodes"])
+    unaligned = None if epoch_steps_record(run["epoch_steps"]).aligned else run["epoch_steps"]
+    problem = rank_loss_problem(
+        run["min_ranks"], run["world_size"], strategy.name, run["fsdp"], run["nodes"], run["orphans"],
+        unaligned,
+    )  # fmt: skip
     if problem is not None:
-        raise ConfigError(f"{where}.min_ranks: {problem}")
+        key = "orphans" if problem.startswith("orphans") else "min_ranks"
+        raise ConfigError(f"{where}.{key}: {problem}")
     if run["init"] == "per_rank" and run["init_from"] is not None:
         raise ConfigError(
             f"{where}.init: per_rank draws each rank's own initial weights but init_from gives every "

@@ -39,6 +39,11 @@ RANK_SEED_STRIDE = 1_000_003
 MAX_RUN_SEED = (MAX_SEED - 4096) // RANK_SEED_STRIDE
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """Member ``rank``'s seed of dropout and data order in a run of ``seed``."""
+    return seed * RANK_SEED_STRIDE + rank + 1
+
+
 SEED_LIMITS = {
     "seed": f"each rank seeds torch with seed x {RANK_SEED_STRIDE} + rank + 1, a 64-bit integer",
     "shard_seed": "seeds are 64-bit integers",
@@ -114,6 +119,7 @@ OPTIONAL_TRAIN_KEYS = {
         "fsdp_precision",
         "epoch_steps",
         "min_ranks",
+        "orphans",
     )
 }
 

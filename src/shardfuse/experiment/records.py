@@ -172,7 +172,8 @@ class TrainRecord(_Record):
     model: dict[str, Any] | None = None
     init_from: str | None = None
     # rank, rows (its shard's), num_steps and rows_seen (its optimiser steps and the rows they took;
-    # absent from older train stages), host, checkpoint, published_step, best_val_score
+    # absent from older train stages), host, checkpoint, published_step, best_val_score; after a rank
+    # lost for good with orphans: reshard, rows_dealt (the lost rank's rows it took on, in rows_seen)
     ranks: list[dict[str, Any]] | None = None
     # LoRA runs: the adapter config, its targets and the base's sha256 (shardfuse.models.lora)
     adapter: dict[str, Any] | None = None

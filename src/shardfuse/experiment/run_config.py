@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from shardfuse.cluster.membership import ORPHANS
 from shardfuse.io import UserError
 from shardfuse.models.catalog import MLP_HIDDEN_SIZES
 
@@ -33,6 +34,7 @@ class SyncConfig:
     fsdp_precision: str = "fp32"  # fp32 | bf16 (GPU only: bf16 parameters, fp32 reduction)
     # the fewest ranks that go on after one is lost for good (shardfuse.rank.loss); None: world_size
     min_ranks: int | None = None
+    orphans: str = ORPHANS[0]  # a lost rank's shard: drop (left unseen) | reshard (dealt to the others)
 
 
 @dataclass(frozen=True)

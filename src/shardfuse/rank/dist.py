@@ -78,21 +78,63 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+# How long the ranks of one torchrun attempt wait for each other to join the process group. They start
+# together (forked by one agent, or after the agents' rendezvous across nodes) and join first thing, so
+# a rank missing for minutes hung while starting; without this the others would wait the collectives'
+# 10 minutes. The launcher starts such an attempt again, once (shardfuse.launch).
+JOIN_TIMEOUT_ENV = "SHARDFUSE_RANK_JOIN_TIMEOUT"
+JOIN_TIMEOUT_S = 180.0
+
+
+class RanksDidNotJoin(RuntimeError):
+    """Some rank of this attempt never joined the process group within the join timeout."""
+
+
+def join_timeout(environ: dict[str, str] | os._Environ = os.environ) -> float:
+    value = environ.get(JOIN_TIMEOUT_ENV, "")
+    try:
+        seconds = float(value) if value else JOIN_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise UserError(
+            f"{JOIN_TIMEOUT_ENV}={value!r} is not a positive number of seconds; unset it or fix it"
+        )
+    return seconds
+
+
 @contextlib.contextmanager
 def distributed(timeout_s: float = 600.0) -> Iterator[DistContext]:
-    """Join the process group for the duration of the block; always tear it down."""
+    """Join the process group for the duration of the block; always tear it down. Every rank must join
+    within :func:`join_timeout` (else :class:`RanksDidNotJoin`); collectives then wait ``timeout_s``."""
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     cuda = torch.cuda.is_available()
     device, backend = select_device(local_rank, cuda, torch.cuda.device_count() if cuda else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(torch_dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    timeout, join = timedelta(seconds=timeout_s), join_timeout()
+    base, _, _ = next(
+        torch_dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=join))
+    )
     # torchrun keeps one store across restarts of the ranks: keys of the failed attempt (old gloo
     # addresses) would be read by the new one, so every attempt gets its own key prefix.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = torch_dist.PrefixStore(f"shardfuse/attempt-{attempt}", store)
-    torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    store = torch_dist.PrefixStore(f"shardfuse/attempt-{attempt}", base)
+    # gloo connects every pair of ranks while the group is made, waiting on the group's timeout: the join
+    # timeout first, then the collectives' (a private hook of torch; without it, the collectives' alone).
+    set_timeout = getattr(torch_dist.distributed_c10d, "_set_pg_timeout", None)
+    first = timedelta(seconds=join) if set_timeout is not None else timeout
+    try:
+        torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=first)
+    except torch_dist.DistStoreError as exc:
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RanksDidNotJoin(
+            f"not every rank of {world_size} joined the process group within {join:g} s "
+            f"({JOIN_TIMEOUT_ENV}): a rank hung while starting ({detail})"
+        ) from None
+    base.set_timeout(timeout)  # what the store serves after joining waits as long as a collective
+    if set_timeout is not None:
+        set_timeout(timeout)
     try:
         yield DistContext(rank, world_size, local_rank, device, backend)
     finally:

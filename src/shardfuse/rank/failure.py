@@ -48,6 +48,17 @@ PEER_LOST = (
 KILLED_LINE = re.compile(r"shardfuse\.agent: rank (\d+) \(pid \d+\) was killed by signal (\d+) \(([^)]*)\)")
 
 
+# The record of a rank that waited in vain for the others to join (shardfuse.rank.dist.RanksDidNotJoin;
+# torch-free here, a test holds the name): the launcher starts such an attempt again, once.
+JOIN_FAILURE = "shardfuse.rank.dist.RanksDidNotJoin"
+
+
+def did_not_join(staging: Path, attempt: int) -> bool:
+    """Whether ``attempt`` failed because some rank never joined the process group."""
+    failure = read_failure(staging, attempt)
+    return failure is not None and failure.exception == JOIN_FAILURE
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """The first rank that raised in one torchrun attempt, and what."""
@@ -100,12 +111,13 @@ def record_failure(out_dir: Path, failure: RankFailure) -> bool:
 
 
 @contextlib.contextmanager
-def failures_recorded(out_dir: Path, rank: int) -> Iterator[None]:
-    """Record an exception raised in the block (:func:`record_failure`), then let it propagate. Enter it
-    inside the process group's block, so the record is written before this rank leaves the group."""
+def failures_recorded(out_dir: Path, rank: int, only: type[Exception] = Exception) -> Iterator[None]:
+    """Record an exception raised in the block (:func:`record_failure`; only those of type ``only``),
+    then let it propagate. Enter it inside the process group's block, so the record is written before this
+    rank leaves the group."""
     try:
         yield
-    except Exception as exc:
+    except only as exc:
         record_failure(out_dir, rank_failure(rank, exc, _restart_count()))
         raise
 

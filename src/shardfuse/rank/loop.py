@@ -20,6 +20,7 @@ from shardfuse.metrics.steps import MetricsLog
 from shardfuse.rank.dist import autocast
 from shardfuse.rank.fsdp import all_reduce_mean
 from shardfuse.rank.optim import clip_gradients, lr_at, set_lr
+from shardfuse.rank.orphans import OrphanRows
 from shardfuse.rank.resume import (
     Position,
     mark_complete,
@@ -146,12 +147,15 @@ def train_loop(
         ShardReader(
             setup.shard_dir, setup.data_shard, seed=setup.rank_seed, cache=True, verify=True
         ) as reader,
+        OrphanRows(
+            setup.membership.members, setup.member_rank, setup.epochs, setup.shard_dir, cfg.loop.seed, accum
+        ) as orphans,
         gate.progress(plan.clock_steps, step, run, score_name(plan)) as progress,
     ):
         for epoch in range(position.epoch, cfg.loop.epochs):
             first = position.next_batch if epoch == position.epoch else 0
             start = min(first, own_batches)
-            batches = reader.epoch(epoch, own_batches, start, plan.own.rows)
+            batches = orphans.deal(epoch, start, reader.epoch(epoch, own_batches, start, plan.own.rows))
             tick = time.perf_counter()  # samples/s covers the whole step: waiting for data included
             for group_start in range(first, num_batches, accum):
                 group_size = min(accum, num_batches - group_start)

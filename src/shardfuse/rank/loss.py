@@ -8,9 +8,12 @@ reader. With ``min_ranks`` below the world size the launcher then starts the sur
 world (:class:`shardfuse.cluster.membership.Membership`), from the same checkpoint; with fewer than
 ``min_ranks`` left it stops with one line, as it does today when ``min_ranks`` is the world size.
 
-The lost rank's shard is left unseen from then on (``orphans: drop``, the one policy built so far): its
-rows count against the fused model's ``coverage``. Its optimiser steps that no published model holds are
-``steps_discarded``: all of them when the ranks never meet (independent training), otherwise those since
+What becomes of the lost rank's shard is the run key ``orphans``: ``drop`` (the default) leaves it unseen
+from then on, its rows counting against the fused model's ``coverage``; ``reshard`` deals each of its
+micro-batches from the step the survivors resume at to them (:mod:`shardfuse.rank.orphans`), so the
+global batch and the step count stay as planned (ddp, elastic data parallel, needs it). Its optimiser
+steps that no published model holds are ``steps_discarded``: none under ddp (every step's gradients
+reached the others), all of them when the ranks never meet (independent training), otherwise those since
 the last sync (localsgd's average, DiLoCo's outer step), when its work last reached the others.
 
 Torch-free: the launcher imports it.
@@ -25,11 +28,14 @@ import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from shardfuse.cluster.agent import KILLED_RECORD
-from shardfuse.cluster.membership import Member, Membership
+from shardfuse.cluster.membership import ORPHANS, Member, Membership
 from shardfuse.cluster.torchrun import Geometry, launch_command
 from shardfuse.console.stream import console_stream
+from shardfuse.data.epoch_steps import DEFAULT as EPOCH_STEPS_DEFAULT
+from shardfuse.data.epoch_steps import find as epoch_steps_record
 from shardfuse.io import UserError, read_json, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, read_failure, read_start
@@ -38,11 +44,12 @@ from shardfuse.strategies.registry import find_strategy
 MEMBERSHIP_FILE = "membership.json"  # in the staging folder, once a rank was lost: the survivors go on
 
 
-def strategy_of(train_args: list[str]) -> tuple[str, int]:
-    """(strategy, sync_every) of the training's ``--config-json``."""
+def train_config(train_args: list[str]) -> dict[str, Any]:
+    """The training's ``--config-json`` (the run's flat keys), with a strategy."""
     try:
         config = json.loads(train_args[train_args.index("--config-json") + 1])
-        return str(config["strategy"]), int(config.get("sync_every") or 0)
+        str(config["strategy"])
+        return config
     except (ValueError, IndexError, KeyError, TypeError):
         raise UserError(
             "the train arguments have no --config-json with a strategy; pass the run's config as the "
@@ -50,10 +57,31 @@ def strategy_of(train_args: list[str]) -> tuple[str, int]:
         ) from None
 
 
+def strategy_of(train_args: list[str]) -> tuple[str, int]:
+    """(strategy, sync_every) of the training's ``--config-json``."""
+    config = train_config(train_args)
+    return str(config["strategy"]), int(config.get("sync_every") or 0)
+
+
+def orphans_of(train_args: list[str]) -> str:
+    """The training's orphans policy (drop, the default, or reshard)."""
+    return str(train_config(train_args).get("orphans") or ORPHANS[0])
+
+
+def unaligned_of(train_args: list[str]) -> str | None:
+    """The training's epoch_steps when it gives the ranks different micro-batches per epoch, else None."""
+    mode = str(train_config(train_args).get("epoch_steps") or EPOCH_STEPS_DEFAULT)
+    return None if epoch_steps_record(mode).aligned else mode
+
+
 def steps_discarded(strategy: str, sync_every: int, lost_at_step: int) -> int:
-    """The lost rank's optimiser steps that reached no other rank: all of them when the ranks never meet
-    (sync_every 0), else those since its last sync."""
-    if not find_strategy(strategy).survives_rank_loss or sync_every <= 0:
+    """The lost rank's optimiser steps that reached no other rank: none when every step's gradients are
+    reduced over the ranks (ddp), all of them when the ranks never meet (sync_every 0), else those since
+    its last sync."""
+    record = find_strategy(strategy)
+    if record.reduces_gradients:
+        return 0
+    if not record.survives_rank_loss or sync_every <= 0:
         return lost_at_step
     return lost_at_step % sync_every
 
@@ -129,11 +157,17 @@ def write_membership(staging: Path, membership: Membership) -> Path:
 
 
 def loss_line(member: Member, attempts: int, step: int, alive: int, world_size: int, min_ranks: int) -> str:
-    """The launcher's line when a rank is lost and the survivors go on."""
+    """The launcher's line when a rank is lost and the survivors go on (``member``: as lost)."""
+    fate = (
+        f"is dealt to them, each of its micro-batches split {alive} ways"
+        if member.dealt
+        else "is left unseen"
+    )
     return (
         f"launch: rank {member.rank} was lost for good: it failed {attempts} time(s) in a row at step {step} "
         f"(max_restarts {attempts - 1}); the other {alive} of {world_size} ranks go on from step {step} "
-        f"without it (min_ranks {min_ranks}); its shard {member.data_shard} is left unseen (orphans: drop)"
+        f"without it (min_ranks {min_ranks}); its shard {member.data_shard} {fate} "
+        f"(orphans: {member.orphans})"
     )
 
 
@@ -167,12 +201,14 @@ def survivors_after_loss(
     if lost is None:
         return None
     strategy, sync_every = strategy_of(train_args)
-    survivors = membership.lose(lost.rank, step, steps_discarded(strategy, sync_every, step))
+    survivors = membership.lose(
+        lost.rank, step, steps_discarded(strategy, sync_every, step), orphans_of(train_args)
+    )
     alive, attempts = len(survivors.alive_members), max_restarts + 1
     if alive < min_ranks:
         raise UserError(too_few_line(lost, attempts, step, alive, membership.world_size, min_ranks))
     write_membership(staging, survivors)
-    line = loss_line(lost, attempts, step, alive, membership.world_size, min_ranks)
+    line = loss_line(survivors.member(lost.rank), attempts, step, alive, membership.world_size, min_ranks)
     print(line, file=sys.stderr, flush=True)
     console = console_stream()  # the workflow's console too, where the trainings' progress goes
     if console is not None:

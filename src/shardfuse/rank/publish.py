@@ -19,6 +19,7 @@ from shardfuse.metrics.steps import MetricsLog
 from shardfuse.metrics.system import SystemSampler
 from shardfuse.models.adapter import storable_state
 from shardfuse.rank.fsdp import full_tensors
+from shardfuse.rank.orphans import rows_dealt
 from shardfuse.rank.resume import Position
 from shardfuse.rank.setup import RankSetup, publish_rank0_buffers
 from shardfuse.rank.step_plan import StepPlan
@@ -121,7 +122,8 @@ def publish(
         adapter=rank_meta.get("adapter"),
         fsdp=fsdp_record(setup, plan, num_steps) if setup.sharded else None,
         ranks=[
-            replica_entry(setup, replica, hosts, facts, steps, rows_seen) for replica in membership.replicas
+            replica_entry(setup, replica, hosts, facts, (steps, rows_seen), end.at)
+            for replica in membership.replicas
         ],
         membership=membership_record(setup, steps_per_epoch),
     )
@@ -180,12 +182,18 @@ def rank_progress(setup: RankSetup, at: Position) -> tuple[list[int], list[int]]
 
 
 def replica_entry(
-    setup: RankSetup, replica: int, hosts: list[str], facts: list[Any], steps: list[int], rows_seen: list[int]
+    setup: RankSetup,
+    replica: int,
+    hosts: list[str],
+    facts: list[Any],
+    progress: tuple[list[int], list[int]],
+    at: Position,
 ) -> dict[str, Any]:
     """train.json's ``ranks`` entry of a replica (a rank, without fsdp), from its first rank's facts; its
     steps and rows seen from every rank's (a replica's ranks step together and each reads its shard). A
-    lost replica publishes nothing: its entry says when it was lost."""
-    membership = setup.membership
+    lost replica publishes nothing: its entry says when it was lost. ``progress``: every rank's steps and
+    rows seen (:func:`rank_progress` at ``at``, where the loop stopped)."""
+    membership, (steps, rows_seen) = setup.membership, progress
     ranks = membership.ranks_of(replica)
     if replica not in membership.alive_replicas:
         lost = membership.member(ranks[0])
@@ -207,6 +215,13 @@ def replica_entry(
     }
     if setup.sharded:
         entry["ranks"] = ranks
+    if any(member.dealt for member in membership.members):  # orphans: reshard: its rows seen count them
+        accum = setup.cfg.loop.grad_accum_steps
+        entry["rows_dealt"] = sum(
+            rows_dealt(membership.members, rank, setup.epochs, accum, at.epoch, at.next_batch)
+            for rank in ranks
+        )
+        entry["rows_seen"] += entry["rows_dealt"]
     return entry
 
 

@@ -24,7 +24,7 @@ from shardfuse.data.manifest import read_manifest
 from shardfuse.data.moments import column_stats, feature_stats
 from shardfuse.data.shard_format import target_columns
 from shardfuse.data.verify import check_shard_set
-from shardfuse.experiment.keys import RANK_SEED_STRIDE
+from shardfuse.experiment.keys import rank_seed as seed_of_rank
 from shardfuse.experiment.run_config import TrainConfig
 from shardfuse.io import UserError
 from shardfuse.models.adapter import file_ties, load_state, storable_state, tensor_bytes, ties_of
@@ -249,7 +249,7 @@ def set_up(
     if (warning := epochs.warning()) is not None:
         gate_for(ctx.rank).log(warning)  # rank 0's stderr: one line
     # Dropout and data order differ per rank; the initial weights do not, unless init: per_rank.
-    rank_seed = cfg.loop.seed * RANK_SEED_STRIDE + member.rank + 1
+    rank_seed = seed_of_rank(cfg.loop.seed, member.rank)
     per_rank = cfg.model.init == "per_rank"
     torch.manual_seed(rank_seed if per_rank else cfg.loop.seed)
     model = build_model(spec).to(ctx.device)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shardfuse.cluster.membership import ORPHANS, RESHARD
 from shardfuse.io import find_record
 
 # How a strategy reads sync_every: UNUSED, it must stay 0 (the strategy keeps its own cadence); OPTIONAL,
@@ -66,9 +67,11 @@ class Strategy:
     identical_ranks: str = NEVER  # ALWAYS | UNLESS_KEEP_BEST | NEVER
     reduces_gradients: bool = False  # DDP around the model (HSDP under fsdp): gradients all-reduced
     baseline: bool = False  # the synchronous reference: a run's ddp baseline is trained with it
-    # Its replicas train apart between syncs, so the others can go on without a rank lost for good
-    # (min_ranks below world_size; shardfuse.rank.loss). False: every rank is needed at every step.
+    # The others can go on without a rank lost for good (min_ranks below world_size; shardfuse.rank.loss).
     survives_rank_loss: bool = False
+    # ... but only with the lost rank's rows dealt to them (orphans: reshard): its ranks train one model
+    # on one global batch (ddp: elastic data parallel), so a shard left unseen would change the batch.
+    needs_every_row: bool = False
 
     def mode(self, sync_every: Any) -> str:
         """train.json's and the summary's mode: the name, or the ``apart`` mode when it never syncs."""
@@ -144,6 +147,8 @@ RECORDS: tuple[Strategy, ...] = (
         identical_ranks=ALWAYS,
         reduces_gradients=True,
         baseline=True,
+        survives_rank_loss=True,
+        needs_every_row=True,
     ),
     Strategy(
         "localsgd",
@@ -249,20 +254,46 @@ def make_sync(model: Any, world_size: int, settings: SyncSettings, mesh: Any = N
 
 
 def rank_loss_problem(
-    min_ranks: int | None, world_size: int, strategy: str, fsdp: int, nodes: int
+    min_ranks: int | None,
+    world_size: int,
+    strategy: str,
+    fsdp: int,
+    nodes: int,
+    orphans: str = ORPHANS[0],
+    unaligned: str | None = None,
 ) -> str | None:
-    """Why ``min_ranks`` (the fewest ranks a training goes on with after one is lost for good) cannot
-    be used with this training; None when it can (or is the world size: every rank needed)."""
+    """Why ``min_ranks`` (the fewest ranks a training goes on with after one is lost for good) and
+    ``orphans`` (what becomes of the lost rank's shard: ``drop`` leaves it unseen, ``reshard`` deals its
+    rows to the others) cannot be used with this training; None when they can, or min_ranks is the world
+    size (every rank needed). ``unaligned``: the run's epoch_steps when it gives the ranks different
+    micro-batches per epoch (shardfuse.data.epoch_steps), which dealing a lost rank's cannot follow."""
     if min_ranks is None or min_ranks == world_size:
+        if orphans == RESHARD:
+            return (
+                f"orphans: {orphans} deals a lost rank's rows to the others, but min_ranks is the world size "
+                f"{world_size}, so no rank may be lost; set min_ranks below {world_size}, or remove orphans"
+            )
         return None
     if not 1 <= min_ranks <= world_size:
         return f"min_ranks {min_ranks} must be from 1 to world_size {world_size}"
-    if not find_strategy(strategy).survives_rank_loss:
+    record = find_strategy(strategy)
+    if not record.survives_rank_loss:
         survivors = listing([r.name for r in RECORDS if r.survives_rank_loss], "or")
         return (
             f"min_ranks {min_ranks} lets the others go on without a lost rank, but strategy {strategy} needs "
-            f"every rank at every step (orphans: reshard, dealing the lost shard to the others, is not built "
-            f"yet); use {survivors}, or set min_ranks to {world_size}"
+            f"every rank at every step; use {survivors}, or set min_ranks to {world_size}"
+        )
+    if record.needs_every_row and orphans != RESHARD:
+        return (
+            f"min_ranks {min_ranks} with strategy {strategy} and orphans {orphans}: its ranks train one "
+            f"model on one global batch, so the others go on only with the lost rank's rows dealt to them; "
+            f"set orphans: {RESHARD}, or min_ranks to {world_size}"
+        )
+    if orphans == RESHARD and unaligned is not None:
+        return (
+            f"orphans: {orphans} deals each of the lost rank's micro-batches to the others as they take "
+            f"theirs, but epoch_steps {unaligned} gives the ranks different micro-batches per epoch; set "
+            f"an epoch_steps that keeps them in step, or orphans: {ORPHANS[0]}"
         )
     if fsdp > 1:
         return (

@@ -84,7 +84,8 @@ def test_a_lost_rank_leaves_the_survivors_numbered_by_torch_and_says_what_it_too
     assert membership.covered_shards == (0, 2)
     data = membership.to_json()
     assert data["ranks"][1] == {
-        "rank": 1, "replica": 1, "data_shard": 1, "alive": False, "lost_at_step": 40, "steps_discarded": 40
+        "rank": 1, "replica": 1, "data_shard": 1, "alive": False, "lost_at_step": 40, "steps_discarded": 40,
+        "orphans": "drop",
     }  # fmt: skip
     assert data["steps_discarded"] == 40
     assert Membership.from_json(data, "train.json", "fix") == membership
@@ -105,3 +106,19 @@ def test_coverage_counts_a_lost_shards_rows_up_to_its_last_step_that_reached_the
     assert synced.epoch_coverage(rows, steps_per_epoch=10, epochs=3) == pytest.approx([1.0, 1.0, 0.4])
     assert Membership.full(3).epoch_coverage(rows, 10, 2) == [1.0, 1.0]
     assert synced.row_coverage(rows) == pytest.approx(0.4)
+
+
+def test_a_resharded_shard_counts_from_the_loss_on_and_its_policy_round_trips():
+    rows = [300, 100, 100]
+    dealt = Membership.full(3).lose(0, at_step=25, steps_discarded=25, orphans="reshard")
+    # Epoch 2 (steps 20-30): its half before step 25 is lost with it, the half after is dealt.
+    assert dealt.epoch_coverage(rows, steps_per_epoch=10, epochs=4) == pytest.approx([0.4, 0.4, 0.7, 1.0])
+    ddp = Membership.full(3).lose(0, at_step=25, steps_discarded=0, orphans="reshard")  # nothing discarded
+    assert ddp.epoch_coverage(rows, steps_per_epoch=10, epochs=3) == pytest.approx([1.0, 1.0, 1.0])
+    assert dealt.covered_shards == (0, 1, 2) and dealt.member(0).dealt and not dealt.member(1).dealt
+    assert Membership.from_json(dealt.to_json(), "train.json", "fix") == dealt
+    old = dealt.to_json()
+    del old["ranks"][0]["orphans"]  # a record from before the key: every loss then dropped its shard
+    assert Membership.from_json(old, "train.json", "fix").member(0).orphans == "drop"
+    with pytest.raises(UserError, match="orphans 'keep' is not one of drop, reshard"):
+        Membership.full(3).lose(0, 25, 25, orphans="keep")

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from shardfuse.io import UserError
-from shardfuse.rank.dist import autocast, select_device, step_dtype
+from shardfuse.rank.dist import (
+    JOIN_TIMEOUT_ENV,
+    RanksDidNotJoin,
+    autocast,
+    join_timeout,
+    select_device,
+    step_dtype,
+)
+from shardfuse.rank.failure import JOIN_FAILURE, did_not_join, rank_failure, record_failure
 
 CPU = torch.device("cpu")
 GPU = torch.device("cuda", 1)
@@ -68,3 +76,23 @@ def test_fp32_steps_run_outside_autocast_and_bf16_steps_inside_it():
     with autocast(CPU, torch.bfloat16):
         assert layer(inputs).dtype == torch.bfloat16
     assert layer.weight.dtype == torch.float32  # weights stay fp32
+
+
+def test_the_join_timeout_is_three_minutes_unless_the_environment_says_and_its_record_is_named():
+    assert join_timeout({}) == 180.0 and join_timeout({JOIN_TIMEOUT_ENV: "20"}) == 20.0
+    with pytest.raises(UserError, match="SHARDFUSE_RANK_JOIN_TIMEOUT='soon' is not a positive number"):
+        join_timeout({JOIN_TIMEOUT_ENV: "soon"})
+    for bad in ("0", "-5"):
+        with pytest.raises(
+            UserError, match=f"{JOIN_TIMEOUT_ENV}='{bad}' is not a positive number of seconds"
+        ):
+            join_timeout({JOIN_TIMEOUT_ENV: bad})
+    assert rank_failure(0, RanksDidNotJoin("x"), 0).exception == JOIN_FAILURE  # the launcher reads this name
+
+
+def test_the_launcher_starts_again_only_after_a_rank_did_not_join(tmp_path):
+    assert not did_not_join(tmp_path, 0)
+    record_failure(tmp_path, rank_failure(0, RuntimeError("boom"), 0))
+    assert not did_not_join(tmp_path, 0)
+    record_failure(tmp_path, rank_failure(1, RanksDidNotJoin("not every rank joined"), 1))
+    assert did_not_join(tmp_path, 1)

@@ -23,6 +23,7 @@ from shardfuse.rank.loss import (
     survivors_after_loss,
     survivors_command,
 )
+from shardfuse.strategies.registry import rank_loss_problem
 
 CONFIG = ["--config-json", json.dumps({"strategy": "localsgd", "sync_every": 5})]
 
@@ -74,7 +75,7 @@ def test_steps_discarded_are_all_of_an_independent_ranks_and_those_since_the_las
     assert steps_discarded("localsgd", 0, 42) == 42
     assert steps_discarded("localsgd", 5, 42) == 2
     assert steps_discarded("diloco", 16, 48) == 0
-    assert steps_discarded("ddp", 0, 42) == 42
+    assert steps_discarded("ddp", 0, 42) == 0  # every step's gradients reached the others
 
 
 def test_the_survivors_go_on_from_the_checkpoint_with_their_membership_written_for_a_rerun(tmp_path, capsys):
@@ -112,3 +113,35 @@ def test_without_min_ranks_below_the_world_size_a_failure_stays_a_failure(tmp_pa
     assert survivors_after_loss(Membership.full(3), tmp_path, CONFIG, 1, min_ranks=None) is None
     assert survivors_after_loss(Membership.full(3), tmp_path, CONFIG, 1, min_ranks=3) is None
     assert not (tmp_path / MEMBERSHIP_FILE).exists()
+
+
+def test_a_ddp_training_with_reshard_loses_nothing_and_says_its_shard_is_dealt(tmp_path, capsys):
+    config = ["--config-json", json.dumps({"strategy": "ddp", "orphans": "reshard"})]
+    checkpoint(tmp_path, 40)
+    started(tmp_path, 1, 40)
+    killed(tmp_path, (1, 9), (1, 9))
+    survivors = survivors_after_loss(Membership.full(3), tmp_path, config, max_restarts=1, min_ranks=2)
+    assert survivors is not None and survivors.member(1).dealt and survivors.steps_discarded == 0
+    assert (
+        "its shard 1 is dealt to them, each of its micro-batches split 2 ways (orphans: reshard)"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "orphans", "unaligned", "problem"),
+    [
+        ("localsgd", "drop", None, None),
+        ("localsgd", "reshard", None, None),
+        ("diloco", "reshard", None, None),
+        ("ddp", "reshard", None, None),
+        ("ddp", "drop", None, "min_ranks 2 with strategy ddp and orphans drop: its ranks train one model"),
+        ("localsgd", "reshard", "own", "orphans: reshard deals each of the lost rank's micro-batches"),
+        ("localsgd", "drop", "own", None),  # nothing to deal: each rank its own steps is fine
+    ],
+)
+def test_which_strategies_and_orphans_go_on_without_a_rank(strategy, orphans, unaligned, problem):
+    found = rank_loss_problem(2, 3, strategy, 1, 1, orphans, unaligned)
+    assert found == problem if problem is None else problem in found
+    assert rank_loss_problem(None, 3, strategy, 1, 1, "drop") is None  # today's behaviour: every rank needed
+    assert "so no rank may be lost" in rank_loss_problem(3, 3, strategy, 1, 1, "reshard")
