@@ -38,7 +38,7 @@ from shardfuse.data.epoch_steps import DEFAULT as EPOCH_STEPS_DEFAULT
 from shardfuse.data.epoch_steps import find as epoch_steps_record
 from shardfuse.io import UserError, read_json, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
-from shardfuse.rank.failure import FAILURES_DIR, read_failure, read_start
+from shardfuse.rank.failure import FAILURES_DIR, JOIN_FAILURE, read_failure, read_start
 from shardfuse.strategies.registry import find_strategy
 
 MEMBERSHIP_FILE = "membership.json"  # in the staging folder, once a rank was lost: the survivors go on
@@ -113,7 +113,8 @@ def attempt_culprits(staging: Path, max_restarts: int, killed: list[int]) -> lis
     kills = iter(killed)
     for attempt in range(max_restarts + 1):
         failure = read_failure(staging, attempt)
-        if failure is not None and not failure.peer_lost:
+        # A rank that waited in vain for another to join names the one waiting, not the one that hung.
+        if failure is not None and not failure.peer_lost and failure.exception != JOIN_FAILURE:
             culprits.append(failure.rank)
         else:
             # No kill seen either: unknown (a peer's lost connection names the peer, not the cause).

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -74,7 +75,7 @@ class OrphanRows:
         members: tuple[Member, ...],
         survivor_rank: int,
         plan: EpochPlan,
-        shard_dir: str,
+        shard_dir: str | Path,
         seed: int,
         grad_accum_steps: int,
     ) -> None:

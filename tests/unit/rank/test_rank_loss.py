@@ -145,3 +145,13 @@ def test_which_strategies_and_orphans_go_on_without_a_rank(strategy, orphans, un
     assert found == problem if problem is None else problem in found
     assert rank_loss_problem(None, 3, strategy, 1, 1, "drop") is None  # today's behaviour: every rank needed
     assert "so no rank may be lost" in rank_loss_problem(3, 3, strategy, 1, 1, "reshard")
+
+
+def test_a_rank_waiting_in_vain_for_another_to_join_is_not_the_culprit(tmp_path):
+    from shardfuse.rank.dist import RanksDidNotJoin
+    from shardfuse.rank.failure import rank_failure
+
+    for attempt in (0, 1):  # rank 0 records that rank 1 never joined; the agent SIGTERMs the hung rank 1
+        record_failure(tmp_path, rank_failure(0, RanksDidNotJoin("not every rank joined"), attempt))
+    killed(tmp_path, (1, 15), (1, 15))
+    assert attempt_culprits(tmp_path, 1, killed_ranks(tmp_path)) == [None, None]  # so no rank is lost
