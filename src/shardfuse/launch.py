@@ -72,16 +72,12 @@ from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, did_not_join, failure_message
 from shardfuse.rank.loss import (
     MEMBERSHIP_FILE,
-    fsdp_of,
-    orphans_of,
+    min_ranks_problem,
     read_membership,
-    strategy_of,
     survivors_after_loss,
     survivors_command,
-    unaligned_of,
 )
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
-from shardfuse.strategies.registry import rank_loss_problem
 
 REQUEUE_WAIT_SECONDS = 120
 # Inside a SLURM job the ranks stop this long before the time limit, with a checkpoint (seconds).
@@ -162,14 +158,8 @@ def launch(
             "geometry agree"
         )
     rank_start(environ)  # a bad SHARDFUSE_RANK_START fails here, before any file or rank
-    if min_ranks is not None:
-        strategy, _ = strategy_of(train_args)
-        problem = rank_loss_problem(
-            min_ranks, geometry.world_size, strategy, fsdp_of(train_args), geometry.nnodes,
-            orphans_of(train_args), unaligned_of(train_args),
-        )  # fmt: skip
-        if problem is not None:
-            raise UserError(f"--min-ranks: {problem}")
+    if min_ranks is not None and (problem := min_ranks_problem(min_ranks, geometry, train_args)) is not None:
+        raise UserError(f"--min-ranks: {problem}")
     staging = staging_dir(out_dir)
     cmd = launch_command(
         geometry, [*train_args, "--out-dir", str(staging)], environ, max_restarts=max_restarts

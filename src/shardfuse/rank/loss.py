@@ -39,7 +39,7 @@ from shardfuse.data.epoch_steps import find as epoch_steps_record
 from shardfuse.io import UserError, read_json, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, JOIN_FAILURE, read_failure, read_start
-from shardfuse.strategies.registry import find_strategy
+from shardfuse.strategies.registry import find_strategy, rank_loss_problem
 
 MEMBERSHIP_FILE = "membership.json"  # in the staging folder, once a rank was lost: the survivors go on
 
@@ -48,19 +48,20 @@ def train_config(train_args: list[str]) -> dict[str, Any]:
     """The training's ``--config-json`` (the run's flat keys), with a strategy."""
     try:
         config = json.loads(train_args[train_args.index("--config-json") + 1])
-        str(config["strategy"])
-        return config
-    except (ValueError, IndexError, KeyError, TypeError):
+    except (ValueError, IndexError):
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("strategy"), str):
         raise UserError(
             "the train arguments have no --config-json with a strategy; pass the run's config as the "
             "train rule does"
-        ) from None
+        )
+    return config
 
 
 def strategy_of(train_args: list[str]) -> tuple[str, int]:
     """(strategy, sync_every) of the training's ``--config-json``."""
     config = train_config(train_args)
-    return str(config["strategy"]), int(config.get("sync_every") or 0)
+    return config["strategy"], int(config.get("sync_every") or 0)
 
 
 def orphans_of(train_args: list[str]) -> str:
@@ -68,10 +69,15 @@ def orphans_of(train_args: list[str]) -> str:
     return str(train_config(train_args).get("orphans") or ORPHANS[0])
 
 
-def unaligned_of(train_args: list[str]) -> str | None:
-    """The training's epoch_steps when it gives the ranks different micro-batches per epoch, else None."""
-    mode = str(train_config(train_args).get("epoch_steps") or EPOCH_STEPS_DEFAULT)
-    return None if epoch_steps_record(mode).aligned else mode
+def min_ranks_problem(min_ranks: int, geometry: Geometry, train_args: list[str]) -> str | None:
+    """Why the launcher's ``--min-ranks`` cannot be used with the training of ``train_args`` (its
+    strategy, fsdp, orphans and epoch_steps) on ``geometry``; None when it can."""
+    config = train_config(train_args)
+    mode = str(config.get("epoch_steps") or EPOCH_STEPS_DEFAULT)
+    return rank_loss_problem(
+        min_ranks, geometry.world_size, config["strategy"], int(config.get("fsdp") or 1), geometry.nnodes,
+        orphans_of(train_args), None if epoch_steps_record(mode).aligned else mode,
+    )  # fmt: skip
 
 
 def steps_discarded(strategy: str, sync_every: int, lost_at_step: int) -> int:
@@ -230,10 +236,3 @@ def survivors_command(
     geometry = Geometry(1, len(membership.alive_members))
     args = [*train_args, "--out-dir", str(staging), "--membership", str(staging / MEMBERSHIP_FILE)]
     return geometry, launch_command(geometry, args, environ, max_restarts=max_restarts)
-
-
-def fsdp_of(train_args: list[str]) -> int:
-    try:
-        return int(json.loads(train_args[train_args.index("--config-json") + 1]).get("fsdp") or 1)
-    except (ValueError, IndexError, TypeError, AttributeError):
-        return 1
