@@ -157,6 +157,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below when killed
     info = common.machine_info()
     started = time.perf_counter()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="shardfuse-bench-", dir=args.work_dir))
     try:
         sections = run_benchmarks(SMOKE if args.smoke else FULL, work_dir)

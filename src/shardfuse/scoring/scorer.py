@@ -95,6 +95,9 @@ def score_in_cells(
     if not models:
         raise ValueError("no models to score")
     task = models[0].task
+    # A model whose weights equal an earlier one's (ddp's and DiLoCo's ranks, a consolidated merge)
+    # gives that model's outputs bit for bit: it is run once, and its figures are the earlier one's.
+    first = same_as_earlier(models)
     totals = [Totals() for _ in models]
     combined = Totals()
     cells = [[Totals() for _ in range(num_cells)] for _ in models]
@@ -106,8 +109,12 @@ def score_in_cells(
             groups = [
                 (int(k), torch.nonzero(batch_cells == k).squeeze(1)) for k in batch_cells.unique() if k >= 0
             ]
-        outputs = []
-        for model, model_totals, model_cells in zip(models, totals, cells, strict=True):
+        outputs: list[torch.Tensor] = []
+        for position, model in enumerate(models):
+            model_totals, model_cells = totals[position], cells[position]
+            if first[position] != position:  # the earlier model's outputs, scored once
+                outputs.append(outputs[first[position]])
+                continue
             outputs.append(model.module(inputs))
             model.task.accumulate(model_totals, outputs[-1], targets)
             for cell, rows in groups:
@@ -118,12 +125,37 @@ def score_in_cells(
             for cell, rows in groups:
                 task.accumulate(combined_cells[cell], together[rows], targets[rows])
         del outputs
+    totals = [totals[first[position]] for position in range(len(models))]
+    cells = [cells[first[position]] for position in range(len(models))]
     metrics = [model.task.finish(model_totals) for model, model_totals in zip(models, totals, strict=True)]
     return CellScores(
         metrics,
         task.finish(combined) if ensemble else None,
         cells,
         combined_cells if ensemble else None,
+    )
+
+
+def same_as_earlier(models: Sequence[Model]) -> list[int]:
+    """For each model, the position of the first model with the same class and bitwise the same weights
+    and buffers (its own position when none before it has)."""
+    first: list[int] = []
+    for position, model in enumerate(models):
+        earlier = (i for i in range(position) if first[i] == i and same_weights(models[i], model))
+        first.append(next(earlier, position))
+    return first
+
+
+def same_weights(a: Model, b: Model) -> bool:
+    """Whether two models compute the same function: one class, the same state bit for bit."""
+    if type(a.module) is not type(b.module):
+        return False
+    left, right = a.module.state_dict(), b.module.state_dict()
+    return left.keys() == right.keys() and all(
+        left[name].dtype == right[name].dtype
+        and left[name].shape == right[name].shape
+        and torch.equal(left[name], right[name])
+        for name in left
     )
 
 

@@ -13,7 +13,7 @@ from shardfuse.io import UserError
 from shardfuse.models.registry import build_model
 from shardfuse.models.spec import model_spec
 from shardfuse.scoring import sets
-from shardfuse.scoring.scorer import Scorer, model_of, score_models
+from shardfuse.scoring.scorer import Scorer, model_of, same_as_earlier, score_in_cells, score_models
 from shardfuse.scoring.split import Split
 from tests.support.data import CLASSIFICATION_INFO
 
@@ -56,6 +56,50 @@ def test_one_pass_scores_each_model_as_it_is_scored_alone_whatever_the_batches()
     alone = [score_models([model], split, batch_size=5)[0][0] for model in models]
     assert together == alone and len({m["accuracy"] for m in alone} | {ensemble["accuracy"]}) > 1
     assert score_models(models, split, batch_size=5)[1] is None  # no ensemble unless asked
+
+
+def test_models_with_the_same_weights_run_once_and_score_as_each_scored_alone():
+    """ddp's ranks and their consolidated merge hold one set of weights: it runs once a batch, and every
+    copy, the ensemble and the cells score bit for bit as when each model runs."""
+    spec = model_spec("mlp", {"hidden_sizes": [6]}, [], CLASSIFICATION_INFO)
+    generator = torch.Generator().manual_seed(0)
+    split = split_of(torch.randn(23, 4, generator=generator), torch.randint(0, 3, (23,), generator=generator))
+    torch.manual_seed(0)
+    shared = build_model(spec).state_dict()
+    torch.manual_seed(1)
+    other = build_model(spec).state_dict()
+    models = [
+        model_of(weights, spec, f"model {i}") for i, weights in enumerate([shared, other, shared, shared])
+    ]
+    assert same_as_earlier(models) == [0, 1, 0, 0]
+    calls = []
+    for position, model in enumerate(models):
+        model.module.register_forward_hook(lambda *_, position=position: calls.append(position))
+    of_row = torch.arange(23) % 3 - 1  # cells 0 and 1, and rows in none
+    found = score_in_cells(models, split, batch_size=5, ensemble=True, of_row=of_row, num_cells=2)
+    assert calls == [0, 1] * 5  # five batches, each through two models
+    # Each model run on its own, as before the copies were recognised.
+    alone = [score_in_cells([model], split, 5, of_row=of_row, num_cells=2) for model in models]
+    assert found.metrics == [scored.metrics[0] for scored in alone]
+    assert found.cells == [scored.cells[0] for scored in alone]
+    trio = [model_of(w, spec, "m") for w in (shared, other, other)]
+    assert same_as_earlier(trio) == [0, 1, 1]
+    ensemble_of_distinct = score_models(
+        [model_of(w, spec, "m") for w in (shared, other)], split, 5, ensemble=True
+    )[1]
+    assert found.ensemble != ensemble_of_distinct  # the copies weigh in the ensemble as before
+
+
+def test_a_model_differing_in_one_buffer_or_dtype_is_not_a_copy():
+    spec = model_spec("mlp", {"hidden_sizes": [6]}, [], REGRESSION_INFO)
+    weights = build_model(spec).state_dict()
+    scaled = {**weights, "target_scale": weights["target_scale"] * 2}
+    doubled = {name: tensor.double() for name, tensor in weights.items()}
+    models = [model_of(w, spec, "m") for w in (weights, scaled, weights)]
+    assert same_as_earlier(models) == [0, 1, 0]
+    wide = model_of(doubled, spec, "m")
+    wide.module.double()
+    assert same_as_earlier([models[0], wide]) == [0, 1]
 
 
 def test_a_split_the_model_does_not_take_is_refused_before_scoring():
