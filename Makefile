@@ -63,11 +63,13 @@ test-services: $(STAMP)
 # Everything (CI): the fast tier, then the slow tier and the service tier side by side (the service
 # tier mostly waits on SLURM's queue and status polls, servers and a browser, so the slow tier's
 # trainings take its idle cores; each tier's output is printed whole when it ends, make's -O); then
-# the table of tier times, the whole run's wall time included.
+# the table of tier times, the whole run's wall time included. BEFORE_REST runs between the fast tier
+# and the others (.ci/run: it waits there for the installs only those need, made beside the fast tier).
+BEFORE_REST ?= true
 test-all:
 	@rm -rf $(REPORTS)
 	@$(MAKE) --no-print-directory test; fast=$$?; \
-		$(MAKE) --no-print-directory -k -j2 -O test-slow test-services; rest=$$?; \
+		$(BEFORE_REST) && $(MAKE) --no-print-directory -k -j2 -O test-slow test-services; rest=$$?; \
 		python3 scripts/test-report.py; [ $$fast -eq 0 ] && [ $$rest -eq 0 ]
 
 lint: $(STAMP)
