@@ -129,6 +129,20 @@ class Membership:
             shares.append(covered / total)
         return shares
 
+    def row_shares(self, shard_rows: list[int]) -> dict[int, float]:
+        """Each alive member's share of the rows the alive members hold, {rank: share} summing to 1: its
+        own shard's rows, and with ``orphans: reshard`` an equal part of each dealt shard's (each of its
+        micro-batches is split among them, within a row of equal). After a loss the survivors' averages
+        (localsgd's, DiLoCo's outer gradient) weigh each survivor by it, as FedAvg weighs its clients;
+        empty while no member is lost (every rank weighs the same, as ever)."""
+        if not self.lost_ranks:
+            return {}
+        alive = self.alive_members
+        dealt = sum(shard_rows[m.data_shard] for m in self.members if m.dealt) / len(alive)
+        held = {m.rank: shard_rows[m.data_shard] + dealt for m in alive}
+        total = sum(held.values())
+        return {rank: rows / total if total else 1 / len(alive) for rank, rows in held.items()}
+
     def lose(self, rank: int, at_step: int, steps_discarded: int, orphans: str = ORPHANS[0]) -> Membership:
         """The membership with the alive member ``rank`` lost at ``at_step``, its shard's rows from then
         on dropped or dealt to the others (``orphans``)."""

@@ -79,6 +79,10 @@ def plan_steps(setup: RankSetup, position: Position) -> StepPlan:
     eval_every = cfg.loop.eval_every
     layout = setup.layout or layout_of(setup.member_rank, setup.membership.world_size, 1)
     sync = make_sync(model, setup.ctx.world_size, cfg.sync, setup.mesh)
+    # After a lost rank the survivors' averages weigh each by the rows it holds (none lost: None, the mean).
+    sync.share = setup.membership.row_shares([shard["rows"] for shard in setup.manifest["shards"]]).get(
+        setup.member_rank
+    )
     tracker = BestTracker(setup.task, cfg.loop.keep == "best", cfg.loop.patience)
     if position.step:
         tensors, state = load_rank_extras(setup.checkpoint_dir, position.step, setup.member_rank)

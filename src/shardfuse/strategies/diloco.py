@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 
 from shardfuse.strategies.sync import Sync, local
 
@@ -50,8 +49,7 @@ class DiLoCo(Sync):
         params = dict(self.model.named_parameters())
         for name, outer in zip(self.names, self.outer, strict=True):
             delta = outer - local(params[name]).detach()  # the outer gradient: the inner steps, negated
-            torch_dist.all_reduce(delta, op=torch_dist.ReduceOp.SUM, group=self.group)
-            outer.grad = delta.div_(self.world_size)
+            outer.grad = self.average(delta)
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
         for name, outer in zip(self.names, self.outer, strict=True):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as torch_dist
 
 from shardfuse.strategies.sync import Sync, local
 
@@ -16,7 +15,5 @@ class LocalSGD(Sync):
         for param in self.model.parameters():
             if not param.requires_grad:  # frozen (an adapter's base): the same on every rank
                 continue
-            shard = local(param)
-            torch_dist.all_reduce(shard, op=torch_dist.ReduceOp.SUM, group=self.group)
-            shard.div_(self.world_size)
+            self.average(local(param))
         self.num_syncs += 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -36,11 +37,15 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 class Sync:
     """The strategy's hook after every optimiser step; counts syncs and bytes all-reduced per rank.
 
-    ``world_size`` ranks (replicas, under fsdp) take part, in ``group`` (None: the whole world)."""
+    ``world_size`` ranks (replicas, under fsdp) take part, in ``group`` (None: the whole world).
+    ``share`` (None: every rank the same, ``1 / world_size``) is this rank's weight in an average over
+    the ranks: after a lost rank, the rows it holds over the rows the survivors hold
+    (:meth:`shardfuse.cluster.membership.Membership.row_shares`)."""
 
     def __init__(self, model: torch.nn.Module, world_size: int, sync_every: int, group: Any = None) -> None:
         self.model, self.world_size, self.sync_every, self.group = model, world_size, sync_every, group
         self.num_syncs = 0
+        self.share: float | None = None
         self.payload_bytes = parameter_bytes(model) if world_size > 1 or group is None else 0
 
     @classmethod
@@ -66,6 +71,16 @@ class Sync:
 
     def sync(self) -> None:
         raise NotImplementedError
+
+    def average(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` replaced in place by its average over the ranks: the mean, or with ``share`` the
+        ranks' weighted sum."""
+        if self.share is None:
+            torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=self.group)
+            return tensor.div_(self.world_size)
+        tensor.mul_(self.share)
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM, group=self.group)
+        return tensor
 
     # Checkpointed state beyond the model and inner optimiser (empty for the stateless strategies).
     def state_tensors(self) -> dict[str, torch.Tensor]:

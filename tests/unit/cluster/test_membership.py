@@ -122,3 +122,14 @@ def test_a_resharded_shard_counts_from_the_loss_on_and_its_policy_round_trips():
     assert Membership.from_json(old, "train.json", "fix").member(0).orphans == "drop"
     with pytest.raises(UserError, match="orphans 'keep' is not one of drop, reshard"):
         Membership.full(3).lose(0, 25, 25, orphans="keep")
+
+
+def test_survivors_weigh_by_the_rows_they_hold_their_own_shard_and_an_equal_part_of_a_dealt_one():
+    rows = [300, 100, 60]
+    assert Membership.full(3).row_shares(rows) == {}  # no loss: every rank weighs the same, as ever
+    dropped = Membership.full(3).lose(1, at_step=40, steps_discarded=0)
+    assert dropped.row_shares(rows) == {0: 300 / 360, 2: 60 / 360}  # the lost rank's rows are unseen
+    dealt = Membership.full(3).lose(1, at_step=40, steps_discarded=0, orphans="reshard")
+    assert dealt.row_shares(rows) == pytest.approx({0: 350 / 460, 2: 110 / 460})  # 50 of its 100 each
+    twice = dealt.lose(2, at_step=60, steps_discarded=0, orphans="reshard")
+    assert twice.row_shares(rows) == {0: 1.0}

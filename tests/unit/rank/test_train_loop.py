@@ -154,7 +154,7 @@ THETA0 = [1.0, -2.0, 0.5]
 INNER = {0: [[0.8, -1.5, 0.7], [0.1, 0.2, 0.3]], 1: [[1.4, -2.1, 0.1], [-0.2, 0.0, 0.9]]}
 
 
-def _diloco_rank(rank: int, port: int, out: dict) -> None:
+def _diloco_rank(rank: int, port: int, out: dict, shares: tuple[float, float] | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch_dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -162,6 +162,7 @@ def _diloco_rank(rank: int, port: int, out: dict) -> None:
         with torch.no_grad():
             model.weight.copy_(torch.tensor([THETA0]))
         diloco = DiLoCo(model, world_size=2, sync_every=5, outer_lr=0.7, outer_momentum=0.9)
+        diloco.share = None if shares is None else shares[rank]
         results = []
         for round_index, step in enumerate((5, 10)):
             with torch.no_grad():
@@ -176,17 +177,23 @@ def _diloco_rank(rank: int, port: int, out: dict) -> None:
         torch_dist.destroy_process_group()
 
 
-def test_diloco_outer_step_matches_a_hand_computed_reference_on_two_ranks():
+@pytest.mark.parametrize("shares", [None, (0.25, 0.75)], ids=["mean", "row-weighted"])
+def test_diloco_outer_step_matches_a_hand_computed_reference_on_two_ranks(shares):
+    """The outer gradient is the ranks' mean, or after a lost rank each survivor's share of the rows
+    the survivors hold (Sync.share, from Membership.row_shares)."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_diloco_rank, args=(_free_port(), out), nprocs=2, start_method="spawn")
+        mp.start_processes(_diloco_rank, args=(_free_port(), out, shares), nprocs=2, start_method="spawn")
         out = dict(out)
-    # Hand reference: outer gradient g = mean over ranks of (theta - theta_r); Nesterov momentum
-    # (torch's form, Sutskever et al.): b = mu*b + g; theta -= lr * (g + mu*b).
+    # Hand reference: outer gradient g = sum over ranks of w_r (theta - theta_r), w_r = 1/2 or the
+    # shares; Nesterov momentum (torch's form, Sutskever et al.): b = mu*b + g; theta -= lr * (g + mu*b).
     lr, mu = 0.7, 0.9
+    w = shares or (0.5, 0.5)
     theta, buffer, expected = list(THETA0), [0.0] * 3, []
     for round_index in range(2):
-        grad = [theta[j] - (INNER[0][round_index][j] + INNER[1][round_index][j]) / 2 for j in range(3)]
+        grad = [
+            theta[j] - (w[0] * INNER[0][round_index][j] + w[1] * INNER[1][round_index][j]) for j in range(3)
+        ]
         buffer = [grad[j] if round_index == 0 else mu * buffer[j] + grad[j] for j in range(3)]
         theta = [theta[j] - lr * (grad[j] + mu * buffer[j]) for j in range(3)]
         expected.append(theta)
@@ -195,6 +202,32 @@ def test_diloco_outer_step_matches_a_hand_computed_reference_on_two_ranks():
             assert got == pytest.approx(want, rel=1e-6)
         assert out[rank]["bytes"] == 2 * 3 * 4  # two syncs of three float32 parameters
         assert out[rank]["saved"] == ["outer.momentum.weight", "outer.param.weight"]
+
+
+def _localsgd_rank(rank: int, port: int, out: dict, shares: tuple[float, float] | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch_dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(3, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([INNER[rank][0]]))
+        sync = LocalSGD(model, world_size=2, sync_every=4)
+        sync.share = None if shares is None else shares[rank]
+        sync.after_step(4)
+        out[rank] = model.weight.detach().tolist()[0]
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shares", [None, (0.25, 0.75)], ids=["mean", "row-weighted"])
+def test_localsgd_averages_the_ranks_by_their_share_of_the_rows_after_a_loss(shares):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_localsgd_rank, args=(_free_port(), out, shares), nprocs=2, start_method="spawn")
+        out = dict(out)
+    w = shares or (0.5, 0.5)
+    expected = [w[0] * a + w[1] * b for a, b in zip(INNER[0][0], INNER[1][0], strict=True)]
+    assert out[0] == out[1] == pytest.approx(expected, rel=1e-6)
 
 
 def test_localsgd_counts_one_parameter_payload_per_sync():
