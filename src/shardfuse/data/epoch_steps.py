@@ -154,6 +154,12 @@ def plan_epochs(shard_rows: Sequence[int], batch_size: int, mode: str) -> EpochP
     return EpochPlan(mode, batch_size, tuple(shards))
 
 
+def unaligned(mode: str) -> str | None:
+    """``mode`` when it gives the ranks different micro-batches per epoch (own), None when it keeps them
+    in step: what dealing a lost rank's rows (orphans: reshard) cannot follow."""
+    return None if find(mode).aligned else mode
+
+
 def alignment_problem(mode: str, strategy: Any, sync_every: int, fsdp: int, apart: str) -> str | None:
     """``epoch_steps: ...`` when ``mode`` lets the ranks take their own step counts but they meet while
     training, else None. ``strategy`` is the run's strategy record (asked whether its ranks run apart

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardfuse.data import labels
-from shardfuse.data.epoch_steps import alignment_problem
-from shardfuse.data.epoch_steps import find as epoch_steps_record
+from shardfuse.data.epoch_steps import alignment_problem, unaligned
 from shardfuse.data.labels import find_layout, layout_of
 from shardfuse.data.sources.registry import find_source
 from shardfuse.experiment.keys import (
@@ -171,10 +170,9 @@ def check_training_loop(name: str, run: dict[str, Any], datasets: dict[str, Any]
     problem = alignment_problem(run["epoch_steps"], strategy, run["sync_every"], run["fsdp"], apart_runs())
     if problem is not None:
         raise ConfigError(f"{where}.{problem}")
-    unaligned = None if epoch_steps_record(run["epoch_steps"]).aligned else run["epoch_steps"]
     problem = rank_loss_problem(
         run["min_ranks"], run["world_size"], strategy.name, run["fsdp"], run["nodes"], run["orphans"],
-        unaligned,
+        unaligned(run["epoch_steps"]),
     )  # fmt: skip
     if problem is not None:
         key = "orphans" if problem.startswith("orphans") else "min_ranks"

@@ -35,7 +35,7 @@ from shardfuse.cluster.membership import ORPHANS, Member, Membership
 from shardfuse.cluster.torchrun import Geometry, launch_command
 from shardfuse.console.stream import console_stream
 from shardfuse.data.epoch_steps import DEFAULT as EPOCH_STEPS_DEFAULT
-from shardfuse.data.epoch_steps import find as epoch_steps_record
+from shardfuse.data.epoch_steps import unaligned
 from shardfuse.io import UserError, read_json, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, JOIN_FAILURE, read_failure, read_start
@@ -73,10 +73,9 @@ def min_ranks_problem(min_ranks: int, geometry: Geometry, train_args: list[str])
     """Why the launcher's ``--min-ranks`` cannot be used with the training of ``train_args`` (its
     strategy, fsdp, orphans and epoch_steps) on ``geometry``; None when it can."""
     config = train_config(train_args)
-    mode = str(config.get("epoch_steps") or EPOCH_STEPS_DEFAULT)
     return rank_loss_problem(
         min_ranks, geometry.world_size, config["strategy"], int(config.get("fsdp") or 1), geometry.nnodes,
-        orphans_of(train_args), None if epoch_steps_record(mode).aligned else mode,
+        orphans_of(train_args), unaligned(str(config.get("epoch_steps") or EPOCH_STEPS_DEFAULT)),
     )  # fmt: skip
 
 

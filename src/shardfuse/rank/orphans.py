@@ -49,6 +49,13 @@ def loss_slot(lost_at_step: int, num_batches: int, grad_accum_steps: int) -> tup
     return epoch, min(within * grad_accum_steps, num_batches)
 
 
+def survivor_part(members: tuple[Member, ...], survivor_rank: int) -> tuple[int, int]:
+    """(part, parts): which part of each dealt micro-batch survivor ``survivor_rank`` takes, of how many
+    (the alive members in rank order)."""
+    alive = [member.rank for member in members if member.alive]
+    return alive.index(survivor_rank), len(alive)
+
+
 def share(batch: Batch, part: int, parts: int) -> Batch:
     """Part ``part`` of ``parts`` of a micro-batch, cut as torch.tensor_split cuts it (sizes differ by at
     most one row)."""
@@ -79,8 +86,7 @@ class OrphanRows:
         seed: int,
         grad_accum_steps: int,
     ) -> None:
-        alive = [member.rank for member in members if member.alive]
-        self.part, self.parts = alive.index(survivor_rank), len(alive)
+        self.part, self.parts = survivor_part(members, survivor_rank)
         self.num_batches, self.grad_accum_steps = plan.num_batches, grad_accum_steps
         self._stack = contextlib.ExitStack()
         self.orphans: list[_Orphan] = []
@@ -132,8 +138,7 @@ def rows_dealt(
     """The lost ranks' rows survivor ``survivor_rank`` took on before clock position (``epoch``, ``batch``):
     train.json's ``rows_dealt`` (what :meth:`OrphanRows.deal` joined to its batches, counted from the plan,
     so a resumed run counts the part before it too)."""
-    alive = [member.rank for member in members if member.alive]
-    part, parts = alive.index(survivor_rank), len(alive)
+    part, parts = survivor_part(members, survivor_rank)
     total = 0
     for member in members:
         if not member.dealt:

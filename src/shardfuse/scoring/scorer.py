@@ -139,18 +139,20 @@ def score_in_cells(
 def same_as_earlier(models: Sequence[Model]) -> list[int]:
     """For each model, the position of the first model with the same class and bitwise the same weights
     and buffers (its own position when none before it has)."""
+    states = [(type(model.module), model.module.state_dict()) for model in models]
     first: list[int] = []
-    for position, model in enumerate(models):
-        earlier = (i for i in range(position) if first[i] == i and same_weights(models[i], model))
+    for position, state in enumerate(states):
+        earlier = (i for i in range(position) if first[i] == i and same_state(states[i], state))
         first.append(next(earlier, position))
     return first
 
 
-def same_weights(a: Model, b: Model) -> bool:
-    """Whether two models compute the same function: one class, the same state bit for bit."""
-    if type(a.module) is not type(b.module):
+def same_state(a: tuple[type, dict[str, torch.Tensor]], b: tuple[type, dict[str, torch.Tensor]]) -> bool:
+    """Whether two models (class, state dict) compute the same function: one class, the same state bit
+    for bit."""
+    (kind_a, left), (kind_b, right) = a, b
+    if kind_a is not kind_b:
         return False
-    left, right = a.module.state_dict(), b.module.state_dict()
     return left.keys() == right.keys() and all(
         left[name].dtype == right[name].dtype
         and left[name].shape == right[name].shape
