@@ -27,10 +27,19 @@ TEST_WORKERS ?= 2
 .PHONY: venv run test test-fast test-slow test-services test-all lint format ui clean
 venv: $(STAMP)
 
+# INSTALLER=uv makes the same pinned environment with uv (CI: .ci/run installs it and points it at the
+# disk's CPU build of torch): 9 s on 2 cores against pip's 80 s. pip otherwise.
+INSTALLER ?= pip
+UV ?= uv
 $(STAMP): pyproject.toml constraints.txt
+ifeq ($(INSTALLER),uv)
+	$(UV) venv -q --seed --allow-existing --python $(PYTHON) $(VENV)
+	$(UV) pip install -q --python $(BIN)/python -c constraints.txt -e '.[dev,hf]'
+else
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,hf]'
+endif
 	touch $@
 
 run: $(STAMP)
