@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.helpers import checkout_copy, readme_block, run_in, snakemake_failure
 
-# A whole experiment in one fixture: 530-610 s on a slow 2-core machine, near the default 900 s limit.
+# A whole experiment in one fixture: 94 s alone on 2 cores, up to 300 s beside the other tests.
 pytestmark = pytest.mark.timeout(1800)
 
 # The MLP of config/examples/communication.yaml: 32 -> 128 -> 128 -> 10, float32.
@@ -53,7 +53,7 @@ def test_every_strategy_sees_the_same_samples_and_records_its_communication(expe
         info = json.loads(path.read_text())
         trainings[(info["mode"], info["sync_every"])] = info
     steps = {info["num_steps"] for info in trainings.values()}
-    assert len(steps) == 1 and steps.pop() >= 2000  # one epoch of at least 2,000 steps per rank, for all
+    assert len(steps) == 1 and steps.pop() >= 1000  # one epoch of at least 1,000 steps per rank, for all
     num_steps = trainings[("ddp", 0)]["num_steps"]
     assert trainings[("ddp", 0)]["bytes_all_reduced_per_rank"] == num_steps * PARAMETER_BYTES
     for sync_every in (16, 64):
@@ -81,7 +81,8 @@ def test_diloco_learns_as_well_as_ddp_with_a_sixteenth_of_the_bytes(experiment):
     # The outer momentum keeps what plain averaging loses: DiLoCo beats local SGD at equal bytes, and
     # every synchronised strategy beats training apart and fusing once.
     assert loss["comm_diloco_h16"] < loss["comm_localsgd_h16"] - 0.004
-    assert loss["comm_diloco_h64"] < loss["comm_localsgd_h64"] + 0.002  # close at H = 64 (bench/RESULTS.md)
+    # At H = 64 one epoch holds 18 outer steps: too few for DiLoCo's momentum (README, bench/RESULTS.md).
+    assert loss["comm_diloco_h64"] > loss["comm_localsgd_h64"]
     assert loss["comm_diloco_h16"] < loss["comm_independent_uniform"]
     assert abs(loss["comm_diloco_h16"] - loss["comm_ddp"]) < 0.005
 
