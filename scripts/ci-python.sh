@@ -19,7 +19,7 @@ CI_UV=
 ci_torch=$(sed -n 's/^torch==//p' constraints.txt)
 ci_wheels=${PIP_FIND_LINKS:-/opt/wheels}
 if compgen -G "$ci_wheels/torch-$ci_torch+cpu-*.whl" >/dev/null &&
-    python3 -m pip install -q uv && CI_UV=$(python3 -c 'import uv; print(uv.find_uv_bin())'); then
+    python3 -m pip install -q --root-user-action=ignore uv && CI_UV=$(python3 -c 'import uv; print(uv.find_uv_bin())'); then
     CI_INSTALLER=uv
     export UV_FIND_LINKS=$ci_wheels UV_CONSTRAINT=/tmp/shardfuse-uv-torch.txt
     echo "torch==$ci_torch+cpu" >"$UV_CONSTRAINT"
