@@ -19,12 +19,15 @@ if ((${#missing[@]})); then
         -o DPkg::Lock::Timeout=600 "${missing[@]}"
 fi
 if ! "$venv/bin/python" -c "import mergekit" 2>/dev/null; then
+    made=
     if [ "${CI_INSTALLER:-pip}" = uv ]; then  # scripts/ci-python.sh: uv, pinned to the disk's CPU torch
-        "$CI_UV" venv -q --seed --allow-existing --python "${CI_PYTHON:-python3}" "$venv"
-        grep '^torch==' constraints.txt >"$venv/constraints.txt"
-        "$CI_UV" pip install -q --python "$venv/bin/python" -c "$venv/constraints.txt" \
-            torch mergekit==0.1.5
-    else
+        "$CI_UV" venv -q --seed --allow-existing --python "${CI_PYTHON:-python3}" "$venv" &&
+            grep '^torch==' constraints.txt >"$venv/constraints.txt" &&
+            "$CI_UV" pip install -q --python "$venv/bin/python" -c "$venv/constraints.txt" \
+                torch mergekit==0.1.5 && made=uv
+        [ -n "$made" ] || { echo "uv could not make $venv; pip makes it instead" && rm -rf "$venv"; }
+    fi
+    if [ -z "$made" ]; then
         "${CI_PYTHON:-python3}" -m venv "$venv"
         grep '^torch==' constraints.txt >"$venv/constraints.txt"
         "$venv/bin/pip" install -q -c "$venv/constraints.txt" torch mergekit==0.1.5
