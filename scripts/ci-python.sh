@@ -18,9 +18,11 @@ CI_INSTALLER=pip
 CI_UV=
 ci_torch=$(sed -n 's/^torch==//p' constraints.txt)
 ci_wheels=${PIP_FIND_LINKS:-/opt/wheels}
+ci_uv=/tmp/shardfuse-uv  # uv's own folder: the machine's Python gets no package
 if compgen -G "$ci_wheels/torch-$ci_torch+cpu-*.whl" >/dev/null &&
-    python3 -m pip install -q --root-user-action=ignore uv && CI_UV=$(python3 -c 'import uv; print(uv.find_uv_bin())'); then
-    CI_INSTALLER=uv
+    python3 -m pip install -q --root-user-action=ignore --upgrade --target "$ci_uv" uv &&
+    [ -x "$ci_uv/bin/uv" ]; then
+    CI_INSTALLER=uv CI_UV=$ci_uv/bin/uv
     export UV_FIND_LINKS=$ci_wheels UV_CONSTRAINT=/tmp/shardfuse-uv-torch.txt
     echo "torch==$ci_torch+cpu" >"$UV_CONSTRAINT"
 fi
