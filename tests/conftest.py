@@ -11,20 +11,12 @@ import os
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 from xdist.scheduler import LoadFileScheduling
 
 from shardfuse.metrics.system import INTERVAL_ENV
+from tests.support import schedule
 from tests.support.data import prepare_and_partition
 from tests.support.helpers import MEASUREMENTS, built_once, call_stage
-from tests.support.tracking import TRACK_EXPERIMENT
-from tests.support.training import (
-    DDP_RESUME_CFG,
-    SMALL_TRAIN_CFG,
-    SMALL_TRAININGS,
-    launch_training,
-    train_reference,
-)
 
 DIGITS_SPEC = '{"source": "digits", "test_fraction": 0.2, "seed": 0}'
 
@@ -50,13 +42,26 @@ class SharedTrainingScheduling(LoadFileScheduling):
     """`--dist loadfile` (a module and its fixtures on one worker), with the modules of one shared
     training as one unit. (pytest-xdist's own loadgroup renames node ids, which pytest 9.2 ignores.)"""
 
+    def __init__(self, config, log=None) -> None:
+        super().__init__(config, log)
+        config.option.loadscopereorder = False  # the workers' collection is in order (schedule.py)
+
     def _split_scope(self, nodeid: str) -> str:
-        path = nodeid.split("::", 1)[0]
-        return SHARED_TRAINING_MODULES.get(path, path)
+        return scope_of(nodeid)
+
+
+def scope_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SHARED_TRAINING_MODULES.get(path, path)
 
 
 def pytest_xdist_make_scheduler(config, log):
     return SharedTrainingScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The modules that train first (tests/support/schedule.py)."""
+    schedule.order_items(items, scope_of, set(SHARED_TRAINING_MODULES.values()))
 
 
 def pytest_itemcollected(item) -> None:
@@ -116,6 +121,8 @@ def small_trainings(tmp_path_factory, digits_dataset, digits_shards) -> Path:
     trainings of SMALL_TRAIN_CFG on digits, system metrics off; the independent one also has its
     gather.json with relative paths, as the workflow writes it (a copy of results/ is a working training)."""
 
+    from tests.support.training import SMALL_TRAIN_CFG, SMALL_TRAININGS, launch_training
+
     def build(root: Path) -> None:
         with pytest.MonkeyPatch.context() as env:
             env.setenv(INTERVAL_ENV, "0")
@@ -135,6 +142,8 @@ def small_trainings(tmp_path_factory, digits_dataset, digits_shards) -> Path:
 def ddp_resume_reference(tmp_path_factory, digits_dataset, digits_shards) -> Path:
     """The uninterrupted ddp training (tests/support/training.py DDP_RESUME_CFG) that the kill tests of
     the fast tier must end bitwise identical to."""
+    from tests.support.training import DDP_RESUME_CFG, train_reference
+
     return (
         built_once(
             tmp_path_factory,
@@ -168,6 +177,10 @@ def stdlib_tokens_data(tmp_path_factory) -> tuple[Path, Path]:
 def track_store(tmp_path_factory) -> dict:
     """A migrated SQLite MLflow store and its experiment, one per test module (a fresh one costs seconds);
     the tests of a module use distinct run names."""
+    from mlflow.tracking import MlflowClient  # here: the pytest-xdist controller never imports MLflow
+
+    from tests.support.tracking import TRACK_EXPERIMENT
+
     root = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{root}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)

@@ -8,6 +8,7 @@ under ``if TYPE_CHECKING``: a deferred import is still a dependency, only a late
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import re
 import subprocess
@@ -53,11 +54,12 @@ def has_main_block(tree: ast.Module) -> bool:
     )
 
 
-def stage_modules() -> set[str]:
+@functools.cache  # the package's sources are parsed once per run, not once per test
+def stage_modules() -> frozenset[str]:
     stages = {name for name, path in MODULES.items() if has_main_block(ast.parse(path.read_text()))}
     for path in WORKFLOW_FILES:
         stages |= {f"{PACKAGE}.{name}" for name in RUN_AS_MODULE.findall(path.read_text())}
-    return stages
+    return frozenset(stages)
 
 
 def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -99,9 +101,12 @@ def imports_in(importer: str, source: str, filename: str, is_package: bool = Fal
     return found
 
 
-def imports_of(importer: str) -> list[Import]:
+@functools.cache
+def imports_of(importer: str) -> tuple[Import, ...]:
     path = MODULES[importer]
-    return imports_in(importer, path.read_text(), str(path.relative_to(REPO)), path.name == "__init__.py")
+    return tuple(
+        imports_in(importer, path.read_text(), str(path.relative_to(REPO)), path.name == "__init__.py")
+    )
 
 
 def describe(offenders: list[Import]) -> str:

@@ -61,3 +61,18 @@ def test_tier_markers_are_gone_and_every_marker_is_declared():
     builtin = {"parametrize", "timeout", "skipif", "xfail", "filterwarnings", "usefixtures"}
     assert used - builtin <= declared
     assert not {"integration", "slow"} & (declared | used)
+
+
+def test_xdist_gets_the_modules_that_train_first_then_the_largest():
+    from types import SimpleNamespace
+
+    from tests.support.schedule import order_items
+
+    ids = ["tests/unit/a.py::t1", "tests/unit/a.py::t2", "tests/unit/a.py::t3", "tests/stages/s.py::t"]
+    ids += ["tests/workflow/w.py::t", "tests/stages/b.py::t", "tests/stages/c.py::t"]
+    shared = {"tests/stages/b.py": "group", "tests/stages/c.py": "group"}
+    items = [SimpleNamespace(nodeid=i) for i in ids]
+    order_items(items, lambda n: shared.get(n.split("::")[0], n.split("::")[0]), {"group"})
+    # The training scopes (a shared training's group, tests/workflow) first, then by number of tests;
+    # a scope's tests stay together and in order.
+    assert [item.nodeid for item in items] == [ids[5], ids[6], ids[4], *ids[:3], ids[3]]

@@ -47,11 +47,11 @@ def test_cli_reports_unreachable_tracking_server_in_one_line_quickly(tmp_path):
     args = track_cli_args("offline", run_dir, manifest, "http://127.0.0.1:1", run_dir / "mlflow.json")
     started = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, env=tracking_env(), timeout=120)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 30  # one probe, not MLflow's retries
     assert proc.returncode == 2
-    assert (
-        proc.stderr.strip().splitlines()[-1].startswith("shardfuse.tracking: error: cannot use tracking URI")
-    )
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("shardfuse.tracking: error: cannot use tracking URI http://127.0.0.1:1 (")
+    assert "connection refused: no server listens on port 1" in line and "start the server" in line
     assert "Traceback" not in proc.stderr
 
 

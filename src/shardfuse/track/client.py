@@ -17,6 +17,8 @@ import fcntl
 import functools
 import os
 import re
+import socket
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +36,7 @@ HTTP_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
+SERVER_PROBE_TIMEOUT = 5  # seconds; a host that does not answer by then is left to MLflow's retries
 RERUN_HINT = "start the server or fix mlflow.tracking_uri, then re-run `snakemake -R track`"
 # MLflow's answers about a value it was sent (the store is up and answered): a name it refuses...
 REFUSED_VALUE_CODES = ("INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS")
@@ -79,6 +82,7 @@ def tracking_client(tracking_uri: str):
 
     set_http_defaults()
     probe_database(tracking_uri)
+    probe_server(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
 
 
@@ -109,6 +113,24 @@ def probe_database(tracking_uri: str) -> None:
         cause = getattr(exc, "orig", None) or exc
         reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
         raise UserError(store_error(tracking_uri, reason, DATABASE_FIX)) from None
+
+
+def probe_server(tracking_uri: str) -> None:
+    """One TCP connection to an http(s) tracking server: a refused port (no server started, a wrong port)
+    is one line at once, where MLflow's retries would spend seconds on it. Anything else (a name that
+    does not resolve, a host that does not answer) is left to MLflow's own retries and message."""
+    parts = urllib.parse.urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=SERVER_PROBE_TIMEOUT).close()
+    except ConnectionRefusedError:
+        raise UserError(
+            store_error(tracking_uri, f"connection refused: no server listens on port {port}")
+        ) from None
+    except (OSError, ValueError):
+        return
 
 
 def connect(tracking_uri: str, experiment: str):

@@ -154,37 +154,64 @@ THETA0 = [1.0, -2.0, 0.5]
 INNER = {0: [[0.8, -1.5, 0.7], [0.1, 0.2, 0.3]], 1: [[1.4, -2.1, 0.1], [-0.2, 0.0, 0.9]]}
 
 
-def _diloco_rank(rank: int, port: int, out: dict, shares: tuple[float, float] | None = None) -> None:
+SHARES = {"mean": None, "row-weighted": (0.25, 0.75)}
+
+
+def _diloco_case(rank: int, shares: tuple[float, float] | None) -> dict:
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([THETA0]))
+    diloco = DiLoCo(model, world_size=2, sync_every=5, outer_lr=0.7, outer_momentum=0.9)
+    diloco.share = None if shares is None else shares[rank]
+    results = []
+    for round_index, step in enumerate((5, 10)):
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([INNER[rank][round_index]]))
+        diloco.after_step(step - 1)  # not a sync step: nothing happens
+        assert model.weight.tolist()[0] == pytest.approx(INNER[rank][round_index])
+        diloco.after_step(step)
+        results.append(model.weight.detach().clone().tolist()[0])
+    saved = diloco.state_tensors()
+    return {"results": results, "bytes": diloco.bytes_all_reduced, "saved": sorted(saved)}
+
+
+def _localsgd_case(rank: int, shares: tuple[float, float] | None) -> list[float]:
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([INNER[rank][0]]))
+    sync = LocalSGD(model, world_size=2, sync_every=4)
+    sync.share = None if shares is None else shares[rank]
+    sync.after_step(4)
+    return model.weight.detach().tolist()[0]
+
+
+def _two_rank_cases(rank: int, port: int, out: dict) -> None:
+    """Every two-rank case in one process group (spawning the two ranks is most of the cost)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch_dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model = torch.nn.Linear(3, 1, bias=False)
-        with torch.no_grad():
-            model.weight.copy_(torch.tensor([THETA0]))
-        diloco = DiLoCo(model, world_size=2, sync_every=5, outer_lr=0.7, outer_momentum=0.9)
-        diloco.share = None if shares is None else shares[rank]
-        results = []
-        for round_index, step in enumerate((5, 10)):
-            with torch.no_grad():
-                model.weight.copy_(torch.tensor([INNER[rank][round_index]]))
-            diloco.after_step(step - 1)  # not a sync step: nothing happens
-            assert model.weight.tolist()[0] == pytest.approx(INNER[rank][round_index])
-            diloco.after_step(step)
-            results.append(model.weight.detach().clone().tolist()[0])
-        saved = diloco.state_tensors()
-        out[rank] = {"results": results, "bytes": diloco.bytes_all_reduced, "saved": sorted(saved)}
+        cases = {("diloco", name): _diloco_case(rank, shares) for name, shares in SHARES.items()}
+        cases |= {("localsgd", name): _localsgd_case(rank, shares) for name, shares in SHARES.items()}
+        out[rank] = cases
     finally:
         torch_dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shares", [None, (0.25, 0.75)], ids=["mean", "row-weighted"])
-def test_diloco_outer_step_matches_a_hand_computed_reference_on_two_ranks(shares):
-    """The outer gradient is the ranks' mean, or after a lost rank each survivor's share of the rows
-    the survivors hold (Sync.share, from Membership.row_shares)."""
+@pytest.fixture(scope="module")
+def two_ranks() -> dict:
+    """{case: (rank 0's result, rank 1's)} of two real gloo ranks."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_diloco_rank, args=(_free_port(), out, shares), nprocs=2, start_method="spawn")
+        mp.start_processes(_two_rank_cases, args=(_free_port(), out), nprocs=2, start_method="spawn")
         out = dict(out)
+    return {case: (out[0][case], out[1][case]) for case in out[0]}
+
+
+@pytest.mark.parametrize("case", list(SHARES))
+def test_diloco_outer_step_matches_a_hand_computed_reference_on_two_ranks(case, two_ranks):
+    """The outer gradient is the ranks' mean, or after a lost rank each survivor's share of the rows
+    the survivors hold (Sync.share, from Membership.row_shares)."""
+    shares, out = SHARES[case], two_ranks["diloco", case]
     # Hand reference: outer gradient g = sum over ranks of w_r (theta - theta_r), w_r = 1/2 or the
     # shares; Nesterov momentum (torch's form, Sutskever et al.): b = mu*b + g; theta -= lr * (g + mu*b).
     lr, mu = 0.7, 0.9
@@ -204,27 +231,9 @@ def test_diloco_outer_step_matches_a_hand_computed_reference_on_two_ranks(shares
         assert out[rank]["saved"] == ["outer.momentum.weight", "outer.param.weight"]
 
 
-def _localsgd_rank(rank: int, port: int, out: dict, shares: tuple[float, float] | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch_dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model = torch.nn.Linear(3, 1, bias=False)
-        with torch.no_grad():
-            model.weight.copy_(torch.tensor([INNER[rank][0]]))
-        sync = LocalSGD(model, world_size=2, sync_every=4)
-        sync.share = None if shares is None else shares[rank]
-        sync.after_step(4)
-        out[rank] = model.weight.detach().tolist()[0]
-    finally:
-        torch_dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("shares", [None, (0.25, 0.75)], ids=["mean", "row-weighted"])
-def test_localsgd_averages_the_ranks_by_their_share_of_the_rows_after_a_loss(shares):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_localsgd_rank, args=(_free_port(), out, shares), nprocs=2, start_method="spawn")
-        out = dict(out)
+@pytest.mark.parametrize("case", list(SHARES))
+def test_localsgd_averages_the_ranks_by_their_share_of_the_rows_after_a_loss(case, two_ranks):
+    shares, out = SHARES[case], two_ranks["localsgd", case]
     w = shares or (0.5, 0.5)
     expected = [w[0] * a + w[1] * b for a, b in zip(INNER[0][0], INNER[1][0], strict=True)]
     assert out[0] == out[1] == pytest.approx(expected, rel=1e-6)
