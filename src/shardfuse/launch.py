@@ -46,6 +46,7 @@ from pathlib import Path
 from shardfuse.cluster.agent import rank_start
 from shardfuse.cluster.deadline import DeadlineWatcher, requeue
 from shardfuse.cluster.membership import Membership
+from shardfuse.cluster.node_loss import NODE_TIMEOUT_DEFAULT
 from shardfuse.cluster.ownership import (
     TRAINING_FOLDER,
     keep_published,
@@ -72,9 +73,11 @@ from shardfuse.rank.checkpoint_steps import complete_steps
 from shardfuse.rank.failure import FAILURES_DIR, did_not_join, failure_message
 from shardfuse.rank.loss import (
     MEMBERSHIP_FILE,
+    job_node_names,
     min_ranks_problem,
     read_membership,
     survivors_after_loss,
+    survivors_after_node_loss,
     survivors_command,
 )
 from shardfuse.rank.stop_files import STOP_FILE, STOPPED_FILE, read_stop
@@ -148,6 +151,7 @@ def launch(
     log: Path | None = None,
     stop_before_limit: float = 0,
     min_ranks: int | None = None,
+    node_timeout: float = NODE_TIMEOUT_DEFAULT,
 ) -> None:
     TRAINING_FOLDER.check(out_dir)  # never a folder no training wrote (a published one is one)
     shards = _shard_world_size(train_args)
@@ -179,7 +183,7 @@ def launch(
             return
         _train(
             geometry, out_dir, staging, cmd, train_args, environ, workflow, max_restarts, log,
-            stop_before_limit, min_ranks,
+            stop_before_limit, min_ranks, node_timeout,
         )  # fmt: skip
         if workflow is not None:
             keep_published(out_dir, identity)
@@ -197,10 +201,12 @@ def _train(
     log: Path | None,
     stop_before_limit: float,
     min_ranks: int | None = None,
+    node_timeout: float = NODE_TIMEOUT_DEFAULT,
 ) -> None:
     """Run the ranks into the staging directory (resuming from its checkpoints) and publish it; with
     ``min_ranks`` below the world size, a rank lost for good leaves the others going on
-    (:mod:`shardfuse.rank.loss`)."""
+    (:mod:`shardfuse.rank.loss`), and on several nodes a node lost for good its ranks
+    (:mod:`shardfuse.cluster.node_loss`)."""
     if prepare_staging(staging, train_args):
         print(f"launch: resuming from the checkpoints in {staging / 'checkpoints'}", file=sys.stderr)
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)  # an earlier launch's
@@ -208,10 +214,16 @@ def _train(
         (staging / name).unlink(missing_ok=True)
     membership = read_membership(staging)  # the survivors an earlier launch went on with
     job = environ.get("SLURM_JOB_ID")
+    planned = geometry
+    survives_nodes = planned.nnodes > 1 and job and min_ranks is not None and min_ranks < planned.world_size
+    nodes = job_node_names(job, environ) if survives_nodes else None
     rejoined = False
     while True:
         if membership is not None:
-            geometry, cmd = survivors_command(membership, staging, train_args, environ, max_restarts)
+            geometry, cmd = survivors_command(
+                membership, staging, train_args, environ, max_restarts, planned, nodes
+            )
+            nodes = nodes[: geometry.nnodes] if nodes else nodes  # the nodes this attempt runs on
         # Several nodes: srun's tasks (--node-step) share out the threads where the ranks start.
         env = rank_environ(geometry, environ) if geometry.nnodes == 1 else None
         with (
@@ -236,9 +248,17 @@ def _train(
             )
             shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
             continue
-        membership = survivors_after_loss(
-            membership or Membership.full(geometry.world_size), staging, train_args, max_restarts, min_ranks
-        )
+        if planned.nnodes > 1:  # the unit of loss is a node (a rank alone would leave nodes uneven)
+            after = survivors_after_node_loss(
+                membership or Membership.full(planned.world_size), staging, train_args, min_ranks, job,
+                nodes or [], node_timeout, planned.nproc_per_node,
+            )  # fmt: skip
+            membership, nodes = after if after is not None else (None, nodes)
+        else:
+            membership = survivors_after_loss(
+                membership or Membership.full(geometry.world_size), staging, train_args, max_restarts,
+                min_ranks,
+            )  # fmt: skip
         if membership is None:
             raise UserError(failure_message(status, staging, max_restarts, log))
     if not (staging / "train.json").is_file():
@@ -376,6 +396,13 @@ def main(argv: list[str] | None = None) -> None:
         "(localsgd and diloco, one node; default: the world size, every rank needed)",
     )
     parser.add_argument(
+        "--node-timeout",
+        type=float,
+        default=NODE_TIMEOUT_DEFAULT,
+        help="with --min-ranks and several nodes: seconds a node SLURM reports as not responding may take "
+        "to come back before its ranks are lost for good (default: %(default)s)",
+    )
+    parser.add_argument(
         "--stop-before-limit",
         type=float,
         default=None,
@@ -398,6 +425,8 @@ def run_launch(args: argparse.Namespace) -> None:
     geometry = Geometry(args.nodes, args.nproc_per_node)
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be >= 0")
+    if not args.node_timeout > 0:
+        raise UserError(f"--node-timeout {args.node_timeout:g} must be a positive number of seconds")
     train_args, init_digest = without_init_digest(args.train_args)
     if args.node_step:
         cmd = node_step_command(geometry, train_args, os.environ, max_restarts=args.max_restarts)
@@ -407,7 +436,7 @@ def run_launch(args: argparse.Namespace) -> None:
     check_init_digest(train_args, init_digest)
     launch(
         geometry, args.out_dir, train_args, os.environ, args.max_restarts, args.log,
-        stop_before_limit(args.stop_before_limit, os.environ), args.min_ranks,
+        stop_before_limit(args.stop_before_limit, os.environ), args.min_ranks, args.node_timeout,
     )  # fmt: skip
 
 

@@ -237,6 +237,13 @@ def case_min_ranks_with_fsdp(tmp):
     return config_case(tmp, config, "min_ranks 2 with fsdp 2: a replica that loses a rank loses that rank's")
 
 
+def case_min_ranks_that_lets_no_node_go(tmp):
+    config = base_config(
+        strategy="localsgd", merge_method="uniform", world_size=4, nodes=2, nproc_per_node=2, min_ranks=3
+    )
+    return config_case(tmp, config, "min_ranks 3 with nodes 2: on several nodes the unit of loss is a node")
+
+
 def case_fsdp_model_without_units(tmp):
     config = base_config(strategy="ddp", merge_method="consolidate", world_size=2, fsdp=2, model="cnn")
     return config_case(tmp, config, "fsdp 2 needs the model's wrap units, which the built-in cnn has not")

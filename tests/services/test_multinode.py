@@ -316,3 +316,66 @@ def test_losing_a_node_fails_the_job_and_the_retry_resumes_from_its_checkpoint(n
     assert "resuming from checkpoint step" not in log.with_suffix(".attempt-1.log").read_text()
     (train_json,) = workdir.glob("results/trainings/*/ranks/train.json")
     assert sorted(json.loads(train_json.read_text())["hosts"]) == list(NODES)
+
+
+def test_a_node_lost_for_good_leaves_the_other_node_training_and_the_run_is_fused_and_tracked(
+    netns_cluster, tmp_path
+):
+    """node2 dies for good mid-training (slurmd killed, the rest of the node frozen, never back). The job
+    asked for --no-kill (min_ranks 1 on two nodes), so SLURM takes node2 out of the job instead of
+    ending it; the srun step ends, the launcher finds node2 gone and starts rank 0 again alone on node1
+    from the newest complete checkpoint. The run is merged from the survivor, evaluated and tracked."""
+    run = {"strategy": "localsgd", "sync_every": 0, "merge_method": "uniform", "nodes": 2}
+    run |= {"nproc_per_node": 1, "min_ranks": 1, "node_timeout": 30}
+    workdir = experiment(tmp_path / "work", {"lossy": run}, epochs=60, checkpoint_every=100)
+    started = time.perf_counter()
+    output = tmp_path / "snakemake.out"
+    frozen: list[int] = []
+    try:
+        with (
+            output.open("w") as out,
+            subprocess.Popen(
+                snakemake_cmd(workdir), stdout=out, stderr=subprocess.STDOUT, text=True, env=cluster_env()
+            ) as snakemake,
+        ):
+            try:
+                wait_for(lambda: running_train_job(workdir), "running train job", 180, snakemake)
+                wait_for(
+                    lambda: list(
+                        workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")
+                    ),
+                    "complete checkpoint",
+                    120,
+                    snakemake,
+                )
+                os.kill(int((netns_cluster / "slurmd-node2.pid").read_text()), signal.SIGKILL)
+                frozen = node_pids("sfn-node2")
+                signal_all(frozen, signal.SIGSTOP)
+                snakemake.wait(timeout=420)
+            finally:
+                if snakemake.poll() is None:
+                    snakemake.terminate()
+    finally:
+        signal_all(frozen, signal.SIGKILL)  # node2 "reboots" for the tests after this one
+        assert bring_up().returncode == 0
+    text = output.read_text()
+    MEASUREMENTS.append(f"node lost for good, the other node goes on: {time.perf_counter() - started:.1f} s")
+    assert snakemake.returncode == 0, text[-4000:]
+    (training,) = (workdir / "results" / "trainings").iterdir()
+    log = (workdir / "logs" / "train" / f"{training.name}.log").read_text()
+    assert "launch: node(s) node2 lost for good" in log and "with rank(s) 1; the other 1 of 2 ranks" in log
+    record = json.loads((training / "ranks" / "train.json").read_text())
+    membership = record["membership"]
+    assert membership["lost_ranks"] == [1] and record["hosts"] == ["node1"]
+    lost_at = record["ranks"][1]["lost_at_step"]
+    assert lost_at >= 100 and lost_at % 100 == 0 and record["num_steps"] > lost_at
+    assert 0 < membership["coverage"] < 1
+    evaluation = json.loads((workdir / "results" / "runs" / "lossy" / "eval.json").read_text())
+    assert evaluation["ranks_lost"] == 1 and [r["rank"] for r in evaluation["ranks"]] == [0]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    (experiment_id,) = [e.experiment_id for e in client.search_experiments() if e.name != "Default"]
+    parents = {r.info.run_name: r for r in client.search_runs([experiment_id], "")}
+    assert parents["lossy"].data.metrics["ranks_lost"] == 1.0
+    assert parents["lossy/rank-1"].data.tags["shardfuse.lost"] == "true"

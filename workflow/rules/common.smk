@@ -392,8 +392,11 @@ def max_restarts_of(wildcards):
 def min_ranks_args(wildcards):
     """--min-ranks for a training that may go on without a rank lost for good (none by default, so the
     command of every other training is unchanged)."""
-    min_ranks = _cfg(wildcards).get("min_ranks")
-    return "" if min_ranks is None else f"--min-ranks {min_ranks} "
+    cfg = _cfg(wildcards)
+    if cfg.get("min_ranks") is None:
+        return ""
+    timeout = f"--node-timeout {cfg['node_timeout']} " if cfg["nodes"] > 1 else ""
+    return f"--min-ranks {cfg['min_ranks']} {timeout}"
 
 
 def train_config_json(wildcards):
@@ -439,7 +442,9 @@ def train_job_resource(name):
 
     def resource(wildcards):
         cfg = _cfg(wildcards)
-        return job_resources(Geometry(cfg["nodes"], cfg["nproc_per_node"]))[name]
+        return job_resources(
+            Geometry(cfg["nodes"], cfg["nproc_per_node"]), cfg.get("min_ranks")
+        )[name]
 
     resource.__name__ = f"train_{name}_of"
     return resource

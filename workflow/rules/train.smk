@@ -25,6 +25,7 @@ rule train:
         tasks=train_job_resource("tasks"),
         tasks_per_gpu=train_job_resource("tasks_per_gpu"),
         mpi=train_job_resource("mpi"),
+        slurm_extra=train_job_resource("slurm_extra"),
     params:
         nodes=nodes_of,
         nproc_per_node=nproc_per_node_of,

@@ -41,19 +41,24 @@ class Geometry:
         return self.nnodes * self.nproc_per_node
 
 
-def job_resources(geometry: Geometry) -> dict[str, int | str]:
+def job_resources(geometry: Geometry, min_ranks: int | None = None) -> dict[str, int | str]:
     """Resources of the train job for snakemake-executor-plugin-slurm (ignored by the local executor).
 
     One SLURM task per node, each running one torchrun agent. ``mpi="srun"`` makes the plugin's job
     step run the rule's shell in the batch step, from where :func:`srun_command` fans out; a single
     node keeps the plugin's default single-task step. ``tasks_per_gpu=0`` stops the plugin adding
-    ``--ntasks-per-gpu`` when the profile asks for GPUs (``gres=gpu:N`` is per node).
+    ``--ntasks-per-gpu`` when the profile asks for GPUs (``gres=gpu:N`` is per node). A training on
+    several nodes that may go on without one (``min_ranks`` below the world size) asks for
+    ``--no-kill``: SLURM then takes a dead node out of the job instead of ending it
+    (:mod:`shardfuse.cluster.node_loss`).
     """
+    survives = geometry.nnodes > 1 and min_ranks is not None and min_ranks < geometry.world_size
     return {
         "nodes": geometry.nnodes,
         "tasks": geometry.nnodes,
         "tasks_per_gpu": 0,
         "mpi": "srun" if geometry.nnodes > 1 else "",
+        "slurm_extra": "--no-kill" if survives else "",
     }
 
 
@@ -77,11 +82,17 @@ def standalone_command(
 
 
 def srun_command(
-    geometry: Geometry, train_args: list[str], python: str = sys.executable, max_restarts: int = 0
+    geometry: Geometry,
+    train_args: list[str],
+    python: str = sys.executable,
+    max_restarts: int = 0,
+    nodelist: list[str] | None = None,
 ) -> list[str]:
-    """Several nodes: one srun task per node, each becoming that node's torchrun agent."""
+    """Several nodes: one srun task per node, each becoming that node's torchrun agent (on ``nodelist``
+    of the job's nodes: the ones left after a node was lost; default: SLURM's choice)."""
     return [
         "srun",
+        *([f"--nodelist={','.join(nodelist)}"] if nodelist else []),
         f"--nodes={geometry.nnodes}",
         f"--ntasks={geometry.nnodes}",
         "--ntasks-per-node=1",
@@ -180,15 +191,16 @@ def node_step_command(
 ) -> list[str]:
     """Inside one srun task: read this step's SLURM variables and build the node's torchrun."""
     missing = [v for v in ("SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_ID") if v not in environ]
+    step_nodes = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES")
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
     if missing or not nodelist:
         raise UserError(
             f"--node-step runs inside an srun step; {', '.join(missing) or 'the node list'} "
             "is not set — launch without --node-step"
         )
-    if int(environ["SLURM_NNODES"]) != geometry.nnodes:
+    if int(step_nodes) != geometry.nnodes:
         raise UserError(
-            f"the srun step spans {environ['SLURM_NNODES']} nodes but the run needs "
+            f"the srun step spans {step_nodes} nodes but the run needs "
             f"{geometry.nnodes}; request nodes={geometry.nnodes} for the job"
         )
     job_id = environ["SLURM_JOB_ID"]

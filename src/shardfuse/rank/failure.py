@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,6 +130,30 @@ def record_start(out_dir: Path, step: int) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"step": step}) + "\n")
+
+
+def node_name() -> str:
+    """The SLURM node this process runs on (its name in the job's node list), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def record_host(out_dir: Path, member_rank: int) -> None:
+    """Every rank, as it starts: the node it runs on (``host-<member rank>.txt``), so the launcher knows
+    which ranks a lost node took with it (:mod:`shardfuse.cluster.node_loss`)."""
+    path = out_dir / FAILURES_DIR / f"host-{member_rank}.txt"
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(node_name() + "\n")
+
+
+def read_hosts(out_dir: Path) -> dict[int, str]:
+    """Member rank -> the node it last started on (:func:`record_host`)."""
+    hosts = {}
+    with contextlib.suppress(OSError):
+        for path in (out_dir / FAILURES_DIR).glob("host-*.txt"):
+            with contextlib.suppress(OSError, ValueError):
+                hosts[int(path.stem.split("-", 1)[1])] = path.read_text().strip()
+    return hosts
 
 
 def read_start(out_dir: Path, attempt: int) -> int | None:

@@ -32,13 +32,14 @@ from typing import Any
 
 from shardfuse.cluster.agent import KILLED_RECORD
 from shardfuse.cluster.membership import ORPHANS, Member, Membership
-from shardfuse.cluster.torchrun import Geometry, launch_command
+from shardfuse.cluster.node_loss import expand, job_nodes, lost_nodes, ranks_on
+from shardfuse.cluster.torchrun import RDZV_PORT_ENV, Geometry, launch_command, rendezvous_port, srun_command
 from shardfuse.console.stream import console_stream
 from shardfuse.data.epoch_steps import DEFAULT as EPOCH_STEPS_DEFAULT
 from shardfuse.data.epoch_steps import unaligned
 from shardfuse.io import UserError, read_json, write_json
 from shardfuse.rank.checkpoint_steps import complete_steps
-from shardfuse.rank.failure import FAILURES_DIR, JOIN_FAILURE, read_failure, read_start
+from shardfuse.rank.failure import FAILURES_DIR, JOIN_FAILURE, read_failure, read_hosts, read_start
 from shardfuse.strategies.registry import find_strategy, rank_loss_problem
 
 MEMBERSHIP_FILE = "membership.json"  # in the staging folder, once a rank was lost: the survivors go on
@@ -230,8 +231,100 @@ def survivors_command(
     train_args: list[str],
     environ: Mapping[str, str],
     max_restarts: int,
+    planned: Geometry | None = None,
+    nodes: list[str] | None = None,
 ) -> tuple[Geometry, list[str]]:
-    """torchrun for the alive ranks, on one node, each told which member it is (``--membership``)."""
-    geometry = Geometry(1, len(membership.alive_members))
+    """torchrun for the alive ranks, each told which member it is (``--membership``): on one node, or,
+    for a training ``planned`` on several, ``planned.nproc_per_node`` ranks on each of the first nodes
+    of ``nodes`` (the job's nodes left) it needs, one srun task each."""
     args = [*train_args, "--out-dir", str(staging), "--membership", str(staging / MEMBERSHIP_FILE)]
-    return geometry, launch_command(geometry, args, environ, max_restarts=max_restarts)
+    alive = len(membership.alive_members)
+    if planned is None or planned.nnodes == 1 or alive <= planned.nproc_per_node or not nodes:
+        geometry = Geometry(1, alive)  # one node left: this one (the batch host; were it lost, so were we)
+        return geometry, launch_command(geometry, args, environ, max_restarts=max_restarts)
+    geometry = Geometry(alive // planned.nproc_per_node, planned.nproc_per_node)
+    if geometry.world_size != alive or len(nodes) < geometry.nnodes:
+        raise UserError(
+            f"{alive} ranks are alive, not {planned.nproc_per_node} on each of {len(nodes)} node(s) left; "
+            "delete the training's .ranks.partial folder to train afresh"
+        )
+    # A rendezvous port of its own: the failed step's store may still hold the job's usual one.
+    job = environ.get("SLURM_JOB_ID", "")
+    port = 20000 + (rendezvous_port(job, environ) - 20000 + len(membership.lost_ranks)) % 20000
+    cmd = srun_command(geometry, args, max_restarts=max_restarts, nodelist=nodes[: geometry.nnodes])
+    return geometry, [*cmd[:1], f"--export=ALL,{RDZV_PORT_ENV}={port}", *cmd[1:]]
+
+
+def job_node_names(job: str, environ: Mapping[str, str]) -> list[str] | None:
+    """The nodes SLURM job ``job`` holds now (a re-run's job: every node it asked for)."""
+    held = job_nodes(job)
+    if held:
+        return held
+    nodelist = environ.get("SLURM_JOB_NODELIST")
+    return expand(nodelist) if nodelist else None
+
+
+def node_loss_line(
+    lost: list[str], ranks: list[int], step: int, survivors: Membership, min_ranks: int
+) -> str:
+    alive = len(survivors.alive_members)
+    member = survivors.member(ranks[0])
+    fate = "are dealt to them" if member.dealt else "are left unseen"
+    return (
+        f"launch: node(s) {', '.join(lost)} lost for good (SLURM removed them from the job or they did not "
+        f"come back within node_timeout) with rank(s) {', '.join(map(str, ranks))}; the other {alive} of "
+        f"{survivors.world_size} ranks go on from step {step} without them (min_ranks {min_ranks}); their "
+        f"shards {fate} (orphans: {member.orphans})"
+    )
+
+
+def survivors_after_node_loss(
+    membership: Membership,
+    staging: Path,
+    train_args: list[str],
+    min_ranks: int | None,
+    job: str | None,
+    nodes: list[str],
+    node_timeout: float,
+    nproc_per_node: int,
+) -> tuple[Membership, list[str]] | None:
+    """After the srun step of a training on several nodes failed: (the membership the survivors go on
+    with, the nodes left) when SLURM lost one or more of ``nodes`` for good
+    (:func:`shardfuse.cluster.node_loss.lost_nodes`) and at least ``min_ranks`` ranks are left on the
+    others; None when no node was lost (the failure is reported as always). Fewer left: one line."""
+    if min_ranks is None or min_ranks >= membership.world_size or not job or not nodes:
+        return None
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    lost = lost_nodes(job, nodes, node_timeout, say=say)
+    ranks = [rank for rank in ranks_on(lost, read_hosts(staging)) if membership.member(rank).alive]
+    if not lost or not ranks:
+        return None
+    steps = complete_steps(staging / "checkpoints")
+    step = steps[-1] if steps else 0
+    strategy, sync_every = strategy_of(train_args)
+    discarded, orphans = steps_discarded(strategy, sync_every, step), orphans_of(train_args)
+    survivors = membership
+    for rank in ranks:
+        survivors = survivors.lose(rank, step, discarded, orphans)
+    left = [node for node in nodes if node not in lost]
+    alive = len(survivors.alive_members)
+    if alive < min_ranks:
+        raise UserError(
+            f"node(s) {', '.join(lost)} were lost for good with rank(s) {', '.join(map(str, ranks))} and "
+            f"only {alive} of {membership.world_size} ranks are left, fewer than min_ranks {min_ranks}; "
+            f"bring the nodes back and re-run (the survivors resume from step {step}), or lower min_ranks"
+        )
+    if alive != len(left) * nproc_per_node:
+        return None  # not whole nodes lost (a rank's host unknown): reported as always
+    write_membership(staging, survivors)
+    line = node_loss_line(lost, ranks, step, survivors, min_ranks)
+    say(line)
+    console = console_stream()
+    if console is not None:
+        with contextlib.suppress(OSError), console:
+            print(line, file=console)
+    shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
+    return survivors, left

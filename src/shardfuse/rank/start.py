@@ -13,7 +13,7 @@ from shardfuse.models.adapter import storable_state, ties_of
 from shardfuse.models.lora import base_name, is_adapted
 from shardfuse.models.lora import base_state as lora_base_state
 from shardfuse.rank.checkpoint_steps import complete_steps
-from shardfuse.rank.failure import record_start
+from shardfuse.rank.failure import record_host, record_start
 from shardfuse.rank.fsdp import full_tensors
 from shardfuse.rank.resume import (
     Position,
@@ -32,6 +32,7 @@ def resume_or_start(setup: RankSetup) -> Position:
     model, checkpoint_dir = setup.model, setup.checkpoint_dir
     step = agreed_resume_step(setup)
     setup.gate.call(record_start, setup.out_dir, step or 0)  # for the launcher (shardfuse.rank.loss)
+    record_host(setup.out_dir, setup.member_rank)  # every rank: the node a lost node takes it with
     if step is None:
         base_meta = {key: value for key, value in setup.meta.items() if key != "adapter"}
         base_meta["rank"] = None

@@ -300,9 +300,11 @@ def rank_loss_problem(
             f"min_ranks {min_ranks} with fsdp {fsdp}: a replica that loses a rank loses that rank's slice of "
             f"its model, and replica loss is not built yet; set fsdp: 1 or min_ranks to {world_size}"
         )
-    if nodes > 1:
+    per_node = world_size // max(nodes, 1)
+    if nodes > 1 and min_ranks > world_size - per_node:
         return (
-            f"min_ranks {min_ranks} with nodes {nodes}: the others go on only on one node so far (a lost "
-            f"node's ranks are not started elsewhere yet); set nodes: 1 or min_ranks to {world_size}"
+            f"min_ranks {min_ranks} with nodes {nodes}: on several nodes the unit of loss is a node, which "
+            f"takes its {per_node} rank(s) with it, so min_ranks {min_ranks} lets no node go; set min_ranks "
+            f"to at most {world_size - per_node}, or to {world_size}"
         )
     return None

@@ -112,20 +112,27 @@ def test_rendezvous_port_follows_the_job_and_can_be_overridden():
 
 
 def test_job_resources_one_task_per_node():
-    assert job_resources(Geometry(1, 2)) == {"nodes": 1, "tasks": 1, "tasks_per_gpu": 0, "mpi": ""}
-    assert job_resources(Geometry(4, 8)) == {"nodes": 4, "tasks": 4, "tasks_per_gpu": 0, "mpi": "srun"}
+    plain = {"tasks_per_gpu": 0, "slurm_extra": ""}
+    assert job_resources(Geometry(1, 2)) == {"nodes": 1, "tasks": 1, "mpi": "", **plain}
+    assert job_resources(Geometry(4, 8)) == {"nodes": 4, "tasks": 4, "mpi": "srun", **plain}
+    assert job_resources(Geometry(4, 8), min_ranks=32) == {"nodes": 4, "tasks": 4, "mpi": "srun", **plain}
+    # Several nodes that may lose one: SLURM takes a dead node out of the job instead of ending it.
+    assert job_resources(Geometry(4, 8), min_ranks=24)["slurm_extra"] == "--no-kill"
+    assert job_resources(Geometry(1, 8), min_ranks=4)["slurm_extra"] == ""
 
 
 class _Resources(dict):
     __getattr__ = dict.__getitem__
 
 
-def sbatch_line(geometry: Geometry, threads: int, **profile_resources) -> str:
+def sbatch_line(geometry: Geometry, threads: int, min_ranks: int | None = None, **profile_resources) -> str:
     """The sbatch command snakemake-executor-plugin-slurm builds for our train job's resources."""
     from snakemake_executor_plugin_slurm.submit_string import get_submit_command
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
-    resources = _Resources({**job_resources(geometry), "mem_mb": 4000, "runtime": 120, **profile_resources})
+    resources = _Resources(
+        {**job_resources(geometry, min_ranks), "mem_mb": 4000, "runtime": 120, **profile_resources}
+    )
     job = SimpleNamespace(resources=resources, threads=threads)
     params = {
         "run_uuid": "u",
@@ -143,6 +150,11 @@ def test_sbatch_for_four_nodes_of_eight_gpus_asks_gres_per_node_and_one_task_per
     assert "--nodes=4" in line and "--ntasks=4" in line and "--gres=gpu:8" in line
     assert "--ntasks-per-gpu" not in line and "--gpus=" not in line
     assert "--cpus-per-task=8" in line
+
+
+def test_sbatch_of_a_training_that_may_lose_a_node_asks_slurm_not_to_kill_the_job():
+    assert " --no-kill" in sbatch_line(Geometry(2, 1), threads=1, min_ranks=1)
+    assert "--no-kill" not in sbatch_line(Geometry(2, 1), threads=1)
 
 
 def test_sbatch_for_one_node_is_a_single_task_job():

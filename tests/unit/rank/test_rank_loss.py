@@ -155,3 +155,11 @@ def test_a_rank_waiting_in_vain_for_another_to_join_is_not_the_culprit(tmp_path)
         record_failure(tmp_path, rank_failure(0, RanksDidNotJoin("not every rank joined"), attempt))
     killed(tmp_path, (1, 15), (1, 15))
     assert attempt_culprits(tmp_path, 1, killed_ranks(tmp_path)) == [None, None]  # so no rank is lost
+
+
+def test_on_several_nodes_min_ranks_must_let_a_whole_node_go():
+    assert rank_loss_problem(2, 4, "localsgd", 1, 2, "drop") is None  # a node of 2 ranks may go
+    assert rank_loss_problem(1, 4, "diloco", 1, 2, "drop") is None
+    found = rank_loss_problem(3, 4, "localsgd", 1, 2, "drop")
+    assert "the unit of loss is a node, which takes its 2 rank(s) with it" in found
+    assert "set min_ranks to at most 2, or to 4" in found
