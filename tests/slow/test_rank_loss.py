@@ -60,11 +60,18 @@ def launch(out, data, cfg: dict, min_ranks: int | None = 2, kill: bool = True):
     return proc
 
 
-def lose_rank_1(tmp_path, data, strategy: str, sync_every: int) -> dict:
+DEALT_LINE = LOST_LINE.replace(
+    "is left unseen (orphans: drop)",
+    "is dealt to them, each of its micro-batches split 2 ways (orphans: reshard)",
+)
+
+
+def lose_rank_1(tmp_path, data, strategy: str, sync_every: int, orphans: str = "drop") -> dict:
     """A training of ``strategy`` losing rank 1 at step 40, going on with min_ranks 2: its train.json."""
-    cfg = {**LOSS_CFG, "strategy": strategy, "sync_every": sync_every, "min_ranks": 2}
+    cfg = {**LOSS_CFG, "strategy": strategy, "sync_every": sync_every, "min_ranks": 2, "orphans": orphans}
     proc = launch(tmp_path / "ranks", data, cfg)
-    assert proc.returncode == 0 and LOST_LINE in proc.stderr, proc.stderr[-3000:]
+    line = LOST_LINE if orphans == "drop" else DEALT_LINE
+    assert proc.returncode == 0 and line in proc.stderr, proc.stderr[-3000:]
     return json.loads((tmp_path / "ranks" / "train.json").read_text())
 
 
@@ -156,25 +163,30 @@ def test_localsgd_survivors_average_without_the_lost_rank_whose_rows_count_until
     assert per_epoch[-1] == pytest.approx((rows[0] + rows[2]) / sum(rows))  # the survivors' shards only
 
 
-def test_diloco_survivors_go_on_with_their_outer_steps_and_the_steps_since_the_last_are_discarded(
+def test_diloco_survivors_go_on_with_their_outer_steps_and_the_lost_rows_dealt_to_them(
     tmp_path, three_shards
 ):
-    record = lose_rank_1(tmp_path, three_shards, "diloco", 16)
+    """DiLoCo with orphans: reshard (localsgd's test above drops them): the steps since the last outer
+    step are discarded, and every row is still seen, the lost shard's dealt to the survivors."""
+    record = lose_rank_1(tmp_path, three_shards, "diloco", 16, orphans="reshard")
     assert record["membership"]["lost_ranks"] == [1]
     assert record["membership"]["steps_discarded"] == 40 % 16
-    assert [entry["num_steps"] for entry in record["ranks"] if not entry.get("lost")] == [
-        record["num_steps"]
-    ] * 2
+    survivors = [entry for entry in record["ranks"] if not entry.get("lost")]
+    assert [entry["num_steps"] for entry in survivors] == [record["num_steps"]] * 2
+    # Every row in every epoch, but for the lost rank's 8 steps since its last outer step: trained, and
+    # reaching no published model.
+    per_epoch = record["membership"]["coverage_per_epoch"]
+    lost_epoch = 40 // record["steps_per_epoch"]
+    assert 0.75 < per_epoch[lost_epoch] < 1.0
+    assert per_epoch[:lost_epoch] + per_epoch[lost_epoch + 1 :] == [1.0] * (LOSS_CFG["epochs"] - 1)
+    assert all(entry["rows_dealt"] > 0 for entry in survivors)
 
 
 def test_ddp_with_reshard_deals_the_lost_rows_to_the_survivors_bitwise_the_same_every_time(
     tmp_path, three_shards
 ):
     cfg = {**LOSS_CFG, "strategy": "ddp", "min_ranks": 2, "orphans": "reshard"}
-    dealt_line = LOST_LINE.replace(
-        "is left unseen (orphans: drop)",
-        "is dealt to them, each of its micro-batches split 2 ways (orphans: reshard)",
-    )
+    dealt_line = DEALT_LINE
     models = []
     for attempt in ("first", "second"):
         proc = launch(tmp_path / attempt / "ranks", three_shards, cfg)
