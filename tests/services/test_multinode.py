@@ -260,6 +260,24 @@ def signal_all(pids: list[int], signum: int) -> None:
             os.kill(pid, signum)
 
 
+def kill_node2_mid_training(
+    workdir: Path, cluster: Path, snakemake: subprocess.Popen
+) -> tuple[str, list[int]]:
+    """Once the train job runs and one of its checkpoints is complete: node2's slurmd killed (kill -9, by
+    pid file) and the rest of the node frozen, as a hung machine. (The train job's id, the frozen pids.)"""
+    job_id = wait_for(lambda: running_train_job(workdir), "running train job", 180, snakemake)
+    wait_for(
+        lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
+        "complete checkpoint",
+        120,
+        snakemake,
+    )
+    os.kill(int((cluster / "slurmd-node2.pid").read_text()), signal.SIGKILL)
+    frozen = node_pids("sfn-node2")
+    signal_all(frozen, signal.SIGSTOP)
+    return job_id, frozen
+
+
 def test_losing_a_node_fails_the_job_and_the_retry_resumes_from_its_checkpoint(netns_cluster, tmp_path):
     """node2 dies mid-training: its slurmd is killed (kill -9, by pid file) and the rest of the node
     freezes, as a hung machine would (without that, a fast machine can finish the training before
@@ -282,16 +300,7 @@ def test_losing_a_node_fails_the_job_and_the_retry_resumes_from_its_checkpoint(n
         ) as snakemake,
     ):
         try:
-            job_id = wait_for(lambda: running_train_job(workdir), "running train job", 180, snakemake)
-            wait_for(
-                lambda: list(workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")),
-                "complete checkpoint",
-                120,
-                snakemake,
-            )
-            os.kill(int((netns_cluster / "slurmd-node2.pid").read_text()), signal.SIGKILL)
-            frozen = node_pids("sfn-node2")
-            signal_all(frozen, signal.SIGSTOP)
+            job_id, frozen = kill_node2_mid_training(workdir, netns_cluster, snakemake)
             killed = time.perf_counter()
             wait_for(lambda: job_state(job_id) == "NODE_FAIL", "NODE_FAIL of the train job", 90, snakemake)
             detected = time.perf_counter() - killed
@@ -339,18 +348,7 @@ def test_a_node_lost_for_good_leaves_the_other_node_training_and_the_run_is_fuse
             ) as snakemake,
         ):
             try:
-                wait_for(lambda: running_train_job(workdir), "running train job", 180, snakemake)
-                wait_for(
-                    lambda: list(
-                        workdir.glob("results/trainings/*/.ranks.partial/checkpoints/step-*/COMPLETE")
-                    ),
-                    "complete checkpoint",
-                    120,
-                    snakemake,
-                )
-                os.kill(int((netns_cluster / "slurmd-node2.pid").read_text()), signal.SIGKILL)
-                frozen = node_pids("sfn-node2")
-                signal_all(frozen, signal.SIGSTOP)
+                _, frozen = kill_node2_mid_training(workdir, netns_cluster, snakemake)
                 snakemake.wait(timeout=420)
             finally:
                 if snakemake.poll() is None:
