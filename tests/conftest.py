@@ -29,7 +29,7 @@ SHARED_TRAINING_MODULES = {
     "tests/stages/test_stage_records.py": "small_trainings",
     "tests/stages/test_align.py": "small_trainings",
     "tests/stages/test_ensemble.py": "small_trainings",
-    "tests/stages/test_resume.py": "ddp_resume_reference",
+    "tests/slow/test_resume_killed_rank.py": "ddp_resume_reference",
     "tests/slow/test_rank_start.py": "ddp_resume_reference",
     "tests/slow/test_resume_snakemake.py": "ddp_resume_reference",
     "tests/slow/test_resume_fallback.py": "ddp_resume_reference",

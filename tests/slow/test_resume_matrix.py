@@ -1,6 +1,6 @@
 """Kill-and-resume for every model, task and training-loop feature: a rank killed after a checkpoint is
-restarted by torchrun and ends bitwise identical to an uninterrupted training (the fast tier kills ddp
-on digits once, in tests/stages/test_resume.py)."""
+restarted by torchrun and ends bitwise identical to an uninterrupted training (ddp on digits with its
+system metrics: tests/slow/test_resume_killed_rank.py)."""
 
 from __future__ import annotations
 

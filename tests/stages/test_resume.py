@@ -1,6 +1,5 @@
-"""Kills and restarts: a killed rank resumes from its newest checkpoint and ends bitwise identical (ddp on
-digits; every other model and strategy in tests/slow/test_resume_matrix.py); an interrupted partition
-leaves nothing that looks complete. (A non-finite loss stopping training: tests/slow/
+"""An interrupted partition leaves nothing that looks complete. (A killed rank resuming bitwise: tests/slow/
+test_resume_killed_rank.py and test_resume_matrix.py; a non-finite loss stopping training: tests/slow/
 test_training_edges.py.)"""
 
 from __future__ import annotations
@@ -9,31 +8,10 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pyarrow.parquet as pq
 
-from shardfuse.metrics.system import INTERVAL_ENV, read_rows, system_metrics_path
 from tests.support.helpers import run_stage, subprocess_env
-from tests.support.training import (
-    DDP_RESUME_CFG,
-    assert_resumed_bitwise,
-    kill_a_rank_and_resume,
-    kill_when,
-)
-
-
-def test_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise_identical(
-    tmp_path, monkeypatch, ddp_resume_reference, digits_dataset, digits_shards
-):
-    # One kill point here (ddp on digits); every other model, task and strategy in tests/slow.
-    # The same launch shows that each rank's system metrics keep the samples of both attempts.
-    monkeypatch.setenv(INTERVAL_ENV, "0.05")
-    killed = tmp_path / "killed"
-    killed_ms = kill_a_rank_and_resume(killed, digits_dataset, digits_shards, DDP_RESUME_CFG)
-    assert_resumed_bitwise(ddp_resume_reference, killed)
-    for rank in (0, 1):
-        stamps = read_rows(system_metrics_path(killed / "metrics", rank))[:, 0]
-        assert np.sum(stamps < killed_ms) >= 1 and np.sum(stamps > killed_ms) >= 2, rank
+from tests.support.training import kill_when
 
 
 def test_interrupted_partition_leaves_nothing_that_looks_complete(tmp_path):
