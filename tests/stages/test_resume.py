@@ -18,7 +18,7 @@ def test_interrupted_partition_leaves_nothing_that_looks_complete(tmp_path):
     import numpy as np
     import pyarrow as pa
 
-    rows = 3_000_000
+    rows = 1_500_000  # 30 batches: the kill lands after the first is written, long before the last
     source = tmp_path / "train.parquet"
     rng = np.random.default_rng(0)
     columns = {f"x{i}": rng.standard_normal(rows, dtype=np.float32) for i in range(8)}
