@@ -45,13 +45,14 @@ endif
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES)
 
-# The fast tier, for every change (budget 180 s, lint included): lint, then unit, contract, stage and
-# workflow tests. Two pytest-xdist workers (a third on 2 cores was no faster); a test module stays on one
-# worker, so its fixtures are built once, and the trainings shared across modules are built once per run
-# (tests/conftest.py).
+# The fast tier, for every change (budget 180 s, lint included): lint beside the unit, contract, stage and
+# workflow tests (make -j2 -O: lint's output first, whole; a lint error still fails the tier). Two
+# pytest-xdist workers (a third on 2 cores was no faster); a test module stays on one worker, so its
+# fixtures are built once, the trainings shared across modules are built once per run, and the modules
+# that train go first (tests/conftest.py, tests/support/schedule.py).
 test: $(STAMP)
 	@rm -f $(REPORTS)/fast.xml
-	@$(TIER) fast 180 $(MAKE) --no-print-directory lint test-fast
+	@$(TIER) fast 180 $(MAKE) --no-print-directory -j2 -O lint test-fast
 
 # The fast tier without lint (narrow it with PYTEST_ARGS="-k merge").
 test-fast: $(STAMP)
