@@ -215,7 +215,9 @@ def _train(
     membership = read_membership(staging)  # the survivors an earlier launch went on with
     job = environ.get("SLURM_JOB_ID")
     planned = geometry
-    survives_nodes = planned.nnodes > 1 and job and min_ranks is not None and min_ranks < planned.world_size
+    survives_nodes = bool(
+        planned.nnodes > 1 and job and min_ranks is not None and min_ranks < planned.world_size
+    )
     nodes = job_node_names(job, environ) if survives_nodes else None
     rejoined = False
     while True:
@@ -393,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         "--min-ranks",
         type=int,
         help="let the other ranks go on when a rank is lost for good, while at least this many are left "
-        "(localsgd and diloco, one node; default: the world size, every rank needed)",
+        "(localsgd, diloco, ddp with orphans reshard; on several nodes, a node and its ranks; default: the "
+        "world size, every rank needed)",
     )
     parser.add_argument(
         "--node-timeout",

@@ -29,8 +29,9 @@ from shardfuse.io import UserError
 
 NODE_TIMEOUT_DEFAULT = 300  # seconds a not-responding node may take to come back (the run key's default)
 POLL_S = 5.0
-# sinfo's %T of a node that does not answer the controller (suffix *) or that is out of service.
-GONE_STATES = ("down", "drain", "fail", "future", "unknown", "no_respond", "power_down", "powered_down")
+# sinfo's %T of a node that does not answer the controller (suffix *) or that is out of service. Not a
+# drain: an administrator's, and a draining node still runs its jobs.
+GONE_STATES = ("down", "fail", "future", "unknown", "no_respond", "power_down", "powered_down")
 
 
 def expand(nodelist: str, run=subprocess.run) -> list[str]:
