@@ -25,23 +25,13 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable
 
-from shardfuse.io import UserError
+from shardfuse.cluster.torchrun import hostnames
 
 NODE_TIMEOUT_DEFAULT = 300  # seconds a not-responding node may take to come back (the run key's default)
 POLL_S = 5.0
 # sinfo's %T of a node that does not answer the controller (suffix *) or that is out of service. Not a
 # drain: an administrator's, and a draining node still runs its jobs.
 GONE_STATES = ("down", "fail", "future", "unknown", "no_respond", "power_down", "powered_down")
-
-
-def expand(nodelist: str, run=subprocess.run) -> list[str]:
-    """The host names of a SLURM node list (``node[1-2]`` -> node1, node2), via scontrol."""
-    try:
-        command = ["scontrol", "show", "hostnames", nodelist]
-        out = run(command, capture_output=True, text=True, check=True, timeout=60).stdout.split()
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise UserError(f"cannot expand the SLURM node list {nodelist!r} with scontrol ({exc})") from None
-    return out
 
 
 def job_nodes(job_id: str, run=subprocess.run) -> list[str] | None:
@@ -56,7 +46,7 @@ def job_nodes(job_id: str, run=subprocess.run) -> list[str] | None:
     for field in out.split():
         if field.startswith("NodeList="):
             value = field.split("=", 1)[1]
-            return [] if value in ("", "(null)") else expand(value, run)
+            return [] if value in ("", "(null)") else hostnames(value, run)
     return None
 
 

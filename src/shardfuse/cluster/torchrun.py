@@ -162,21 +162,21 @@ def rendezvous_port(job_id: str, environ: Mapping[str, str]) -> int:
     return 20000 + int(job_id) % 20000 if job_id.isdigit() else 29500
 
 
-def first_host(nodelist: str) -> str:
-    """First host of a SLURM node list (``node[01-04],gpu7`` -> ``node01``), via scontrol."""
+def hostnames(nodelist: str, run=subprocess.run) -> list[str]:
+    """The hosts of a SLURM node list (``node[01-04],gpu7`` -> node01 .. node04, gpu7), via scontrol."""
     try:
-        out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.split()
+        command = ["scontrol", "show", "hostnames", nodelist]
+        return run(command, capture_output=True, text=True, check=True, timeout=60).stdout.split()
     except (OSError, subprocess.SubprocessError) as exc:
         raise UserError(
             f"cannot expand the SLURM node list {nodelist!r} with scontrol ({exc}); run inside "
             "a SLURM allocation with scontrol on PATH"
         ) from None
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list (``node[01-04],gpu7`` -> ``node01``), via scontrol."""
+    out = hostnames(nodelist)
     if not out:
         raise UserError(f"scontrol returned no hosts for node list {nodelist!r}")
     return out[0]

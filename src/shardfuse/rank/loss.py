@@ -32,8 +32,15 @@ from typing import Any
 
 from shardfuse.cluster.agent import KILLED_RECORD
 from shardfuse.cluster.membership import ORPHANS, Member, Membership
-from shardfuse.cluster.node_loss import expand, job_nodes, lost_nodes, ranks_on
-from shardfuse.cluster.torchrun import RDZV_PORT_ENV, Geometry, launch_command, rendezvous_port, srun_command
+from shardfuse.cluster.node_loss import job_nodes, lost_nodes, ranks_on
+from shardfuse.cluster.torchrun import (
+    RDZV_PORT_ENV,
+    Geometry,
+    hostnames,
+    launch_command,
+    rendezvous_port,
+    srun_command,
+)
 from shardfuse.console.stream import console_stream
 from shardfuse.data.epoch_steps import DEFAULT as EPOCH_STEPS_DEFAULT
 from shardfuse.data.epoch_steps import unaligned
@@ -188,6 +195,15 @@ def too_few_line(
     )
 
 
+def announce(line: str) -> None:
+    """The launcher's line on its log and on the workflow's console, where the trainings' progress goes."""
+    print(line, file=sys.stderr, flush=True)
+    console = console_stream()
+    if console is not None:
+        with contextlib.suppress(OSError), console:
+            print(line, file=console)
+
+
 def survivors_after_loss(
     membership: Membership,
     staging: Path,
@@ -215,12 +231,7 @@ def survivors_after_loss(
     if alive < min_ranks:
         raise UserError(too_few_line(lost, attempts, step, alive, membership.world_size, min_ranks))
     write_membership(staging, survivors)
-    line = loss_line(survivors.member(lost.rank), attempts, step, alive, membership.world_size, min_ranks)
-    print(line, file=sys.stderr, flush=True)
-    console = console_stream()  # the workflow's console too, where the trainings' progress goes
-    if console is not None:
-        with contextlib.suppress(OSError), console:
-            print(line, file=console)
+    announce(loss_line(survivors.member(lost.rank), attempts, step, alive, membership.world_size, min_ranks))
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)  # the next torchrun counts its attempts anew
     return survivors
 
@@ -261,7 +272,7 @@ def job_node_names(job: str, environ: Mapping[str, str]) -> list[str] | None:
     if held:
         return held
     nodelist = environ.get("SLURM_JOB_NODELIST")
-    return expand(nodelist) if nodelist else None
+    return hostnames(nodelist) if nodelist else None
 
 
 def node_loss_line(
@@ -294,11 +305,7 @@ def survivors_after_node_loss(
     others; None when no node was lost (the failure is reported as always). Fewer left: one line."""
     if min_ranks is None or min_ranks >= membership.world_size or not job or not nodes:
         return None
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    lost = lost_nodes(job, nodes, node_timeout, say=say)
+    lost = lost_nodes(job, nodes, node_timeout, say=lambda line: print(line, file=sys.stderr, flush=True))
     ranks = [rank for rank in ranks_on(lost, read_hosts(staging)) if membership.member(rank).alive]
     if not lost or not ranks:
         return None
@@ -320,11 +327,6 @@ def survivors_after_node_loss(
     if alive != len(left) * nproc_per_node:
         return None  # not whole nodes lost (a rank's host unknown): reported as always
     write_membership(staging, survivors)
-    line = node_loss_line(lost, ranks, step, survivors, min_ranks)
-    say(line)
-    console = console_stream()
-    if console is not None:
-        with contextlib.suppress(OSError), console:
-            print(line, file=console)
+    announce(node_loss_line(lost, ranks, step, survivors, min_ranks))
     shutil.rmtree(staging / FAILURES_DIR, ignore_errors=True)
     return survivors, left
